@@ -1,0 +1,56 @@
+"""Attention-backend interface and the per-step metadata every layer shares.
+
+A step is a flat batch of per-request token spans. `AttentionMetadata` describes it once per step:
+span lengths (q_lens), the KV length of each request after the span is written (kv_lens), the slot of
+every new token in the paged cache, and each request's page table. A backend `plan`s once per step and
+is then called once per layer with that layer's q/k/v and cache; it writes the new K/V into the cache
+and returns the attention output.
+
+Graph hooks (for CUDA-graph capture around dense segments): `prepare_capture` / `prepare_replay` let a
+backend keep persistent buffers. The torch reference backend needs none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    q_lens: list[int]
+    kv_lens: list[int]
+    slot_mapping: torch.Tensor  # [T] long
+    page_tables: list[list[int]]
+    page_size: int
+    causal: bool = True
+    # Fault injection (selftest): per sequence, let its queries see one future key. None = off.
+    leak: list[bool] | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.q_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.q_lens)
+
+
+class AttentionBackend:
+    name = "base"
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        raise NotImplementedError
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: [num_slots, Hkv, D]. Returns [T, Hq, D]."""
+        raise NotImplementedError
+
+    def prepare_capture(self, meta: AttentionMetadata) -> None:  # pragma: no cover - GPU hook
+        self.plan(meta)
+
+    def prepare_replay(self, meta: AttentionMetadata) -> None:  # pragma: no cover - GPU hook
+        self.plan(meta)

@@ -1,0 +1,294 @@
+"""Frozen configuration for the reference engine.
+
+Contract: every dataclass here is immutable and validated on construction; a bad value raises
+`ConfigError` naming the field, the value and what would be accepted. Derived values are properties.
+`ModelConfig.from_dir` is the only reader of a checkpoint's config.json, for fixtures and real
+checkpoints alike.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration or request value is invalid. The message names the field."""
+
+
+def _need(cond: bool, fieldname: str, value: Any, accepted: str) -> None:
+    if not cond:
+        raise ConfigError(f"{fieldname}={value!r} is invalid: expected {accepted}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The subset of a HF Qwen3 (or DFlash draft) config.json the engine uses."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    rope_scaling: dict | None = None
+    tie_word_embeddings: bool = False
+    architectures: tuple[str, ...] = ("Qwen3ForCausalLM",)
+    eos_token_id: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    torch_dtype: str = "float32"
+    # DFlash drafter fields (None for a target).
+    block_size: int | None = None
+    mask_token_id: int | None = None
+    target_layer_ids: tuple[int, ...] | None = None
+    num_target_layers: int | None = None
+    raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            v = getattr(self, name)
+            _need(isinstance(v, int) and v > 0, f"config.{name}", v, "a positive integer")
+        _need(self.num_attention_heads % self.num_key_value_heads == 0, "config.num_key_value_heads",
+              self.num_key_value_heads, f"a divisor of num_attention_heads={self.num_attention_heads}")
+        _need(self.head_dim % 2 == 0, "config.head_dim", self.head_dim, "an even integer (RoPE)")
+        _need(self.rms_norm_eps > 0, "config.rms_norm_eps", self.rms_norm_eps, "a positive float")
+        _need(self.rope_theta > 0, "config.rope_theta", self.rope_theta, "a positive float")
+        if self.is_dflash:
+            _need(isinstance(self.block_size, int) and self.block_size >= 2, "config.block_size",
+                  self.block_size, "an integer >= 2")
+            _need(isinstance(self.mask_token_id, int) and self.mask_token_id >= 0,
+                  "config.dflash_config.mask_token_id", self.mask_token_id, "a token id")
+            _need(bool(self.target_layer_ids), "config.dflash_config.target_layer_ids",
+                  self.target_layer_ids, "a non-empty list of target decoder-layer indices")
+
+    @property
+    def is_dflash(self) -> bool:
+        return any("DFlash" in a for a in self.architectures)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @classmethod
+    def from_dict(cls, raw: dict, source: str = "config.json") -> ModelConfig:
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{source}: expected a JSON object, got {type(raw).__name__}")
+        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads", "max_position_embeddings")
+        missing = [k for k in required if k not in raw]
+        if missing:
+            raise ConfigError(f"{source}: missing required field(s) {', '.join(missing)}")
+        heads = raw["num_attention_heads"]
+        head_dim = raw.get("head_dim")
+        if head_dim is None:
+            hs = raw["hidden_size"]
+            _need(isinstance(hs, int) and isinstance(heads, int) and heads > 0 and hs % heads == 0,
+                  f"{source}: head_dim", None, "present, or hidden_size divisible by num_attention_heads")
+            head_dim = hs // heads
+        eos = raw.get("eos_token_id")
+        eos_t = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
+        dcfg = raw.get("dflash_config") or {}
+        if not isinstance(dcfg, dict):
+            raise ConfigError(f"{source}: dflash_config must be an object, got {type(dcfg).__name__}")
+        block = raw.get("block_size", dcfg.get("block_size"))
+        tl = dcfg.get("target_layer_ids")
+        rope_scaling = raw.get("rope_scaling")
+        rope_theta = raw.get("rope_theta")
+        rp = raw.get("rope_parameters")  # transformers >= 5 spelling
+        if isinstance(rp, dict):
+            rope_theta = rope_theta or rp.get("rope_theta")
+            if rope_scaling is None and rp.get("rope_type", "default") != "default":
+                rope_scaling = rp
+        archs = raw.get("architectures") or ["Qwen3ForCausalLM"]
+        try:
+            return cls(
+                vocab_size=raw["vocab_size"],
+                hidden_size=raw["hidden_size"],
+                intermediate_size=raw["intermediate_size"],
+                num_hidden_layers=raw["num_hidden_layers"],
+                num_attention_heads=heads,
+                num_key_value_heads=raw.get("num_key_value_heads", heads),
+                head_dim=head_dim,
+                max_position_embeddings=raw["max_position_embeddings"],
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(rope_theta or 10000.0),
+                rope_scaling=rope_scaling,
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                architectures=tuple(archs),
+                eos_token_id=eos_t,
+                bos_token_id=raw.get("bos_token_id"),
+                torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+                block_size=block,
+                mask_token_id=dcfg.get("mask_token_id"),
+                target_layer_ids=tuple(tl) if isinstance(tl, list) else None,
+                num_target_layers=raw.get("num_target_layers"),
+                raw=raw,
+            )
+        except TypeError as e:  # e.g. a string where a number belongs
+            raise ConfigError(f"{source}: {e}") from e
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ModelConfig:
+        p = Path(path)
+        if not p.is_dir():
+            raise ConfigError(f"model directory {str(p)!r} does not exist or is not a directory")
+        cfg = p / "config.json"
+        if not cfg.is_file():
+            raise ConfigError(f"{cfg}: missing; a checkpoint directory needs config.json")
+        try:
+            raw = json.loads(cfg.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{cfg}: malformed JSON ({e})") from e
+        return cls.from_dict(raw, source=str(cfg))
+
+
+GREEDY_EPS = 0.0
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling and output options (vLLM-style names).
+
+    temperature == 0 means greedy: an exact argmax, not a clamp. `logprobs=k` returns the top-k
+    logprobs of each generated position (plus the chosen token's); `prompt_logprobs=k` (or echo) returns
+    them for prompt positions.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    max_logprobs: int = 20
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif self.stop is None:
+            object.__setattr__(self, "stop", ())
+        elif isinstance(self.stop, list | tuple):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        else:
+            raise ConfigError(f"stop={self.stop!r} is invalid: expected a string or a list of strings")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ConfigError(f"stop={list(self.stop)!r} is invalid: expected non-empty strings")
+        if isinstance(self.stop_token_ids, list):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        _need(isinstance(self.stop_token_ids, tuple)
+              and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids),
+              "stop_token_ids", self.stop_token_ids, "a list of non-negative token ids")
+        _need(isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool) and self.max_tokens >= 1,
+              "max_tokens", self.max_tokens, "an integer >= 1")
+        _need(isinstance(self.temperature, int | float) and math.isfinite(self.temperature)
+              and self.temperature >= 0, "temperature", self.temperature, "a finite number >= 0")
+        _need(isinstance(self.top_p, int | float) and 0 < self.top_p <= 1, "top_p", self.top_p, "a number in (0, 1]")
+        _need(isinstance(self.top_k, int) and self.top_k >= -1, "top_k", self.top_k,
+              "an integer >= 0 (0 or -1 = disabled)")
+        _need(isinstance(self.min_p, int | float) and 0 <= self.min_p <= 1, "min_p", self.min_p, "a number in [0, 1]")
+        _need(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
+              "seed", self.seed, "an integer or null")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            _need(v is None or (isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= self.max_logprobs),
+                  name, v, f"null or an integer in [0, {self.max_logprobs}]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= GREEDY_EPS
+
+    def with_(self, **kw: Any) -> SamplingParams:
+        return replace(self, **kw)
+
+
+SPEC_METHODS = ("dflash", "ngram", "oracle")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding switches. method=None means speculation off."""
+
+    method: str | None = None
+    num_speculative_tokens: int | None = None  # K; None = block_size - 1 for dflash, 4 for ngram
+    batched_draft: bool = True
+    ngram_min: int = 1
+    ngram_max: int = 4
+    synthetic_tau: float | None = None  # speed curves on random weights; refused by lossless suites
+
+    def __post_init__(self) -> None:
+        _need(self.method is None or self.method in SPEC_METHODS, "spec.method", self.method,
+              f"one of {', '.join(SPEC_METHODS)} or null")
+        k = self.num_speculative_tokens
+        _need(k is None or (isinstance(k, int) and k >= 1), "spec.num_speculative_tokens", k, "an integer >= 1")
+        _need(1 <= self.ngram_min <= self.ngram_max, "spec.ngram_min", self.ngram_min, "1 <= ngram_min <= ngram_max")
+        _need(self.synthetic_tau is None or self.synthetic_tau >= 1.0, "spec.synthetic_tau", self.synthetic_tau,
+              "null or a number >= 1.0")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine-wide settings. `num_pages=None` sizes the pool from memory (GPU) or a default (CPU)."""
+
+    model: str
+    draft: str | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
+    page_size: int = 16
+    num_pages: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.85
+    attention_backend: str = "torch"
+    eager: bool = True
+    seed: int = 0
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    faults: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        _need(self.dtype in ("float32", "bfloat16", "float16"), "dtype", self.dtype,
+              "one of float32, bfloat16, float16")
+        _need(self.page_size >= 1 and (self.page_size & (self.page_size - 1)) == 0, "page_size",
+              self.page_size, "a power of two")
+        _need(self.num_pages is None or self.num_pages >= 1, "num_pages", self.num_pages, "null or >= 1")
+        _need(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "an integer >= 1")
+        _need(self.max_num_batched_tokens >= 16, "max_num_batched_tokens", self.max_num_batched_tokens,
+              "an integer >= 16")
+        _need(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", self.gpu_memory_utilization,
+              "a number in (0, 1]")
+        _need(self.attention_backend in ("torch", "flashinfer"), "attention_backend",
+              self.attention_backend, "torch or flashinfer")
+        if isinstance(self.faults, list):
+            object.__setattr__(self, "faults", tuple(self.faults))
+
+    def with_(self, **kw: Any) -> EngineConfig:
+        return replace(self, **kw)
+
+    def describe(self) -> dict:
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = v.__dict__ if isinstance(v, SpecConfig) else v
+        return out

@@ -1,0 +1,69 @@
+"""Engine counters and their Prometheus text, with vLLM's metric names.
+
+Spec-decode counters keep REFERENCE.md section 3's invariants by construction: every verify step adds
+k to num_draft_tokens and its accepted count m to num_accepted_tokens and to positions 0..m-1 of the
+per-position counter, so the per-position counts sum to num_accepted_tokens and are non-increasing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineMetrics:
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    requests_finished: int = 0
+    requests_rejected: int = 0
+    steps: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+
+    def record_verify(self, k: int, m: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += k
+        self.num_accepted_tokens += m
+        if len(self.accepted_per_pos) < k:
+            self.accepted_per_pos.extend([0] * (k - len(self.accepted_per_pos)))
+        for i in range(m):
+            self.accepted_per_pos[i] += 1
+
+    def snapshot(self) -> dict:
+        return {
+            "num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens, "accepted_per_pos": list(self.accepted_per_pos),
+            "prompt_tokens": self.prompt_tokens, "generation_tokens": self.generation_tokens,
+            "requests_finished": self.requests_finished, "steps": self.steps,
+        }
+
+    def prometheus(self, model: str) -> str:
+        lab = f'model_name="{model}"'
+        lines = []
+
+        def counter(name: str, value: float, help_: str, extra: str = "") -> None:
+            lines.append(f"# HELP {name} {help_}")
+            lines.append(f"# TYPE {name} counter")
+            lines.append(f"{name}{{{lab}{extra}}} {value}")
+
+        counter("vllm:spec_decode_num_drafts_total", self.num_drafts, "Number of spec decoding drafts.")
+        counter("vllm:spec_decode_num_draft_tokens_total", self.num_draft_tokens, "Number of draft tokens.")
+        counter("vllm:spec_decode_num_accepted_tokens_total", self.num_accepted_tokens, "Number of accepted tokens.")
+        name = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+        lines.append(f"# HELP {name} Accepted tokens per draft position.")
+        lines.append(f"# TYPE {name} counter")
+        for i, v in enumerate(self.accepted_per_pos):
+            lines.append(f'{name}{{{lab},position="{i}"}} {v}')
+        counter("vllm:prompt_tokens_total", self.prompt_tokens, "Number of prefill tokens processed.")
+        counter("vllm:generation_tokens_total", self.generation_tokens, "Number of generation tokens processed.")
+        counter("vllm:request_success_total", self.requests_finished, "Count of successfully processed requests.")
+        for gname, val, h in (("vllm:num_requests_running", self.num_running, "Requests running."),
+                              ("vllm:num_requests_waiting", self.num_waiting, "Requests waiting."),
+                              ("vllm:kv_cache_usage_perc", self.kv_usage, "KV-cache usage, 0..1.")):
+            lines += [f"# HELP {gname} {h}", f"# TYPE {gname} gauge", f"{gname}{{{lab}}} {val}"]
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,138 @@
+"""The DFlash block-diffusion drafter (Z Lab format), sharing the target's embedding and lm_head.
+
+Architecture (REFERENCE.md section 1): context features = hidden_norm(fc(concat of target decoder-layer
+outputs at target_layer_ids)); `num_hidden_layers` pre-norm Qwen3 blocks whose attention takes queries
+from the block only and keys/values from [context rows ; block rows], non-causal, RoPE at absolute
+positions; a final norm; logits through the target's lm_head for block slots 1..B-1 (slot j predicts the
+token at block start + j).
+
+Two entry points over the same weights:
+- `context_kv(layer, feats, positions)`: K/V of new context rows (the "K-only" path: no queries),
+  which the engine appends to its per-request draft KV cache once the rows are committed;
+- `block_forward(x, pos, ctx_k, ctx_v, ctx_valid)`: the batched block pass for N requests at once,
+  one [N, S] buffer for all dense ops, attention masked per request over its own context.
+`forward_dense` composes both from raw features (the simple path used for training and as the
+reference the cached path is tested against).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ConfigError, ModelConfig
+from ..loader import load_tensors, take
+from ..rope import RotaryCache
+from .layers import rms_norm, swiglu
+from .qwen3 import Qwen3Layer
+
+
+class DFlashDraftModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, target_hidden: int) -> None:
+        super().__init__()
+        if not cfg.is_dflash:
+            raise ConfigError(f"config.architectures={list(cfg.architectures)!r}: expected DFlashDraftModel")
+        self.cfg = cfg
+        self.block_size: int = int(cfg.block_size)  # type: ignore[arg-type]
+        self.mask_token_id: int = int(cfg.mask_token_id)  # type: ignore[arg-type]
+        self.target_layer_ids: tuple[int, ...] = tuple(cfg.target_layer_ids or ())
+        n_in = len(self.target_layer_ids) * target_hidden
+        self.fc_w = nn.Parameter(torch.empty(cfg.hidden_size, n_in), requires_grad=False)
+        self.hidden_norm = nn.Parameter(torch.empty(cfg.hidden_size), requires_grad=False)
+        self.norm = nn.Parameter(torch.empty(cfg.hidden_size), requires_grad=False)
+        self.layers = nn.ModuleList(Qwen3Layer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.scale = cfg.head_dim ** -0.5
+        dc = cfg.raw.get("dflash_config") or {}
+        self.input_embedding_scale = float(dc.get("input_embedding_scale", 1.0))
+
+    @classmethod
+    def load(cls, draft_dir: str | Path, cfg: ModelConfig, target_cfg: ModelConfig, dtype: torch.dtype,
+             device: str) -> DFlashDraftModel:
+        src = str(draft_dir)
+        if cfg.hidden_size != target_cfg.hidden_size:
+            raise ConfigError(f"{src}: hidden_size={cfg.hidden_size} differs from the target's "
+                              f"{target_cfg.hidden_size}; the drafter shares the target's embedding")
+        bad = [i for i in cfg.target_layer_ids or () if not 0 <= i < target_cfg.num_hidden_layers]
+        if bad:
+            raise ConfigError(f"{src}: dflash_config.target_layer_ids contains {bad}: expected indices in "
+                              f"[0, {target_cfg.num_hidden_layers})")
+        t = load_tensors(draft_dir, dtype, device, strip_prefix="model.")
+        with torch.device("meta"):
+            m = cls(cfg, target_cfg.hidden_size)
+        h, q, kv, inter, d = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size, cfg.head_dim
+        P = lambda x: nn.Parameter(x, requires_grad=False)  # noqa: E731
+        m.fc_w = P(take(t, "fc.weight", (h, len(m.target_layer_ids) * target_cfg.hidden_size), src))
+        m.hidden_norm = P(take(t, "hidden_norm.weight", (h,), src))
+        m.norm = P(take(t, "norm.weight", (h,), src))
+        for i, layer in enumerate(m.layers):
+            p = f"layers.{i}."
+            layer.qkv_w = P(torch.cat([take(t, p + "self_attn.q_proj.weight", (q, h), src),
+                                       take(t, p + "self_attn.k_proj.weight", (kv, h), src),
+                                       take(t, p + "self_attn.v_proj.weight", (kv, h), src)]))
+            layer.o_w = P(take(t, p + "self_attn.o_proj.weight", (h, q), src))
+            layer.gate_up_w = P(torch.cat([take(t, p + "mlp.gate_proj.weight", (inter, h), src),
+                                           take(t, p + "mlp.up_proj.weight", (inter, h), src)]))
+            layer.down_w = P(take(t, p + "mlp.down_proj.weight", (h, inter), src))
+            layer.q_norm = P(take(t, p + "self_attn.q_norm.weight", (d,), src))
+            layer.k_norm = P(take(t, p + "self_attn.k_norm.weight", (d,), src))
+            layer.in_norm = P(take(t, p + "input_layernorm.weight", (h,), src))
+            layer.post_norm = P(take(t, p + "post_attention_layernorm.weight", (h,), src))
+        return m
+
+    # ---- pieces ----------------------------------------------------------------------------------
+    def project_context(self, taps: torch.Tensor) -> torch.Tensor:
+        """taps: [T, L * H_target] (concat of tapped layers) -> context features [T, H]."""
+        return rms_norm(F.linear(taps, self.fc_w), self.hidden_norm, self.cfg.rms_norm_eps)
+
+    def context_kv(self, layer: int, feats: torch.Tensor, positions: torch.Tensor,
+                   rope: RotaryCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V (normed, rotated) of context rows for one layer: feats [T, H] -> [T, Hkv, D] x 2."""
+        cfg, ly = self.cfg, self.layers[layer]
+        w = ly.qkv_w[cfg.q_size:]
+        kv = F.linear(feats, w)
+        k, v = kv.split([cfg.kv_size, cfg.kv_size], dim=-1)
+        t = feats.shape[0]
+        k = rms_norm(k.reshape(t, cfg.num_key_value_heads, cfg.head_dim), ly.k_norm, cfg.rms_norm_eps)
+        return rope.apply(k, positions), v.reshape(t, cfg.num_key_value_heads, cfg.head_dim)
+
+    def block_forward(self, x: torch.Tensor, pos: torch.Tensor, ctx_k: list[torch.Tensor],
+                      ctx_v: list[torch.Tensor], ctx_valid: torch.Tensor, rope: RotaryCache) -> torch.Tensor:
+        """x: block embeddings [N, S, H]; pos [N, S]; ctx_k/ctx_v per layer [N, C, Hkv, D];
+        ctx_valid [N, C] bool. Returns final-normed hidden [N, S, H]."""
+        cfg = self.cfg
+        n, s, _ = x.shape
+        hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        flat_pos = pos.reshape(-1)
+        mask = torch.cat([ctx_valid, torch.ones(n, s, dtype=torch.bool, device=x.device)], dim=1)
+        mask = mask[:, None, None, :]  # [N, 1, 1, C + S]: non-causal, per-request context
+        for i, ly in enumerate(self.layers):
+            h = rms_norm(x, ly.in_norm, cfg.rms_norm_eps).reshape(n * s, -1)
+            q, k, v = F.linear(h, ly.qkv_w).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+            q = rope.apply(rms_norm(q.reshape(n * s, hq, d), ly.q_norm, cfg.rms_norm_eps), flat_pos)
+            k = rope.apply(rms_norm(k.reshape(n * s, hkv, d), ly.k_norm, cfg.rms_norm_eps), flat_pos)
+            keys = torch.cat([ctx_k[i], k.reshape(n, s, hkv, d)], dim=1).transpose(1, 2)
+            vals = torch.cat([ctx_v[i], v.reshape(n, s, hkv, d)], dim=1).transpose(1, 2)
+            if hq != hkv:
+                keys = keys.repeat_interleave(hq // hkv, dim=1)
+                vals = vals.repeat_interleave(hq // hkv, dim=1)
+            o = F.scaled_dot_product_attention(q.reshape(n, s, hq, d).transpose(1, 2), keys, vals,
+                                               attn_mask=mask, scale=self.scale)
+            x = x + F.linear(o.transpose(1, 2).reshape(n, s, hq * d), ly.o_w)
+            h = rms_norm(x, ly.post_norm, cfg.rms_norm_eps)
+            x = x + F.linear(swiglu(F.linear(h, ly.gate_up_w)), ly.down_w)
+        return rms_norm(x, self.norm, cfg.rms_norm_eps)
+
+    def forward_dense(self, taps: torch.Tensor, ctx_pos: torch.Tensor, ctx_valid: torch.Tensor,
+                      block_embeds: torch.Tensor, block_pos: torch.Tensor, rope: RotaryCache) -> torch.Tensor:
+        """Simple path from raw tapped features: taps [N, C, L*H_t] -> block hidden [N, S, H]."""
+        n, c, _ = taps.shape
+        feats = self.project_context(taps.reshape(n * c, -1))
+        ks, vs = [], []
+        for i in range(len(self.layers)):
+            k, v = self.context_kv(i, feats, ctx_pos.reshape(-1), rope)
+            ks.append(k.reshape(n, c, *k.shape[1:]))
+            vs.append(v.reshape(n, c, *v.shape[1:]))
+        return self.block_forward(block_embeds, block_pos, ks, vs, ctx_valid, rope)

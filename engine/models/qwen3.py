@@ -1,0 +1,119 @@
+"""The Qwen3 target over a flat batch of token spans on a paged KV cache.
+
+Each decoder layer is split into `pre_attn` (residual add + input norm, merged qkv GEMM, q/k norm, RoPE),
+`attn` (the backend, eager) and `post_attn` (o_proj, residual add + post norm, merged gate/up GEMM,
+SwiGLU, down). The dense segments between attentions therefore depend only on the number of rows, never
+on KV length, which is what lets them be captured in CUDA graphs. Weights load from the standard HF names
+(q/k/v and gate/up are concatenated at load time).
+
+Tapped hidden states (for DFlash) are decoder-layer outputs, i.e. HF `hidden_states[i + 1]`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..attention.base import AttentionBackend
+from ..config import ModelConfig
+from ..loader import load_tensors, take
+from ..rope import RotaryCache
+from .layers import add_rms_norm, rms_norm, swiglu
+
+
+class Qwen3Layer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+        self.qkv_w = nn.Parameter(torch.empty(q + 2 * kv, h), requires_grad=False)
+        self.o_w = nn.Parameter(torch.empty(h, q), requires_grad=False)
+        self.gate_up_w = nn.Parameter(torch.empty(2 * inter, h), requires_grad=False)
+        self.down_w = nn.Parameter(torch.empty(h, inter), requires_grad=False)
+        self.q_norm = nn.Parameter(torch.empty(cfg.head_dim), requires_grad=False)
+        self.k_norm = nn.Parameter(torch.empty(cfg.head_dim), requires_grad=False)
+        self.in_norm = nn.Parameter(torch.empty(h), requires_grad=False)
+        self.post_norm = nn.Parameter(torch.empty(h), requires_grad=False)
+
+    def pre_attn(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                 rope: RotaryCache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        x, residual = add_rms_norm(x, residual, self.in_norm, cfg.rms_norm_eps)
+        qkv = F.linear(x, self.qkv_w)
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        t = x.shape[0]
+        q = rms_norm(q.reshape(t, cfg.num_attention_heads, cfg.head_dim), self.q_norm, cfg.rms_norm_eps)
+        k = rms_norm(k.reshape(t, cfg.num_key_value_heads, cfg.head_dim), self.k_norm, cfg.rms_norm_eps)
+        v = v.reshape(t, cfg.num_key_value_heads, cfg.head_dim)
+        return rope.apply(q, positions), rope.apply(k, positions), v, residual
+
+    def post_attn(self, attn_out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = F.linear(attn_out.reshape(attn_out.shape[0], -1), self.o_w)
+        x, residual = add_rms_norm(x, residual, self.post_norm, self.cfg.rms_norm_eps)
+        return F.linear(swiglu(F.linear(x, self.gate_up_w)), self.down_w), residual
+
+
+class Qwen3ForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
+        self.layers = nn.ModuleList(Qwen3Layer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = nn.Parameter(torch.empty(cfg.hidden_size), requires_grad=False)
+        self.lm_head_w = (self.embed if cfg.tie_word_embeddings
+                          else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False))
+        self.scale = cfg.head_dim ** -0.5
+
+    # ---- loading ---------------------------------------------------------------------------------
+    @classmethod
+    def load(cls, model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: str) -> Qwen3ForCausalLM:
+        src = str(model_dir)
+        t = load_tensors(model_dir, dtype, device)
+        with torch.device("meta"):
+            model = cls(cfg)
+        h, q, kv, inter, v, d = (cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size,
+                                 cfg.vocab_size, cfg.head_dim)
+        P = lambda x: nn.Parameter(x, requires_grad=False)  # noqa: E731
+        model.embed = P(take(t, "model.embed_tokens.weight", (v, h), src))
+        model.norm = P(take(t, "model.norm.weight", (h,), src))
+        if cfg.tie_word_embeddings:
+            model.lm_head_w = model.embed
+        else:
+            model.lm_head_w = P(take(t, "lm_head.weight", (v, h), src))
+        for i, layer in enumerate(model.layers):
+            p = f"model.layers.{i}."
+            layer.qkv_w = P(torch.cat([take(t, p + "self_attn.q_proj.weight", (q, h), src),
+                                       take(t, p + "self_attn.k_proj.weight", (kv, h), src),
+                                       take(t, p + "self_attn.v_proj.weight", (kv, h), src)]))
+            layer.o_w = P(take(t, p + "self_attn.o_proj.weight", (h, q), src))
+            layer.gate_up_w = P(torch.cat([take(t, p + "mlp.gate_proj.weight", (inter, h), src),
+                                           take(t, p + "mlp.up_proj.weight", (inter, h), src)]))
+            layer.down_w = P(take(t, p + "mlp.down_proj.weight", (h, inter), src))
+            layer.q_norm = P(take(t, p + "self_attn.q_norm.weight", (d,), src))
+            layer.k_norm = P(take(t, p + "self_attn.k_norm.weight", (d,), src))
+            layer.in_norm = P(take(t, p + "input_layernorm.weight", (h,), src))
+            layer.post_norm = P(take(t, p + "post_attention_layernorm.weight", (h,), src))
+        return model
+
+    # ---- forward ---------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], rope: RotaryCache,
+                tap_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Returns (final-normed hidden [T, H], tapped decoder-layer outputs in tap_layers order)."""
+        x = F.embedding(input_ids, self.embed)
+        residual = None
+        taps: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            q, k, v, residual = layer.pre_attn(x, residual, positions, rope)
+            o = backend.forward(q, k, v, kv_caches[i][0], kv_caches[i][1], self.scale)
+            x, residual = layer.post_attn(o, residual)
+            if i in tap_layers:
+                taps[i] = x + residual
+        x, _ = add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
+        return x, [taps[i] for i in tap_layers]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head_w)

@@ -1,0 +1,64 @@
+"""Token selection and logprobs.
+
+Greedy is an exact argmax over the raw logits (temperature 0 is not clamped). Sampling applies the
+request's transform (temperature, top-k, top-p, min-p) and draws with the request's own
+`torch.Generator` (seeded when the request gave a seed), so a seeded request is reproducible regardless
+of its batch neighbours. Logprobs are log_softmax of the raw logits in fp32 (the model's distribution,
+as vLLM reports by default).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import SamplingParams
+
+
+def sampling_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Probabilities after the request's sampling transform; logits [R, V] -> [R, V] fp32."""
+    x = logits.float() / max(p.temperature, 1e-8)
+    v = x.shape[-1]
+    if 0 < p.top_k < v:
+        kth = torch.topk(x, p.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if p.top_p < 1.0:
+        sp, order = probs.sort(dim=-1, descending=True)
+        drop = (sp.cumsum(-1) - sp) >= p.top_p
+        sp = sp.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sp)
+    if p.min_p > 0:
+        thresh = probs.max(dim=-1, keepdim=True).values * p.min_p
+        probs = probs.masked_fill(probs < thresh, 0.0)
+    return probs / probs.sum(-1, keepdim=True)
+
+
+def make_generator(seed: int | None, device: torch.device | str, fallback: torch.Generator) -> torch.Generator:
+    if seed is None:
+        # Derive from the engine generator so unseeded runs are still reproducible for one engine seed.
+        seed = int(torch.randint(0, 2**62, (1,), generator=fallback).item())
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return g
+
+
+def select(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
+    """Pick one token from logits [V] for a request."""
+    if p.greedy:
+        return int(torch.argmax(logits).item())
+    probs = sampling_probs(logits.unsqueeze(0), p)
+    return int(torch.multinomial(probs, 1, generator=gen).item())
+
+
+def topk_logprobs(logits: torch.Tensor, chosen: list[int], k: int) -> list[tuple[float, dict[int, float]]]:
+    """logits [R, V]; chosen [R] -> per row (chosen logprob, {token: logprob} for the top-k)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    out = []
+    if k > 0:
+        vals, idx = torch.topk(lp, k, dim=-1)
+        vals_l, idx_l = vals.tolist(), idx.tolist()
+    chosen_lp = lp.gather(-1, torch.tensor(chosen, device=lp.device).unsqueeze(-1)).squeeze(-1).tolist()
+    for r in range(lp.shape[0]):
+        top = dict(zip(idx_l[r], vals_l[r], strict=True)) if k > 0 else {}
+        out.append((chosen_lp[r], top))
+    return out

@@ -1,0 +1,120 @@
+"""DFlash proposer: the drafter's paged context cache and the batched block draft.
+
+Context invariant: for a draft-ready request, the drafter's cache holds context K/V for exactly the
+request's committed positions [0, num_computed). After each target forward the committed rows' tapped
+features are projected (fc + hidden_norm) and their K/V written at those positions ("K-only" rows: no
+queries). After a verify that accepted m drafts that is m + 1 rows (anchor + accepted drafts); the bonus
+token has no features yet and becomes the next anchor.
+
+The draft for N requests is ONE pass over an [N * B] row buffer: block = [anchor, MASK x (B-1)] at
+positions [start, start + B), attention non-causal over the request's context plus its own block through
+the same paged backend as the target (the block's K/V land in scratch slots past the committed length,
+reserved by the verify transaction and overwritten by the next commit). `batched=False` runs the same code
+one request at a time (the off switch, for measurement).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..kv_cache import PagePool
+from ..models.dflash import DFlashDraftModel
+from ..models.layers import rms_norm, swiglu
+from ..models.qwen3 import Qwen3ForCausalLM
+from ..request import Request
+from ..rope import RotaryCache
+from ..runner import ModelRunner
+from ..scheduler import Span
+from .proposer import Proposer
+
+
+class DFlashProposer(Proposer):
+    name = "dflash"
+
+    def __init__(self, k: int, draft: DFlashDraftModel, target: Qwen3ForCausalLM, runner: ModelRunner,
+                 pool: PagePool, batched: bool = True, faults: frozenset[str] = frozenset()) -> None:
+        super().__init__(k)
+        self.draft, self.target, self.runner, self.pool = draft, target, runner, pool
+        self.block = draft.block_size
+        self.tap_layers = draft.target_layer_ids
+        self.batched = batched
+        self.faults = faults
+        self.rope = RotaryCache(draft.cfg, runner.device, runner.dtype,
+                                max_pos=max(draft.cfg.max_position_embeddings, runner.mcfg.max_position_embeddings))
+        self.ctx_len: dict[str, int] = {}
+
+    @property
+    def headroom(self) -> int:
+        return self.block
+
+    def ready(self, req: Request) -> bool:
+        return self.ctx_len.get(req.rid, -1) == req.num_computed
+
+    # ---- context --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def observe(self, spans, committed, taps, eligible):
+        if taps is None:
+            return
+        rows, positions, slots = [], [], []
+        shift = 1 if "draft_ctx_misaligned" in self.faults else 0
+        off = 0
+        for s, c, ok in zip(spans, committed, eligible, strict=True):
+            rid = s.req.rid
+            if ok and c > 0 and self.ctx_len.get(rid, 0) == s.start:
+                rows += range(off, off + c)
+                positions += range(s.start, s.start + c)
+                slots += self.pool.slots(rid, s.start + shift, s.start + shift + c)
+                self.ctx_len[rid] = s.start + c
+            off += len(s.tokens)
+        if not rows:
+            return
+        dev = self.runner.device
+        feats = self.draft.project_context(taps[torch.tensor(rows, device=dev)])
+        pos = torch.tensor(positions, dtype=torch.long, device=dev)
+        slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
+        for i, (kc, vc) in enumerate(self.runner.draft_kv):
+            k, v = self.draft.context_kv(i, feats, pos, self.rope)
+            kc[slot_t] = k.to(kc.dtype)
+            vc[slot_t] = v.to(vc.dtype)
+
+    def release(self, req):
+        self.ctx_len.pop(req.rid, None)
+
+    # ---- draft ----------------------------------------------------------------------------------
+    def propose(self, spans, ks):
+        if not spans:
+            return
+        groups = [spans] if self.batched else [[s] for s in spans]
+        kmap = {id(s): k for s, k in zip(spans, ks, strict=True)}
+        for g in groups:
+            drafts = self._draft(g)
+            for s, d in zip(g, drafts, strict=True):
+                s.drafts = d[: kmap[id(s)]]
+
+    @torch.inference_mode()
+    def _draft(self, spans: list[Span]) -> list[list[int]]:
+        cfg, b, n = self.draft.cfg, self.block, len(spans)
+        dev = self.runner.device
+        for s in spans:
+            self.pool.ensure(s.req.rid, s.start + b)
+        ids = torch.full((n, b), self.draft.mask_token_id, dtype=torch.long, device=dev)
+        ids[:, 0] = torch.tensor([s.tokens[0] for s in spans], dtype=torch.long, device=dev)
+        x = F.embedding(ids.reshape(-1), self.target.embed) * self.draft.input_embedding_scale
+        meta, pos = self.runner.metadata(spans, causal=False, q_lens=[b] * n)
+        backend = self.runner.backend
+        backend.plan(meta)
+        hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        t = n * b
+        for i, ly in enumerate(self.draft.layers):
+            h = rms_norm(x, ly.in_norm, cfg.rms_norm_eps)
+            q, k, v = F.linear(h, ly.qkv_w).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+            q = self.rope.apply(rms_norm(q.reshape(t, hq, d), ly.q_norm, cfg.rms_norm_eps), pos)
+            k = self.rope.apply(rms_norm(k.reshape(t, hkv, d), ly.k_norm, cfg.rms_norm_eps), pos)
+            kc, vc = self.runner.draft_kv[i]
+            o = backend.forward(q, k, v.reshape(t, hkv, d), kc, vc, self.draft.scale)
+            x = x + F.linear(o.reshape(t, hq * d), ly.o_w)
+            x = x + F.linear(swiglu(F.linear(rms_norm(x, ly.post_norm, cfg.rms_norm_eps), ly.gate_up_w)), ly.down_w)
+        h = rms_norm(x, self.draft.norm, cfg.rms_norm_eps).reshape(n, b, -1)[:, 1:]
+        logits = self.target.logits(h)
+        return logits.argmax(-1).tolist()

@@ -1,0 +1,105 @@
+"""The proposer interface and the two weight-free proposers (n-gram / prompt lookup, and the oracle).
+
+A proposer fills `span.drafts` for decode-phase requests before the target's verify forward and may
+observe the committed rows afterwards. The draft/verify boundary is a token span: hidden states (if a
+proposer uses any) stay inside it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..request import Request
+from ..scheduler import Span
+
+
+class Proposer:
+    name = "base"
+    tap_layers: tuple[int, ...] = ()
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    @property
+    def headroom(self) -> int:
+        """Positions past the committed length a step may touch (verify span or draft block)."""
+        return self.k + 1
+
+    def ready(self, req: Request) -> bool:
+        return True
+
+    def propose(self, spans: list[Span], ks: list[int]) -> None:
+        raise NotImplementedError
+
+    def observe(self, spans: list[Span], committed: list[int], taps: torch.Tensor | None,
+                eligible: list[bool]) -> None:
+        """Called after every target forward with the rows each span committed."""
+
+    def release(self, req: Request) -> None:
+        """The request finished or was aborted."""
+
+
+class NgramProposer(Proposer):
+    """Prompt lookup: find the most recent earlier occurrence of the longest suffix n-gram
+    (ngram_max down to ngram_min) and propose the tokens that followed it."""
+
+    name = "ngram"
+
+    def __init__(self, k: int, nmin: int = 1, nmax: int = 4) -> None:
+        super().__init__(k)
+        self.nmin, self.nmax = nmin, nmax
+
+    def lookup(self, ids: list[int], k: int) -> list[int]:
+        n_ids = len(ids)
+        for n in range(min(self.nmax, n_ids - 1), self.nmin - 1, -1):
+            suffix = ids[n_ids - n:]
+            for start in range(n_ids - n - 1, -1, -1):
+                if ids[start:start + n] == suffix:
+                    follow = ids[start + n:start + n + k]
+                    if follow:
+                        return follow
+        return []
+
+    def propose(self, spans, ks):
+        for s, k in zip(spans, ks, strict=True):
+            s.drafts = self.lookup(s.req.all_ids, k)
+
+
+class OracleProposer(Proposer):
+    """Replays a known target continuation with a controlled corruption schedule (tests only).
+
+    `continuations[tuple(prompt_ids)]` is the target's greedy output; `schedule(step, req)` returns the
+    number of correct leading drafts for that verify step (the rest are corrupted), so every accept length
+    is exact and known in advance.
+    """
+
+    name = "oracle"
+
+    def __init__(self, k: int, continuations: dict[tuple[int, ...], list[int]],
+                 schedule: Callable[[int, Request], int], vocab_size: int) -> None:
+        super().__init__(k)
+        self.cont = continuations
+        self.schedule = schedule
+        self.vocab = vocab_size
+        self.steps: dict[str, int] = {}
+
+    def propose(self, spans, ks):
+        for s, k in zip(spans, ks, strict=True):
+            req = s.req
+            cont = self.cont[tuple(req.prompt_ids)]
+            n_out = len(req.output_ids)
+            truth = cont[n_out:n_out + k]
+            step = self.steps.get(req.rid, 0)
+            self.steps[req.rid] = step + 1
+            good = max(0, min(self.schedule(step, req), len(truth)))
+            drafts = list(truth[:good])
+            if good < len(truth):
+                drafts.append((truth[good] + 1) % self.vocab)
+            while len(drafts) < k:  # past the known continuation: any token, it will be checked
+                drafts.append(0)
+            s.drafts = drafts[:k]
+
+    def release(self, req):
+        self.steps.pop(req.rid, None)

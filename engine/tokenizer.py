@@ -1,0 +1,72 @@
+"""Tokenizer wrapper over a HF `tokenizer.json` (the `tokenizers` library) plus the chat template.
+
+Contract: encode(text) -> ids without special-token insertion beyond what the tokenizer's post-processor
+adds; decode(ids) tolerates ids beyond the tokenizer's vocabulary (random-weight models with a padded
+vocab emit them) by rendering them as empty strings, so a server never crashes on them.
+Incremental detokenization: `decode_prefix_safe` returns text for ids, dropping a trailing incomplete
+UTF-8 sequence so streamed text never carries a replacement character that later resolves.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer as _HFTok
+
+from .config import ConfigError
+
+
+class Tokenizer:
+    def __init__(self, model_dir: str | Path) -> None:
+        d = Path(model_dir)
+        f = d / "tokenizer.json"
+        if not f.is_file():
+            raise ConfigError(f"{f}: missing; the model directory needs tokenizer.json")
+        try:
+            self._tok = _HFTok.from_file(str(f))
+        except Exception as e:  # the library raises plain Exceptions on malformed files
+            raise ConfigError(f"{f}: cannot be read as a tokenizers file ({e})") from e
+        cfg_path = d / "tokenizer_config.json"
+        self.config: dict = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.chat_template: str | None = self.config.get("chat_template")
+        self.eos_token: str | None = _tok_str(self.config.get("eos_token"))
+        self.eos_token_id: int | None = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+        self.name = str(d)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def token_to_id(self, tok: str) -> int | None:
+        return self._tok.token_to_id(tok)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        ok = [i for i in ids if 0 <= i < self.vocab_size]
+        return self._tok.decode(ok, skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, i: int) -> str:
+        t = self._tok.id_to_token(i) if 0 <= i < self.vocab_size else None
+        return t if t is not None else f"<|id_{i}|>"
+
+    def decode_prefix_safe(self, ids: list[int]) -> str:
+        text = self.decode(ids)
+        return text[:-1] if text.endswith("\ufffd") else text
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            # A plain fallback that is at least unambiguous.
+            body = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+            return body + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+        import jinja2
+
+        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+        tmpl = env.from_string(self.chat_template)
+        return tmpl.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                           eos_token=self.eos_token or "", bos_token="")
+
+
+def _tok_str(v: object) -> str | None:
+    if isinstance(v, dict):
+        return v.get("content")
+    return v if isinstance(v, str) else None

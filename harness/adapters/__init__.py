@@ -1,0 +1,1 @@
+"""specbench subpackage."""
