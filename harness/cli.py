@@ -1,0 +1,63 @@
+"""The `specbench` command line: thin. It parses, builds configs and calls suites.
+
+Exit codes: 0 ok, 1 a check failed (a gate, a parity verdict), 2 bad usage or input.
+Commands live in their own modules and are registered here by dotted path, imported lazily so that
+`specbench --help` stays fast and one broken optional dependency never takes the whole CLI down.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import typer
+
+from specbench import __version__
+
+# name -> "module:function". Each function's docstring is its --help text.
+COMMANDS: dict[str, str] = {
+    "fixtures": "specbench.harness.cmd_fixtures:fixtures",
+    "generate": "specbench.harness.cmd_generate:generate",
+    "serve": "specbench.harness.cmd_serve:serve",
+    "demo": "specbench.harness.cmd_demo:demo",
+    "gaps": "specbench.harness.cmd_gaps:gaps",
+}
+
+app = typer.Typer(name="specbench", no_args_is_help=True, add_completion=False,
+                  help="Benchmark and verify speculative-decoding engines.")
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"specbench {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print the version and exit.")) -> None:
+    """Benchmark and verify speculative-decoding engines."""
+
+
+def _register() -> None:
+    for name, target in COMMANDS.items():
+        mod, fn = target.split(":")
+        try:
+            func = getattr(importlib.import_module(mod), fn)
+        except ModuleNotFoundError as e:
+            if e.name and e.name.startswith("specbench"):
+                continue  # command not built yet
+            raise
+        app.command(name=name)(func)
+
+
+def main() -> None:
+    _register()
+    try:
+        app(standalone_mode=True)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

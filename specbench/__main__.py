@@ -1,0 +1,3 @@
+from specbench.harness.cli import main
+
+main()

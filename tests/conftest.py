@@ -1,0 +1,42 @@
+"""Shared fixtures: the bundled tiny pair (committed under harness/data/fixtures/tiny)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def tiny_pair():
+    if os.environ.get("SPECBENCH_TEST_PAIR"):  # developer override: "target_dir,draft_dir"
+        target, draft = os.environ["SPECBENCH_TEST_PAIR"].split(",")
+        return target, draft
+    from specbench.harness.fixtures import bundled_pair
+
+    target, draft = bundled_pair()
+    return str(target), str(draft)
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tiny_pair):
+    return tiny_pair[0]
+
+
+@pytest.fixture(scope="session")
+def tiny_draft(tiny_pair):
+    return tiny_pair[1]
+
+
+@pytest.fixture(scope="session")
+def gsm8k_prompts():
+    """A few gsm8k test questions in the fixture's training format."""
+    import json
+    from importlib import resources
+
+    path = resources.files("specbench.harness") / "data" / "gsm8k" / "test.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()[:16]]
+    return [f"Question: {r['question']}\nAnswer:" for r in rows]
