@@ -27,6 +27,7 @@ from .trace import Activity, GapsError, Trace, ns_from_decimal
 _GPU_CATS = {"kernel": "kernel", "gpu_memcpy": "memcpy", "memcpy": "memcpy", "gpu_memset": "memset",
              "memset": "memset"}
 _LAUNCH_CATS = {"cuda_runtime", "cuda_driver", "runtime"}
+_RANGE_CATS = _LAUNCH_CATS | {"user_annotation", "gpu_user_annotation"}
 
 
 def _is_whole_us(v: object) -> bool:
@@ -58,7 +59,7 @@ def read_kineto(path: Path, raw: bytes, phases: bool = False, pick: str = "inner
             continue
         cat = str(e.get("cat", "")).lower()
         kind = _GPU_CATS.get(cat)
-        if kind is None and not phases:
+        if kind is None and not (phases and cat in _RANGE_CATS):
             continue
         try:
             ts, dur = e["ts"], e.get("dur", 0)
