@@ -6,7 +6,8 @@ SwiGLU, down). The dense segments between attentions therefore depend only on th
 on KV length, which is what lets them be captured in CUDA graphs. Weights load from the standard HF names
 (q/k/v and gate/up are concatenated at load time).
 
-Tapped hidden states (for DFlash) are decoder-layer outputs, i.e. HF `hidden_states[i + 1]`.
+Tapped hidden states (for DFlash) are decoder-layer outputs, i.e. HF `hidden_states[i + 1]`; like HF,
+the last layer's entry is the final-normed hidden state.
 """
 
 from __future__ import annotations
@@ -113,6 +114,9 @@ class Qwen3ForCausalLM(nn.Module):
             if i in tap_layers:
                 taps[i] = x + residual
         x, _ = add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
+        last = len(self.layers) - 1
+        if last in tap_layers:  # HF's hidden_states[-1] is the final-normed output: keep its meaning
+            taps[last] = x
         return x, [taps[i] for i in tap_layers]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

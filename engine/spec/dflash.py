@@ -88,12 +88,13 @@ class DFlashProposer(Proposer):
         groups = [spans] if self.batched else [[s] for s in spans]
         kmap = {id(s): k for s, k in zip(spans, ks, strict=True)}
         for g in groups:
-            drafts = self._draft(g)
+            drafts = self.draft_logits(g).argmax(-1).tolist()
             for s, d in zip(g, drafts, strict=True):
                 s.drafts = d[: kmap[id(s)]]
 
     @torch.inference_mode()
-    def _draft(self, spans: list[Span]) -> list[list[int]]:
+    def draft_logits(self, spans: list[Span]) -> torch.Tensor:
+        """Draft logits [N, B - 1, V] for block slots 1..B-1 of each span's request."""
         cfg, b, n = self.draft.cfg, self.block, len(spans)
         dev = self.runner.device
         for s in spans:
@@ -116,5 +117,4 @@ class DFlashProposer(Proposer):
             x = x + F.linear(o.reshape(t, hq * d), ly.o_w)
             x = x + F.linear(swiglu(F.linear(rms_norm(x, ly.post_norm, cfg.rms_norm_eps), ly.gate_up_w)), ly.down_w)
         h = rms_norm(x, self.draft.norm, cfg.rms_norm_eps).reshape(n, b, -1)[:, 1:]
-        logits = self.target.logits(h)
-        return logits.argmax(-1).tolist()
+        return self.target.logits(h)
