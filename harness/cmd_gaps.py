@@ -26,11 +26,9 @@ def gaps(
 ) -> None:
     """Where did the GPU sit idle, and which kernels paid for it?
 
-    Per device: wall span, busy time (union of kernel, memcpy and memset intervals over all streams;
-    synchronization is not busy), idle time, the gap histogram (<1, 1-3, 3-10, 10-100, >100 us) and idle
-    attributed to the kernel that starts right after each gap, grouped by kernel class (GEMM, attention,
-    RMSNorm/LayerNorm, RoPE, activation/SwiGLU, residual add/elementwise, embedding/gather, KV copy,
-    sampling/argmax/top-k, memcpy/memset, communication, other). See docs/gaps.md for the rule table.
+    Per device: wall span, busy time (the union of kernel, memcpy and memset intervals over all streams; synchronization is not busy), idle time, the gap histogram (< 1, 1-3, 3-10, 10-100, > 100 us) and idle attributed to the kernel that starts right after each gap, grouped by kernel class (GEMM, attention, RMSNorm/LayerNorm, RoPE, activation/SwiGLU, residual add/elementwise, embedding/gather, KV copy, sampling/argmax/top-k, memcpy/memset, communication, other).
+
+    The class rules are one ordered regex table (docs/gaps.md); --rules adds yours in front. Exit code 2 on an unreadable or unknown trace.
     """
     from specbench.suites import gaps as g
 

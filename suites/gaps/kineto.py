@@ -110,6 +110,10 @@ def _assign_phases(acts: list[Activity], corrs: list[Any], cpu_ranges: list, gpu
                      ": every activity is in phase '(none)'")
         return False
     queries = [launches.get(c, (None, 0)) for c in corrs]
+    unlaunched = sum(c not in launches for c in corrs)
+    if unlaunched:
+        notes.append(f"{unlaunched} of {len(corrs)} GPU ops have no cuda_runtime/cuda_driver launch event; only a "
+                     "gpu_user_annotation range can claim them")
     by_launch = cpu.lookup(queries)
     by_gpu = gpu.lookup([(a.device, a.start) for a in acts])
     for a, via_cpu, via_gpu in zip(acts, by_launch, by_gpu, strict=True):

@@ -219,9 +219,14 @@ def _assign_phases(db: sqlite3.Connection, tables: set[str], strings: dict[int, 
             launch[(tid & _PID_MASK, corr)] = (tid, start)
             launch.setdefault((None, corr), (tid, start))
     queries = []
+    unlaunched = 0
     for key in keys:
-        q = launch.get(key) or launch.get((None, key[1]))
+        q = launch.get(key) if key[0] is not None else launch.get((None, key[1]))
+        unlaunched += q is None
         queries.append(q if q is not None else (None, 0))
+    if unlaunched:
+        notes.append(f"{unlaunched} of {len(keys)} GPU ops have no launch call in CUPTI_ACTIVITY_KIND_RUNTIME "
+                     "(a trimmed export?), so no range can claim them: they are in phase '(none)'")
     for a, name in zip(acts, index.lookup(queries), strict=True):
         a.phase = name
     return True

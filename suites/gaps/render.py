@@ -200,7 +200,8 @@ def plot_idle_by_class(r: GapsReport, path: str | Path, top_phases: int = 7) -> 
         ax.barh(classes, vals, left=left, label=_mid(s, 40))
         left = [a + b for a, b in zip(left, vals, strict=True)]
     ax.set_xlabel("GPU idle before the class (ms)")
-    ax.set_title(f"Idle by following kernel class: {r.trace}", fontsize=10)
+    by = "phase" if r.phases else "device"
+    ax.set_title(f"GPU idle by the kernel class that follows each gap, stacked by {by}: {r.trace}", fontsize=9)
     if len(ranked) > 1 or r.phases:
         ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
