@@ -39,4 +39,4 @@ def gsm8k_prompts():
 
     path = resources.files("specbench.harness") / "data" / "gsm8k" / "test.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines()[:16]]
-    return [f"Question: {r['question']}\nAnswer:" for r in rows]
+    return [f"Question: {r['question'][:400]}\nAnswer:" for r in rows]
