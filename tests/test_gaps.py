@@ -38,8 +38,12 @@ KNOWN = ["synthetic_nsys_2022.sqlite", "synthetic_nsys_node_mode.sqlite", "synth
 WITH_RANGES = [k for k in KNOWN if not k.endswith(".csv")]
 
 
-@cache
 def report(name: str, phases: bool = True, pick: str = "innermost", phase_filter: str | None = None):
+    return _report(name, phases, pick, phase_filter)  # one cache key per distinct call
+
+
+@cache
+def _report(name: str, phases: bool, pick: str, phase_filter: str | None):
     trace = read_trace(DATA / name, phases=phases, pick=pick, phase_filter=phase_filter)
     return analyze(trace, phases=phases, phase_pick=pick, phase_filter=phase_filter)
 
@@ -76,7 +80,7 @@ def _merged_busy(rows: list[tuple[int, int]]) -> int:
 def test_busy_matches_independent_union_and_excludes_sync(name: str) -> None:
     db = sqlite3.connect(DATA / name)
     tables = {t for (t,) in db.execute("SELECT name FROM sqlite_master")}
-    r = report(name, False)
+    r = report(name)
     n_syncs = 0
     for d in r.devices:
         rows = []
@@ -94,19 +98,19 @@ def test_busy_matches_independent_union_and_excludes_sync(name: str) -> None:
 
 def test_real_trace_numbers_are_stable() -> None:
     got = {(n, d.device): (d.span_ns, d.busy_ns, len(d.gaps)) for n in TRACES if not n.startswith("synthetic")
-           for d in report(n, False).devices}
+           for d in report(n).devices}
     assert got[("nsysai_h100_2gpu_1s.sqlite", "0")] == (969_447_605, 962_890_247, 2183)
     assert got[("nsysai_mfu_2gpu_before.sqlite", "1")] == (298_661_551, 267_275_916, 2662)
     assert got[("pipit_perlmutter-cloverleaf-cuda.sqlite", "0")] == (342_407_810, 303_795_463, 1590)
     assert got[("hta_ns_resolution_rank0_v100.pt.trace.json.gz", "0")] == (480_029_179, 472_454_441, 6094)
     assert got[("hta_critical_path_alexnet_a100.json.gz", "0")] == (12_920_244_000, 66_141_000, 95)
-    mfu = report("nsysai_mfu_2gpu_before.sqlite", False).devices[0]
+    mfu = report("nsysai_mfu_2gpu_before.sqlite").devices[0]
     assert mfu.busy_by_class["communication"] > 0 and mfu.busy_by_class["attention"] > 0
 
 
 @pytest.mark.parametrize("name", KNOWN)
 def test_known_timeline_in_every_format(name: str) -> None:
-    r = report(name, False)
+    r = report(name)
     d0, d1 = r.devices
     assert (d0.device, d0.span_ns, d0.busy_ns, d0.idle_ns) == ("0", 282_000, 24_500, 257_500)  # sync row not busy
     assert [(n, ns) for _, n, ns in d0.histogram] == [(1, 500), (1, 2_000), (1, 5_000), (1, 50_000), (1, 200_000)]
@@ -145,9 +149,9 @@ def test_graph_mode_without_graph_table_is_refused() -> None:
 
 
 def test_kineto_resolution_detection() -> None:
-    us = report("hta_critical_path_alexnet_a100.json.gz", False)
+    us = report("hta_critical_path_alexnet_a100.json.gz")
     assert us.resolution_ns == 1000 and any("integer-microsecond" in n for n in us.notes)
-    ns = report("hta_ns_resolution_rank0_v100.pt.trace.json.gz", False)
+    ns = report("hta_ns_resolution_rank0_v100.pt.trace.json.gz")
     assert ns.resolution_ns == 1 and not ns.notes
 
 
@@ -326,3 +330,21 @@ def test_cli_bad_input_exits_2(tmp_path: Path) -> None:
     assert res.exit_code == 2 and "bad regex" in res.output
     res = CliRunner().invoke(_app(), [str(DATA / "synthetic_nsys_graph_mode_no_table.sqlite")])
     assert res.exit_code == 2 and "cuda-graph-trace=node" in res.output
+
+
+def test_docs_show_the_rule_table_verbatim() -> None:
+    from specbench.suites.gaps import RULES
+
+    doc = (Path(__file__).parents[1] / "docs" / "gaps.md").read_text()
+    for i, (pattern, cls) in enumerate(RULES, 1):
+        assert f"| {i} | {cls} | `{pattern.replace('|', chr(92) + '|')}` |" in doc
+
+
+def test_command_module_imports_lazily() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, specbench.harness.cmd_gaps; "
+            "print(any(m.startswith(('matplotlib', 'specbench.suites')) for m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
