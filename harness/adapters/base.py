@@ -1,0 +1,254 @@
+"""The adapter contract between suites and engines: typed requests/results and `EngineAdapter`.
+
+Contract:
+- `GenRequest` is one generation request (text, token ids or chat messages + sampling). `GenResult` is
+  its outcome. A failed request is a `GenResult` with ok=False and `error` set; `generate` never raises
+  for a per-request failure, so a run keeps everything already measured.
+- Timings are `time.perf_counter()` seconds on the caller's clock: t_send (request handed to the
+  engine / written to the socket), t_first (first chunk carrying output), t_end (last chunk / final
+  response). `chunk_times[i]` is when chunk i arrived and `chunk_tokens[i]` how many output tokens it
+  carried: under speculation a chunk may carry several tokens. `token_count_method` says how the
+  per-chunk counts were obtained (see docs/adapters.md).
+- `generate(requests, concurrency, on_result)` is closed-loop: at most `concurrency` requests in
+  flight (None = all at once); `on_result` is called as each request finishes (completion order), so a
+  suite can persist incrementally; the return value is in input order. `offsets` (seconds after the
+  start) turn it open-loop: request i is not sent before its offset.
+- `score` returns teacher-forced top-k logprobs of every continuation position, or None where the
+  engine cannot score. `spec_counters` returns a snapshot of cumulative speculative-decoding counters
+  (or None); `tokenize` returns token ids (or None); `describe` returns provenance.
+- All async methods are bound to no particular event loop; the `*_sync` wrappers run one in a fresh
+  loop and must not be called from inside a running loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+OnResult = Callable[["GenResult"], Awaitable[None] | None]
+
+
+@dataclass
+class GenRequest:
+    """One generation request. Exactly one of `prompt` (text or token ids) and `messages` is set."""
+
+    prompt: str | list[int] | None = None
+    messages: list[dict] | None = None
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] | list[str] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-k logprobs per output position (None = off)
+    rid: str | None = None
+    meta: dict = field(default_factory=dict)  # opaque to adapters; copied into the result
+
+    def __post_init__(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("GenRequest: set exactly one of prompt= (text or token ids) and messages=")
+        if isinstance(self.stop, str):
+            self.stop = (self.stop,)
+        self.stop = tuple(self.stop or ())
+
+
+@dataclass
+class PosLogprobs:
+    """Logprobs of one position: the chosen (or teacher-forced) token and the top-k alternatives."""
+
+    token_id: int | None
+    logprob: float | None
+    top: dict[int, float] = field(default_factory=dict)
+    token: str | None = None  # the token's text where the engine only reports strings
+
+
+@dataclass
+class GenResult:
+    rid: str
+    ok: bool
+    error: str | None = None
+    text: str = ""
+    output_ids: list[int] | None = None  # None where the engine does not report ids
+    finish_reason: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    logprobs: list[PosLogprobs] | None = None
+    t_send: float = 0.0
+    t_first: float | None = None
+    t_end: float | None = None
+    wall_send: float = 0.0  # time.time() at send, for ordering across processes
+    chunk_times: list[float] = field(default_factory=list)
+    chunk_tokens: list[int] = field(default_factory=list)
+    token_count_method: str = "engine"
+    spec: dict | None = None  # per-request spec metrics where the engine reports them
+    attempts: int = 1
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.t_first is None else self.t_first - self.t_send
+
+    @property
+    def e2el(self) -> float | None:
+        return None if self.t_end is None else self.t_end - self.t_send
+
+    @property
+    def tpot(self) -> float | None:
+        """(E2EL - TTFT) / (output_tokens - 1), REFERENCE.md section 3."""
+        n = self.completion_tokens
+        if self.ttft is None or self.e2el is None or not n or n < 2:
+            return None
+        return (self.e2el - self.ttft) / (n - 1)
+
+    def token_itls(self) -> list[float]:
+        """Per-token inter-token latencies: each chunk gap spread evenly over that chunk's tokens."""
+        out: list[float] = []
+        for i in range(1, len(self.chunk_times)):
+            n = self.chunk_tokens[i] if i < len(self.chunk_tokens) else 1
+            if n > 0:
+                out += [(self.chunk_times[i] - self.chunk_times[i - 1]) / n] * n
+        return out
+
+    def chunk_gaps(self) -> list[float]:
+        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:], strict=False)]
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(ttft=self.ttft, e2el=self.e2el, tpot=self.tpot)
+        return d
+
+
+@dataclass
+class ScoreResult:
+    """Teacher-forced logprobs of each continuation token given everything before it."""
+
+    positions: list[PosLogprobs]
+
+    @property
+    def total(self) -> float:
+        return sum(p.logprob or 0.0 for p in self.positions)
+
+    @property
+    def is_greedy(self) -> bool:
+        return all(p.top and p.logprob is not None and p.logprob >= max(p.top.values()) - 1e-6
+                   for p in self.positions)
+
+
+def failed(req: GenRequest, rid: str, error: str, t_send: float, attempts: int = 1) -> GenResult:
+    return GenResult(rid=rid, ok=False, error=error, t_send=t_send, t_end=time.perf_counter(),
+                     wall_send=time.time(), attempts=attempts, meta=dict(req.meta))
+
+
+class EngineAdapter(ABC):
+    """Uniform access to one engine. Subclasses implement `generate_one` and what they can of the rest."""
+
+    kind: str = "base"
+
+    def __init__(self, name: str | None = None) -> None:
+        self.name = name or self.kind
+        self._n = 0
+
+    def _rid(self, req: GenRequest) -> str:
+        self._n += 1
+        return req.rid or f"{self.name}-{self._n}"
+
+    @abstractmethod
+    async def generate_one(self, req: GenRequest) -> GenResult:
+        """Run one request; per-request failures are returned as ok=False, not raised."""
+
+    async def generate(self, requests: Sequence[GenRequest], concurrency: int | None = None,
+                       on_result: OnResult | None = None,
+                       offsets: Sequence[float] | None = None) -> list[GenResult]:
+        if concurrency is not None and concurrency < 1:
+            raise ValueError(f"concurrency={concurrency} is invalid: expected an integer >= 1 or None")
+        if offsets is not None and len(offsets) != len(requests):
+            raise ValueError(f"offsets has {len(offsets)} entries for {len(requests)} requests")
+        sem = asyncio.Semaphore(concurrency or max(1, len(requests)))
+        t0 = time.perf_counter()
+        results: list[GenResult | None] = [None] * len(requests)
+
+        async def one(i: int, req: GenRequest) -> None:
+            if offsets is not None:
+                await asyncio.sleep(max(0.0, t0 + offsets[i] - time.perf_counter()))
+            async with sem:
+                try:
+                    res = await self.generate_one(req)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:  # an adapter bug must not lose the rest of the run
+                    res = failed(req, req.rid or f"{self.name}-{i}", f"{type(e).__name__}: {e}", time.perf_counter())
+            results[i] = res
+            if on_result is not None:
+                r = on_result(res)
+                if inspect.isawaitable(r):
+                    await r
+
+        tasks = [asyncio.ensure_future(one(i, r)) for i, r in enumerate(requests)]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+        return [r for r in results if r is not None]
+
+    def generate_sync(self, requests: Sequence[GenRequest], concurrency: int | None = None,
+                      on_result: OnResult | None = None, offsets: Sequence[float] | None = None) -> list[GenResult]:
+        return asyncio.run(self.generate(requests, concurrency, on_result, offsets))
+
+    async def score(self, prompt_ids: list[int], continuation_ids: list[int], top_k: int = 1) -> ScoreResult | None:
+        return None
+
+    async def spec_counters(self) -> dict | None:
+        """{num_drafts, num_draft_tokens, num_accepted_tokens, accepted_per_pos, source} or None."""
+        return None
+
+    async def tokenize(self, text: str) -> list[int] | None:
+        return None
+
+    @abstractmethod
+    def describe(self) -> dict:
+        """Provenance: at least name, kind, version, model and config."""
+
+    async def aclose(self) -> None:
+        return None
+
+    def run(self, coro: Awaitable[Any]) -> Any:
+        """Run one of this adapter's coroutines to completion from synchronous code."""
+
+        async def _main() -> Any:
+            return await coro
+
+        return asyncio.run(_main())
+
+    def score_sync(self, prompt_ids: list[int], continuation_ids: list[int], top_k: int = 1) -> ScoreResult | None:
+        return self.run(self.score(prompt_ids, continuation_ids, top_k))
+
+    def spec_counters_sync(self) -> dict | None:
+        return self.run(self.spec_counters())
+
+    def tokenize_sync(self, text: str) -> list[int] | None:
+        return self.run(self.tokenize(text))
+
+    def close(self) -> None:
+        self.run(self.aclose())
+
+
+def counters_delta(before: dict | None, after: dict | None) -> dict | None:
+    """after - before for the cumulative spec counters (per-position lists padded to equal length)."""
+    if before is None or after is None:
+        return None
+    out: dict = {"source": after.get("source")}
+    for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        if after.get(k) is not None and before.get(k) is not None:
+            out[k] = after[k] - before[k]
+    a, b = list(after.get("accepted_per_pos") or []), list(before.get("accepted_per_pos") or [])
+    n = max(len(a), len(b))
+    a, b = a + [0] * (n - len(a)), b + [0] * (n - len(b))
+    out["accepted_per_pos"] = [x - y for x, y in zip(a, b, strict=True)]
+    return out

@@ -1,0 +1,146 @@
+"""`local` adapter: the reference engine in process, stepped by one background `EngineLoop` thread.
+
+Contract: timings come from the engine's own clock (perf_counter): t_send is taken just before the
+request is handed to the engine, each delta the engine emits is one chunk whose time is the emission
+time of its tokens (`RequestOutput.token_times`), so chunk_tokens is exact (token_count_method
+"engine"). Spec on and spec off are two adapters (two engines), never one engine toggled. A request
+the engine refuses (ConfigError / AdmissionError) is a failed result, not an exception. Cancelling a
+request's task aborts it in the engine, freeing its KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from specbench.engine import ConfigError, EngineConfig, LLMEngine, SamplingParams, SpecConfig
+from specbench.engine.scheduler import AdmissionError
+
+from .base import EngineAdapter, GenRequest, GenResult, PosLogprobs, ScoreResult, failed
+from .loop import EngineFailure, EngineLoop
+
+
+def sampling_params(req: GenRequest, **extra: Any) -> SamplingParams:
+    return SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
+                          top_k=req.top_k, seed=req.seed, stop=tuple(req.stop), ignore_eos=req.ignore_eos,
+                          logprobs=req.logprobs, **extra)
+
+
+def engine_version() -> str:
+    from specbench import __version__
+
+    return __version__
+
+
+class LocalAdapter(EngineAdapter):
+    kind = "local"
+
+    def __init__(self, engine: LLMEngine, name: str | None = None, max_pending: int | None = None) -> None:
+        super().__init__(name or ("local-spec" if engine.spec_on else "local"))
+        self.engine = engine
+        self.loop = EngineLoop(engine, max_pending=max_pending)
+
+    @classmethod
+    def from_dirs(cls, model: str, draft: str | None = None, spec: str | None = None, k: int | None = None,
+                  device: str = "cpu", dtype: str = "float32", name: str | None = None,
+                  **engine_kw: Any) -> LocalAdapter:
+        """spec: "dflash" | "ngram" | "off"/None; None with a draft means dflash."""
+        method = None if spec in (None, "off") else spec
+        if spec is None and draft:
+            method = "dflash"
+        cfg = EngineConfig(model=str(model), draft=str(draft) if draft and method == "dflash" else None,
+                           device=device, dtype=dtype,
+                           spec=SpecConfig(method=method, num_speculative_tokens=k), **engine_kw)
+        return cls(LLMEngine(cfg), name=name)
+
+    def _prompt(self, req: GenRequest) -> str | list[int]:
+        if req.messages is not None:
+            return self.engine.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True)
+        assert req.prompt is not None
+        return req.prompt
+
+    async def generate_one(self, req: GenRequest) -> GenResult:
+        rid = self._rid(req)
+        t_send = time.perf_counter()
+        wall = time.time()
+        try:
+            params = sampling_params(req)
+            rid, q = self.loop.submit(self._prompt(req), params, rid=rid)
+        except (ConfigError, AdmissionError, EngineFailure, ValueError) as e:
+            return failed(req, rid, f"{type(e).__name__}: {e}", t_send)
+        res = GenResult(rid=rid, ok=True, t_send=t_send, wall_send=wall, meta=dict(req.meta))
+        done = False
+        try:
+            while True:
+                _, out = await q.get()
+                if isinstance(out, Exception):
+                    res.ok, res.error, res.t_end = False, f"{type(out).__name__}: {out}", time.perf_counter()
+                    done = True
+                    return res
+                if out.new_ids:
+                    t = out.token_times[-1] if out.token_times else time.perf_counter()
+                    res.chunk_times.append(t)
+                    res.chunk_tokens.append(len(out.new_ids))
+                    if res.t_first is None:
+                        res.t_first = t
+                if out.finished:
+                    done = True
+                    self._finish(res, out)
+                    return res
+        finally:
+            if not done:  # cancelled: free the engine's KV for this request
+                self.loop.abort(rid)
+
+    def _finish(self, res: GenResult, out: Any) -> None:
+        res.text = out.text
+        res.output_ids = list(out.output_ids)
+        res.finish_reason = out.finish_reason
+        res.prompt_tokens = len(out.prompt_ids)
+        res.completion_tokens = len(out.output_ids)
+        res.t_end = out.token_times[-1] if out.token_times else time.perf_counter()
+        if res.t_first is None:
+            res.t_first = res.t_end
+        res.spec = dict(out.spec) if out.spec else None
+        if out.logprobs is not None:
+            res.logprobs = [PosLogprobs(token_id=t, logprob=lp, top=dict(top))
+                            for t, (lp, top) in zip(out.output_ids, out.logprobs, strict=False)]
+        if out.finish_reason == "abort":
+            res.ok, res.error = False, "aborted by the engine"
+
+    async def score(self, prompt_ids: list[int], continuation_ids: list[int], top_k: int = 1) -> ScoreResult | None:
+        if not prompt_ids or not continuation_ids:
+            raise ValueError("score: prompt_ids and continuation_ids must both be non-empty")
+        ids = list(prompt_ids) + list(continuation_ids)
+        params = SamplingParams(max_tokens=1, prompt_logprobs=top_k)
+        rid, q = self.loop.submit(ids, params, rid=self.loop.new_rid("score"))
+        try:
+            while True:
+                _, out = await q.get()
+                if isinstance(out, Exception):
+                    raise out
+                if out.finished:
+                    break
+        finally:
+            self.loop.abort(rid)
+        plp = out.prompt_logprobs or []
+        n = len(prompt_ids)
+        return ScoreResult([PosLogprobs(token_id=ids[i], logprob=plp[i][0], top=dict(plp[i][1]))
+                            for i in range(n, len(ids))])
+
+    async def spec_counters(self) -> dict | None:
+        snap = self.engine.metrics.snapshot()
+        return {"num_drafts": snap["num_drafts"], "num_draft_tokens": snap["num_draft_tokens"],
+                "num_accepted_tokens": snap["num_accepted_tokens"],
+                "accepted_per_pos": list(snap["accepted_per_pos"]), "source": "engine"}
+
+    async def tokenize(self, text: str) -> list[int] | None:
+        return self.engine.tokenizer.encode(text)
+
+    def describe(self) -> dict:
+        d = self.engine.describe()
+        return {"name": self.name, "kind": self.kind, "version": engine_version(), "model": self.engine.cfg.model,
+                "config": d}
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self.loop.close)

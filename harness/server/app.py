@@ -1,0 +1,115 @@
+"""The FastAPI application: OpenAI-compatible routes plus the vLLM-style extras lm-eval and dashboards use.
+
+Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /tokenize,
+POST /detokenize, GET /tokenizer_info, GET /health, GET /metrics, GET /version.
+Contract: every error is an OpenAI-style JSON error (errors.py); a body larger than max_body_bytes is
+refused with 413 before it is read; /health is 200 while the engine loop runs and 503 once it has
+stopped; /metrics is Prometheus text with vLLM's metric names (engine/metrics.py) plus
+`specbench:requests_in_flight`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from specbench import __version__
+
+from .chat import create_chat
+from .completions import create_completion
+from .errors import APIError, install_error_handlers
+from .protocol import _messages, get_bool, is_int, parse_json
+from .serving import ServerState
+
+
+def create_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="specbench", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.sb = state
+    install_error_handlers(app)
+
+    @app.middleware("http")
+    async def _limit_body(request: Request, call_next: Any) -> Any:
+        n = request.headers.get("content-length")
+        if n is not None and n.isdigit() and int(n) > state.max_body_bytes:
+            return APIError(f"the request body has {n} bytes: at most {state.max_body_bytes} are accepted",
+                            413, "invalid_request_error", None, "request_too_large").response()
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> Any:
+        if not state.loop.alive:
+            return APIError("the engine loop has stopped", 503, "service_unavailable_error").response()
+        return JSONResponse({"status": "ok", "last_error": state.loop.last_error})
+
+    @app.get("/version")
+    async def version() -> Any:
+        return {"version": __version__, "engine": "specbench"}
+
+    @app.get("/v1/models")
+    async def models() -> Any:
+        data = [{"id": n, "object": "model", "created": state.created, "owned_by": "specbench",
+                 "root": state.engine.cfg.model, "max_model_len": state.engine.max_model_len}
+                for n in state.served_names[:1]]
+        return {"object": "list", "data": data}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        return await create_completion(state, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Any:
+        return await create_chat(state, request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Any:
+        body = parse_json(await request.body())
+        state.check_model(body.get("model"))
+        if "messages" in body:
+            text = state.tokenizer.apply_chat_template(_messages(body["messages"]),
+                                                       add_generation_prompt=get_bool(body, "add_generation_prompt",
+                                                                                      True))
+        else:
+            text = body.get("prompt")
+            if not isinstance(text, str):
+                raise APIError(f"prompt={text!r:.80} is invalid: expected a string (or send messages=[...])",
+                               param="prompt")
+        ids = state.tokenizer.encode(text)
+        return {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids, "token_strs": None}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Any:
+        body = parse_json(await request.body())
+        state.check_model(body.get("model"))
+        toks = body.get("tokens")
+        if not isinstance(toks, list) or not all(is_int(t) and t >= 0 for t in toks):
+            raise APIError(f"tokens={toks!r:.80} is invalid: expected a list of non-negative token ids",
+                           param="tokens")
+        return {"prompt": state.tokenizer.decode(toks, skip_special_tokens=False)}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> Any:
+        tok = state.tokenizer
+        cfg = tok.config
+        return {"tokenizer_class": cfg.get("tokenizer_class", "PreTrainedTokenizerFast"),
+                "eos_token": tok.eos_token, "bos_token": _special(cfg.get("bos_token")),
+                "pad_token": _special(cfg.get("pad_token")), "unk_token": _special(cfg.get("unk_token")),
+                "chat_template": tok.chat_template, "model_max_length": state.engine.max_model_len,
+                "vocab_size": tok.vocab_size, "add_bos_token": bool(cfg.get("add_bos_token", False))}
+
+    @app.get("/metrics")
+    async def metrics() -> Any:
+        text = state.engine.metrics.prometheus(state.model_name)
+        text += ("# HELP specbench:requests_in_flight Requests admitted by the server and not finished.\n"
+                 "# TYPE specbench:requests_in_flight gauge\n"
+                 f'specbench:requests_in_flight{{model_name="{state.model_name}"}} {state.loop.num_pending}\n')
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def _special(v: object) -> str | None:
+    if isinstance(v, dict):
+        return v.get("content")
+    return v if isinstance(v, str) else None

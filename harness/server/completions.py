@@ -1,0 +1,155 @@
+"""POST /v1/completions: text or token-id prompts (one or many), echo scoring, legacy logprobs, SSE.
+
+Contract (beyond protocol.py's validation):
+- One choice per prompt, `index` = the prompt's position. `text` never contains a stop string unless
+  include_stop_str_in_output; with echo it starts with the prompt (decoded, special tokens kept).
+- echo + logprobs returns prompt logprobs (first position None) followed by the generated tokens';
+  echo with max_tokens=0 is scoring: the engine runs one step to get prompt logprobs, and the token it
+  samples is dropped (completion_tokens 0, finish_reason "length").
+- `spec_decode` beside `usage` sums the choices' speculative-decoding metrics; each choice carries its
+  own. return_token_ids adds `token_ids` / `prompt_token_ids` to each choice (vLLM's field names).
+- Streaming: one SSE event per engine delta per choice (a delta may carry several tokens under
+  speculation); with stream_options.include_usage a final event with `choices: []`, usage and
+  spec_decode; continuous_usage_stats adds running usage to every event; then `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from .errors import APIError
+from .formatting import legacy_logprobs, merge_spec, request_spec, usage
+from .protocol import CompletionRequest, parse_completion, parse_json
+from .serving import ChoiceStream, Job, ServerState, admit, deltas, gather, new_id, sampling
+
+
+def build_jobs(state: ServerState, req: CompletionRequest) -> list[Job]:
+    jobs = []
+    for i, p in enumerate(req.prompts):
+        ids = state.to_ids(p, i)
+        text = p if isinstance(p, str) else state.tokenizer.decode(ids, skip_special_tokens=False)
+        scoring = req.max_tokens == 0
+        plp = req.logprobs if (req.echo and req.logprobs is not None) else None
+        if scoring:
+            params = sampling(req, 1, None, plp).with_(temperature=0.0, stop=(), stop_token_ids=())
+        else:
+            params = sampling(req, req.max_tokens or 16, req.logprobs, plp)
+        jobs.append(Job(i, ids, text, params, scoring))
+    return jobs
+
+
+def _choice_logprobs(state: ServerState, req: CompletionRequest, job: Job, out: Any, gen_ids: list[int],
+                     gen_lps: list, offset0: int) -> dict | None:
+    if req.logprobs is None:
+        return None
+    ids, lps = [], []
+    if req.echo:
+        plp = out.prompt_logprobs or [None] * len(job.prompt_ids)
+        ids += job.prompt_ids
+        lps += list(plp) + [None] * (len(job.prompt_ids) - len(plp))
+    ids += gen_ids
+    lps += gen_lps
+    return legacy_logprobs(state.tt, ids, lps, req.tokens_as_ids, offset0)
+
+
+def final_choice(state: ServerState, req: CompletionRequest, job: Job, out: Any) -> tuple[dict, int]:
+    gen_ids = [] if job.scoring_only else list(out.output_ids)
+    gen_lps = [] if job.scoring_only else list(out.logprobs or [])
+    text = "" if job.scoring_only else out.text
+    if req.echo:
+        text = job.prompt_text + text
+    choice: dict = {"index": job.index, "text": text,
+                    "logprobs": _choice_logprobs(state, req, job, out, gen_ids, gen_lps, 0),
+                    "finish_reason": "length" if job.scoring_only else out.finish_reason,
+                    "stop_reason": None if job.scoring_only else out.stop_reason,
+                    "spec_decode": request_spec(out.spec)}
+    if req.return_token_ids:
+        choice["token_ids"] = gen_ids
+        choice["prompt_token_ids"] = job.prompt_ids
+    return choice, len(gen_ids)
+
+
+async def create_completion(state: ServerState, request: Request) -> Any:
+    req = parse_completion(parse_json(await request.body()))
+    model = state.check_model(req.model)
+    jobs = build_jobs(state, req)
+    q, rids = admit(state, jobs, "cmpl")
+    cid = new_id("cmpl")
+    if req.stream:
+        return StreamingResponse(_stream(state, req, jobs, q, rids, cid, model), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    finals = await gather(state, q, rids, request)
+    choices, n_gen = [], 0
+    for job in jobs:
+        c, n = final_choice(state, req, job, finals[job.index])
+        choices.append(c)
+        n_gen += n
+    body = {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": choices, "usage": usage(sum(len(j.prompt_ids) for j in jobs), n_gen),
+            "spec_decode": merge_spec([finals[j.index].spec for j in jobs], state.spec_method)}
+    return JSONResponse(body)
+
+
+def sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _stream(state: ServerState, req: CompletionRequest, jobs: list[Job], q: Any, rids: dict[int, str],
+                  cid: str, model: str) -> AsyncIterator[str]:
+    created = int(time.time())
+    streams = {j.index: ChoiceStream(j.params.stop) for j in jobs}
+    offsets = {j.index: 0 for j in jobs}
+    started: set[int] = set()
+    n_gen = {j.index: 0 for j in jobs}
+    specs: dict[int, dict | None] = {}
+    n_prompt = sum(len(j.prompt_ids) for j in jobs)
+    try:
+        async for idx, out in deltas(state, q, rids):
+            job = jobs[idx]
+            if job.scoring_only:
+                if not out.finished:
+                    continue
+                choice, _ = final_choice(state, req, job, out)
+                choice.pop("spec_decode")
+            else:
+                text, new_ids, lps = streams[idx].advance(out)
+                n_gen[idx] = len(out.output_ids)
+                prompt_lp: list = []
+                if req.echo and idx not in started:
+                    text = job.prompt_text + text
+                    plp = out.prompt_logprobs or [None] * len(job.prompt_ids)
+                    prompt_lp = list(zip(job.prompt_ids, plp, strict=False))
+                started.add(idx)
+                lp = None
+                if req.logprobs is not None:
+                    ids = [t for t, _ in prompt_lp] + new_ids
+                    entries = [e for _, e in prompt_lp] + list(lps or [])
+                    lp = legacy_logprobs(state.tt, ids, entries, req.tokens_as_ids, offsets[idx])
+                    offsets[idx] += sum(len(state.tt(t)) for t in ids)
+                if not text and not new_ids and not out.finished:
+                    continue
+                choice = {"index": idx, "text": text, "logprobs": lp,
+                          "finish_reason": out.finish_reason if out.finished else None,
+                          "stop_reason": out.stop_reason if out.finished else None}
+                if req.return_token_ids:
+                    choice["token_ids"] = new_ids
+            if out.finished:
+                specs[idx] = out.spec
+            chunk: dict = {"id": cid, "object": "text_completion", "created": created, "model": model,
+                           "choices": [choice]}
+            if req.continuous_usage:
+                chunk["usage"] = usage(n_prompt, sum(n_gen.values()))
+            yield sse(chunk)
+        if req.include_usage:
+            yield sse({"id": cid, "object": "text_completion", "created": created, "model": model, "choices": [],
+                       "usage": usage(n_prompt, sum(n_gen.values())),
+                       "spec_decode": merge_spec([specs.get(j.index) for j in jobs], state.spec_method)})
+    except APIError as e:
+        yield sse(e.body())
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,261 @@
+"""Request validation for the OpenAI-compatible endpoints: a JSON body -> a typed, checked request.
+
+Contract: `parse_completion` / `parse_chat` either return a fully validated dataclass or raise
+`APIError(400, param=<field>)` whose message names the field, the value and what would be accepted.
+Booleans are never accepted where numbers belong. Unknown fields are ignored (as vLLM does), but
+options this server cannot honour (n > 1, best_of, suffix, logit_bias, penalties) are refused rather
+than silently dropped. Range checks against the model (token ids, context length) happen when the
+request is admitted by the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import APIError
+
+MAX_LOGPROBS = 20
+MAX_PROMPTS = 1024
+ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+def parse_json(raw: bytes) -> dict:
+    if not raw.strip():
+        raise APIError("the request body is empty: expected a JSON object", param=None, code="invalid_json")
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(f"the request body is not valid JSON ({e})", code="invalid_json") from e
+    if not isinstance(body, dict):
+        raise APIError(f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
+    return body
+
+
+def _bad(name: str, value: Any, accepted: str) -> APIError:
+    shown = json.dumps(value)[:80] if _jsonable(value) else repr(value)[:80]
+    return APIError(f"{name}={shown} is invalid: expected {accepted}", param=name, code="invalid_value")
+
+
+def _jsonable(v: Any) -> bool:
+    try:
+        json.dumps(v)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+def is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def get_int(body: dict, name: str, default: int | None, lo: int | None = None, hi: int | None = None) -> int | None:
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if isinstance(v, float) and v.is_integer() and not isinstance(v, bool):
+        v = int(v)
+    rng = f"an integer{f' >= {lo}' if lo is not None else ''}{f' and <= {hi}' if hi is not None else ''}"
+    if not is_int(v) or (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise _bad(name, v, rng)
+    return v
+
+
+def get_num(body: dict, name: str, default: float, lo: float, hi: float | None, lo_open: bool = False) -> float:
+    v = body.get(name, default)
+    if v is None:
+        return default
+    ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+    ok = ok and (v > lo if lo_open else v >= lo) and (hi is None or v <= hi)
+    if not ok:
+        lo_s = f"> {lo}" if lo_open else f">= {lo}"
+        raise _bad(name, v, f"a number {lo_s}" + (f" and <= {hi}" if hi is not None else ""))
+    return float(v)
+
+
+def get_bool(body: dict, name: str, default: bool) -> bool:
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise _bad(name, v, "true or false")
+    return v
+
+
+def get_stop(body: dict) -> tuple[str, ...]:
+    v = body.get("stop")
+    if v is None:
+        return ()
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) and s for s in v):
+        raise _bad("stop", v, "a non-empty string or a list of non-empty strings")
+    return tuple(v)
+
+
+def get_ids(body: dict, name: str) -> tuple[int, ...]:
+    v = body.get(name) or []
+    if not isinstance(v, list) or not all(is_int(t) and t >= 0 for t in v):
+        raise _bad(name, v, "a list of non-negative token ids")
+    return tuple(v)
+
+
+@dataclass
+class CommonParams:
+    model: str | None
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    seed: int | None
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+    include_stop_str: bool
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+    return_token_ids: bool
+    tokens_as_ids: bool
+
+
+@dataclass
+class CompletionRequest(CommonParams):
+    prompts: list[str | list[int]] = field(default_factory=list)
+    logprobs: int | None = None
+    echo: bool = False
+
+
+@dataclass
+class ChatRequest(CommonParams):
+    messages: list[dict] = field(default_factory=list)
+    logprobs: int | None = None  # top_logprobs when logprobs=true, else None
+    add_generation_prompt: bool = True
+
+
+def _refuse_unsupported(body: dict) -> None:
+    n = get_int(body, "n", 1, lo=1)
+    if n != 1:
+        raise _bad("n", n, "1 (this server returns one choice per prompt)")
+    bo = body.get("best_of")
+    if bo is not None and bo != 1:
+        raise _bad("best_of", bo, "null or 1")
+    if body.get("suffix"):
+        raise _bad("suffix", body["suffix"], "null (suffix is not supported)")
+    if body.get("logit_bias"):
+        raise _bad("logit_bias", body["logit_bias"], "null or {} (logit_bias is not supported)")
+    for pen in ("presence_penalty", "frequency_penalty"):
+        if get_num(body, pen, 0.0, -2.0, 2.0) != 0.0:
+            raise _bad(pen, body[pen], "0 (penalties are not supported)")
+    rp = body.get("repetition_penalty")
+    if rp not in (None, 1, 1.0):
+        raise _bad("repetition_penalty", rp, "1.0 (penalties are not supported)")
+
+
+def _common(body: dict, max_tokens_default: int | None, max_tokens_key: str = "max_tokens") -> dict:
+    _refuse_unsupported(body)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _bad("model", model, "a string")
+    stream = get_bool(body, "stream", False)
+    so = body.get("stream_options")
+    if so is not None and not isinstance(so, dict):
+        raise _bad("stream_options", so, "an object such as {\"include_usage\": true}")
+    so = so or {}
+    return dict(
+        model=model,
+        max_tokens=get_int(body, max_tokens_key, max_tokens_default, lo=0),
+        temperature=get_num(body, "temperature", 1.0, 0.0, None),  # the OpenAI default
+        top_p=get_num(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        top_k=get_int(body, "top_k", 0, lo=-1) or 0,
+        min_p=get_num(body, "min_p", 0.0, 0.0, 1.0),
+        seed=get_int(body, "seed", None),
+        stop=get_stop(body),
+        stop_token_ids=get_ids(body, "stop_token_ids"),
+        ignore_eos=get_bool(body, "ignore_eos", False),
+        include_stop_str=get_bool(body, "include_stop_str_in_output", False),
+        stream=stream,
+        include_usage=stream and get_bool(so, "include_usage", False),
+        continuous_usage=stream and get_bool(so, "continuous_usage_stats", False),
+        return_token_ids=get_bool(body, "return_token_ids", False),
+        tokens_as_ids=get_bool(body, "return_tokens_as_token_ids", False),
+    )
+
+
+def _prompts(v: Any) -> list[str | list[int]]:
+    accepted = "a non-empty string, a list of strings, a list of token ids or a list of token-id lists"
+    if isinstance(v, str):
+        if not v:
+            raise APIError("prompt is empty: at least one token is required", param="prompt", code="empty_prompt")
+        return [v]
+    if not isinstance(v, list) or not v:
+        raise _bad("prompt", v, accepted)
+    if all(is_int(t) for t in v):
+        if any(t < 0 for t in v):
+            raise _bad("prompt", v, "token ids >= 0")
+        return [list(v)]
+    if len(v) > MAX_PROMPTS:
+        raise APIError(f"prompt has {len(v)} entries: at most {MAX_PROMPTS} per request", param="prompt")
+    out: list[str | list[int]] = []
+    for i, p in enumerate(v):
+        if isinstance(p, str) and p:
+            out.append(p)
+        elif isinstance(p, list) and p and all(is_int(t) and t >= 0 for t in p):
+            out.append(list(p))
+        elif p == "" or p == []:
+            raise APIError(f"prompt[{i}] is empty: at least one token is required", param="prompt",
+                           code="empty_prompt")
+        else:
+            raise _bad(f"prompt[{i}]", p, "a non-empty string or a list of token ids")
+    return out
+
+
+def parse_completion(body: dict) -> CompletionRequest:
+    if "prompt" not in body:
+        raise APIError("prompt is required", param="prompt", code="missing_field")
+    prompts = _prompts(body["prompt"])
+    common = _common(body, 16)
+    lp = body.get("logprobs")
+    if lp is not None and (not is_int(lp) or not 0 <= lp <= MAX_LOGPROBS):
+        raise _bad("logprobs", lp, f"null or an integer in [0, {MAX_LOGPROBS}]")
+    echo = get_bool(body, "echo", False)
+    if common["max_tokens"] == 0 and not echo:
+        raise _bad("max_tokens", 0, "an integer >= 1 (0 is allowed only with echo=true, for scoring)")
+    return CompletionRequest(prompts=prompts, logprobs=lp, echo=echo, **common)
+
+
+def _messages(v: Any) -> list[dict]:
+    if not isinstance(v, list) or not v:
+        raise _bad("messages", v, "a non-empty list of {\"role\", \"content\"} objects")
+    out = []
+    for i, m in enumerate(v):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise _bad(f"messages[{i}]", m, f"an object with role in {', '.join(ROLES)}")
+        c = m.get("content")
+        if isinstance(c, list):  # content parts: only text is supported
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in c):
+                raise _bad(f"messages[{i}].content", c, "a string or a list of {\"type\": \"text\", \"text\"} parts")
+            c = "".join(p["text"] for p in c)
+        elif c is None:
+            c = ""
+        elif not isinstance(c, str):
+            raise _bad(f"messages[{i}].content", c, "a string or a list of text parts")
+        out.append({"role": m["role"], "content": c})
+    return out
+
+
+def parse_chat(body: dict) -> ChatRequest:
+    messages = _messages(body.get("messages"))
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    common = _common(body, None, key)
+    if common["max_tokens"] == 0:
+        raise _bad(key, 0, "an integer >= 1")
+    want = get_bool(body, "logprobs", False)
+    top = get_int(body, "top_logprobs", None, lo=0, hi=MAX_LOGPROBS)
+    if top is not None and not want:
+        raise _bad("top_logprobs", top, "null unless logprobs=true")
+    return ChatRequest(messages=messages, logprobs=(top or 0) if want else None,
+                       add_generation_prompt=get_bool(body, "add_generation_prompt", True), **common)
