@@ -63,6 +63,8 @@ def read_trace(path: Path, phases: bool = False, pick: str = "innermost",
             raw = gzip.decompress(raw)
         except (OSError, EOFError, zlib.error) as e:
             raise GapsError(f"{path}: a gzip file that does not decompress ({e}); {accepted()}") from e
+    if raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark
+        raw = raw[3:]
     head = raw[:4096].lstrip()
     if head[:1] in (b"{", b"["):
         return read_kineto(path, raw, phases=phases, pick=pick, name_filter=name_filter)
