@@ -232,6 +232,7 @@ class SpecConfig:
     ngram_min: int = 1
     ngram_max: int = 4
     synthetic_tau: float | None = None  # speed curves on random weights; refused by lossless suites
+    sampling: bool = True  # speculative (rejection) sampling for T > 0; False = sampled requests run span-1
 
     def __post_init__(self) -> None:
         _need(self.method is None or self.method in SPEC_METHODS, "spec.method", self.method,

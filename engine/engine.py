@@ -28,10 +28,11 @@ from .models.dflash import DFlashDraftModel
 from .models.qwen3 import Qwen3ForCausalLM
 from .request import Request
 from .runner import ModelRunner
-from .sampler import make_generator, select, topk_logprobs
+from .sampler import make_generator, sampling_probs, select, topk_logprobs
 from .scheduler import AdmissionError, Scheduler, Span, StepPlan
 from .spec.accept import accept_greedy
 from .spec.proposer import NgramProposer, Proposer
+from .spec.sampling import accept_sampled
 from .tokenizer import Tokenizer
 
 __all__ = ["LLMEngine", "RequestOutput", "AdmissionError"]
@@ -109,6 +110,8 @@ class LLMEngine:
         self.metrics = EngineMetrics()
         self.requests: dict[str, Request] = {}
         self._gens: dict[str, torch.Generator] = {}
+        if self.proposer is not None:
+            self.proposer.generators = self._gens  # sampled drafts use the request's own generator
         self._gen = torch.Generator().manual_seed(cfg.seed)
         self._ids = itertools.count()
         self._lock = threading.RLock()
@@ -181,7 +184,8 @@ class LLMEngine:
     def eligible(self, req: Request) -> bool:
         """Could this request ever speculate (so the proposer should track its context)?"""
         p = req.params
-        return self.spec_on and p.greedy and p.logprobs is None and p.prompt_logprobs is None
+        return self.spec_on and p.logprobs is None and p.prompt_logprobs is None \
+            and (p.greedy or self.cfg.spec.sampling)
 
     def step(self) -> list[RequestOutput]:
         with self._lock:
@@ -276,8 +280,14 @@ class LLMEngine:
         if s.kind == "decode":
             tok = select(lg[0], p, gen)
             return 1, [tok], (topk_logprobs(lg[:1], [tok], p.logprobs) if p.logprobs is not None else None)
-        argmax = lg.argmax(-1).tolist()
         k = len(s.drafts)
+        if not p.greedy:
+            q = s.draft_probs if isinstance(s.draft_probs, torch.Tensor) else None
+            m, toks = accept_sampled(list(s.drafts), q, sampling_probs(lg, p), gen, self.faults)
+            self.metrics.record_verify(k, m)
+            req.spec.record(k, m)
+            return m + 1, toks, None
+        argmax = lg.argmax(-1).tolist()
         m, toks = accept_greedy(list(s.drafts), argmax)
         if "accept_off_by_one" in self.faults and m < k:
             m += 1

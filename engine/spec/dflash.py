@@ -25,6 +25,7 @@ from ..models.qwen3 import Qwen3ForCausalLM
 from ..request import Request
 from ..rope import RotaryCache
 from ..runner import ModelRunner
+from ..sampler import sampling_probs
 from ..scheduler import Span
 from .proposer import Proposer
 
@@ -88,9 +89,19 @@ class DFlashProposer(Proposer):
         groups = [spans] if self.batched else [[s] for s in spans]
         kmap = {id(s): k for s, k in zip(spans, ks, strict=True)}
         for g in groups:
-            drafts = self.draft_logits(g).argmax(-1).tolist()
-            for s, d in zip(g, drafts, strict=True):
-                s.drafts = d[: kmap[id(s)]]
+            logits = self.draft_logits(g)
+            drafts = logits.argmax(-1).tolist()
+            for i, (s, d) in enumerate(zip(g, drafts, strict=True)):
+                k = kmap[id(s)]
+                params = s.req.params
+                if params.greedy:
+                    s.drafts = d[:k]
+                    continue
+                # Sampled request: draw each slot from its own transformed distribution q.
+                q = sampling_probs(logits[i, :k], params)
+                gen = self.generators.get(s.req.rid)
+                s.drafts = torch.multinomial(q, 1, generator=gen).squeeze(-1).tolist()
+                s.draft_probs = q
 
     @torch.inference_mode()
     def draft_logits(self, spans: list[Span]) -> torch.Tensor:

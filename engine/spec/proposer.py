@@ -21,6 +21,7 @@ class Proposer:
 
     def __init__(self, k: int) -> None:
         self.k = k
+        self.generators: dict[str, torch.Generator] = {}  # set by the engine: per-request RNGs
 
     @property
     def headroom(self) -> int:
