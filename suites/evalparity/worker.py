@@ -1,0 +1,138 @@
+"""One lm-eval run against one OpenAI-compatible endpoint, in its own process.
+
+    python -m specbench.suites.evalparity.worker SPEC.json OUT.json
+
+Contract:
+- SPEC is `LmEvalSpec` as JSON. The worker sets HF_HUB_OFFLINE / HF_DATASETS_OFFLINE (and the
+  transformers twin) before lm-eval or datasets are imported, loads only the rendered tasks in
+  `include_path` (lm-eval's own task index is never built), and runs `lm_eval.simple_evaluate` with
+  `local-completions` and log_samples on.
+- OUT is one JSON document: per task its lm-eval version, n, per filter the metric and its stderr as
+  lm-eval computed them, and one row per (doc, filter) with the raw generation, the extracted answer,
+  the target and the 0/1 score; plus lm-eval's config, its version and the wall time.
+- Exit 0 with OUT written, or non-zero with the error on stderr (OUT not written). A separate process
+  keeps lm-eval's logging, its global state and the offline switches out of the caller.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+               "HF_HUB_DISABLE_TELEMETRY": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+@dataclass
+class LmEvalSpec:
+    tasks: list[str]
+    include_path: str
+    base_url: str  # .../v1/completions
+    model: str
+    num_fewshot: int | None = None
+    limit: int | None = None
+    num_concurrent: int = 4
+    tokenizer_backend: str = "none"  # none | remote
+    max_length: int | None = None  # lm-eval's context budget (remote tokenizer only): prompt + max_gen_toks
+    timeout_s: int = 1800
+    max_retries: int = 3
+    seed: int = 1234
+    extra_model_args: dict[str, Any] = field(default_factory=dict)
+
+    def model_args(self) -> dict[str, Any]:
+        args: dict[str, Any] = {"model": self.model, "base_url": self.base_url,
+                                "tokenizer_backend": self.tokenizer_backend,
+                                "num_concurrent": self.num_concurrent, "max_retries": self.max_retries,
+                                "timeout": self.timeout_s, "seed": self.seed}
+        if self.max_length is not None:
+            args["max_length"] = self.max_length
+        args.update(self.extra_model_args)
+        return args
+
+    def model_args_str(self) -> str:
+        """The `--model_args` string that reproduces this run with the lm-eval CLI."""
+        return ",".join(f"{k}={v}" for k, v in self.model_args().items())
+
+
+def _sample_row(s: dict) -> dict:
+    resps = s.get("resps") or [[None]]
+    raw = resps[0][0] if resps and resps[0] else None
+    filt = s.get("filtered_resps") or [None]
+    metric_keys = [m for m in (s.get("metrics") or []) if m in s]
+    return {"doc_id": s["doc_id"], "filter": s["filter"], "target": s.get("target"),
+            "raw": raw, "extracted": filt[0], "scores": {m: s[m] for m in metric_keys},
+            "prompt_hash": s.get("prompt_hash"), "question": (s.get("doc") or {}).get("question")}
+
+
+def summarize(res: dict, tasks: list[str]) -> dict:
+    """simple_evaluate's result -> the worker's compact JSON (pure; tested without lm-eval)."""
+    out: dict[str, Any] = {}
+    for task in tasks:
+        metrics = res["results"].get(task, {})
+        by_filter: dict[str, dict[str, Any]] = {}
+        for key, value in metrics.items():
+            if "," not in key:
+                continue  # "alias" and the like
+            metric, filt = key.split(",", 1)
+            if metric.endswith("_stderr"):
+                continue
+            stderr = metrics.get(f"{metric}_stderr,{filt}")
+            by_filter.setdefault(filt, {})[metric] = {
+                "value": value, "stderr": stderr if isinstance(stderr, int | float) else None}
+        out[task] = {"version": (res.get("versions") or {}).get(task),
+                     "n": (res.get("n-samples") or {}).get(task, {}).get("effective"),
+                     "n_shot": (res.get("n-shot") or {}).get(task),
+                     "filters": by_filter,
+                     "samples": [_sample_row(s) for s in (res.get("samples") or {}).get(task, [])]}
+    return out
+
+
+def run(spec: LmEvalSpec) -> dict:
+    for k, v in OFFLINE_ENV.items():
+        os.environ.setdefault(k, v)
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    tm = TaskManager(include_path=spec.include_path, include_defaults=False)
+    t0 = time.perf_counter()
+    res = lm_eval.simple_evaluate(model="local-completions", model_args=spec.model_args(), tasks=spec.tasks,
+                                  num_fewshot=spec.num_fewshot, limit=spec.limit, log_samples=True,
+                                  task_manager=tm, random_seed=0, numpy_random_seed=1234,
+                                  torch_random_seed=1234, fewshot_random_seed=1234)
+    wall = time.perf_counter() - t0
+    if res is None:
+        raise RuntimeError("lm_eval.simple_evaluate returned nothing (not rank 0?)")
+    return {"tasks": summarize(res, spec.tasks), "wall_s": wall, "lm_eval_version": _version(),
+            "model_args": spec.model_args_str(), "config": _jsonable(res.get("config") or {}),
+            "spec": asdict(spec)}
+
+
+def _version() -> str:
+    from importlib.metadata import version
+
+    return version("lm_eval")
+
+
+def _jsonable(x: Any) -> Any:
+    return json.loads(json.dumps(x, default=str))
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print("usage: python -m specbench.suites.evalparity.worker SPEC.json OUT.json", file=sys.stderr)
+        return 2
+    spec = LmEvalSpec(**json.loads(Path(argv[0]).read_text(encoding="utf-8")))
+    out = run(spec)
+    tmp = Path(argv[1]).with_suffix(".tmp")
+    tmp.write_text(json.dumps(out, default=str), encoding="utf-8")
+    tmp.replace(argv[1])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
