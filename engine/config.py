@@ -267,6 +267,7 @@ class EngineConfig:
     seed: int = 0
     spec: SpecConfig = field(default_factory=SpecConfig)
     faults: tuple[str, ...] = ()
+    trace_ranges: bool = False  # NVTX / record_function ranges around step phases (for profiling)
 
     def __post_init__(self) -> None:
         _need(self.dtype in ("float32", "bfloat16", "float16"), "dtype", self.dtype,

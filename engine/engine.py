@@ -26,6 +26,7 @@ from .memory import plan_pages
 from .metrics import EngineMetrics
 from .models.dflash import DFlashDraftModel
 from .models.qwen3 import Qwen3ForCausalLM
+from .ranges import NO_RANGES, ProfilerRanges
 from .request import Request
 from .runner import ModelRunner
 from .sampler import make_generator, sampling_probs, select, topk_logprobs
@@ -112,6 +113,7 @@ class LLMEngine:
         self._gens: dict[str, torch.Generator] = {}
         if self.proposer is not None:
             self.proposer.generators = self._gens  # sampled drafts use the request's own generator
+        self.ranges = ProfilerRanges() if cfg.trace_ranges else NO_RANGES
         self._gen = torch.Generator().manual_seed(cfg.seed)
         self._ids = itertools.count()
         self._lock = threading.RLock()
@@ -195,10 +197,12 @@ class LLMEngine:
                 for r in self.scheduler.running:
                     if not r.in_prefill and self.eligible(r) and r.remaining >= 2 and self.proposer.ready(r):
                         ks[r.rid] = min(self.k, r.remaining - 1)
-            plan = self.scheduler.schedule(ks)
+            with self.ranges.phase("schedule"):
+                plan = self.scheduler.schedule(ks)
             if not plan.spans:
                 return []
-            self._propose(plan, ks)
+            with self.ranges.phase("draft"):
+                self._propose(plan, ks)
             return self._execute(plan)
 
     def _propose(self, plan: StepPlan, ks: dict[str, int]) -> None:
@@ -231,16 +235,23 @@ class LLMEngine:
             rows += [off + j for j in want]
             off += n
         tap = self.proposer.tap_layers if self.proposer else ()
-        logits, taps = self.runner.forward(plan.spans, rows, tap)
+        phase = "verify" if any(s.kind == "verify" for s in plan.spans) else "forward"
+        with self.ranges.phase(phase):
+            logits, taps = self.runner.forward(plan.spans, rows, tap)
         committed: list[int] = []
         new_tokens: list[list[int]] = []
         new_lps: list[list | None] = []
-        for s, (r0, cnt) in zip(plan.spans, row_of, strict=True):
-            lg = logits[r0:r0 + cnt]
-            c, toks, lps = self._resolve(s, lg)
-            committed.append(c)
-            new_tokens.append(toks)
-            new_lps.append(lps)
+        with self.ranges.phase("accept"):
+            for s, (r0, cnt) in zip(plan.spans, row_of, strict=True):
+                c, toks, lps = self._resolve(s, logits[r0:r0 + cnt])
+                committed.append(c)
+                new_tokens.append(toks)
+                new_lps.append(lps)
+        with self.ranges.phase("commit"):
+            return self._commit(plan, committed, new_tokens, new_lps, taps)
+
+    def _commit(self, plan: StepPlan, committed: list[int], new_tokens: list[list[int]], new_lps: list,
+                taps: torch.Tensor | None) -> list[RequestOutput]:
         if self.proposer is not None:
             self.proposer.observe(plan.spans, committed, taps, [self.eligible(s.req) for s in plan.spans])
         leak = "skip_rollback" in self.faults
