@@ -65,7 +65,8 @@ class PosLogprobs:
     token_id: int | None
     logprob: float | None
     top: dict[int, float] = field(default_factory=dict)
-    token: str | None = None  # the token's text where the engine only reports strings
+    token: str | None = None  # the token's text where the engine reports strings, not ids
+    top_text: dict[str, float] | None = None  # top-k keyed by token text, when ids are not reported
 
 
 @dataclass

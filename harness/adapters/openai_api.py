@@ -1,0 +1,251 @@
+"""`openai` adapter: a remote OpenAI-compatible endpoint (vLLM, SGLang, pegainfer, `specbench serve`).
+
+Contract:
+- base_url may be the server root, .../v1, or a full .../v1/completions URL; `root` serves /tokenize,
+  /metrics, /version and `api` (= root + /v1) the OpenAI routes. Without model=, the first id of
+  GET /v1/models is used.
+- Text and token-id prompts go to /v1/completions, messages to /v1/chat/completions. Streaming (the
+  default) asks for `stream_options: {include_usage, continuous_usage_stats}` and, with extras on (the
+  default), vLLM's `return_token_ids` and `return_tokens_as_token_ids`, which make output ids and
+  per-chunk token counts exact; servers that ignore them fall back as openai_stream.py documents.
+  t_send is taken just before the request is written, each SSE event is timed on arrival.
+- Connect errors, 429 and 5xx answers before any output are retried (at most `retries` times,
+  exponential backoff from `backoff` s); anything else (4xx, a read timeout, a stream that breaks after
+  output started) fails that request only: ok=False with the error text, `attempts` recorded.
+- One httpx.AsyncClient per event loop (an adapter may be driven by several asyncio.run calls).
+- score() uses echo + logprobs + max_tokens=0 (retried with max_tokens=1 if refused) with token-id
+  prompts; spec_counters() scrapes /metrics (prom.py); tokenize() uses vLLM's POST /tokenize.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import httpx
+
+from .base import EngineAdapter, GenRequest, GenResult, ScoreResult, failed
+from .openai_stream import StreamAccumulator, legacy_positions
+from .prom import spec_counters_from_metrics
+
+
+class _Retry(Exception):
+    """A failure before any output that is worth another attempt."""
+
+
+def split_url(base_url: str) -> tuple[str, str]:
+    url = base_url.strip().rstrip("/")
+    for suffix in ("/v1/chat/completions", "/v1/completions", "/v1"):
+        if url.endswith(suffix):
+            url = url[: -len(suffix)]
+            break
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"base_url={base_url!r} is invalid: expected http(s)://host:port[/v1]")
+    return url, url + "/v1"
+
+
+def _error_text(status: int, body: bytes) -> str:
+    try:
+        err = json.loads(body).get("error")
+        msg = err.get("message") if isinstance(err, dict) else err
+    except (ValueError, AttributeError):
+        msg = body.decode("utf-8", "replace")[:500]
+    return f"HTTP {status}: {msg}"
+
+
+class OpenAIAdapter(EngineAdapter):
+    kind = "openai"
+
+    def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None, name: str | None = None,
+                 stream: bool = True, extras: bool = True, continuous_usage: bool = True, timeout: float = 600.0,
+                 connect_timeout: float = 10.0, retries: int = 3, backoff: float = 0.5,
+                 max_connections: int = 1024, extra_body: dict | None = None) -> None:
+        super().__init__(name or "openai")
+        self.root, self.api = split_url(base_url)
+        self.model = model
+        self.stream, self.extras, self.continuous_usage = stream, extras, continuous_usage
+        self.timeout = httpx.Timeout(timeout, connect=connect_timeout)
+        self.retries, self.backoff = retries, backoff
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        self.extra_body = dict(extra_body or {})
+        self._cli: httpx.AsyncClient | None = None
+        self._cli_loop: asyncio.AbstractEventLoop | None = None
+        self._tokenize_ok: bool | None = None
+        self._info: dict | None = None
+
+    # ---- plumbing --------------------------------------------------------------------------------
+    def _client(self) -> httpx.AsyncClient:
+        loop = asyncio.get_running_loop()
+        if self._cli is None or self._cli_loop is not loop:
+            self._cli = httpx.AsyncClient(timeout=self.timeout, limits=self.limits, headers=self.headers)
+            self._cli_loop = loop
+        return self._cli
+
+    async def _model(self) -> str:
+        if self.model is None:
+            r = await self._client().get(self.api + "/models")
+            r.raise_for_status()
+            self.model = r.json()["data"][0]["id"]
+        return self.model
+
+    def _body(self, req: GenRequest, model: str) -> dict:
+        body: dict[str, Any] = {"model": model, "max_tokens": req.max_tokens, "temperature": req.temperature,
+                                "top_p": req.top_p, "stream": self.stream}
+        if req.messages is not None:
+            body["messages"] = req.messages
+        else:
+            body["prompt"] = req.prompt
+        if req.top_k:
+            body["top_k"] = req.top_k
+        if req.seed is not None:
+            body["seed"] = req.seed
+        if req.stop:
+            body["stop"] = list(req.stop)
+        if req.ignore_eos:
+            body["ignore_eos"] = True
+        if self.stream:
+            body["stream_options"] = {"include_usage": True}
+            if self.continuous_usage:
+                body["stream_options"]["continuous_usage_stats"] = True
+        if req.logprobs is not None:
+            if req.messages is not None:
+                body["logprobs"], body["top_logprobs"] = True, req.logprobs
+            else:
+                body["logprobs"] = req.logprobs
+        if self.extras:
+            body["return_token_ids"] = True
+            if req.logprobs is not None:
+                body["return_tokens_as_token_ids"] = True
+        body.update(self.extra_body)
+        return body
+
+    # ---- generation ------------------------------------------------------------------------------
+    async def generate_one(self, req: GenRequest) -> GenResult:
+        rid = self._rid(req)
+        t0 = time.perf_counter()
+        try:
+            model = await self._model()
+        except Exception as e:
+            return failed(req, rid, f"cannot resolve the model from {self.api}/models: {type(e).__name__}: {e}", t0)
+        url = self.api + ("/chat/completions" if req.messages is not None else "/completions")
+        body = self._body(req, model)
+        last = ""
+        for attempt in range(1, self.retries + 2):
+            try:
+                return await self._attempt(req, rid, url, body, attempt)
+            except _Retry as e:
+                last = str(e)
+                if attempt <= self.retries:
+                    await asyncio.sleep(self.backoff * 2 ** (attempt - 1))
+        return failed(req, rid, f"gave up after {self.retries + 1} attempts: {last}", t0, self.retries + 1)
+
+    async def _attempt(self, req: GenRequest, rid: str, url: str, body: dict, attempt: int) -> GenResult:
+        acc = StreamAccumulator(chat=req.messages is not None, top_k=req.logprobs)
+        res = GenResult(rid=rid, ok=True, t_send=time.perf_counter(), wall_send=time.time(), attempts=attempt,
+                        meta=dict(req.meta))
+        started = False
+        try:
+            async with self._client().stream("POST", url, json=body) as resp:
+                if resp.status_code != 200:
+                    msg = _error_text(resp.status_code, await resp.aread())
+                    if resp.status_code == 429 or resp.status_code >= 500:
+                        raise _Retry(msg)
+                    return failed(req, rid, msg, res.t_send, attempt)
+                if not self.stream:
+                    obj = json.loads(await resp.aread())
+                    acc.feed(obj, time.perf_counter())
+                else:
+                    async for line in resp.aiter_lines():
+                        if not line.startswith("data:"):
+                            continue
+                        data = line[5:].strip()
+                        if data == "[DONE]":
+                            break
+                        started = True
+                        acc.feed(json.loads(data), time.perf_counter())
+        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError) as e:
+            if not started:
+                raise _Retry(f"{type(e).__name__}: {e}") from e
+            return self._broken(req, rid, res, acc, f"{type(e).__name__} after output started: {e}")
+        except (httpx.HTTPError, json.JSONDecodeError) as e:
+            return self._broken(req, rid, res, acc, f"{type(e).__name__}: {e}")
+        res.t_end = time.perf_counter()
+        acc.finish(res)
+        if not self.stream:  # one body: everything arrived at once
+            res.t_first = res.t_end
+        return res
+
+    def _broken(self, req: GenRequest, rid: str, res: GenResult, acc: StreamAccumulator, msg: str) -> GenResult:
+        res.t_end = time.perf_counter()
+        acc.finish(res)
+        res.ok, res.error = False, msg
+        return res
+
+    # ---- the rest of the contract ----------------------------------------------------------------
+    async def score(self, prompt_ids: list[int], continuation_ids: list[int], top_k: int = 1) -> ScoreResult | None:
+        ids = list(prompt_ids) + list(continuation_ids)
+        n, m = len(prompt_ids), len(continuation_ids)
+        body: dict[str, Any] = {"model": await self._model(), "prompt": ids, "max_tokens": 0, "echo": True,
+                                "logprobs": top_k, "temperature": 0.0}
+        if self.extras:
+            body["return_tokens_as_token_ids"] = True
+        cli = self._client()
+        r = await cli.post(self.api + "/completions", json=body)
+        if r.status_code == 400 and "max_tokens" in r.text:
+            r = await cli.post(self.api + "/completions", json={**body, "max_tokens": 1})
+        if r.status_code != 200:
+            return None
+        pos = legacy_positions(r.json()["choices"][0].get("logprobs"), top_k)
+        if len(pos) < n + m:
+            return None
+        out = pos[n:n + m]
+        for p, t in zip(out, continuation_ids, strict=True):
+            p.token_id = t if p.token_id is None else p.token_id
+        return ScoreResult(out)
+
+    async def spec_counters(self) -> dict | None:
+        try:
+            r = await self._client().get(self.root + "/metrics")
+        except httpx.HTTPError:
+            return None
+        if r.status_code != 200:
+            return None
+        return spec_counters_from_metrics(r.text, self.model)
+
+    async def tokenize(self, text: str) -> list[int] | None:
+        if self._tokenize_ok is False:
+            return None
+        body = {"model": await self._model(), "prompt": text, "add_special_tokens": False}
+        r = await self._client().post(self.root + "/tokenize", json=body)
+        if r.status_code != 200 or not isinstance(r.json().get("tokens"), list):
+            self._tokenize_ok = False
+            return None
+        self._tokenize_ok = True
+        return list(r.json()["tokens"])
+
+    def describe(self) -> dict:
+        if self._info is None:
+            info: dict[str, Any] = {}
+            try:
+                with httpx.Client(timeout=5.0, headers=self.headers) as c:
+                    models = c.get(self.api + "/models").json().get("data") or []
+                    info["models"] = models
+                    if self.model is None and models:
+                        self.model = models[0].get("id")
+                    v = c.get(self.root + "/version")
+                    info["version"] = v.json().get("version") if v.status_code == 200 else None
+            except (httpx.HTTPError, ValueError) as e:
+                info["error"] = f"{type(e).__name__}: {e}"
+            self._info = info
+        return {"name": self.name, "kind": self.kind, "version": self._info.get("version"), "model": self.model,
+                "config": {"base_url": self.root, "stream": self.stream, "extras": self.extras,
+                           "timeout": self.timeout.read, "retries": self.retries},
+                "server": self._info}
+
+    async def aclose(self) -> None:
+        if self._cli is not None and self._cli_loop is asyncio.get_running_loop():
+            await self._cli.aclose()
+        self._cli, self._cli_loop = None, None

@@ -1,0 +1,173 @@
+"""Turning OpenAI-format responses (SSE chunks or one JSON body) into a `GenResult`.
+
+Contract: `StreamAccumulator.feed(obj, t)` takes each decoded `data:` event with its arrival time;
+`finish(res)` fills the result. Tokens per chunk are counted by the first method that the response
+supports, recorded as `token_count_method`:
+  "token_ids"    - the chunk's `token_ids` (vLLM's return_token_ids; specbench serve): exact;
+  "logprobs"     - the number of logprob entries in the chunk: exact;
+  "usage"        - differences of running usage.completion_tokens (continuous_usage_stats): exact;
+  "proportional" - the final usage.completion_tokens spread over the chunks by their characters
+                   (largest remainder, so the counts sum to the server's total): an estimate;
+  "chunks"       - one token per chunk (no usage at all): a lower bound under speculation.
+A chunk counts (gets a time) when it carries text or tokens; usage-only and role-only events do not.
+Logprob token strings of the form "token_id:<id>" (return_tokens_as_token_ids) become ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .base import GenResult, PosLogprobs
+
+
+def token_id(s: str | None) -> int | None:
+    if isinstance(s, str) and s.startswith("token_id:"):
+        try:
+            return int(s[9:])
+        except ValueError:
+            return None
+    return None
+
+
+def _top(d: dict, k: int | None) -> dict:
+    """The k best entries (servers like vLLM add the chosen token, giving k + 1)."""
+    if k is None or len(d) <= k:
+        return d
+    return dict(sorted(d.items(), key=lambda kv: -(kv[1] if kv[1] is not None else float("-inf")))[:k])
+
+
+def legacy_positions(lp: dict | None, k: int | None = None) -> list[PosLogprobs]:
+    """Legacy completions logprobs {tokens, token_logprobs, top_logprobs} -> positions (top trimmed to k)."""
+    if not lp:
+        return []
+    toks = lp.get("tokens") or []
+    vals = lp.get("token_logprobs") or []
+    tops = lp.get("top_logprobs") or []
+    out = []
+    for i, s in enumerate(toks):
+        top = _top(tops[i], k) if i < len(tops) and tops[i] else {}
+        ids = {token_id(k): v for k, v in top.items()}
+        as_ids = all(k is not None for k in ids)
+        out.append(PosLogprobs(token_id=token_id(s), logprob=vals[i] if i < len(vals) else None,
+                               top={k: v for k, v in ids.items() if k is not None} if as_ids else {},
+                               token=s, top_text=None if as_ids else dict(top)))
+    return out
+
+
+def chat_positions(lp: dict | None, k: int | None = None) -> list[PosLogprobs]:
+    out = []
+    for e in (lp or {}).get("content") or []:
+        alts = (e.get("top_logprobs") or [])[: k if k is not None else None]
+        ids = {token_id(a.get("token")): a.get("logprob") for a in alts}
+        as_ids = all(k is not None for k in ids)
+        out.append(PosLogprobs(token_id=token_id(e.get("token")), logprob=e.get("logprob"),
+                               top={k: v for k, v in ids.items() if k is not None} if as_ids else {},
+                               token=e.get("token"),
+                               top_text=None if as_ids else {a.get("token"): a.get("logprob") for a in alts}))
+    return out
+
+
+@dataclass
+class StreamAccumulator:
+    chat: bool
+    top_k: int | None = None
+    texts: list[str] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    have_ids: bool = False
+    positions: list[PosLogprobs] = field(default_factory=list)
+    have_lps: bool = False
+    times: list[float] = field(default_factory=list)
+    counts: list[int | None] = field(default_factory=list)
+    chars: list[int] = field(default_factory=list)
+    methods: set[str] = field(default_factory=set)
+    usage: dict | None = None
+    running_tokens: int = 0
+    finish_reason: str | None = None
+    spec: dict | None = None
+    error: str | None = None
+
+    def feed(self, obj: dict, t: float) -> None:
+        if "error" in obj:
+            err = obj["error"]
+            self.error = err.get("message", str(err)) if isinstance(err, dict) else str(err)
+            return
+        usage = obj.get("usage")
+        if obj.get("spec_decode") is not None:
+            self.spec = obj["spec_decode"]
+        for ch in obj.get("choices") or []:
+            if ch.get("index", 0) != 0:
+                continue
+            text = (ch.get("delta") or {}).get("content") if self.chat else ch.get("text")
+            text = text or ""
+            n: int | None = None
+            if ch.get("token_ids") is not None:
+                self.have_ids = True
+                self.ids += list(ch["token_ids"])
+                n, method = len(ch["token_ids"]), "token_ids"
+            lp = ch.get("logprobs")
+            pos = chat_positions(lp, self.top_k) if self.chat else legacy_positions(lp, self.top_k)
+            if ch.get("logprobs") is not None:
+                self.have_lps = True
+                self.positions += pos
+                if n is None:
+                    n, method = len(pos), "logprobs"
+            if n is None and usage and usage.get("completion_tokens") is not None:
+                n, method = usage["completion_tokens"] - self.running_tokens, "usage"
+            if ch.get("finish_reason"):
+                self.finish_reason = ch["finish_reason"]
+            if ch.get("spec_decode") is not None:
+                self.spec = ch["spec_decode"]
+            if text or n:
+                self.texts.append(text)
+                self.times.append(t)
+                self.counts.append(n)
+                self.chars.append(len(text))
+                if n is not None:
+                    self.methods.add(method)
+        if usage:
+            self.usage = usage
+            if usage.get("completion_tokens") is not None:
+                self.running_tokens = usage["completion_tokens"]
+
+    def finish(self, res: GenResult) -> GenResult:
+        res.text = "".join(self.texts)
+        res.finish_reason = self.finish_reason
+        res.spec = self.spec
+        if self.usage:
+            res.prompt_tokens = self.usage.get("prompt_tokens")
+            res.completion_tokens = self.usage.get("completion_tokens")
+        if self.have_ids:
+            res.output_ids = list(self.ids)
+        elif self.positions and all(p.token_id is not None for p in self.positions):
+            res.output_ids = [p.token_id for p in self.positions]  # type: ignore[misc]
+        if res.completion_tokens is None and res.output_ids is not None:
+            res.completion_tokens = len(res.output_ids)
+        if self.have_lps:
+            res.logprobs = self.positions
+        res.chunk_times = list(self.times)
+        res.chunk_tokens, res.token_count_method = self._counts(res.completion_tokens)
+        if self.times:
+            res.t_first = self.times[0]
+        if self.error:
+            res.ok, res.error = False, self.error
+        return res
+
+    def _counts(self, total: int | None) -> tuple[list[int], str]:
+        if all(c is not None for c in self.counts):
+            method = "+".join(sorted(self.methods)) or "token_ids"
+            return [int(c) for c in self.counts], method  # type: ignore[arg-type]
+        known = sum(c for c in self.counts if c is not None)
+        unknown = [i for i, c in enumerate(self.counts) if c is None]
+        if total is None:
+            return [c if c is not None else 1 for c in self.counts], "chunks"
+        left = max(0, total - known)
+        chars = [max(1, self.chars[i]) for i in unknown]
+        quota = [left * c / sum(chars) for c in chars]
+        base = [int(q) for q in quota]
+        order = sorted(range(len(unknown)), key=lambda j: -(quota[j] - base[j]))
+        for j in order[: left - sum(base)]:
+            base[j] += 1
+        out = [c if c is not None else 0 for c in self.counts]
+        for j, i in enumerate(unknown):
+            out[i] = base[j]
+        return out, "proportional"

@@ -1,0 +1,84 @@
+"""Prometheus text parsing and the speculative-decoding counters engines publish.
+
+Contract: `parse_prometheus(text)` returns every sample as (name, labels, value); comments, blank
+lines and malformed lines are skipped, never fatal. `spec_counters_from_metrics(text, model=None)`
+reads vLLM's counters (summed over label sets such as engine index; restricted to `model_name=model`
+when that label is present and matches anything) and SGLang's accept-length gauges:
+  vllm:spec_decode_num_drafts_total, vllm:spec_decode_num_draft_tokens_total,
+  vllm:spec_decode_num_accepted_tokens_total, vllm:spec_decode_num_accepted_tokens_per_pos_total{position}
+  sglang:spec_accept_length (and any other sglang:spec_* gauge, kept under "gauges").
+It returns None when the text has none of them.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)(\s+\S+)?$")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"')
+
+VLLM = "vllm:spec_decode_"
+COUNTERS = {"num_drafts": VLLM + "num_drafts_total", "num_draft_tokens": VLLM + "num_draft_tokens_total",
+            "num_accepted_tokens": VLLM + "num_accepted_tokens_total"}
+PER_POS = VLLM + "num_accepted_tokens_per_pos_total"
+
+
+def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE.match(line)
+        if not m:
+            continue
+        try:
+            value = float(m.group(4))
+        except ValueError:
+            continue
+        labels = {k: v.replace('\\"', '"').replace("\\\\", "\\") for k, v in _LABEL.findall(m.group(3) or "")}
+        out.append((m.group(1), labels, value))
+    return out
+
+
+def _num(v: float) -> int | float:
+    return int(v) if math.isfinite(v) and float(v).is_integer() else v
+
+
+def spec_counters_from_metrics(text: str, model: str | None = None) -> dict | None:
+    samples = parse_prometheus(text)
+    if model is not None:
+        # Only filter when the server labels samples with this model; otherwise keep everything.
+        mine = [s for s in samples if s[1].get("model_name") in (None, model)]
+        if any(s[1].get("model_name") == model for s in samples):
+            samples = mine
+    sums: dict[str, float] = {}
+    per_pos: dict[int, float] = {}
+    gauges: dict[str, float] = {}
+    found = False
+    for name, labels, value in samples:
+        if name == PER_POS and "position" in labels:
+            try:
+                pos = int(labels["position"])
+            except ValueError:
+                continue
+            per_pos[pos] = per_pos.get(pos, 0.0) + value
+            found = True
+        elif name in COUNTERS.values():
+            sums[name] = sums.get(name, 0.0) + value
+            found = True
+        elif name.startswith("sglang:spec_"):
+            gauges[name] = value
+            found = True
+    if not found:
+        return None
+    out: dict = {k: (_num(sums[n]) if n in sums else None) for k, n in COUNTERS.items()}
+    n = max(per_pos) + 1 if per_pos else 0
+    out["accepted_per_pos"] = [_num(per_pos.get(i, 0.0)) for i in range(n)]
+    if gauges:
+        out["gauges"] = gauges
+        if "sglang:spec_accept_length" in gauges:
+            out["accept_length"] = gauges["sglang:spec_accept_length"]
+    out["source"] = "metrics"
+    return out

@@ -1,0 +1,171 @@
+"""Engine strings: how every command names the engine(s) it talks to, and the adapters they build.
+
+Forms (options are comma-separated key=value after the target):
+  local[:<model_dir>][,draft=<dir>][,spec=off|dflash|ngram][,k=N][,device=cpu|cuda[:i]][,dtype=D]
+        [,num_pages=N][,faults=a+b][,name=X]     (no model_dir = the bundled tiny pair)
+  openai:<base_url>[,model=M][,stream=0|1][,extras=0|1][,timeout=S][,retries=N][,api_key=K][,name=X]
+  hf:<model_dir>[,assistant=<dir>][,lookup=N][,device=...][,dtype=...][,name=X]
+With no engine string at all, `default_engines()` gives the bundled tiny pair: the baseline with
+speculation off and the candidate with speculation on (dflash; ngram while the drafter is absent).
+Contract: `parse_engine` never touches the network or loads weights; it checks the form, the option
+names and values, and that local directories exist, raising `EngineStringError` (a ValueError) whose
+message names the bad part and lists the accepted forms. The CLI turns it into exit code 2.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .adapters.base import EngineAdapter
+
+FORMS = ("local[:<model_dir>][,draft=<dir>][,spec=off|dflash|ngram][,k=N][,device=cpu|cuda][,dtype=...]",
+         "openai:<base_url>[,model=M]", "hf:<model_dir>[,assistant=<dir>][,lookup=N]")
+OPTIONS = {
+    "local": ("draft", "spec", "k", "device", "dtype", "num_pages", "faults", "name", "max_model_len"),
+    "openai": ("model", "stream", "extras", "timeout", "retries", "api_key", "name"),
+    "hf": ("assistant", "lookup", "device", "dtype", "name"),
+}
+SPECS = ("off", "dflash", "ngram")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class EngineStringError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    kind: str
+    target: str
+    options: dict[str, str] = field(default_factory=dict)
+    raw: str = ""
+
+    def opt_int(self, key: str) -> int | None:
+        return int(self.options[key]) if key in self.options else None
+
+    def opt_bool(self, key: str, default: bool) -> bool:
+        return self.options[key] in ("1", "true", "yes", "on") if key in self.options else default
+
+
+def _fail(raw: str, what: str) -> EngineStringError:
+    return EngineStringError(f"engine string {raw!r}: {what}. Accepted forms: " + "; ".join(FORMS))
+
+
+def _check_int(raw: str, opts: dict[str, str], key: str, lo: int) -> None:
+    if key in opts:
+        v = opts[key]
+        if not v.lstrip("-").isdigit() or int(v) < lo:
+            raise _fail(raw, f"{key}={v!r} is invalid: expected an integer >= {lo}")
+
+
+def _check_dir(raw: str, what: str, path: str) -> None:
+    if not Path(path).is_dir():
+        raise _fail(raw, f"{what} directory {path!r} does not exist")
+
+
+def parse_engine(raw: str) -> EngineSpec:
+    s = raw.strip()
+    m = re.match(r"^([A-Za-z_]+)(:|,|$)", s)
+    kind = m.group(1) if m else s.split(":")[0].split(",")[0]
+    if kind not in OPTIONS or m is None:
+        raise _fail(raw, f"unknown engine kind {kind!r} (expected local, openai or hf before the ':')")
+    sep = m.group(2)
+    rest = s[len(kind) + 1:] if sep == ":" else ("," + s[len(kind) + 1:] if sep == "," else "")
+    target, *parts = rest.split(",")
+    opts: dict[str, str] = {}
+    for p in parts:
+        key, eq, val = p.partition("=")
+        if not eq or not key.strip():
+            raise _fail(raw, f"option {p!r} is not key=value")
+        key = key.strip()
+        if key not in OPTIONS[kind]:
+            raise _fail(raw, f"unknown option {key!r} for {kind} (accepted: {', '.join(OPTIONS[kind])})")
+        opts[key] = val.strip()
+    target = target.strip()
+    if kind in ("openai", "hf") and not target:
+        raise _fail(raw, f"{kind} needs a target after '{kind}:'")
+    if kind == "openai" and not target.startswith(("http://", "https://")):
+        raise _fail(raw, f"base_url {target!r} must start with http:// or https://")
+    if kind in ("local", "hf") and target:
+        _check_dir(raw, "model", target)
+    for key in ("draft", "assistant"):
+        if key in opts:
+            _check_dir(raw, key, opts[key])
+    if opts.get("spec") is not None and opts["spec"] not in SPECS:
+        raise _fail(raw, f"spec={opts['spec']!r} is invalid: expected one of {', '.join(SPECS)}")
+    if opts.get("dtype") is not None and opts["dtype"] not in DTYPES:
+        raise _fail(raw, f"dtype={opts['dtype']!r} is invalid: expected one of {', '.join(DTYPES)}")
+    dev = opts.get("device")
+    if dev is not None and not (dev == "cpu" or dev == "cuda" or (dev.startswith("cuda:") and dev[5:].isdigit())):
+        raise _fail(raw, f"device={dev!r} is invalid: expected cpu, cuda or cuda:<index>")
+    for key, lo in (("k", 1), ("lookup", 1), ("retries", 0), ("num_pages", 1), ("max_model_len", 1)):
+        _check_int(raw, opts, key, lo)
+    if "timeout" in opts:
+        try:
+            assert float(opts["timeout"]) > 0
+        except (ValueError, AssertionError):
+            raise _fail(raw, f"timeout={opts['timeout']!r} is invalid: expected seconds > 0") from None
+    if opts.get("spec") == "dflash" and "draft" not in opts and target:
+        raise _fail(raw, "spec=dflash needs draft=<dir>")
+    return EngineSpec(kind, target, opts, raw)
+
+
+def bundled() -> tuple[str, str | None]:
+    """The bundled tiny pair: (target_dir, draft_dir or None while the drafter is not built)."""
+    from .fixtures import bundled_pair
+
+    target, draft = bundled_pair()
+    return str(target), (str(draft) if draft and Path(draft).is_dir() else None)
+
+
+def default_engines() -> tuple[EngineSpec, EngineSpec]:
+    """(baseline, candidate) on the bundled pair: spec off vs spec on."""
+    target, draft = bundled()
+    base = EngineSpec("local", target, {"spec": "off", "name": "baseline"}, f"local:{target},spec=off")
+    if draft:
+        cand = EngineSpec("local", target, {"draft": draft, "spec": "dflash", "name": "candidate"},
+                          f"local:{target},draft={draft},spec=dflash")
+    else:
+        cand = EngineSpec("local", target, {"spec": "ngram", "name": "candidate"}, f"local:{target},spec=ngram")
+    return base, cand
+
+
+def build_adapter(spec: EngineSpec | str, name: str | None = None) -> EngineAdapter:
+    """Build the adapter an engine string names (loads weights for local/hf)."""
+    spec = parse_engine(spec) if isinstance(spec, str) else spec
+    o = spec.options
+    name = name or o.get("name")
+    if spec.kind == "local":
+        from .adapters.local import LocalAdapter
+
+        target, draft = spec.target, o.get("draft")
+        if not target:
+            target, bdraft = bundled()
+            draft = draft or bdraft
+        method = o.get("spec") or ("dflash" if draft else "off")
+        if method == "dflash" and not draft:
+            raise EngineStringError(f"engine string {spec.raw!r}: spec=dflash needs draft=<dir> "
+                                    "(the bundled drafter is not built yet; use spec=ngram)")
+        kw: dict = {}
+        if "num_pages" in o:
+            kw["num_pages"] = int(o["num_pages"])
+        if "max_model_len" in o:
+            kw["max_model_len"] = int(o["max_model_len"])
+        if "faults" in o:
+            kw["faults"] = tuple(f for f in o["faults"].split("+") if f)
+        return LocalAdapter.from_dirs(target, draft=draft, spec=method, k=spec.opt_int("k"),
+                                      device=o.get("device", "cpu"), dtype=o.get("dtype", "float32"), name=name, **kw)
+    if spec.kind == "openai":
+        from .adapters.openai_api import OpenAIAdapter
+
+        return OpenAIAdapter(spec.target, model=o.get("model"), api_key=o.get("api_key"), name=name,
+                             stream=spec.opt_bool("stream", True), extras=spec.opt_bool("extras", True),
+                             timeout=float(o.get("timeout", 600)), retries=int(o.get("retries", 3)))
+    from .adapters.hf import HFAdapter
+
+    return HFAdapter(spec.target, assistant=o.get("assistant"), lookup=spec.opt_int("lookup"),
+                     device=o.get("device", "cpu"), dtype=o.get("dtype", "float32"), name=name)
