@@ -34,6 +34,7 @@ from .scheduler import AdmissionError, Scheduler, Span, StepPlan
 from .spec.accept import accept_greedy
 from .spec.proposer import NgramProposer, Proposer
 from .spec.sampling import accept_sampled
+from .spec.synthetic import SyntheticAcceptance
 from .tokenizer import Tokenizer
 
 __all__ = ["LLMEngine", "RequestOutput", "AdmissionError"]
@@ -114,6 +115,8 @@ class LLMEngine:
         if self.proposer is not None:
             self.proposer.generators = self._gens  # sampled drafts use the request's own generator
         self.ranges = ProfilerRanges() if cfg.trace_ranges else NO_RANGES
+        self.synthetic = SyntheticAcceptance(spec.synthetic_tau, self.k, cfg.seed) \
+            if (spec.synthetic_tau is not None and self.spec_on) else None
         self._gen = torch.Generator().manual_seed(cfg.seed)
         self._ids = itertools.count()
         self._lock = threading.RLock()
@@ -137,7 +140,8 @@ class LLMEngine:
                 "dtype": self.cfg.dtype, "device": self.cfg.device, "num_pages": self.pool.num_pages,
                 "page_size": self.pool.page_size, "max_model_len": self.max_model_len,
                 "attention_backend": self.cfg.attention_backend, "eager": self.cfg.eager,
-                "batched_draft": self.cfg.spec.batched_draft, "faults": sorted(self.faults)}
+                "batched_draft": self.cfg.spec.batched_draft, "faults": sorted(self.faults),
+                "synthetic_tau": self.cfg.spec.synthetic_tau if self.synthetic else None}
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     rid: str | None = None) -> str:
@@ -300,6 +304,9 @@ class LLMEngine:
             return m + 1, toks, None
         argmax = lg.argmax(-1).tolist()
         m, toks = accept_greedy(list(s.drafts), argmax)
+        if self.synthetic is not None:  # speed curves only: the accept count is drawn, not matched
+            m = self.synthetic.draw(k)
+            toks = list(s.drafts[:m]) + [argmax[m]]
         if "accept_off_by_one" in self.faults and m < k:
             m += 1
             toks = list(s.drafts[:m]) + [argmax[m]]

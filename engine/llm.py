@@ -13,10 +13,11 @@ from .spec.proposer import Proposer
 class LLM:
     def __init__(self, model: str, draft: str | None = None, device: str = "cpu", dtype: str = "float32",
                  spec: str | None = "auto", num_speculative_tokens: int | None = None,
-                 batched_draft: bool = True, proposer: Proposer | None = None, **engine_kw) -> None:
+                 batched_draft: bool = True, proposer: Proposer | None = None, synthetic_tau: float | None = None,
+                 spec_sampling: bool = True, **engine_kw) -> None:
         method = ("dflash" if draft else None) if spec == "auto" else (None if spec in (None, "off") else spec)
         spec_cfg = SpecConfig(method=method, num_speculative_tokens=num_speculative_tokens,
-                              batched_draft=batched_draft)
+                              batched_draft=batched_draft, synthetic_tau=synthetic_tau, sampling=spec_sampling)
         self.engine = LLMEngine(EngineConfig(model=str(model), draft=str(draft) if draft else None, device=device,
                                              dtype=dtype, spec=spec_cfg, **engine_kw), proposer=proposer)
         self.tokenizer = self.engine.tokenizer

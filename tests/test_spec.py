@@ -202,3 +202,19 @@ def test_ngram_proposer_is_lossless(tiny_target, prompts, baseline):
     for b, o in zip(baseline, outs, strict=True):
         assert o.output_ids == b.output_ids
     assert llm.engine.metrics.num_drafts > 0
+
+
+def test_synthetic_acceptance_hits_tau_and_is_labelled(tiny_target, tiny_draft, prompts):
+    from specbench.engine.spec.synthetic import rate_for_tau
+
+    r = rate_for_tau(3.5, 7)
+    assert abs(sum(r ** i for i in range(1, 8)) - 2.5) < 1e-6
+    llm = LLM(tiny_target, draft=tiny_draft, num_pages=256, synthetic_tau=3.5)
+    assert llm.engine.describe()["synthetic_tau"] == 3.5
+    llm.generate(prompts, SamplingParams(max_tokens=64, ignore_eos=True))
+    m = llm.engine.metrics
+    k = llm.engine.k
+    full = [a for a in m.accepted_per_pos]  # per-position counts follow r^(i+1)
+    tau = 1 + m.num_accepted_tokens / m.num_drafts
+    assert 2.5 < tau < 4.5, tau  # truncation near max_tokens pulls it down a little
+    assert all(a >= b for a, b in zip(full, full[1:], strict=False)) and len(full) == k
