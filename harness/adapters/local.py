@@ -134,6 +134,14 @@ class LocalAdapter(EngineAdapter):
                 "num_accepted_tokens": snap["num_accepted_tokens"],
                 "accepted_per_pos": list(snap["accepted_per_pos"]), "source": "engine"}
 
+    async def health(self) -> dict:
+        """KV pool and queue snapshot (for leak checks): with nothing running, every page must be free."""
+        e = self.engine
+        with e._lock:
+            return {"kv_free_pages": e.pool.num_free, "kv_total_pages": e.pool.num_pages,
+                    "running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting),
+                    "pending": self.loop.num_pending}
+
     async def tokenize(self, text: str) -> list[int] | None:
         return self.engine.tokenizer.encode(text)
 
