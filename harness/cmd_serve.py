@@ -1,0 +1,51 @@
+"""`specbench serve`: the reference engine behind an OpenAI-compatible HTTP API (harness/server).
+
+Contract: loads the engine (refusing a bad model/draft/option with exit code 2 and one message naming
+it), then serves until SIGINT/SIGTERM. Speculation: dflash when --draft is given, else off, unless
+--spec says otherwise. Endpoints and errors: docs/server.md.
+"""
+
+from __future__ import annotations
+
+import typer
+
+
+def serve(
+    model: str | None = typer.Option(None, "--model", help="Target model directory (default: the bundled tiny target)."),
+    draft: str | None = typer.Option(None, "--draft", help="DFlash drafter directory."),
+    spec: str | None = typer.Option(None, "--spec", help="dflash | ngram | off (default: dflash with --draft, else off)."),
+    k: int | None = typer.Option(None, "--k", min=1, help="Draft tokens per step (default: block_size-1 / 4 for ngram)."),
+    host: str = typer.Option("127.0.0.1", "--host"),
+    port: int = typer.Option(8000, "--port", min=0, max=65535),
+    device: str = typer.Option("cpu", "--device", help="cpu | cuda | cuda:N"),
+    dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16"),
+    served_model_name: str | None = typer.Option(None, "--served-model-name",
+                                                 help="Model name clients send (default: the --model path)."),
+    max_pending: int = typer.Option(256, "--max-pending", min=1, help="Requests in flight before answering 503."),
+    max_model_len: int | None = typer.Option(None, "--max-model-len", min=1),
+    num_pages: int | None = typer.Option(None, "--num-pages", min=1, help="KV pages (default: sized by the engine)."),
+    log_level: str = typer.Option("info", "--log-level"),
+) -> None:
+    """Serve the reference engine with an OpenAI-compatible API (/v1/completions, /v1/chat/completions, ...)."""
+    from specbench.engine import ConfigError, EngineConfig, LLMEngine, SpecConfig
+    from specbench.harness.engines import bundled
+    from specbench.harness.server import serve as run_server
+
+    if spec is not None and spec not in ("dflash", "ngram", "off"):
+        typer.echo(f"specbench serve: --spec={spec!r} is invalid: expected dflash, ngram or off", err=True)
+        raise typer.Exit(2)
+    if model is None:
+        model, bdraft = bundled()
+        draft = draft or (bdraft if spec in (None, "dflash") else None)
+    method = spec or ("dflash" if draft else "off")
+    try:
+        cfg = EngineConfig(model=model, draft=draft if method == "dflash" else None, device=device, dtype=dtype,
+                           max_model_len=max_model_len, num_pages=num_pages,
+                           spec=SpecConfig(method=None if method == "off" else method, num_speculative_tokens=k))
+        engine = LLMEngine(cfg)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        typer.echo(f"specbench serve: {e}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"specbench serve: {model} (spec={method}) on http://{host}:{port}/v1", err=True)
+    run_server(engine, host=host, port=port, served_name=served_model_name, max_pending=max_pending,
+               log_level=log_level)
