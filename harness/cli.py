@@ -21,6 +21,7 @@ COMMANDS: dict[str, str] = {
     "serve": "specbench.harness.cmd_serve:serve",
     "demo": "specbench.harness.cmd_demo:demo",
     "gaps": "specbench.harness.cmd_gaps:gaps",
+    "profile": "specbench.harness.cmd_profile:profile",
 }
 
 app = typer.Typer(name="specbench", no_args_is_help=True, add_completion=False,

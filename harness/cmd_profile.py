@@ -1,0 +1,80 @@
+"""`specbench profile`: the reference engine's decode under the PyTorch profiler, then `gaps` on it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import typer
+
+
+def profile(
+    engine: str | None = typer.Option(None, "--engine", help="local:<model_dir>[,draft=<dir>] (default: the bundled pair)."),
+    spec: str = typer.Option("on", "--spec", help="on or off."),
+    steps: int = typer.Option(20, "--steps", min=1, help="Engine steps recorded."),
+    batch: int = typer.Option(1, "--batch", min=1, help="Concurrent requests."),
+    max_tokens: int = typer.Option(128, "--max-tokens", min=1, help="Output budget per request."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    dtype: str | None = typer.Option(None, "--dtype", help="Default: bfloat16 on cuda, float32 on cpu."),
+    eager: bool = typer.Option(True, "--eager/--graphs", help="Eager or CUDA graphs (GPU)."),
+    attention: str = typer.Option("torch", "--attention", help="torch or flashinfer."),
+    synthetic_tau: float | None = typer.Option(None, "--synthetic-tau", help="Synthetic acceptance (random weights)."),
+    out: Path = typer.Option(Path("results/profile"), "--out", help="Directory for trace.json and the report."),
+    json_out: bool = typer.Option(False, "--json", help="Print the gaps report as one JSON document."),
+    nsys: bool = typer.Option(False, "--nsys", help="Also re-run under nsys (--cuda-graph-trace=node) when on PATH."),
+) -> None:
+    """Profile the reference engine's decode steps and attribute GPU idle by kernel class and phase.
+
+    Writes OUT/trace.json (Kineto) and OUT/gaps.md + OUT/gaps.png, and prints the gaps table with phases
+    (schedule, draft, verify|forward, accept, commit). Local engines only.
+    """
+    from specbench.engine import ConfigError, EngineConfig, SpecConfig
+    from specbench.harness.engines import EngineStringError, bundled, parse_engine
+    from specbench.suites import gaps as g
+    from specbench.suites.gaps.profile import phase_host_times, run_profile
+
+    if spec not in ("on", "off"):
+        typer.echo(f"specbench profile: --spec={spec!r} is invalid: expected on or off", err=True)
+        raise typer.Exit(2)
+    try:
+        if engine:
+            es = parse_engine(engine)
+            if es.kind != "local":
+                raise EngineStringError(f"--engine {engine!r}: profile needs a local engine (local:<dir>)")
+            target, draft = es.target or bundled()[0], es.options.get("draft")
+        else:
+            target, draft = bundled()
+        method = ("dflash" if draft else "ngram") if spec == "on" else None
+        cfg = EngineConfig(model=target, draft=draft if method == "dflash" else None, device=device,
+                           dtype=dtype or ("bfloat16" if device.startswith("cuda") else "float32"),
+                           eager=eager, attention_backend=attention,
+                           spec=SpecConfig(method=method, synthetic_tau=synthetic_tau))
+        res = run_profile(cfg, out, steps=steps, batch=batch, max_tokens=max_tokens)
+    except (EngineStringError, ConfigError, ValueError) as e:
+        typer.echo(f"specbench profile: {e}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"profiled {res.steps} steps, {res.tokens} tokens in {res.seconds:.3f} s; trace {res.trace}")
+    host = phase_host_times(res.trace)
+    typer.echo("host time per phase (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in host.items()))
+    try:
+        report = g.analyze(g.read_trace(res.trace, phases=True), g.Classifier.build([]), phases=True)
+    except g.GapsError as e:
+        typer.echo(f"no GPU timeline to attribute: {e}")
+        return
+    g.check_invariants(report)
+    g.plot_idle_by_class(report, out / "gaps.png")
+    (out / "gaps.md").write_text(g.render_markdown(report, plot="gaps.png"), encoding="utf-8")
+    if json_out:
+        typer.echo(json.dumps(g.to_json(report)))
+    else:
+        typer.echo(g.render_text(report), nl=False)
+    if nsys and shutil.which("nsys"):
+        import subprocess
+
+        cmd = ["nsys", "profile", "--cuda-graph-trace=node", "--trace=cuda,nvtx", "--export=sqlite", "-f", "true",
+               "-o", str(out / "nsys"), sys.executable, "-m", "specbench", "profile", "--steps", str(steps),
+               "--batch", str(batch), "--device", device, "--spec", spec, "--out", str(out / "under-nsys")]
+        subprocess.call(cmd)
+        typer.echo(f"nsys export: {out / 'nsys.sqlite'} (run `specbench gaps {out / 'nsys.sqlite'} --phases`)")
