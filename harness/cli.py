@@ -21,6 +21,7 @@ COMMANDS: dict[str, str] = {
     "serve": "specbench.harness.cmd_serve:serve",
     "demo": "specbench.harness.cmd_demo:demo",
     "gaps": "specbench.harness.cmd_gaps:gaps",
+    "eval": "specbench.harness.cmd_eval:eval_cmd",
     "profile": "specbench.harness.cmd_profile:profile",
 }
 

@@ -1,0 +1,105 @@
+"""`specbench eval`: lm-eval tasks on two arms (spec off vs on by default), offline, with a parity verdict.
+
+Contract: parses options, builds the suite's config, calls specbench.suites.evalparity, prints the
+markdown table (or one JSON document with --json). Exit codes: 0 PARITY, 1 DIFFERENT or an arm that
+could not be evaluated, 2 bad usage (an unknown task, a bad engine string) or lm-eval not installed
+(with the command that installs it), 130 on Ctrl-C; servers it started are stopped in every case.
+Arms: with neither --baseline nor --candidate, the bundled tiny pair with speculation off vs on; with
+only a local --candidate, the baseline is the same engine with spec=off.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from .engines import EngineSpec, EngineStringError, default_engines, parse_engine
+
+
+def _spec_off(cand: EngineSpec) -> EngineSpec:
+    opts = {k: v for k, v in cand.options.items() if k not in ("draft", "spec", "k", "name")}
+    opts["spec"] = "off"
+    head = f"local:{cand.target}" if cand.target else "local"
+    raw = ",".join([head, *(f"{k}={v}" for k, v in opts.items())])
+    return EngineSpec("local", cand.target, {**opts, "name": "baseline"}, raw)
+
+
+def _arms(baseline: str | None, candidate: str | None) -> tuple[EngineSpec, EngineSpec]:
+    if baseline is None and candidate is None:
+        try:
+            return default_engines()
+        except (ImportError, FileNotFoundError) as e:
+            raise EngineStringError(f"the bundled tiny pair is not available ({e}); pass --baseline and "
+                                    "--candidate engine strings") from e
+    if candidate is None:
+        raise EngineStringError("--baseline without --candidate: pass the engine to compare against it")
+    cand = parse_engine(candidate)
+    if baseline is not None:
+        return parse_engine(baseline), cand
+    if cand.kind != "local":
+        raise EngineStringError(f"--candidate {candidate!r} is not local, so there is no spec-off twin to "
+                                "default to: pass --baseline too")
+    return _spec_off(cand), cand
+
+
+def eval_cmd(
+    task: str = typer.Option("gsm8k", "--task", help="Bundled lm-eval task(s), comma-separated (harness/data/lm_eval_tasks)."),
+    limit: int | None = typer.Option(None, "--limit", min=1, help="Only the first N documents of each task."),
+    baseline: str | None = typer.Option(None, "--baseline", help="Engine string of the reference arm (default: bundled pair, spec off)."),
+    candidate: str | None = typer.Option(None, "--candidate", help="Engine string of the arm under test (default: bundled pair, spec on)."),
+    num_fewshot: int = typer.Option(5, "--num-fewshot", min=0, help="Few-shot examples (drawn from the train split)."),
+    concurrency: int = typer.Option(4, "--concurrency", min=1, help="Requests in flight per arm (lm-eval num_concurrent)."),
+    tokenizer_backend: str = typer.Option("auto", "--tokenizer-backend",
+                                          help="auto | remote (lm-eval tokenizes via /tokenize, truncates to the context) | none (text prompts)."),
+    results: Path | None = typer.Option(None, "--results", help="Results folder (default $SPECBENCH_RESULTS or ./results)."),
+    report: Path | None = typer.Option(None, "--report", help="Also write the markdown report here."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON document instead of the markdown."),
+    startup_timeout: float = typer.Option(600.0, "--startup-timeout", min=1.0, help="Seconds to wait for a local server's /health."),
+) -> None:
+    """Task-level parity: run lm-eval (offline, bundled data) on a baseline and a candidate engine.
+
+    For each arm in turn: a local engine is served with `specbench serve` on a free loopback port (stopped afterwards, also on error or Ctrl-C), a remote one (openai:<url>) is used as is; lm-eval's local-completions model runs the task against it with HF_HUB_OFFLINE=1 and HF_DATASETS_OFFLINE=1. The table gives both arms' scores with stderr per task and filter, how many extracted answers differ and which. Verdict PARITY when |delta| <= sqrt(se_b^2 + se_c^2), else DIFFERENT (exit 1). Per-sample outputs go to the results store. Needs `pip install 'specbench\\[eval]'` (exit 2 without it). See docs/eval.md.
+    """
+    from specbench.suites.evalparity import runner
+    from specbench.suites.evalparity.endpoint import EndpointError
+    from specbench.suites.evalparity.tasks import TaskError, available_tasks
+
+    hint = runner.check_lm_eval()
+    if hint is not None:
+        typer.echo(f"specbench eval: {hint}", err=True)
+        raise typer.Exit(2)
+    tasks = tuple(t.strip() for t in task.split(",") if t.strip())
+    try:
+        known = available_tasks()
+        unknown = [t for t in tasks if t not in known]
+        if not tasks or unknown:
+            raise TaskError(f"--task {task!r}: expected bundled task names among {', '.join(known)}")
+        if tokenizer_backend not in runner.BACKENDS:
+            raise TaskError(f"--tokenizer-backend {tokenizer_backend!r}: expected one of {', '.join(runner.BACKENDS)}")
+        base, cand = _arms(baseline, candidate)
+    except (TaskError, EngineStringError) as e:
+        typer.echo(f"specbench eval: {e}", err=True)
+        raise typer.Exit(2) from None
+    cfg = runner.EvalConfig(baseline=base, candidate=cand, tasks=tasks, limit=limit, num_fewshot=num_fewshot,
+                            concurrency=concurrency, tokenizer_backend=tokenizer_backend,
+                            results=str(results) if results else None, startup_timeout_s=startup_timeout)
+    try:
+        pr, path = runner.run_parity(cfg)
+    except (runner.EvalError, EndpointError) as e:
+        typer.echo(f"specbench eval: {e}", err=True)
+        raise typer.Exit(1) from None
+    from specbench.suites.evalparity.report import render_markdown, to_json
+
+    md = render_markdown(pr)
+    if report is not None:
+        report.parent.mkdir(parents=True, exist_ok=True)
+        report.write_text(md, encoding="utf-8")
+    if json_out:
+        typer.echo(json.dumps(to_json(pr), default=str))
+    else:
+        typer.echo(md)
+        typer.echo(f"results: {path}")
+    if pr.verdict != "PARITY":
+        raise typer.Exit(1)

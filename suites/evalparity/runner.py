@@ -1,0 +1,187 @@
+"""The evalparity suite: lm-eval tasks on a baseline and a candidate arm, compared by the parity rule.
+
+Contract:
+- `check_lm_eval()` returns None when lm-eval 0.4.x with its API extras is importable, else a message
+  saying how to install it (the CLI prints it and exits 2).
+- `run_parity(cfg)` opens one run in the results store (suite "evalparity"), renders the bundled tasks
+  into <run>/tasks/, then for each arm in turn (baseline first) opens its endpoint (endpoint.py: a local
+  engine becomes a `specbench serve` subprocess, always stopped afterwards), runs the lm-eval worker
+  in a subprocess against it (logs in <run>/<arm>-lm_eval.log, server logs in <run>/<arm>-server.log),
+  and appends every per-sample outcome to <run>/samples.jsonl as it lands (kind "samples": arm,
+  task, doc_id, filter, raw generation, extracted answer, target, scores). Arms run one at a time so
+  each has the machine to itself and its wall time means something.
+- Both arms get the same tasks, shots, limit, concurrency and tokenizer backend. With backend "auto"
+  it is "remote" (lm-eval tokenizes through /tokenize and truncates prompts to the server's context)
+  when both endpoints answer /tokenizer_info and /tokenize, else "none" (text prompts); the baseline's
+  endpoint decides, and a candidate that cannot follow is refused before it runs.
+- The result (`ParityRun`) is also written as <run>/report.md and <run>/report.json and as the run
+  record's summary. Errors inside an arm (server did not start, lm-eval failed) raise `EvalError` with
+  the log tail; the run is then marked incomplete by the store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from specbench.harness.engines import EngineSpec
+
+from .endpoint import Endpoint, open_endpoint, stop_process
+from .parity import compare
+from .report import ArmInfo, ParityRun, render_markdown, to_json
+from .tasks import render_tasks
+from .worker import OFFLINE_ENV, LmEvalSpec
+
+SUITE_VERSION = "1"
+BACKENDS = ("auto", "remote", "none")
+INSTALL_HINT = ("lm-eval is not installed: `pip install 'specbench[eval]'` (or `pip install 'lm-eval[api]>=0.4.4,<0.5' "
+                "datasets`), then run `specbench eval` again.")
+
+
+class EvalError(RuntimeError):
+    """An arm could not be evaluated (its endpoint or its lm-eval run failed)."""
+
+
+@dataclass
+class EvalConfig:
+    baseline: EngineSpec
+    candidate: EngineSpec
+    tasks: tuple[str, ...] = ("gsm8k",)
+    limit: int | None = None
+    num_fewshot: int | None = 5
+    concurrency: int = 4
+    tokenizer_backend: str = "auto"
+    results: str | None = None
+    startup_timeout_s: float = 600.0
+    request_timeout_s: int = 1800
+
+
+def check_lm_eval() -> str | None:
+    missing = [m for m in ("lm_eval", "datasets", "aiohttp", "tenacity", "requests")
+               if importlib.util.find_spec(m) is None]
+    if missing:
+        return INSTALL_HINT + f" (missing: {', '.join(missing)})"
+    from importlib.metadata import version
+
+    v = version("lm_eval")
+    if not v.startswith("0.4."):
+        return f"lm-eval {v} is installed; specbench eval needs 0.4.x: `pip install 'lm-eval[api]>=0.4.4,<0.5'`"
+    return None
+
+
+def _tail(path: Path, n: int = 40) -> str:
+    if not path.is_file():
+        return ""
+    return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-n:])
+
+
+def run_worker(spec: LmEvalSpec, workdir: Path, role: str) -> dict:
+    """Run the lm-eval worker for one arm; return its JSON. Raises EvalError with the log tail."""
+    spec_path, out_path, log_path = workdir / f"{role}-spec.json", workdir / f"{role}-lm_eval.json", \
+        workdir / f"{role}-lm_eval.log"
+    spec_path.write_text(json.dumps(asdict(spec), indent=2), encoding="utf-8")
+    env = {**os.environ, **OFFLINE_ENV}
+    with open(log_path, "w", encoding="utf-8") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "specbench.suites.evalparity.worker", str(spec_path),
+                                 str(out_path)], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=env)
+        try:
+            rc = proc.wait()
+        finally:
+            stop_process(proc, grace=5.0)
+    if rc != 0 or not out_path.is_file():
+        raise EvalError(f"lm-eval failed for the {role} arm (exit {rc}); {log_path}:\n{_tail(log_path)}")
+    return json.loads(out_path.read_text(encoding="utf-8"))
+
+
+def _backend(requested: str, ep: Endpoint, fixed: str | None) -> str:
+    if fixed is not None:
+        if fixed == "remote" and not ep.remote_tokenizer:
+            raise EvalError(f"the baseline ran with lm-eval's remote tokenizer but {ep.root} does not answer "
+                            "/tokenizer_info and /tokenize; rerun with --tokenizer-backend none")
+        return fixed
+    if requested == "auto":
+        return "remote" if ep.remote_tokenizer else "none"
+    if requested == "remote" and not ep.remote_tokenizer:
+        raise EvalError(f"--tokenizer-backend remote: {ep.root} does not answer /tokenizer_info and /tokenize")
+    return requested
+
+
+def _sample_records(role: str, name: str, tasks: dict[str, Any]) -> list[dict]:
+    return [{"arm": role, "engine_name": name, "task": task, **s}
+            for task, t in tasks.items() for s in t["samples"]]
+
+
+def run_parity(cfg: EvalConfig) -> tuple[ParityRun, Path]:
+    """Run both arms and compare them; returns the run and its results-store folder."""
+    from specbench.harness.results import open_run
+
+    if cfg.tokenizer_backend not in BACKENDS:
+        raise ValueError(f"tokenizer_backend={cfg.tokenizer_backend!r} is invalid: expected one of {', '.join(BACKENDS)}")
+    arms = (("baseline", cfg.baseline), ("candidate", cfg.candidate))
+    engines = {role: {"engine": s.raw or f"{s.kind}:{s.target}", "kind": s.kind} for role, s in arms}
+    conf = {k: v for k, v in asdict(cfg).items() if k not in ("baseline", "candidate")}
+    with open_run("evalparity", SUITE_VERSION, engines=engines, config=conf, results=cfg.results,
+                  sampling={"temperature": 0.0, "source": "task generation_kwargs"},
+                  dataset={"tasks": list(cfg.tasks), "limit": cfg.limit, "num_fewshot": cfg.num_fewshot,
+                           "data": "bundled harness/data (offline)"}) as run:
+        include = render_tasks(list(cfg.tasks), run.path / "tasks")
+        results: dict[str, dict] = {}
+        infos: list[ArmInfo] = []
+        backend: str | None = None
+        for role, spec in arms:
+            name = spec.options.get("name", role)
+            with open_endpoint(spec, name, run.path / f"{role}-server.log", cfg.startup_timeout_s) as ep:
+                backend = _backend(cfg.tokenizer_backend, ep, backend)
+                ls = LmEvalSpec(tasks=list(cfg.tasks), include_path=str(include), base_url=ep.completions_url,
+                                model=ep.model, num_fewshot=cfg.num_fewshot, limit=cfg.limit,
+                                num_concurrent=cfg.concurrency, tokenizer_backend=backend,
+                                max_length=ep.max_model_len if backend == "remote" else None,
+                                timeout_s=cfg.request_timeout_s)
+                out = run_worker(ls, run.path, role)
+            for rec in _sample_records(role, name, out["tasks"]):
+                run.write("samples", rec)
+            results[role] = out
+            infos.append(ArmInfo(role, name, ep.engine, ep.model, ep.root, backend, ls.max_length, out["wall_s"],
+                                 out["lm_eval_version"], out["model_args"],
+                                 {"endpoint_info": ep.info, "n_shot": {t: v.get("n_shot") for t, v in out["tasks"].items()},
+                                  "task_versions": {t: v.get("version") for t, v in out["tasks"].items()}}))
+            run.update(engines={**run.record.engines, role: {**engines[role], "model": ep.model,
+                                                              "endpoint": ep.root, **ep.info}})
+        rows = compare(results["baseline"]["tasks"], results["candidate"]["tasks"])
+        notes = _notes(infos, results)
+        pr = ParityRun(list(cfg.tasks), cfg.num_fewshot, cfg.limit, cfg.concurrency, rows, infos, notes,
+                       run.run_id, str(run.path / "samples.jsonl"))
+        doc = to_json(pr)
+        (run.path / "report.json").write_text(json.dumps(doc, indent=2, default=str) + "\n", encoding="utf-8")
+        (run.path / "report.md").write_text(render_markdown(pr), encoding="utf-8")
+        with contextlib.suppress(Exception):
+            run.update(summary={"verdict": pr.verdict, "rows": doc["rows"],
+                                "wall_s": {a.role: a.wall_s for a in infos}})
+        return pr, run.path
+
+
+def _notes(infos: list[ArmInfo], results: dict[str, dict]) -> list[str]:
+    notes: list[str] = []
+    if len({(a.tokenizer_backend, a.max_length) for a in infos}) > 1:
+        notes.append("the arms ran with different tokenizer backends or context budgets: "
+                     + "; ".join(f"{a.role}: {a.tokenizer_backend}, max_length {a.max_length}" for a in infos))
+    for task in results["baseline"]["tasks"]:
+        b = {(s["doc_id"], s["prompt_hash"]) for s in results["baseline"]["tasks"][task]["samples"]}
+        c = {(s["doc_id"], s["prompt_hash"]) for s in results["candidate"]["tasks"].get(task, {}).get("samples", [])}
+        if b != c:
+            notes.append(f"{task}: the arms' prompts differ for {len(b ^ c) // 2 or len(b ^ c)} documents "
+                         "(different few-shot draws or documents): answers are not comparable one to one")
+    if infos:
+        b, c = infos[0].wall_s, infos[-1].wall_s
+        if b > 0 and c > 0:
+            notes.append(f"lm-eval wall time: baseline {b:.1f} s, candidate {c:.1f} s "
+                         f"(candidate/baseline {c / b:.2f}x; includes lm-eval's own overhead, one run each)")
+    return notes
