@@ -1,0 +1,17 @@
+"""Losslessness suites: is speculation lossless, and does the proof have teeth?
+
+- regret.py: the pure regret rule (benign tie flip vs FAIL, lower bound outside the top-k).
+- greedy.py: the greedy gate with re-anchoring after benign flips; `GateRun` and its verdict.
+- concurrent.py: staggered max_tokens in one batch, each against its own sequential baseline.
+- engine_gates.py: short-then-long, headroom admission, mixed batch, stop inside an accepted run.
+- checks.py: counter invariants, nothing after EOS, speculation-silently-off alarm, KV leaks.
+- selftest.py: every named engine fault must be caught by some gate; the clean engine never alarms.
+- report.py: markdown and JSON renderings (pure functions of the runs).
+See docs/lossless.md.
+"""
+
+from .greedy import GateOptions, GateRun, LosslessError, Prompt, PromptCheck, check_output, run_greedy
+from .regret import MARGIN_TOL, PickJudgement, first_divergence, judge_pick
+
+__all__ = ["MARGIN_TOL", "GateOptions", "GateRun", "LosslessError", "PickJudgement", "Prompt", "PromptCheck",
+           "check_output", "first_divergence", "judge_pick", "run_greedy"]

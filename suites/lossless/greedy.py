@@ -1,0 +1,330 @@
+"""The greedy losslessness gate: every candidate token checked, with re-anchoring after benign flips.
+
+Contract:
+- Baseline = speculation off (any adapter) asked for top-`top_k` logprobs; candidate = speculation on.
+  Both get the same token ids (tokenized once, by the baseline), temperature 0, the same max_tokens.
+- `check_output` compares one candidate output with baselines: identical -> "identical". At a
+  divergence the candidate's pick is judged under the baseline distribution at that position
+  (regret.py). A FAIL ends the prompt. A benign flip re-anchors: a fresh baseline is generated from
+  prompt + the candidate's tokens up to and including the flip, and the candidate's remaining tokens are
+  compared with it, so every later divergence is judged too, up to the end of the output or
+  `max_divergences` flips (then `complete` is False and the tokens after the last flip are unchecked).
+- Length mismatches: a candidate that keeps going where the baseline stopped (same tokens so far) is a
+  FAIL ("past_stop"); one that stops where the baseline continued is a FAIL ("early_stop"). Engines that
+  report their EOS token in the output ids (the reference engine) turn an EOS flip into an ordinary token
+  divergence instead; for the others an EOS-vs-token tie cannot be scored (docs/lossless.md).
+- Re-scoring (optional): at each divergence the candidate scores prompt + shared prefix + pick through its
+  own prefill path (`adapter.score`, echo + logprobs); its regret is reported beside the baseline's and
+  never changes the verdict. A pick outside the baseline's top-k is also scored exactly by the baseline
+  where it can, reported beside the lower bound.
+- `run_greedy` runs a prompt set through both engines and returns a `GateRun` with per-prompt checks,
+  speculation statistics and the run checks (checks.py); `GateRun.verdict` is PASS, FAIL,
+  NOT SPECULATING, or "PASS (speculation unverified)" when the engine exposes no counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+from specbench.harness.adapters.base import EngineAdapter, GenRequest, GenResult, counters_delta
+
+from .checks import Check, SpecStats, check_after_stop, check_counters, check_kv_idle, eos_ids_of, spec_stats
+from .regret import MARGIN_TOL, TOP_K, PickJudgement, first_divergence, judge_pick, merged_dist
+
+
+class LosslessError(ValueError):
+    """Bad input to a lossless gate (unusable engines, empty prompt set); the message says what to fix."""
+
+
+@dataclass(frozen=True)
+class GateOptions:
+    margin_tol: float = MARGIN_TOL
+    top_k: int = TOP_K
+    max_divergences: int = 8
+    rescore: bool = True
+    min_accept_len: float = 1.05
+
+
+@dataclass
+class Prompt:
+    pid: str
+    ids: list[int]
+    text: str = ""
+
+
+@dataclass
+class Divergence:
+    position: int  # index into the candidate's output
+    kind: str  # "token" | "past_stop" | "early_stop"
+    pick: int | None
+    baseline_token: int | None
+    anchor: int  # the candidate prefix length the judging baseline was generated from
+    judgement: PickJudgement | None = None
+    rescore: dict | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.judgement is not None and self.judgement.ok
+
+    def describe(self) -> str:
+        if self.kind == "past_stop":
+            return f"the baseline stopped at position {self.position}; the candidate emitted token {self.pick} past it"
+        if self.kind == "early_stop":
+            return f"the candidate stopped at position {self.position}; the baseline continued with {self.baseline_token}"
+        assert self.judgement is not None
+        return f"position {self.position}: {self.judgement.describe()}"
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["judgement"] = self.judgement.to_dict() if self.judgement else None
+        d["describe"] = self.describe()
+        return d
+
+
+@dataclass
+class PromptCheck:
+    pid: str
+    prompt_len: int
+    max_tokens: int
+    status: str = "identical"  # identical | flip | fail | error
+    candidate_tokens: int = 0
+    tokens_compared: int = 0
+    reanchors: int = 0
+    complete: bool = True
+    reason: str = ""
+    divergences: list[Divergence] = field(default_factory=list)
+    spec: dict | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status in ("identical", "flip")
+
+    @property
+    def first_divergence(self) -> int | None:
+        return self.divergences[0].position if self.divergences else None
+
+    @property
+    def max_regret(self) -> float | None:
+        vals = [d.judgement.regret_or_bound for d in self.divergences if d.judgement]
+        vals = [v for v in vals if v is not None]
+        return max(vals) if vals else None
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["divergences"] = [x.to_dict() for x in self.divergences]
+        d.update(ok=self.ok, first_divergence=self.first_divergence, max_regret=self.max_regret)
+        return d
+
+
+@dataclass
+class GateRun:
+    """One gate's outcome: per-prompt checks, run checks, and what speculation did meanwhile."""
+
+    name: str
+    prompts: list[PromptCheck]
+    stats: SpecStats
+    checks: list[Check] = field(default_factory=list)
+    wall_s: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def failed_checks(self) -> list[Check]:
+        return [c for c in self.checks if not c.ok and not c.skipped]
+
+    @property
+    def ok(self) -> bool:
+        return all(p.ok for p in self.prompts) and not self.failed_checks
+
+    @property
+    def verdict(self) -> str:
+        if not self.ok:
+            return "FAIL"
+        if self.stats.speculating is None:
+            return "PASS (speculation unverified)"
+        return "PASS" if self.stats.speculating else "NOT SPECULATING"
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "verdict": self.verdict, "ok": self.ok, "wall_s": self.wall_s,
+                "stats": self.stats.to_dict(), "checks": [c.to_dict() for c in self.checks],
+                "notes": list(self.notes), "prompts": [p.to_dict() for p in self.prompts]}
+
+
+async def _one(adapter: EngineAdapter, req: GenRequest) -> GenResult:
+    return (await adapter.generate([req], concurrency=1))[0]
+
+
+async def baseline_for(baseline: EngineAdapter, prompt_ids: list[int], prefix: list[int], max_tokens: int,
+                       top_k: int, stop: tuple[str, ...] = ()) -> GenResult:
+    return await _one(baseline, GenRequest(prompt=list(prompt_ids) + list(prefix), max_tokens=max_tokens,
+                                           temperature=0.0, logprobs=top_k, stop=stop))
+
+
+async def _score(adapter: EngineAdapter | None, ids: list[int], pick: int, top_k: int) -> tuple[dict | None, str]:
+    """(dist incl. pick, note) from teacher-forced scoring, or (None, why not)."""
+    if adapter is None:
+        return None, "off"
+    try:
+        sc = await adapter.score(ids, [pick], top_k=top_k)
+    except Exception as e:  # a scoring failure is reported, never fatal
+        return None, f"error: {type(e).__name__}: {e}"
+    if sc is None or not sc.positions:
+        return None, "unsupported by this engine"
+    p = sc.positions[0]
+    return {"dist": merged_dist(p.top, p.token_id, p.logprob), "pick_logprob": p.logprob}, "ok"
+
+
+async def _rescore(candidate: EngineAdapter | None, ids: list[int], pick: int, baseline_token: int | None,
+                   top_k: int) -> dict:
+    got, note = await _score(candidate, ids, pick, top_k)
+    if got is None:
+        return {"status": note}
+    dist, lp = got["dist"], got["pick_logprob"]
+    top1, lp1 = min(dist.items(), key=lambda kv: (-kv[1], kv[0]))
+    return {"status": "ok", "pick_logprob": lp, "top1": top1, "top1_logprob": lp1,
+            "regret": None if lp is None else max(0.0, lp1 - lp),
+            "baseline_token_logprob": dist.get(baseline_token) if baseline_token is not None else None,
+            "agrees_with_pick": top1 == pick}
+
+
+async def check_output(baseline: EngineAdapter, prompt: Prompt, cand: GenResult, max_tokens: int,
+                       opts: GateOptions, candidate: EngineAdapter | None = None,
+                       first_base: GenResult | None = None) -> PromptCheck:
+    """Judge one candidate output against baselines, re-anchoring after each benign flip."""
+    pc = PromptCheck(prompt.pid, len(prompt.ids), max_tokens, spec=cand.spec)
+    if not cand.ok:
+        pc.status, pc.reason, pc.complete = "error", f"candidate request failed: {cand.error}", False
+        return pc
+    if cand.output_ids is None:
+        pc.status, pc.reason, pc.complete = "error", "the candidate reports no output token ids", False
+        return pc
+    out = list(cand.output_ids)
+    pc.candidate_tokens = len(out)
+    anchor = 0
+    base = first_base or await baseline_for(baseline, prompt.ids, [], max_tokens, opts.top_k)
+    while True:
+        if not base.ok or base.output_ids is None:
+            pc.status, pc.complete = "error", False
+            pc.reason = f"baseline request failed (anchor {anchor}): {base.error or 'no output token ids'}"
+            return pc
+        rest, bids = out[anchor:], list(base.output_ids)
+        i = first_divergence(rest, bids)
+        if i is None:
+            pc.tokens_compared = len(out)
+            return pc
+        pos = anchor + i
+        pc.tokens_compared = pos + 1 if i < len(rest) else pos
+        if i >= len(bids):  # the baseline stopped here, the candidate did not
+            pc.divergences.append(Divergence(pos, "past_stop", rest[i], None, anchor))
+            pc.status, pc.reason = "fail", pc.divergences[-1].describe()
+            return pc
+        if i >= len(rest):
+            why = cand.finish_reason or "?"
+            pc.divergences.append(Divergence(pos, "early_stop", None, bids[i], anchor))
+            pc.status, pc.reason = "fail", pc.divergences[-1].describe() + f" (finish_reason={why})"
+            return pc
+        pick, bt = rest[i], bids[i]
+        lps = base.logprobs or []
+        dist = merged_dist(lps[i].top, lps[i].token_id, lps[i].logprob) if i < len(lps) else {}
+        ids_before = list(prompt.ids) + out[:pos]
+        j = judge_pick(pick, dist, opts.margin_tol)
+        if j.kind == "outside_topk":
+            got, _ = await _score(baseline, ids_before, pick, opts.top_k)
+            if got is not None and got["pick_logprob"] is not None:
+                j = judge_pick(pick, dist, opts.margin_tol, exact_pick_logprob=got["pick_logprob"])
+        d = Divergence(pos, "token", pick, bt, anchor, j)
+        if opts.rescore:
+            d.rescore = await _rescore(candidate, ids_before, pick, bt, opts.top_k)
+        pc.divergences.append(d)
+        if not j.ok:
+            pc.status, pc.reason = "fail", d.describe()
+            return pc
+        pc.status = "flip"
+        anchor = pos + 1
+        if anchor >= len(out):
+            pc.tokens_compared = len(out)
+            return pc
+        if len(pc.divergences) >= opts.max_divergences:
+            pc.complete = False
+            pc.reason = (f"stopped after {len(pc.divergences)} benign flips (--max-divergences); "
+                         f"tokens {anchor}..{len(out) - 1} unchecked")
+            return pc
+        pc.reanchors += 1
+        base = await baseline_for(baseline, prompt.ids, out[:anchor], max_tokens - anchor, opts.top_k)
+
+
+async def tokenize_prompts(baseline: EngineAdapter, candidate: EngineAdapter,
+                           texts: Sequence[tuple[str, str]]) -> tuple[list[Prompt], list[str]]:
+    """Token ids from the baseline's tokenizer (else the candidate's); notes when the two disagree."""
+    notes: list[str] = []
+    prompts: list[Prompt] = []
+    for pid, text in texts:
+        ids = await baseline.tokenize(text)
+        cids = await candidate.tokenize(text)
+        if ids is None:
+            ids = cids
+        elif cids is not None and cids != ids and not notes:
+            notes.append("the engines tokenize differently; both get the baseline's token ids")
+        if ids is None:
+            raise LosslessError("neither engine can tokenize (no /tokenize): the lossless gate needs token ids "
+                                "to re-anchor; give a baseline that tokenizes")
+        prompts.append(Prompt(pid, list(ids), text))
+    return prompts, notes
+
+
+async def health(adapter: EngineAdapter, settle_s: float = 2.0) -> dict | None:
+    """The adapter's health snapshot once idle (None where it has none); waits briefly for the loop to settle."""
+    fn: Callable | None = getattr(adapter, "health", None)
+    if fn is None:
+        return None
+    t_end = time.perf_counter() + settle_s
+    while True:
+        h = await fn()
+        if h is None or not ((h.get("running") or 0) + (h.get("waiting") or 0)) or time.perf_counter() > t_end:
+            return h
+        await asyncio.sleep(0.02)
+
+
+async def finish_run(name: str, candidate: EngineAdapter, baseline: EngineAdapter, prompts: list[PromptCheck],
+                     results: Sequence[GenResult], delta: dict | None, opts: GateOptions, t0: float,
+                     k: int | None = None) -> GateRun:
+    """Spec statistics and the run checks (counters, after-EOS, KV idle) around one gate's requests."""
+    stats = spec_stats(results, delta, opts.min_accept_len)
+    eos = eos_ids_of(candidate.describe()) or eos_ids_of(baseline.describe())
+    checks = [check_counters(stats, k), check_after_stop(results, eos), check_kv_idle(await health(candidate))]
+    return GateRun(name, prompts, stats, checks, time.perf_counter() - t0)
+
+
+def engine_k(adapter: EngineAdapter) -> int | None:
+    cfg = (adapter.describe() or {}).get("config") or {}
+    k = cfg.get("k") if isinstance(cfg, dict) else None
+    return int(k) if isinstance(k, int) and k > 0 else None
+
+
+async def run_greedy(baseline: EngineAdapter, candidate: EngineAdapter, prompts: Sequence[Prompt], max_tokens: int,
+                     opts: GateOptions, concurrency: int | None = 1, name: str = "greedy",
+                     max_tokens_each: Sequence[int] | None = None, baseline_concurrency: int | None = None,
+                     on_prompt: Callable[[PromptCheck], None] | None = None) -> GateRun:
+    """Candidate generations (`concurrency` at a time), then each checked against its own baselines."""
+    if not prompts:
+        raise LosslessError("the prompt set is empty")
+    t0 = time.perf_counter()
+    mts = list(max_tokens_each) if max_tokens_each is not None else [max_tokens] * len(prompts)
+    reqs = [GenRequest(prompt=list(p.ids), max_tokens=m, temperature=0.0, rid=f"{name}-{p.pid}")
+            for p, m in zip(prompts, mts, strict=True)]
+    before = await candidate.spec_counters()
+    cands = await candidate.generate(reqs, concurrency=concurrency)
+    delta = counters_delta(before, await candidate.spec_counters())
+    sem = asyncio.Semaphore(baseline_concurrency or concurrency or len(prompts))
+
+    async def one(p: Prompt, c: GenResult, m: int) -> PromptCheck:
+        async with sem:
+            pc = await check_output(baseline, p, c, m, opts, candidate if opts.rescore else None)
+        if on_prompt is not None:
+            on_prompt(pc)
+        return pc
+
+    checks = await asyncio.gather(*(one(p, c, m) for p, c, m in zip(prompts, cands, mts, strict=True)))
+    return await finish_run(name, candidate, baseline, list(checks), cands, delta, opts, t0, engine_k(candidate))
