@@ -61,7 +61,8 @@ class OpenAIAdapter(EngineAdapter):
     def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None, name: str | None = None,
                  stream: bool = True, extras: bool = True, continuous_usage: bool = True, timeout: float = 600.0,
                  connect_timeout: float = 10.0, retries: int = 3, backoff: float = 0.5,
-                 max_connections: int = 1024, extra_body: dict | None = None) -> None:
+                 max_connections: int = 1024, extra_body: dict | None = None,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
         super().__init__(name or "openai")
         self.root, self.api = split_url(base_url)
         self.model = model
@@ -71,6 +72,7 @@ class OpenAIAdapter(EngineAdapter):
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         self.extra_body = dict(extra_body or {})
+        self.transport = transport  # tests inject httpx.MockTransport here
         self._cli: httpx.AsyncClient | None = None
         self._cli_loop: asyncio.AbstractEventLoop | None = None
         self._tokenize_ok: bool | None = None
@@ -80,7 +82,8 @@ class OpenAIAdapter(EngineAdapter):
     def _client(self) -> httpx.AsyncClient:
         loop = asyncio.get_running_loop()
         if self._cli is None or self._cli_loop is not loop:
-            self._cli = httpx.AsyncClient(timeout=self.timeout, limits=self.limits, headers=self.headers)
+            self._cli = httpx.AsyncClient(timeout=self.timeout, limits=self.limits, headers=self.headers,
+                                          transport=self.transport)
             self._cli_loop = loop
         return self._cli
 

@@ -35,6 +35,7 @@ def build_job(state: ServerState, req: ChatRequest) -> Job:
             raise APIError(f"the rendered chat prompt has {len(ids)} tokens, leaving no room in this model's "
                            f"usable context of {state.engine.max_model_len}", param="messages",
                            code="context_length_exceeded")
+    state.check_len(len(ids), max_tokens)
     return Job(0, ids, text, sampling(req, max_tokens, req.logprobs))
 
 

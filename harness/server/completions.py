@@ -35,6 +35,7 @@ def build_jobs(state: ServerState, req: CompletionRequest) -> list[Job]:
         ids = state.to_ids(p, i)
         text = p if isinstance(p, str) else state.tokenizer.decode(ids, skip_special_tokens=False)
         scoring = req.max_tokens == 0
+        state.check_len(len(ids), max(1, req.max_tokens or 16), i)
         plp = req.logprobs if (req.echo and req.logprobs is not None) else None
         if scoring:
             params = sampling(req, 1, None, plp).with_(temperature=0.0, stop=(), stop_token_ids=())

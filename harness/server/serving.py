@@ -72,6 +72,18 @@ class ServerState:
         return ids
 
 
+    def check_len(self, n_prompt: int, max_tokens: int, index: int = 0) -> None:
+        """Context overflow, blamed on the prompt when it alone does not fit, else on max_tokens."""
+        limit = self.engine.max_model_len
+        if n_prompt >= limit:
+            raise APIError(f"prompt[{index}] has {n_prompt} tokens: this model's usable context is {limit} tokens "
+                           "and at least one must be left to generate", param="prompt", code="context_length_exceeded")
+        if n_prompt + max_tokens > limit:
+            raise APIError(f"prompt[{index}] has {n_prompt} tokens and max_tokens={max_tokens}: together "
+                           f"{n_prompt + max_tokens}, more than this model's usable context of {limit} tokens",
+                           param="max_tokens", code="context_length_exceeded")
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 

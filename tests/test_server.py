@@ -1,0 +1,319 @@
+"""`specbench serve` end to end on loopback: the official openai client, the openai adapter, lm-eval's
+request shapes, bad requests, disconnects, overload, /metrics invariants and a bounded load test.
+
+One server per module (spec on: dflash with the bundled drafter, ngram while it is absent), a separate
+spec-off local adapter as the reference for token equality.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import pytest
+from specbench.engine import EngineConfig, LLMEngine, SpecConfig
+from specbench.harness.adapters import GenRequest
+from specbench.harness.adapters.local import LocalAdapter
+from specbench.harness.adapters.openai_api import OpenAIAdapter
+from specbench.harness.adapters.prom import parse_prometheus, spec_counters_from_metrics
+from specbench.harness.server import ServerThread, make_app
+
+openai = pytest.importorskip("openai")
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def served(tiny_pair):
+    target, draft = tiny_pair
+    draft = draft if draft and Path(draft).is_dir() else None
+    spec = SpecConfig(method="dflash" if draft else "ngram")
+    eng = LLMEngine(EngineConfig(model=target, draft=draft, spec=spec, num_pages=256))
+    app, loop = make_app(eng, served_name=MODEL, max_pending=64)
+    srv = ServerThread(app).start()
+    yield SimpleNamespace(url=srv.url, engine=eng, loop=loop, target=target)
+    srv.stop()
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def reference(served):
+    ad = LocalAdapter.from_dirs(served.target, spec="off", num_pages=256)
+    yield ad
+    ad.close()
+
+
+@pytest.fixture(scope="module")
+def prompts(gsm8k_prompts):
+    return gsm8k_prompts[:4]
+
+
+def post(served, path: str, body) -> httpx.Response:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(served.url + path, content=data, headers={"content-type": "application/json"}, timeout=60)
+
+
+def wait_idle(served, timeout: float = 10.0) -> None:
+    eng = served.engine
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if served.loop.num_pending == 0 and not eng.has_unfinished() and eng.pool.num_free == eng.pool.num_pages:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"engine not idle: pending={served.loop.num_pending} free={eng.pool.num_free}/"
+                         f"{eng.pool.num_pages}")
+
+
+# ---- the official client ------------------------------------------------------------------------
+def test_models_and_completion_text(client, prompts):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    r = client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=8, temperature=0)
+    ch = r.choices[0]
+    assert ch.index == 0 and ch.finish_reason in ("stop", "length") and isinstance(ch.text, str)
+    assert r.usage.prompt_tokens > 0 and 1 <= r.usage.completion_tokens <= 8
+    sd = r.model_extra["spec_decode"]
+    assert sd["method"] in ("dflash", "ngram") and sum(sd["accepted_per_pos"]) == sd["num_accepted_tokens"]
+
+
+def test_completion_token_ids_and_batch(client, served, prompts):
+    ids = [served.engine.tokenizer.encode(p) for p in prompts[:3]]
+    one = client.completions.create(model=MODEL, prompt=ids[0], max_tokens=6, temperature=0)
+    many = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0)
+    texts = client.completions.create(model=MODEL, prompt=prompts[:3], max_tokens=6, temperature=0)
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    assert many.choices[0].text == one.choices[0].text
+    assert [c.text for c in many.choices] == [c.text for c in texts.choices]
+    assert many.usage.prompt_tokens == sum(len(x) for x in ids)
+
+
+def test_chat_and_chat_stream(client):
+    msgs = [{"role": "user", "content": "How many apples are 3 and 4 apples?"}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0)
+    assert r.choices[0].message.role == "assistant" and r.choices[0].index == 0
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == r.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    lp = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, temperature=0, logprobs=True,
+                                        top_logprobs=3)
+    content = lp.choices[0].logprobs.content
+    assert len(content) == lp.usage.completion_tokens and all(len(c.top_logprobs) == 3 for c in content)
+
+
+def test_completion_stream_with_usage(client, prompts):
+    full = client.completions.create(model=MODEL, prompt=prompts[1], max_tokens=12, temperature=0)
+    chunks = list(client.completions.create(model=MODEL, prompt=prompts[1], max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"return_token_ids": True}))
+    body = [c for c in chunks if c.choices]
+    assert all(c.choices[0].index == 0 for c in body)
+    assert "".join(c.choices[0].text for c in body) == full.choices[0].text
+    assert body[-1].choices[0].finish_reason == full.choices[0].finish_reason
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.completion_tokens == full.usage.completion_tokens
+    assert sum(len(c.choices[0].model_extra["token_ids"]) for c in body) == full.usage.completion_tokens
+
+
+def test_logprobs_legacy_format(client, prompts):
+    r = client.completions.create(model=MODEL, prompt=prompts[2], max_tokens=6, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    n = r.usage.completion_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert 3 <= len(top) <= 4 and chosen == pytest.approx(max(top.values()), abs=1e-5)  # greedy = top-1
+    assert lp.text_offset == sorted(lp.text_offset)
+
+
+def test_echo_scoring_matches_local(client, served, reference, prompts):
+    ids = served.engine.tokenizer.encode(prompts[0])
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=2, temperature=0)
+    lp = r.choices[0].logprobs
+    assert r.usage.completion_tokens == 0 and len(lp.token_logprobs) == len(ids)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    ref = reference.score_sync(ids[:5], ids[5:], top_k=2)
+    assert [p.logprob for p in ref.positions] == pytest.approx(lp.token_logprobs[5:], abs=1e-4)
+    # lm-eval's loglikelihood body: echo, logprobs=1, max_tokens=1 -> prompt positions + one generated.
+    body = {"model": MODEL, "prompt": [ids], "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234,
+            "echo": True}
+    out = post(served, "/v1/completions", body).json()
+    assert len(out["choices"][0]["logprobs"]["token_logprobs"]) == len(ids) + 1
+    assert out["choices"][0]["text"].startswith(served.engine.tokenizer.decode(ids, skip_special_tokens=False))
+
+
+def test_seed(client, prompts):
+    kw = dict(model=MODEL, prompt=prompts[3], max_tokens=8)
+    a = client.completions.create(temperature=1.0, seed=7, **kw).choices[0].text
+    b = client.completions.create(temperature=1.0, seed=7, **kw).choices[0].text
+    g1 = client.completions.create(temperature=0, seed=1, **kw).choices[0].text
+    g2 = client.completions.create(temperature=0, seed=2, **kw).choices[0].text
+    assert a == b and g1 == g2
+
+
+def test_lm_eval_generate_body_and_stop(served, prompts):
+    """REFERENCE.md section 4: lm-eval's gsm8k body (seed + stop list) answered, stop strings removed."""
+    stops = ["Question:", "</s>", "<|im_end|>"]
+    body = {"prompt": prompts[0], "model": MODEL, "max_tokens": 48, "temperature": 0.0, "stop": stops, "seed": 1234}
+    r = post(served, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    ch = r.json()["choices"][0]
+    assert ch["index"] == 0 and not any(s in ch["text"] for s in stops)
+    # A stop string known to occur mid-output: the text ends right before it.
+    free = post(served, "/v1/completions", {**body, "stop": None, "ignore_eos": True}).json()["choices"][0]["text"]
+    stop = free[len(free) // 2:len(free) // 2 + 3]
+    assert stop.strip(), f"output too short to pick a stop string: {free!r}"
+    cut = post(served, "/v1/completions", {**body, "stop": stops + [stop], "ignore_eos": True}).json()["choices"][0]
+    assert cut["text"] == free[:free.index(stop)] and cut["finish_reason"] == "stop"
+    streamed = httpx.post(served.url + "/v1/completions", json={**body, "stop": [stop], "ignore_eos": True,
+                                                                  "stream": True}, timeout=60).text
+    events = [json.loads(x[6:]) for x in streamed.split("\n\n") if x.startswith("data: {")]
+    assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == cut["text"]
+
+
+def test_tokenizer_endpoints_satisfy_lm_eval(served):
+    tok = post(served, "/tokenize", {"model": MODEL, "prompt": "Question: 12 apples", "add_special_tokens": False})
+    ids = tok.json()["tokens"]
+    assert ids == served.engine.tokenizer.encode("Question: 12 apples")
+    detok = post(served, "/detokenize", {"tokens": ids}).json()["prompt"]
+    assert detok == served.engine.tokenizer.decode(ids, skip_special_tokens=False)
+    info = httpx.get(served.url + "/tokenizer_info").json()
+    assert "eos_token" in info and "chat_template" in info
+    lm_utils = pytest.importorskip("lm_eval.utils")
+    assert lm_utils.check_remote_tokenizer_support(served.url + "/v1/completions")
+
+
+# ---- bad requests -------------------------------------------------------------------------------
+BAD = [
+    ("malformed json", b'{"prompt": ', 400, None),
+    ("not an object", b"[1, 2]", 400, None),
+    ("missing prompt", {"model": MODEL}, 400, "prompt"),
+    ("empty prompt", {"model": MODEL, "prompt": ""}, 400, "prompt"),
+    ("empty token list", {"model": MODEL, "prompt": []}, 400, "prompt"),
+    ("prompt wrong type", {"model": MODEL, "prompt": 12}, 400, "prompt"),
+    ("mixed prompt list", {"model": MODEL, "prompt": ["a", 3]}, 400, "prompt[1]"),
+    ("token id out of range", {"model": MODEL, "prompt": [10**9]}, 400, "prompt"),
+    ("max_tokens negative", {"model": MODEL, "prompt": "a", "max_tokens": -1}, 400, "max_tokens"),
+    ("max_tokens string", {"model": MODEL, "prompt": "a", "max_tokens": "8"}, 400, "max_tokens"),
+    ("max_tokens bool", {"model": MODEL, "prompt": "a", "max_tokens": True}, 400, "max_tokens"),
+    ("max_tokens huge", {"model": MODEL, "prompt": "a", "max_tokens": 10**9}, 400, "max_tokens"),
+    ("max_tokens 0 without echo", {"model": MODEL, "prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
+    ("temperature negative", {"model": MODEL, "prompt": "a", "temperature": -1}, 400, "temperature"),
+    ("top_p zero", {"model": MODEL, "prompt": "a", "top_p": 0}, 400, "top_p"),
+    ("logprobs too many", {"model": MODEL, "prompt": "a", "logprobs": 21}, 400, "logprobs"),
+    ("logprobs negative", {"model": MODEL, "prompt": "a", "logprobs": -1}, 400, "logprobs"),
+    ("stop wrong type", {"model": MODEL, "prompt": "a", "stop": 5}, 400, "stop"),
+    ("seed string", {"model": MODEL, "prompt": "a", "seed": "x"}, 400, "seed"),
+    ("n > 1", {"model": MODEL, "prompt": "a", "n": 2}, 400, "n"),
+    ("unknown model", {"model": "gpt-4", "prompt": "a"}, 404, "model"),
+    ("oversize prompt", {"model": MODEL, "prompt": list(range(1, 50)) * 200, "max_tokens": 4}, 400, "prompt"),
+]
+
+
+@pytest.mark.parametrize(("case", "body", "status", "param"), BAD, ids=[b[0] for b in BAD])
+def test_bad_requests_get_clear_errors(served, case, body, status, param):
+    r = post(served, "/v1/completions", body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    assert httpx.get(served.url + "/health").status_code == 200
+
+
+def test_bad_chat_and_routes(served):
+    for body in ({"model": MODEL, "messages": []}, {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]},
+                 {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}):
+        r = post(served, "/v1/chat/completions", body)
+        assert r.status_code == 400 and r.json()["error"]["message"]
+    assert httpx.get(served.url + "/v1/nothing").json()["error"]["type"] == "not_found_error"
+    assert post(served, "/tokenize", {"prompt": 3}).status_code == 400
+    assert post(served, "/detokenize", {"tokens": ["a"]}).status_code == 400
+
+
+def test_overload_answers_503(served):
+    served.loop.max_pending = 0
+    try:
+        r = post(served, "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 2})
+    finally:
+        served.loop.max_pending = 64
+    assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded" and r.headers["retry-after"]
+
+
+def test_client_disconnect_mid_stream_frees_kv(served, prompts):
+    body = {"model": MODEL, "prompt": prompts[0], "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.Client(timeout=60) as c, c.stream("POST", served.url + "/v1/completions", json=body) as r:
+        seen = 0
+        for line in r.iter_lines():
+            seen += line.startswith("data: {")
+            if seen >= 3:
+                break
+    wait_idle(served)
+    assert httpx.get(served.url + "/health").status_code == 200
+
+
+# ---- the openai adapter against the same server ---------------------------------------------------
+def test_openai_adapter_matches_local_greedy(served, reference, prompts):
+    oa = OpenAIAdapter(served.url)
+    reqs = [GenRequest(prompt=p, max_tokens=16, ignore_eos=True) for p in prompts]
+    remote = oa.generate_sync(reqs, concurrency=4)
+    local = reference.generate_sync(reqs)
+    for r, loc in zip(remote, local, strict=True):
+        assert r.ok, r.error
+        assert r.output_ids == loc.output_ids and r.text == loc.text
+        assert sum(r.chunk_tokens) == r.completion_tokens == 16 and r.token_count_method == "token_ids"
+        assert r.ttft is not None and 0 < r.ttft <= r.e2el
+        assert r.spec is not None and sum(r.spec["accepted_per_pos"]) == r.spec["num_accepted_tokens"]
+    assert oa.tokenize_sync(prompts[0]) == served.engine.tokenizer.encode(prompts[0])
+    ids = served.engine.tokenizer.encode(prompts[1])
+    s_remote, s_local = oa.score_sync(ids[:6], ids[6:], 2), reference.score_sync(ids[:6], ids[6:], 2)
+    assert [p.logprob for p in s_remote.positions] == pytest.approx([p.logprob for p in s_local.positions], abs=1e-4)
+    assert [set(p.top) for p in s_remote.positions] == [set(p.top) for p in s_local.positions]
+    desc = oa.describe()
+    assert desc["kind"] == "openai" and desc["model"] == MODEL
+
+
+def test_openai_adapter_logprobs_chat_and_failures(served, reference, prompts):
+    oa = OpenAIAdapter(served.url, model=MODEL)
+    req = GenRequest(prompt=prompts[2], max_tokens=5, logprobs=2)
+    r, loc = oa.generate_sync([req])[0], reference.generate_sync([req])[0]
+    assert r.output_ids == loc.output_ids
+    assert [p.logprob for p in r.logprobs] == pytest.approx([p.logprob for p in loc.logprobs], abs=1e-4)
+    assert all(len(p.top) == 2 for p in r.logprobs)
+    chat = oa.generate_sync([GenRequest(messages=[{"role": "user", "content": "hi"}], max_tokens=4)])[0]
+    assert chat.ok and chat.completion_tokens == len(chat.output_ids)
+    bad = oa.generate_sync([GenRequest(prompt="a", max_tokens=10**9)])[0]
+    assert not bad.ok and "HTTP 400" in bad.error and bad.attempts == 1
+
+
+def test_metrics_and_counter_invariants(served, prompts):
+    oa = OpenAIAdapter(served.url, model=MODEL)
+    before = oa.spec_counters_sync()
+    oa.generate_sync([GenRequest(prompt=p, max_tokens=24, ignore_eos=True) for p in prompts[:2]])
+    text = httpx.get(served.url + "/metrics").text
+    names = {n for n, _, _ in parse_prometheus(text)}
+    assert {"vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_total",
+            "vllm:generation_tokens_total"} <= names
+    c = spec_counters_from_metrics(text, MODEL)
+    assert c["source"] == "metrics" and c["num_drafts"] > before["num_drafts"]
+    assert sum(c["accepted_per_pos"]) == c["num_accepted_tokens"] <= c["num_draft_tokens"]
+    assert all(a >= b for a, b in zip(c["accepted_per_pos"], c["accepted_per_pos"][1:], strict=False))
+
+
+def test_bounded_load(served, prompts):
+    """32 requests at concurrency 8 over loopback: no failures, exact token counts, KV all freed."""
+    oa = OpenAIAdapter(served.url, model=MODEL, retries=0)
+    reqs = [GenRequest(prompt=prompts[i % len(prompts)], max_tokens=8, ignore_eos=True) for i in range(32)]
+    done: list[str] = []
+    res = asyncio.run(oa.generate(reqs, concurrency=8, on_result=lambda r: done.append(r.rid)))
+    assert all(r.ok for r in res), [r.error for r in res if not r.ok]
+    assert all(r.completion_tokens == 8 == sum(r.chunk_tokens) for r in res) and len(done) == 32
+    wait_idle(served)
