@@ -23,6 +23,8 @@ COMMANDS: dict[str, str] = {
     "gaps": "specbench.harness.cmd_gaps:gaps",
     "eval": "specbench.harness.cmd_eval:eval_cmd",
     "profile": "specbench.harness.cmd_profile:profile",
+    "sweep": "specbench.harness.cmd_sweep:sweep",
+    "report": "specbench.harness.cmd_report:report",
 }
 
 app = typer.Typer(name="specbench", no_args_is_help=True, add_completion=False,

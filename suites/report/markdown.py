@@ -1,0 +1,214 @@
+"""Markdown A/B tables from `RunSummary`s: rows are load levels, columns are arms.
+
+Contract: pure text from summaries. Per run: the arms (engine strings), throughput (median over
+rounds) with each arm's speedup over the baseline as the median paired ratio [min-max over rounds] and
+the paired noise floor; TPOT, TTFT, per-token ITL and raw chunk gaps; acceptance (rate, token-weighted
+and request-mean length, labelled by source); per-position acceptance per spec arm; request counts.
+A speedup within the noise floor is marked "~" (not resolved). Several runs: each gets its section, then
+one table compares every run's arms (unpaired: different sessions, so no noise floor applies).
+"""
+
+from __future__ import annotations
+
+import time
+
+from .summarize import RunSummary
+
+
+def _lv(s: RunSummary, lv: float) -> str:
+    return f"c{int(lv)}" if s.level_kind == "concurrency" else (f"{lv:g} req/s" if lv != float("inf") else "inf")
+
+
+def _f(x: float | None, fmt: str = "{:.1f}") -> str:
+    return "—" if x is None else fmt.format(x)
+
+
+def _ms(x: float | None) -> str:
+    return "—" if x is None else f"{x * 1e3:.1f}"
+
+
+def _table(header: list[str], rows: list[list[str]], left: int = 1) -> list[str]:
+    align = ["---"] * left + ["---:"] * (len(header) - left)
+    return ["| " + " | ".join(header) + " |", "| " + " | ".join(align) + " |"] + \
+        ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def speedup_cell(sp: dict | None, nf: dict | None) -> str:
+    if sp is None:
+        return "—"
+    mark = "~" if nf is not None and abs(sp["median"] - 1.0) <= nf["noise"] else ""
+    rng = f" [{sp['min']:.2f}–{sp['max']:.2f}]" if sp["rounds"] > 1 else ""
+    return f"{mark}{sp['median']:.2f}×{rng}"
+
+
+def noise_cell(nf: dict | None) -> str:
+    if nf is None:
+        return "—"
+    return f"±{nf['noise'] * 100:.1f}% (A'/A {nf['median_ratio']:.3f})"
+
+
+def run_header(s: RunSummary) -> list[str]:
+    cfg = s.meta.get("config", {})
+    wl = s.meta.get("workload", {})
+    loop = "closed loop (C requests in flight)" if s.level_kind == "concurrency" else \
+        f"open loop ({cfg.get('arrival')} arrivals, burstiness {cfg.get('burstiness')})"
+    started = s.meta.get("started")
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(started)) if isinstance(started, int | float) else \
+        (started or "—")
+    lines = [f"## Run `{s.run_id}`", "",
+             f"- {loop}; dataset **{wl.get('dataset', cfg.get('dataset'))}** ({wl.get('kept', '?')} prompts kept, "
+             f"seed {cfg.get('seed')}); max_tokens {cfg.get('max_tokens')}"
+             f"{' (ignore_eos)' if cfg.get('ignore_eos') else ''}; temperature {cfg.get('temperature')}; "
+             f"{cfg.get('rounds')} interleaved rounds; {cfg.get('warmup')} warm-up requests per arm and level "
+             "(excluded)",
+             f"- started {when}; git {s.meta.get('git_sha') or '—'}; device {s.meta.get('device') or '—'}"
+             + ("" if s.complete else "; **INCOMPLETE run (interrupted): figures cover the cells that finished**")]
+    if s.baseline:
+        nf = f"; noise floor: `{s.noise_arm}` is `{s.baseline}` run again, interleaved" if s.noise_arm else ""
+        lines.append(f"- baseline arm: `{s.baseline}`{nf}")
+    lines += ["", *_table(["arm", "engine", "model / config"],
+                          [[f"`{a['label']}`", f"`{a.get('engine') or '—'}`", _desc(a.get("description"))]
+                           for a in s.arms], left=3)]
+    return lines
+
+
+def _desc(d: dict | None) -> str:
+    if not d:
+        return "—"
+    c = d.get("config") if isinstance(d.get("config"), dict) else {}
+    bits = [str(d.get("model") or "")]
+    for k in ("spec", "k", "dtype", "device"):
+        if c.get(k) not in (None, "", 0):
+            bits.append(f"{k}={c[k]}")
+    if c.get("synthetic_accept") is not None:
+        bits.append(f"synthetic_accept={c['synthetic_accept']}")
+    return " ".join(b for b in bits if b).replace("|", "/") or "—"
+
+
+def throughput_table(s: RunSummary) -> list[str]:
+    arms = s.compared_arms
+    others = [a for a in arms if a != s.baseline]
+    header = [s.level_kind] + [f"{a} tok/s" for a in arms] + [f"{a} vs {s.baseline}" for a in others] + \
+        ["noise floor"] + [f"{a} req/s" for a in arms]
+    rows = []
+    for lv in s.levels:
+        r = [_lv(s, lv)]
+        r += [_f(c.tok_s_median if (c := s.get(a, lv)) else None) for a in arms]
+        r += [speedup_cell(s.speedups.get((a, lv)), s.noise.get(lv)) for a in others]
+        r.append(noise_cell(s.noise.get(lv)))
+        r += [_f(c.stats["req_s"] if (c := s.get(a, lv)) else None, "{:.2f}") for a in arms]
+        rows.append(r)
+    return _table(header, rows)
+
+
+def latency_table(s: RunSummary, metric: str, title: str) -> list[str]:
+    arms = s.compared_arms
+    rows = []
+    for lv in s.levels:
+        r = [_lv(s, lv)]
+        for a in arms:
+            c = s.get(a, lv)
+            st = c.stats[metric] if c else None
+            r.append("—" if not st or st["n"] == 0 else f"{_ms(st['mean'])} / {_ms(st['median'])} / {_ms(st['p90'])} / "
+                     f"{_ms(st['p99'])}")
+        rows.append(r)
+    return [f"#### {title} (ms: mean / median / p90 / p99)", "", *_table([s.level_kind, *arms], rows)]
+
+
+def acceptance_table(s: RunSummary) -> list[str]:
+    arms = s.spec_arms
+    if not arms:
+        return ["No arm reported speculative-decoding counts (spec off everywhere)."]
+    header = [s.level_kind]
+    for a in arms:
+        header += [f"{a} rate", f"{a} AL tok-w", f"{a} AL req-mean", f"{a} source"]
+    rows = []
+    for lv in s.levels:
+        r = [_lv(s, lv)]
+        for a in arms:
+            c = s.get(a, lv)
+            acc = c.acceptance if c else None
+            if acc is None:
+                r += ["—"] * 4
+                continue
+            r += [_f(acc["rate"] * 100 if acc["rate"] is not None else None, "{:.1f}%"), _f(acc["length"], "{:.3f}"),
+                  _f(acc["length_request_mean"], "{:.3f}"),
+                  "per-request" if acc["source"] == "request" else "counters (server-wide)"]
+        rows.append(r)
+    return _table(header, rows)
+
+
+def per_position_tables(s: RunSummary) -> list[str]:
+    out: list[str] = []
+    for a in s.spec_arms:
+        accs = {lv: c.acceptance for lv in s.levels if (c := s.get(a, lv)) and c.acceptance}
+        width = max((len(x["per_pos"]) for x in accs.values()), default=0)
+        if not width:
+            continue
+        rows = [[_lv(s, lv)] + [f"{p * 100:.1f}%" for p in accs[lv]["per_pos"]] + ["—"] * (width - len(accs[lv]["per_pos"]))
+                for lv in s.levels if lv in accs]
+        out += [f"#### Per-position acceptance: `{a}` (accepted at draft position i / verify steps)", "",
+                *_table([s.level_kind] + [f"pos {i + 1}" for i in range(width)], rows), ""]
+    return out
+
+
+def counts_table(s: RunSummary) -> list[str]:
+    rows = []
+    for lv in s.levels:
+        for a in [x["label"] for x in s.arms]:
+            c = s.get(a, lv)
+            if c is None:
+                continue
+            st = c.stats
+            rows.append([_lv(s, lv), f"`{a}`", str(len(c.tok_s)), str(st["completed"]), str(st["failed"]),
+                         str(st["input_tokens"]), str(st["output_tokens"]),
+                         " ".join(_f(c.tok_s[r]) for r in sorted(c.tok_s))])
+    return _table([s.level_kind, "arm", "rounds", "completed", "failed", "input tokens", "output tokens",
+                   "tok/s per round"], rows, left=2)
+
+
+def render_run(s: RunSummary, images: dict[str, str] | None = None) -> list[str]:
+    lines = [*run_header(s), "", f"### Output throughput (tok/s, median over {s.meta.get('config', {}).get('rounds')} "
+             "interleaved rounds)", "",
+             "Speedup = median over rounds of the paired per-round ratio arm/baseline [min–max]; noise floor = "
+             "median |A'/A − 1| of the baseline against its interleaved copy; `~` = within the noise floor.", "",
+             *throughput_table(s), ""]
+    for key, title in (("tok_s", "tok/s vs load"), ("speedup", "speedup with its noise band")):
+        if images and key in images:
+            lines += [f"![{title}]({images[key]})", ""]
+    lines += ["### Latency", "", *latency_table(s, "tpot", "TPOT"), ""]
+    if images and "tpot" in images:
+        lines += [f"![TPOT vs load]({images['tpot']})", ""]
+    lines += [*latency_table(s, "ttft", "TTFT"), "", *latency_table(s, "itl", "Per-token ITL (chunk gaps spread over "
+                                                                          "their tokens)"), "",
+              *latency_table(s, "chunk_gap", "Raw chunk gaps"), "", *latency_table(s, "e2el", "E2EL"), "",
+              "### Acceptance", "",
+              "rate = accepted / draft tokens; AL tok-w = 1 + accepted / verify steps (pooled); AL req-mean = mean "
+              "of each request's own length.", "", *acceptance_table(s), "", *per_position_tables(s)]
+    if images and "acceptance" in images:
+        lines += [f"![acceptance per position]({images['acceptance']})", ""]
+    lines += ["### Requests", "", *counts_table(s), ""]
+    return lines
+
+
+def render_comparison(runs: list[RunSummary]) -> list[str]:
+    """tok/s of every run's arms side by side, with each arm's ratio to the same-named arm of the first run."""
+    first = runs[0]
+    cols = [(s, a) for s in runs for a in s.compared_arms]
+    levels = sorted({lv for s in runs for lv in s.levels})
+    header = [first.level_kind] + [f"{s.run_id}/{a} tok/s" for s, a in cols] + \
+        [f"{s.run_id}/{a} vs {first.run_id}" for s, a in cols if s is not first and a in first.compared_arms]
+    rows = []
+    for lv in levels:
+        r = [_lv(first, lv)]
+        r += [_f(c.tok_s_median if (c := s.get(a, lv)) else None) for s, a in cols]
+        for s, a in cols:
+            if s is first or a not in first.compared_arms:
+                continue
+            x, y = first.get(a, lv), s.get(a, lv)
+            ok = x and y and x.tok_s_median and y.tok_s_median
+            r.append(f"{y.tok_s_median / x.tok_s_median:.2f}×" if ok else "—")  # type: ignore[union-attr,operator]
+        rows.append(r)
+    return ["## Runs compared", "",
+            "Unpaired: runs come from different sessions, so their ratios carry no paired noise floor; "
+            "read them against each run's own noise floor above.", "", *_table(header, rows), ""]

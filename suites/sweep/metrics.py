@@ -1,0 +1,162 @@
+"""Serving metrics of a sweep, per request and per cell (one arm at one load level in one round).
+
+Definitions follow REFERENCE.md section 3:
+- TTFT = first content chunk - send; E2EL = the chunk that completes the last output token - send;
+  TPOT = (E2EL - TTFT) / (output_tokens - 1), None for a single-token output.
+- Output tokens are the engine's usage count. Streamed per-chunk counts are reconciled to it
+  (`reconcile_chunks`): tokens streamed past the usage count (tokens after EOS) are dropped, a
+  shortfall is booked to the last chunk. So an EOS inside a multi-token chunk counts only the tokens
+  up to it, and E2EL ends at the chunk carrying the last counted token.
+- Per-token ITL spreads each chunk gap evenly over the tokens that chunk carries; raw chunk gaps are
+  reported separately (under speculation a chunk carries ~acceptance-length tokens).
+- Failed requests count in `failed` only: no tokens, no latencies.
+- Acceptance: per-request spec counts where every successful request has them (source "request"),
+  else the cell's spec-counter delta (source "counters": server-wide, may include other traffic),
+  else none. Rate = accepted / draft tokens; length = 1 + accepted / drafts. Token-weighted length is
+  pooled over all verify steps (total committed tokens per verify step, what the counters give);
+  request-mean length is the mean over requests of each request's own length (needs per-request
+  counts). Per-position rate i = accepted at position i / drafts (non-increasing in i).
+
+Everything here is a pure function of request record dicts (harness.results.RequestRecord as stored,
+or `request_record(GenResult)`), so a report recomputes it from the stored JSONL.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+LATENCIES = ("ttft", "e2el", "tpot", "itl", "chunk_gap")
+PERCENTILES = (50, 90, 99)
+
+
+def request_record(res: Any) -> dict:
+    """The fields of one `GenResult` these metrics read, shaped like harness.results.RequestRecord:
+    chunk_offsets are chunk arrival - send (s); ttft / e2el as the adapter measured them."""
+    return {
+        "rid": res.rid, "ok": bool(res.ok), "error": res.error, "finish_reason": res.finish_reason,
+        "prompt_tokens": res.prompt_tokens, "completion_tokens": res.completion_tokens, "wall_send": res.wall_send,
+        "ttft": res.ttft, "e2el": res.e2el, "chunk_offsets": [t - res.t_send for t in res.chunk_times],
+        "chunk_tokens": list(res.chunk_tokens), "token_count_method": res.token_count_method, "spec": res.spec,
+        "attempts": res.attempts, "meta": dict(res.meta),
+    }
+
+
+def _spec_counts(spec: dict | None) -> dict | None:
+    if not spec:
+        return None
+    keys = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos")
+    out = {k: spec[k] for k in keys if k in spec}
+    return out if "num_drafts" in out and "num_accepted_tokens" in out else None
+
+
+def reconcile_chunks(chunk_tokens: Sequence[int], n: int | None) -> list[int]:
+    """Per-chunk token counts made to sum to the usage count `n` (see the module docstring)."""
+    counts = [max(0, int(c)) for c in chunk_tokens]
+    if n is None or not counts:
+        return counts
+    out, left = [], n
+    for c in counts:
+        take = min(c, left)
+        out.append(take)
+        left -= take
+    if left > 0:
+        out[-1] += left
+    return out
+
+
+def derive(rec: dict) -> dict:
+    """Per-request metrics of one request record: output_tokens, ttft, e2el, tpot, itls, chunk_gaps."""
+    if not rec.get("ok"):
+        return {"ok": False, "output_tokens": 0, "ttft": None, "e2el": None, "tpot": None, "itls": [],
+                "chunk_gaps": []}
+    times = list(rec.get("chunk_offsets") or [])
+    n = rec.get("completion_tokens")
+    if n is None:
+        n = sum(rec.get("chunk_tokens") or [])
+    counts = reconcile_chunks(rec.get("chunk_tokens") or [1] * len(times), n)
+    kept = [(t, c) for t, c in zip(times, counts, strict=False) if c > 0]
+    if kept:
+        ttft, e2el = kept[0][0], kept[-1][0]
+    else:  # no streamed chunks: the whole response arrived at once
+        ttft, e2el = rec.get("ttft"), rec.get("e2el")
+        if ttft is None:
+            ttft = e2el
+    itls: list[float] = []
+    for (ta, _), (tb, c) in zip(kept, kept[1:], strict=False):
+        itls += [(tb - ta) / c] * c
+    gaps = [tb - ta for (ta, _), (tb, _) in zip(kept, kept[1:], strict=False)]
+    tpot = (e2el - ttft) / (n - 1) if (n and n > 1 and ttft is not None and e2el is not None) else None
+    return {"ok": True, "output_tokens": int(n or 0), "ttft": ttft, "e2el": e2el, "tpot": tpot, "itls": itls,
+            "chunk_gaps": gaps}
+
+
+def summary(values: Iterable[float | None]) -> dict:
+    """mean / median / p90 / p99 (numpy linear percentiles) and n of the non-None values."""
+    v = np.asarray([x for x in values if x is not None and not math.isnan(x)], dtype=float)
+    if v.size == 0:
+        return {"n": 0, "mean": None, "median": None, "p90": None, "p99": None}
+    p50, p90, p99 = (float(np.percentile(v, p)) for p in PERCENTILES)
+    return {"n": int(v.size), "mean": float(v.mean()), "median": p50, "p90": p90, "p99": p99}
+
+
+def acceptance(requests: Sequence[dict], counters: dict | None = None) -> dict | None:
+    """Acceptance of a set of successful request records, else of a counter delta (labelled)."""
+    ok = [r for r in requests if r.get("ok")]
+    per_req = [_spec_counts(r.get("spec")) for r in ok]
+    if ok and all(s is not None for s in per_req):
+        return _from_counts(per_req, "request")  # type: ignore[arg-type]
+    if counters and counters.get("num_drafts") is not None:
+        return _from_counts([counters], "counters")
+    return None
+
+
+def _from_counts(items: Sequence[dict], source: str) -> dict | None:
+    drafts = sum(int(s.get("num_drafts") or 0) for s in items)
+    if drafts <= 0:
+        return None
+    draft_tokens = sum(int(s.get("num_draft_tokens") or 0) for s in items)
+    accepted = sum(int(s.get("num_accepted_tokens") or 0) for s in items)
+    width = max((len(s.get("accepted_per_pos") or []) for s in items), default=0)
+    per_pos = [0] * width
+    for s in items:
+        for i, v in enumerate(s.get("accepted_per_pos") or []):
+            per_pos[i] += int(v)
+    out = {"source": source, "num_drafts": drafts, "num_draft_tokens": draft_tokens, "num_accepted_tokens": accepted,
+           "rate": accepted / draft_tokens if draft_tokens else None, "length": 1.0 + accepted / drafts,
+           "length_request_mean": None, "rate_request_mean": None,
+           "per_pos": [v / drafts for v in per_pos], "accepted_per_pos": per_pos}
+    if source == "request":
+        lens = [1.0 + s["num_accepted_tokens"] / s["num_drafts"] for s in items if s.get("num_drafts")]
+        rates = [s["num_accepted_tokens"] / s["num_draft_tokens"] for s in items if s.get("num_draft_tokens")]
+        out["length_request_mean"] = float(np.mean(lens)) if lens else None
+        out["rate_request_mean"] = float(np.mean(rates)) if rates else None
+    return out
+
+
+def cell_stats(requests: Sequence[dict], duration: float | None = None, counters: dict | None = None) -> dict:
+    """Aggregate of one cell. `duration` is the cell's wall time (first send to last response); when
+    None it is taken from the records."""
+    derived = [derive(r) for r in requests]
+    ok = [(r, d) for r, d in zip(requests, derived, strict=True) if d["ok"]]
+    if duration is None:
+        sends = [r["wall_send"] for r in requests if r.get("wall_send") is not None]
+        ends = [r["wall_send"] + r["e2el"] for r in requests if r.get("wall_send") is not None and r.get("e2el")]
+        duration = (max(ends) - min(sends)) if sends and ends else None
+    out_tok = sum(d["output_tokens"] for _, d in ok)
+    in_tok = sum(int(r.get("prompt_tokens") or 0) for r, _ in ok)
+    rate = (lambda x: x / duration) if duration and duration > 0 else (lambda x: None)
+    stats: dict[str, Any] = {
+        "requests": len(requests), "completed": len(ok), "failed": len(requests) - len(ok), "duration": duration,
+        "output_tokens": out_tok, "input_tokens": in_tok, "output_tok_s": rate(out_tok), "req_s": rate(len(ok)),
+        "total_tok_s": rate(out_tok + in_tok),
+    }
+    for name in ("ttft", "e2el", "tpot"):
+        stats[name] = summary(d[name] for _, d in ok)
+    stats["itl"] = summary(x for _, d in ok for x in d["itls"])
+    stats["chunk_gap"] = summary(x for _, d in ok for x in d["chunk_gaps"])
+    stats["acceptance"] = acceptance(requests, counters)
+    return stats

@@ -1,0 +1,219 @@
+"""The sweep runner: load levels x interleaved rounds x arms, every request recorded as it finishes.
+
+Contract:
+- Levels are closed-loop concurrencies (C requests in flight, a semaphore, like vLLM's
+  --max-concurrency) or, in open-loop mode, request rates (req/s) with Poisson or gamma arrivals
+  (`arrival_offsets`; the same seeded offsets for every arm and round, optionally capped by a
+  concurrency limit).
+- At each level every arm first runs `warmup` requests (recorded with warmup=True, excluded from every
+  figure), then `rounds` rounds. Within a round the arms run one after another in `schedule` order
+  (A B A' | A B A' ...), so drift hits every arm; A' is the noise-floor copy of the baseline arm (the
+  same engine, run again) when `noise_floor` is on.
+- Every cell (level, arm, round) runs the same prompts. Around each cell the arm's spec counters are
+  snapshotted; the delta is stored with the cell, so acceptance can come from counters when the
+  engine gives no per-request figures.
+- Records go to the sink the moment they exist: `sink.request(result, arm, idx, round)` per finished
+  request (the result's meta carries level, level_kind, round, warmup, copy_of, prompt_idx) and
+  `sink.cell(record)` per finished cell (duration, counters delta). An interrupt loses only requests
+  still in flight.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Protocol
+
+import numpy as np
+from specbench.harness.adapters.base import EngineAdapter, GenResult, counters_delta
+
+from .workload import Workload
+
+NOISE_SUFFIX = "#2"
+
+
+class Sink(Protocol):
+    def request(self, res: GenResult, arm: str, idx: int, round: int) -> None: ...
+
+    def cell(self, record: dict) -> None: ...
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    levels: tuple[float, ...] = (1, 8, 16, 32, 64)
+    mode: str = "closed"  # "closed": levels are concurrencies; "open": levels are request rates
+    max_concurrency: int | None = None  # open loop: cap on requests in flight (None = no cap)
+    dataset: str = "gsm8k"
+    num_prompts: int | None = None  # prompts per cell, the same at every level
+    prompts_per_level: int = 4  # else K x C prompts per cell at level C (K full waves); open loop: K x 8
+    min_prompts: int = 8
+    max_tokens: int = 128
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    rounds: int = 3
+    warmup: int = 2
+    arrival: str = "poisson"  # open loop: poisson | gamma
+    burstiness: float = 1.0  # gamma shape; 1.0 is Poisson
+    noise_floor: bool = True
+    seed: int = 0
+    random_words: int = 64
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("closed", "open"):
+            raise ValueError(f"mode={self.mode!r} is invalid: expected closed or open")
+        if not self.levels:
+            raise ValueError("levels is empty: expected at least one concurrency or request rate")
+        for v in self.levels:
+            if not (v > 0) or (self.mode == "closed" and (v != int(v) or math.isinf(v))):
+                what = "request rate" if self.mode == "open" else "concurrency"
+                raise ValueError(f"{what} {v} is invalid: expected {'a number > 0 or inf' if self.mode == 'open' else 'an integer >= 1'}")
+        for name in ("rounds", "max_tokens", "prompts_per_level"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} is invalid: expected an integer >= 1")
+        if self.warmup < 0:
+            raise ValueError(f"warmup={self.warmup} is invalid: expected an integer >= 0")
+        if self.num_prompts is not None and self.num_prompts < 1:
+            raise ValueError(f"num_prompts={self.num_prompts} is invalid: expected an integer >= 1")
+        if self.arrival not in ("poisson", "gamma"):
+            raise ValueError(f"arrival={self.arrival!r} is invalid: expected poisson or gamma")
+        if not self.burstiness > 0:
+            raise ValueError(f"burstiness={self.burstiness} is invalid: expected a number > 0")
+
+    def prompts_at(self, level: float) -> int:
+        if self.num_prompts is not None:
+            return self.num_prompts
+        width = level if self.mode == "closed" else (self.max_concurrency or 8)
+        return max(self.min_prompts, int(self.prompts_per_level * width))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Arm:
+    label: str
+    engine: str  # the engine string it was built from (provenance)
+    copy_of: str | None = None  # set on the noise-floor copy
+
+
+def schedule(arms: Sequence[str], rounds: int) -> list[tuple[int, str]]:
+    """The interleaved order of cells at one level: round 0 A B ..., round 1 A B ..., ..."""
+    return [(r, a) for r in range(rounds) for a in arms]
+
+
+def with_noise_copy(arms: Sequence[Arm], baseline: str | None = None) -> list[Arm]:
+    """The arms plus a second copy of the baseline (default: the first arm), placed last in a round."""
+    base = baseline or arms[0].label
+    src = next((a for a in arms if a.label == base), None)
+    if src is None:
+        raise ValueError(f"baseline arm {base!r} is not one of {[a.label for a in arms]}")
+    return [*arms, Arm(label=base + NOISE_SUFFIX, engine=src.engine, copy_of=base)]
+
+
+def arrival_offsets(n: int, rate: float, arrival: str = "poisson", burstiness: float = 1.0,
+                    seed: int = 0) -> list[float]:
+    """Send offsets (s) of n requests at `rate` req/s: gamma inter-arrivals with shape `burstiness` and
+    mean 1/rate (burstiness 1 = Poisson); rate inf sends everything at once. The first request goes at 0."""
+    if math.isinf(rate):
+        return [0.0] * n
+    shape = 1.0 if arrival == "poisson" else burstiness
+    rng = np.random.default_rng(seed)
+    gaps = rng.gamma(shape, 1.0 / (rate * shape), size=n)
+    gaps[0] = 0.0
+    return [float(x) for x in np.cumsum(gaps)]
+
+
+@dataclass
+class SweepRunner:
+    cfg: SweepConfig
+    arms: list[Arm]
+    adapters: dict[str, EngineAdapter]  # by label; a noise copy maps to its source's adapter
+    workload: Workload
+    sink: Sink
+    progress: bool = True
+    on_cell: Callable[[dict], None] | None = None
+    cells_done: int = field(default=0, init=False)
+
+    def adapter(self, arm: Arm) -> EngineAdapter:
+        return self.adapters[arm.copy_of or arm.label]
+
+    async def run(self) -> None:
+        for li, level in enumerate(self.cfg.levels):
+            await self.run_level(li, level)
+
+    async def run_level(self, li: int, level: float) -> None:
+        cfg, n = self.cfg, self.cfg.prompts_at(level)
+        positions = list(range(n))  # the same prompts at every level and in every cell
+        conc = int(level) if cfg.mode == "closed" else cfg.max_concurrency
+        offsets = None if cfg.mode == "closed" else arrival_offsets(n, level, cfg.arrival, cfg.burstiness,
+                                                                   cfg.seed + li)
+        sources = [a for a in self.arms if a.copy_of is None]
+        total = cfg.warmup * len(sources) + cfg.rounds * len(self.arms) * n
+        bar = _bar(total, _level_name(cfg, level), self.progress)
+        try:
+            for arm in sources if cfg.warmup else []:
+                wpos = [(p + n) for p in positions[: cfg.warmup]]
+                await self.run_cell(arm, level, -1, wpos, conc if conc else None, None, bar, warmup=True)
+            for rnd, label in schedule([a.label for a in self.arms], cfg.rounds):
+                arm = next(a for a in self.arms if a.label == label)
+                await self.run_cell(arm, level, rnd, positions, conc, offsets, bar)
+        finally:
+            bar.close()
+
+    async def run_cell(self, arm: Arm, level: float, rnd: int, positions: list[int], conc: int | None,
+                       offsets: list[float] | None, bar: object, warmup: bool = False) -> dict:
+        cfg, ad = self.cfg, self.adapter(arm)
+        key = {"arm": arm.label, "level": level, "level_kind": "concurrency" if cfg.mode == "closed" else "rate",
+               "round": rnd, "warmup": warmup, "copy_of": arm.copy_of}
+        reqs = self.workload.requests(arm.copy_of or arm.label, positions, cfg.max_tokens, cfg.ignore_eos,
+                                      cfg.temperature, meta=dict(key))
+        for i, r in enumerate(reqs):
+            r.rid = f"{arm.label}/{_level_name(cfg, level)}/r{rnd}/{i}"
+        before = await _counters(ad)
+        t0, wall0 = time.perf_counter(), time.time()
+        index = {r.rid: i for i, r in enumerate(reqs)}
+
+        def record(res: GenResult) -> None:
+            self.sink.request(res, arm.label, index.get(res.rid, -1), rnd)
+            bar.update(1)  # type: ignore[attr-defined]
+
+        results = await ad.generate(reqs, concurrency=conc, on_result=record, offsets=offsets)
+        duration = time.perf_counter() - t0
+        after = await _counters(ad)
+        cell = {**key, "wall_start": wall0, "duration": duration, "requests": len(reqs),
+                "completed": sum(1 for r in results if r.ok), "counters": counters_delta(before, after),
+                "concurrency": conc, "offsets": offsets is not None}
+        self.sink.cell(cell)
+        self.cells_done += 1
+        if self.on_cell is not None:
+            self.on_cell(cell)
+        return cell
+
+
+async def _counters(ad: EngineAdapter) -> dict | None:
+    try:
+        return await ad.spec_counters()
+    except Exception:  # an unreachable /metrics must not stop the sweep; acceptance falls back to none
+        return None
+
+
+def _level_name(cfg: SweepConfig, level: float) -> str:
+    if cfg.mode == "closed":
+        return f"c{int(level)}"
+    return f"r{level:g}"
+
+
+class _NoBar:
+    def update(self, n: int = 1) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _bar(total: int, desc: str, enabled: bool) -> object:
+    if not enabled:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="req", leave=True, dynamic_ncols=True)
