@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import platform
+import shutil
 import socket
 import subprocess
 import sys
@@ -48,14 +49,21 @@ def package_versions() -> dict[str, str]:
 
 
 def device_info() -> dict:
+    """CPU, and GPUs through torch when the process already uses it, else through nvidia-smi."""
     info: dict = {"cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count()}
+    torch = sys.modules.get("torch")  # importing torch only to describe the machine costs seconds
     try:
-        import torch
-
-        info["torch_threads"] = torch.get_num_threads()
-        if torch.cuda.is_available():
-            info["cuda"] = torch.version.cuda
-            info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        if torch is not None:
+            info["torch_threads"] = torch.get_num_threads()
+            if torch.cuda.is_available():
+                info["cuda"] = torch.version.cuda
+                info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+                return info
+        if shutil.which("nvidia-smi"):
+            r = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                               capture_output=True, text=True, timeout=5)
+            if r.returncode == 0:
+                info["gpus"] = [line.split(",")[0].strip() for line in r.stdout.splitlines() if line.strip()]
     except Exception:  # a broken CUDA install must not stop a run from recording itself
         pass
     return info
