@@ -25,6 +25,8 @@ COMMANDS: dict[str, str] = {
     "profile": "specbench.harness.cmd_profile:profile",
     "sweep": "specbench.harness.cmd_sweep:sweep",
     "report": "specbench.harness.cmd_report:report",
+    "lossless": "specbench.harness.cmd_lossless:lossless",
+    "selftest": "specbench.harness.cmd_selftest:selftest",
 }
 
 app = typer.Typer(name="specbench", no_args_is_help=True, add_completion=False,

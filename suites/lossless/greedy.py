@@ -129,6 +129,7 @@ class GateRun:
     checks: list[Check] = field(default_factory=list)
     wall_s: float = 0.0
     notes: list[str] = field(default_factory=list)
+    results: list[GenResult] = field(default_factory=list, repr=False)  # the candidate's, not serialized
 
     @property
     def failed_checks(self) -> list[Check]:
@@ -294,7 +295,7 @@ async def finish_run(name: str, candidate: EngineAdapter, baseline: EngineAdapte
     stats = spec_stats(results, delta, opts.min_accept_len)
     eos = eos_ids_of(candidate.describe()) or eos_ids_of(baseline.describe())
     checks = [check_counters(stats, k), check_after_stop(results, eos), check_kv_idle(await health(candidate))]
-    return GateRun(name, prompts, stats, checks, time.perf_counter() - t0)
+    return GateRun(name, prompts, stats, checks, time.perf_counter() - t0, results=list(results))
 
 
 def engine_k(adapter: EngineAdapter) -> int | None:

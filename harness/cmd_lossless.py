@@ -1,0 +1,114 @@
+"""`specbench lossless`: the greedy losslessness gate (regret rule, re-anchoring) between two engines.
+
+Contract: parses options, builds the two adapters (default: the bundled tiny pair, baseline spec off,
+candidate spec on; a local candidate alone gets the same model with speculation off as its baseline),
+opens a results run (records under results/<run-id>/: checks.jsonl per prompt, requests.jsonl of the
+candidate, gates.jsonl), calls specbench.suites.lossless.suite.run_lossless, prints the per-prompt table
+and the summary (one JSON document with --json), writes the markdown report with --report.
+Exit codes: 0 PASS; 1 FAIL or NOT SPECULATING (a pass that proves nothing is not a pass); 2 bad input
+(an engine string, an option value, an engine that cannot tokenize).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import typer
+
+
+def _engines(baseline: str | None, candidate: str | None):
+    from specbench.harness.engines import EngineSpec, EngineStringError, default_engines, parse_engine
+
+    if baseline is None and candidate is None:
+        return default_engines()
+    if candidate is None:
+        raise EngineStringError("--baseline without --candidate: give the engine under test with --candidate")
+    cand = parse_engine(candidate)
+    if baseline is not None:
+        return parse_engine(baseline), cand
+    if cand.kind != "local":
+        raise EngineStringError(f"--candidate {candidate!r} is remote: give its speculation-off twin with --baseline")
+    opts = {k: v for k, v in cand.options.items() if k not in ("draft", "spec", "k", "faults", "name")}
+    opts.update(spec="off", name="baseline")
+    raw = f"local:{cand.target}" + "".join(f",{k}={v}" for k, v in opts.items())
+    return EngineSpec("local", cand.target, opts, raw), cand
+
+
+def lossless(
+    margin_tol: float = typer.Option(0.20, "--margin-tol", min=0.0, help="Benign-flip margin in nats: regret <= this is a tie flip."),
+    baseline: str | None = typer.Option(None, "--baseline", help="Engine string of the reference (speculation off). Default: the bundled pair, spec off."),
+    candidate: str | None = typer.Option(None, "--candidate", help="Engine string under test (speculation on). Default: the bundled pair, spec on."),
+    dataset: str = typer.Option("gsm8k", "--dataset", help="gsm8k | spec_bench | mt_bench | sharegpt | humaneval"),
+    num_prompts: int = typer.Option(8, "--num-prompts", min=1, help="Prompts from the data set (file order)."),
+    max_tokens: int = typer.Option(64, "--max-tokens", min=1, help="Greedy tokens per prompt."),
+    max_divergences: int = typer.Option(8, "--max-divergences", min=1, help="Benign flips (re-anchors) judged per prompt before stopping."),
+    rescore: bool = typer.Option(True, "--rescore/--no-rescore", help="Re-score each divergence with the candidate's own prefill path."),
+    concurrency: int = typer.Option(1, "--concurrency", min=1, help="Candidate requests in flight in the greedy gate."),
+    concurrent: bool = typer.Option(False, "--concurrent", help="Also run the concurrent heterogeneous gate (staggered max_tokens, one batch)."),
+    engine_gates: bool = typer.Option(False, "--engine-gates", help="Also run short-then-long, mixed batch, stop-in-run and headroom."),
+    expect_accept_len: float | None = typer.Option(None, "--expect-accept-len", min=1.0, help="Fail if the mean accepted length falls >10% (of its excess over 1) below this."),
+    min_accept_len: float = typer.Option(1.05, "--min-accept-len", min=1.0, help="At or below this mean accepted length the verdict is NOT SPECULATING."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON document instead of the tables."),
+    report: Path | None = typer.Option(None, "--report", help="Write the markdown report here."),
+    results: Path | None = typer.Option(None, "--results", help="Results directory (default $SPECBENCH_RESULTS or ./results)."),
+    no_record: bool = typer.Option(False, "--no-record", help="Do not write a results run."),
+) -> None:
+    """Is speculation lossless? Greedy spec-on vs spec-off, every divergence judged by its regret.
+
+    At each divergence the candidate's pick is scored under the baseline's top-20 distribution: regret = logp(top1) - logp(pick). Regret <= --margin-tol is a benign tie flip and the gate re-anchors (a fresh baseline from prompt + candidate tokens) to judge every later divergence too; larger, or a pick outside the top-20, is a FAIL. Speculation that never happened is reported as NOT SPECULATING, not PASS. Exit 1 on FAIL or NOT SPECULATING, 2 on bad input.
+    """
+    from specbench.harness.engines import EngineStringError, build_adapter
+    from specbench.harness.results import open_run
+    from specbench.suites.lossless.prompts import DATASETS
+    from specbench.suites.lossless.report import render_console, render_markdown
+    from specbench.suites.lossless.suite import SUITE_VERSION, LosslessConfig, LosslessError, run_lossless
+
+    def bad(msg: str) -> typer.Exit:
+        typer.echo(f"specbench lossless: {msg}", err=True)
+        return typer.Exit(2)
+
+    if dataset not in DATASETS:
+        raise bad(f"--dataset {dataset!r} is invalid: expected one of {', '.join(DATASETS)}")
+    try:
+        cfg = LosslessConfig(margin_tol=margin_tol, dataset=dataset, num_prompts=num_prompts, max_tokens=max_tokens,
+                             max_divergences=max_divergences, rescore=rescore, concurrency=concurrency,
+                             concurrent=concurrent, engine_gates=engine_gates, min_accept_len=min_accept_len,
+                             expect_accept_len=expect_accept_len)
+        bspec, cspec = _engines(baseline, candidate)
+        base = build_adapter(bspec, name="baseline")
+        cand = build_adapter(cspec, name="candidate")
+    except (EngineStringError, LosslessError, ValueError, FileNotFoundError) as e:
+        raise bad(str(e)) from None
+    log = (lambda s: typer.echo(s, err=True)) if json_out else typer.echo
+
+    async def main(run):
+        try:
+            return await run_lossless(base, cand, cfg, run=run, log=log)
+        finally:
+            await base.aclose()
+            await cand.aclose()
+
+    try:
+        if no_record:
+            out = asyncio.run(main(None))
+        else:
+            engines = {"baseline": base.describe(), "candidate": cand.describe()}
+            with open_run("lossless", SUITE_VERSION, engines=engines, results=results,
+                          sampling={"temperature": 0.0, "max_tokens": max_tokens, "logprobs": cfg.top_k},
+                          dataset={"name": dataset, "num_prompts": num_prompts}, config=cfg.__dict__) as run:
+                out = asyncio.run(main(run))
+    except LosslessError as e:
+        raise bad(str(e)) from None
+    if report is not None:
+        report.parent.mkdir(parents=True, exist_ok=True)
+        report.write_text(render_markdown(out), encoding="utf-8")
+    if json_out:
+        typer.echo(json.dumps(out.to_dict(), default=str))
+    else:
+        typer.echo(render_console(out))
+        if report is not None:
+            typer.echo(f"report: {report}")
+    if not out.ok:
+        raise typer.Exit(1)

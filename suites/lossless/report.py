@@ -1,0 +1,174 @@
+"""Markdown and console renderings of lossless runs and of the self-test (pure functions of the outcome).
+
+Contract: `render_markdown(outcome)` -> a report with the verdict first, the engines and settings, one
+summary row per gate, the run checks, the per-prompt table of every gate (status, first divergence,
+regret, tokens compared, re-anchors, accepted length) and every divergence with its baseline regret and
+the candidate's re-scored regret. `render_console(outcome)` is the short form the CLI prints.
+`render_selftest(st)` renders the fault -> gates matrix and the clean repetitions. Nothing here runs an
+engine or reads files.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .greedy import GateRun, PromptCheck
+
+if TYPE_CHECKING:
+    from .selftest import SelftestOutcome
+    from .suite import LosslessOutcome
+
+
+def _f(x: float | None, nd: int = 3) -> str:
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def _cell(s: object) -> str:
+    return str(s).replace("|", "\\|").replace("\n", " ")
+
+
+def _engine_line(d: dict) -> str:
+    cfg = d.get("config") if isinstance(d.get("config"), dict) else {}
+    bits = [f"`{d.get('name')}` ({d.get('kind')})", f"model `{d.get('model')}`"]
+    for k in ("draft", "spec", "k", "dtype", "device", "attention_backend", "eager", "faults"):
+        if cfg.get(k) not in (None, [], ""):
+            bits.append(f"{k}={cfg[k]}")
+    return ", ".join(bits)
+
+
+def _status(p: PromptCheck) -> str:
+    s = {"identical": "PASS (identical)", "flip": "PASS (benign flips)", "fail": "**FAIL**",
+         "error": "**ERROR**"}[p.status]
+    return s + ("" if p.complete or not p.ok else " (partial)")
+
+
+def _accept(p: PromptCheck) -> str:
+    sp = p.spec or {}
+    return _f(sp.get("mean_accept_len"), 2) if sp.get("num_drafts") else ("1.00" if sp else "-")
+
+
+def gate_summary_rows(gates: list[GateRun]) -> list[str]:
+    rows = ["| gate | verdict | requests | identical | benign flips | failed | tokens compared | re-anchors "
+            "| drafts | mean accepted length | wall s |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for g in gates:
+        ps = g.prompts
+        rows.append(f"| {g.name} | {'**' + g.verdict + '**' if g.verdict != 'PASS' else g.verdict} | {len(ps)} "
+                    f"| {sum(p.status == 'identical' for p in ps)} | {sum(p.status == 'flip' for p in ps)} "
+                    f"| {sum(not p.ok for p in ps)} | {sum(p.tokens_compared for p in ps)} "
+                    f"| {sum(p.reanchors for p in ps)} | {g.stats.num_drafts if g.stats.known else '-'} "
+                    f"| {_f(g.stats.mean_accept_len, 2)} | {g.wall_s:.1f} |")
+    return rows
+
+
+def prompt_rows(g: GateRun) -> list[str]:
+    rows = ["| prompt | status | first divergence | max regret (nat) | tokens compared | re-anchors "
+            "| accepted length | note |", "|---|---|---:|---:|---:|---:|---:|---|"]
+    for p in g.prompts:
+        fd = "-" if p.first_divergence is None else str(p.first_divergence)
+        rows.append(f"| {_cell(p.pid)} | {_status(p)} | {fd} | {_f(p.max_regret)} "
+                    f"| {p.tokens_compared}/{p.candidate_tokens} | {p.reanchors} | {_accept(p)} | {_cell(p.reason)} |")
+    return rows
+
+
+def divergence_rows(gates: list[GateRun]) -> list[str]:
+    rows = ["| gate | prompt | position | candidate pick | baseline top1 | baseline regret (nat) "
+            "| candidate re-scored regret | verdict |", "|---|---|---:|---:|---:|---:|---:|---|"]
+    n = 0
+    for g in gates:
+        for p in g.prompts:
+            for d in p.divergences:
+                j = d.judgement
+                rs = d.rescore or {}
+                rsc = _f(rs.get("regret")) if rs.get("status") == "ok" else (rs.get("status") or "-")
+                if rs.get("status") == "ok":
+                    rsc += " (agrees with pick)" if rs.get("agrees_with_pick") else f" (prefill top1 {rs.get('top1')})"
+                if j is None:
+                    reg, verdict = "-", "**FAIL** " + d.kind
+                else:
+                    reg = _f(j.regret) if j.regret is not None else f">= {_f(j.lower_bound)}"
+                    verdict = "benign" if j.ok else f"**FAIL** ({j.kind})"
+                top1 = j.top1 if j else d.baseline_token
+                rows.append(f"| {g.name} | {_cell(p.pid)} | {d.position} | {d.pick} | {top1} | {reg} | {rsc} "
+                            f"| {verdict} |")
+                n += 1
+    return rows if n else []
+
+
+def check_rows(gates: list[GateRun]) -> list[str]:
+    rows = ["| gate | check | result | detail |", "|---|---|---|---|"]
+    for g in gates:
+        for c in g.checks:
+            res = "skipped" if c.skipped else ("ok" if c.ok else "**FAIL**")
+            rows.append(f"| {g.name} | {c.name} | {res} | {_cell(c.detail)} |")
+        rows.append(f"| {g.name} | speculating | {'ok' if g.stats.speculating else g.verdict} "
+                    f"| {_cell(g.stats.describe())} |")
+    return rows
+
+
+def render_markdown(out: LosslessOutcome) -> str:
+    cfg = out.config
+    lines = [f"# Lossless gate: {out.verdict}", ""]
+    lines += [f"- candidate (spec on): {_engine_line(out.engines.get('candidate', {}))}",
+              f"- baseline (spec off): {_engine_line(out.engines.get('baseline', {}))}",
+              f"- rule: greedy; at each divergence regret = logp(top1) - logp(pick) under the baseline's "
+              f"top-{cfg.get('top_k')}; benign if <= {cfg.get('margin_tol'):.2f} nat; re-anchoring after "
+              f"each benign flip (at most {cfg.get('max_divergences')} per prompt)",
+              f"- prompts: {cfg.get('num_prompts')} from `{cfg.get('dataset')}`, max_tokens {cfg.get('max_tokens')}, "
+              f"candidate concurrency {cfg.get('concurrency')}; re-scoring "
+              f"{'on' if cfg.get('rescore') else 'off'}",
+              f"- run id: `{out.run_id}`, wall {out.wall_s:.1f} s"]
+    lines += [f"- note: {n}" for n in out.notes]
+    lines += ["", "## Gates", ""] + gate_summary_rows(out.gates)
+    for g in out.gates:
+        lines += ["", f"## {g.name}: {g.verdict}", ""]
+        lines += [f"_{n}_" for n in g.notes] + ([""] if g.notes else [])
+        lines += prompt_rows(g) if g.prompts else ["(no per-request checks)"]
+    div = divergence_rows(out.gates)
+    lines += ["", "## Divergences", ""] + (div or ["None: every candidate token equals the baseline's."])
+    lines += ["", "## Run checks", ""] + check_rows(out.gates)
+    lines += ["", "Verdicts: PASS = every token identical or a benign tie flip, speculation observed; "
+              "NOT SPECULATING = lossless but the engine never drafted (or accepted ~nothing), which proves "
+              "nothing; FAIL = a pick above the margin, outside the baseline top-k, a length mismatch, a failed "
+              "request or a failed run check. See docs/lossless.md.", ""]
+    return "\n".join(lines)
+
+
+def render_console(out: LosslessOutcome) -> str:
+    lines = []
+    for g in out.gates:
+        lines += [f"{g.name}: {g.verdict}"] + prompt_rows(g) + [""]
+    lines += gate_summary_rows(out.gates) + [""]
+    bad = [f"  {g.name}/{c.name}: {c.detail}" for g in out.gates for c in g.failed_checks]
+    if bad:
+        lines += ["failed checks:"] + bad
+    s = out.summary()
+    lines.append(f"VERDICT: {out.verdict}  ({s['prompts']} prompts, {s['failed_prompts']} failed, {s['flips']} benign "
+                 f"flips, mean accepted length {_f(s['mean_accept_len'], 2)}, {out.wall_s:.1f} s)")
+    return "\n".join(lines)
+
+
+def render_selftest(st: SelftestOutcome) -> str:
+    gates = st.gate_names
+    lines = [f"# Self-test: {'PASS' if st.ok else 'FAIL'}", "",
+             f"- engine: {_engine_line(st.engine)}",
+             f"- {len(st.faults)} faults x {len(gates)} gates, clean engine x {len(st.clean)} repetitions; "
+             f"{st.num_prompts} prompts, max_tokens {st.max_tokens}, margin {st.margin_tol:.2f} nat; "
+             f"wall {st.wall_s:.1f} s",
+             f"- reference acceptance (clean run 1, greedy gate): mean accepted length {_f(st.reference_accept, 3)}",
+             "", "## Fault matrix", "",
+             "| fault | what it breaks | caught by | " + " | ".join(gates) + " |",
+             "|---|---|---|" + "---|" * len(gates)]
+    for row in st.faults:
+        cells = [("**caught**" if row.caught(g) else "pass") + (f" ({row.why(g)})" if row.caught(g) else "")
+                 for g in gates]
+        by = ", ".join(row.caught_by) or "**MISSED**"
+        lines.append(f"| {row.label} | {_cell(row.description)} | {by} | " + " | ".join(_cell(c) for c in cells) + " |")
+    lines += ["", "## Clean engine", "", "| run | verdicts | false alarms | mean accepted length | wall s |",
+              "|---|---|---|---:|---:|"]
+    for row in st.clean:
+        verdicts = ", ".join(f"{g}: {row.verdicts.get(g, '-')}" for g in gates)
+        lines.append(f"| {row.label} | {verdicts} | {', '.join(row.caught_by) or 'none'} "
+                     f"| {_f(row.accept_len, 3)} | {row.wall_s:.1f} |")
+    lines.append("")
+    return "\n".join(lines)

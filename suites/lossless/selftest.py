@@ -1,0 +1,227 @@
+"""`specbench selftest`: proof that the lossless gates have teeth, and no false alarms.
+
+Contract:
+- Every greedy fault the engine names (engine/faults.py `FAULTS`, minus the speculative-sampling faults,
+  which belong to the sampled-equivalence gate) is injected into a fresh local candidate engine through
+  the adapter's engine string (`faults=<name>`), and every gate runs against it: short-then-long (first,
+  on the fresh engine), greedy, concurrent, mixed, stop-in-run, headroom, and an acceptance-regression
+  gate (mean accepted length on the greedy gate's prompts vs the clean engine's; `draft_ctx_misaligned`
+  leaves the tokens lossless, because verify corrects them, and only acceptance shows it). A gate
+  "catches" a fault when its verdict is not PASS. Every fault must be caught by at least one gate.
+- The clean engine runs the same gates `repeat` times, each on a fresh engine; every verdict must be
+  PASS (a NOT SPECULATING verdict on the clean engine is a failure too: the bundled drafter speculates).
+  Clean run 1 sets the reference acceptance (or `expect_accept_len` when given).
+- The baseline (speculation off, the same model) is one engine for the whole self-test, wrapped in a
+  cache keyed by the request (prompt ids, max_tokens, logprobs, stop): it is deterministic and clean,
+  so re-running it per fault would only cost time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+from specbench.harness.adapters.base import EngineAdapter, GenRequest, GenResult, ScoreResult
+
+from .checks import SpecStats, check_acceptance
+from .concurrent import run_concurrent
+from .engine_gates import GATES
+from .greedy import GateOptions, GateRun, Prompt, run_greedy, tokenize_prompts
+from .prompts import load_prompts
+
+SAMPLING_FAULTS = frozenset({"biased_accept", "resample_from_p", "reused_uniform"})
+GATE_NAMES = ("short-then-long", "greedy", "concurrent", "mixed", "stop-in-run", "headroom", "acceptance")
+
+
+def greedy_faults() -> dict[str, str]:
+    # Names and descriptions only: the faults are injected through the adapter's engine string.
+    from specbench.engine.faults import FAULTS
+
+    return {k: v for k, v in FAULTS.items() if k not in SAMPLING_FAULTS}
+
+
+class CachedAdapter(EngineAdapter):
+    """A deterministic baseline's generations, memoised by request (scores and the rest pass through)."""
+
+    kind = "cached"
+
+    def __init__(self, inner: EngineAdapter) -> None:
+        super().__init__(inner.name)
+        self.inner = inner
+        self.cache: dict[tuple, GenResult] = {}
+        self.hits = 0
+
+    async def generate_one(self, req: GenRequest) -> GenResult:
+        key = (tuple(req.prompt) if isinstance(req.prompt, list) else req.prompt, req.max_tokens, req.logprobs,
+               tuple(req.stop), req.temperature, req.ignore_eos)
+        hit = self.cache.get(key)
+        if hit is not None:
+            self.hits += 1
+            return hit
+        res = (await self.inner.generate([req], concurrency=1))[0]
+        if res.ok:
+            self.cache[key] = res
+        return res
+
+    async def score(self, prompt_ids: list[int], continuation_ids: list[int], top_k: int = 1) -> ScoreResult | None:
+        return await self.inner.score(prompt_ids, continuation_ids, top_k)
+
+    async def tokenize(self, text: str) -> list[int] | None:
+        return await self.inner.tokenize(text)
+
+    async def spec_counters(self) -> dict | None:
+        return await self.inner.spec_counters()
+
+    def describe(self) -> dict:
+        return self.inner.describe()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+@dataclass
+class EngineRow:
+    label: str
+    faults: tuple[str, ...]
+    description: str
+    verdicts: dict[str, str] = field(default_factory=dict)
+    reasons: dict[str, str] = field(default_factory=dict)
+    accept_len: float | None = None
+    wall_s: float = 0.0
+
+    def caught(self, gate: str) -> bool:
+        return self.verdicts.get(gate, "PASS") != "PASS"
+
+    def why(self, gate: str) -> str:
+        return self.reasons.get(gate, "")
+
+    @property
+    def caught_by(self) -> list[str]:
+        return [g for g in GATE_NAMES if self.caught(g)]
+
+
+@dataclass
+class SelftestOutcome:
+    engine: dict
+    faults: list[EngineRow]
+    clean: list[EngineRow]
+    num_prompts: int
+    max_tokens: int
+    margin_tol: float
+    reference_accept: float | None
+    wall_s: float = 0.0
+    gate_names: tuple[str, ...] = GATE_NAMES
+
+    @property
+    def missed(self) -> list[str]:
+        return [r.label for r in self.faults if not r.caught_by]
+
+    @property
+    def false_alarms(self) -> list[str]:
+        return [f"{r.label}: {', '.join(r.caught_by)}" for r in self.clean if r.caught_by]
+
+    @property
+    def ok(self) -> bool:
+        return not self.missed and not self.false_alarms and bool(self.clean)
+
+    def to_dict(self) -> dict:
+        return {"suite": "selftest", "ok": self.ok, "missed": self.missed, "false_alarms": self.false_alarms,
+                "engine": self.engine, "num_prompts": self.num_prompts, "max_tokens": self.max_tokens,
+                "margin_tol": self.margin_tol, "reference_accept": self.reference_accept, "wall_s": self.wall_s,
+                "faults": [asdict(r) | {"caught_by": r.caught_by} for r in self.faults],
+                "clean": [asdict(r) | {"caught_by": r.caught_by} for r in self.clean]}
+
+
+def _why(g: GateRun) -> str:
+    for p in g.prompts:
+        if not p.ok:
+            d = p.divergences[-1] if p.divergences else None
+            if d is not None and d.judgement is not None:
+                j = d.judgement
+                r = j.regret if j.regret is not None else j.lower_bound
+                return f"{'outside top-k' if j.kind == 'outside_topk' else 'regret'} {r:.2f} @{d.position}"
+            return (d.kind if d else p.reason)[:40]
+    bad = g.failed_checks
+    if bad:
+        return bad[0].name
+    return "not speculating" if g.verdict == "NOT SPECULATING" else g.verdict
+
+
+async def run_engine(label: str, faults: tuple[str, ...], description: str, baseline: EngineAdapter,
+                     candidate: EngineAdapter, prompts: list[Prompt], max_tokens: int, opts: GateOptions,
+                     reference_accept: float | None) -> EngineRow:
+    """All gates on one fresh candidate engine; short-then-long first, while nothing has been captured."""
+    t0 = time.perf_counter()
+    row = EngineRow(label, faults, description)
+    stats: SpecStats | None = None
+    runs: dict[str, Callable] = {
+        "short-then-long": GATES["short-then-long"],
+        "greedy": lambda b, c, p, m, o: run_greedy(b, c, p, m, o, concurrency=1),
+        "concurrent": run_concurrent,
+        "mixed": GATES["mixed"], "stop-in-run": GATES["stop-in-run"], "headroom": GATES["headroom"]}
+    for name, fn in runs.items():
+        try:
+            g = await fn(baseline, candidate, prompts, max_tokens, opts)
+        except Exception as e:  # a gate that crashes on a faulty engine still reports, as ERROR
+            row.verdicts[name], row.reasons[name] = "ERROR", f"{type(e).__name__}: {e}"[:80]
+            continue
+        row.verdicts[name] = g.verdict
+        if g.verdict != "PASS":
+            row.reasons[name] = _why(g)
+        if name == "greedy":
+            stats, row.accept_len = g.stats, g.stats.mean_accept_len
+    ref = reference_accept if reference_accept is not None else row.accept_len
+    acc = check_acceptance(stats, ref) if stats is not None and stats.num_drafts else None
+    ok = acc is not None and acc.ok
+    row.verdicts["acceptance"] = "PASS" if ok else "FAIL"
+    if not ok:
+        row.reasons["acceptance"] = f"{row.accept_len or 1.0:.2f} vs {_num(ref)}"
+    row.wall_s = time.perf_counter() - t0
+    return row
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+async def run_selftest(make_candidate: Callable[[tuple[str, ...]], EngineAdapter], baseline: EngineAdapter,
+                       repeat: int = 5, num_prompts: int = 4, max_tokens: int = 32, dataset: str = "gsm8k",
+                       opts: GateOptions | None = None, faults: list[str] | None = None,
+                       expect_accept_len: float | None = None,
+                       log: Callable[[str], None] | None = None) -> SelftestOutcome:
+    if repeat < 1:
+        raise ValueError(f"--repeat {repeat} is invalid: expected an integer >= 1")
+    say = log or (lambda s: None)
+    opts = opts or GateOptions()
+    known = greedy_faults()
+    names = faults if faults is not None else list(known)
+    unknown = [f for f in names if f not in known]
+    if unknown:
+        raise ValueError(f"--faults {unknown} unknown: expected any of {', '.join(known)}")
+    t0 = time.perf_counter()
+    base = CachedAdapter(baseline)
+    probe = make_candidate(())
+    prompts, _ = await tokenize_prompts(base, probe, load_prompts(dataset, num_prompts, 400))
+    engine = probe.describe()
+    out = SelftestOutcome(engine, [], [], num_prompts, max_tokens, opts.margin_tol, expect_accept_len)
+
+    async def one(label: str, fs: tuple[str, ...], desc: str, cand: EngineAdapter | None = None) -> EngineRow:
+        cand = cand or make_candidate(fs)
+        try:
+            row = await run_engine(label, fs, desc, base, cand, prompts, max_tokens, opts, out.reference_accept)
+        finally:
+            await cand.aclose()
+        say(f"[selftest] {label}: caught by {', '.join(row.caught_by) or 'nothing'} ({row.wall_s:.1f} s)")
+        return row
+
+    first = await one("clean #1", (), "no fault", probe)
+    out.clean.append(first)
+    if out.reference_accept is None:
+        out.reference_accept = first.accept_len
+    for f in names:
+        out.faults.append(await one(f, (f,), known[f]))
+    for i in range(2, repeat + 1):
+        out.clean.append(await one(f"clean #{i}", (), "no fault"))
+    out.wall_s = time.perf_counter() - t0
+    return out

@@ -1,0 +1,153 @@
+"""The `lossless` suite: the greedy gate, optionally the concurrent gate and the engine gates, one verdict.
+
+Contract:
+- `run_lossless(baseline, candidate, cfg, run=None, log=print)` tokenizes the prompt set once (the
+  baseline's tokenizer), runs the greedy gate (`cfg.concurrency` candidate requests at a time), then the
+  concurrent heterogeneous gate (`cfg.concurrent`) and the engine gates (`cfg.engine_gates`;
+  short-then-long first, while the engine is fresh), and returns a `LosslessOutcome`.
+- With a results `Run`, every per-prompt check is written as it completes ("checks" records), every
+  candidate request at the end of its gate ("requests", arm "candidate"), and one "gates" record per gate;
+  the run record's summary gets the verdict. Reports are pure functions of the outcome (report.py).
+- Verdict: FAIL if any gate fails; else NOT SPECULATING if the greedy gate saw no speculation (zero drafts
+  or a mean accepted length <= min_accept_len); else PASS ("PASS (speculation unverified)" when the
+  candidate exposes no spec counters). `expect_accept_len` adds an acceptance-regression check to the
+  greedy gate (10% tolerance on the accepted-length excess over 1).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+from specbench.harness.adapters.base import EngineAdapter
+
+from .checks import check_acceptance
+from .concurrent import run_concurrent
+from .engine_gates import GATES
+from .greedy import GateOptions, GateRun, LosslessError, PromptCheck, run_greedy, tokenize_prompts
+from .prompts import load_prompts
+
+SUITE_VERSION = "1"
+
+
+@dataclass(frozen=True)
+class LosslessConfig:
+    margin_tol: float = 0.20
+    top_k: int = 20
+    dataset: str = "gsm8k"
+    num_prompts: int = 8
+    max_tokens: int = 64
+    max_divergences: int = 8
+    rescore: bool = True
+    concurrency: int = 1
+    concurrent: bool = False
+    engine_gates: bool = False
+    min_accept_len: float = 1.05
+    expect_accept_len: float | None = None
+    max_prompt_chars: int = 1000
+
+    def __post_init__(self) -> None:
+        for name, lo in (("num_prompts", 1), ("max_tokens", 1), ("max_divergences", 1), ("concurrency", 1),
+                         ("top_k", 1)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < lo:
+                raise LosslessError(f"--{name.replace('_', '-')} {v!r} is invalid: expected an integer >= {lo}")
+        if not 0 <= self.margin_tol < 50:
+            raise LosslessError(f"--margin-tol {self.margin_tol!r} is invalid: expected nats in [0, 50)")
+        if self.top_k > 20:
+            raise LosslessError(f"top_k={self.top_k} is invalid: engines return at most 20 logprobs")
+
+    @property
+    def gate_options(self) -> GateOptions:
+        return GateOptions(self.margin_tol, self.top_k, self.max_divergences, self.rescore, self.min_accept_len)
+
+
+@dataclass
+class LosslessOutcome:
+    gates: list[GateRun]
+    engines: dict[str, dict]
+    config: dict
+    notes: list[str] = field(default_factory=list)
+    run_id: str | None = None
+    wall_s: float = 0.0
+
+    @property
+    def verdict(self) -> str:
+        if any(g.verdict in ("FAIL", "ERROR") for g in self.gates):
+            return "FAIL"
+        return self.gates[0].verdict if self.gates else "FAIL"
+
+    @property
+    def ok(self) -> bool:
+        """Exit status 0? Only a plain PASS (or PASS with speculation unverified) is ok."""
+        return self.verdict.startswith("PASS")
+
+    def summary(self) -> dict:
+        g0 = self.gates[0] if self.gates else None
+        return {"verdict": self.verdict, "gates": {g.name: g.verdict for g in self.gates},
+                "prompts": len(g0.prompts) if g0 else 0,
+                "failed_prompts": sum(not p.ok for g in self.gates for p in g.prompts),
+                "flips": sum(len(p.divergences) for g in self.gates for p in g.prompts if p.ok),
+                "mean_accept_len": g0.stats.mean_accept_len if g0 else None, "wall_s": self.wall_s}
+
+    def to_dict(self) -> dict:
+        return {"suite": "lossless", "suite_version": SUITE_VERSION, "run_id": self.run_id, "verdict": self.verdict,
+                "summary": self.summary(), "config": self.config, "engines": self.engines, "notes": self.notes,
+                "gates": [g.to_dict() for g in self.gates]}
+
+
+def _record(run, gate: GateRun) -> None:
+    if run is None:
+        return
+    for i, r in enumerate(gate.results):
+        run.add_result(r, arm="candidate", idx=i, item_id=f"{gate.name}/{r.rid}")
+    d = gate.to_dict()
+    d.pop("prompts")
+    run.write("gates", d)
+
+
+async def run_lossless(baseline: EngineAdapter, candidate: EngineAdapter, cfg: LosslessConfig, run=None,
+                       log: Callable[[str], None] | None = None) -> LosslessOutcome:
+    t0 = time.perf_counter()
+    say = log or (lambda s: None)
+    opts = cfg.gate_options
+    texts = load_prompts(cfg.dataset, cfg.num_prompts, cfg.max_prompt_chars)
+    prompts, notes = await tokenize_prompts(baseline, candidate, texts)
+    out = LosslessOutcome([], {"baseline": baseline.describe(), "candidate": candidate.describe()},
+                          asdict(cfg), notes)
+    if run is not None:
+        out.run_id = run.run_id
+
+    def on_prompt(gate: str) -> Callable[[PromptCheck], None]:
+        def f(pc: PromptCheck) -> None:
+            if run is not None:
+                run.write("checks", {"gate": gate, **pc.to_dict()})
+        return f
+
+    async def gate(name: str, coro) -> GateRun:
+        say(f"[lossless] {name} ...")
+        g = await coro
+        say(f"[lossless] {name}: {g.verdict} ({g.wall_s:.1f} s; {g.stats.describe()})")
+        out.gates.append(g)
+        _record(run, g)
+        return g
+
+    first: list[GateRun] = []
+    if cfg.engine_gates:  # on a fresh engine, before anything else has captured a shape
+        first.append(await gate("short-then-long", GATES["short-then-long"](baseline, candidate, prompts,
+                                                                           cfg.max_tokens, opts)))
+    main = await gate("greedy", run_greedy(baseline, candidate, prompts, cfg.max_tokens, opts,
+                                           concurrency=cfg.concurrency, on_prompt=on_prompt("greedy")))
+    if cfg.expect_accept_len is not None:
+        main.checks.append(check_acceptance(main.stats, cfg.expect_accept_len))
+    out.gates = [main] + first  # the greedy gate leads the report and sets the speculation verdict
+    if cfg.concurrent:
+        await gate("concurrent", run_concurrent(baseline, candidate, prompts, cfg.max_tokens, opts))
+    if cfg.engine_gates:
+        for name in ("mixed", "stop-in-run", "headroom"):
+            await gate(name, GATES[name](baseline, candidate, prompts, cfg.max_tokens, opts))
+    out.wall_s = time.perf_counter() - t0
+    if run is not None:
+        run.update(summary=out.summary())
+    return out
