@@ -53,6 +53,8 @@ def eval_cmd(
     concurrency: int = typer.Option(4, "--concurrency", min=1, help="Requests in flight per arm (lm-eval num_concurrent)."),
     tokenizer_backend: str = typer.Option("auto", "--tokenizer-backend",
                                           help="auto | remote (lm-eval tokenizes via /tokenize, truncates to the context) | none (text prompts)."),
+    max_length: int | None = typer.Option(None, "--max-length", min=2,
+                                          help="lm-eval's context budget for both arms (remote tokenizer; default: each server's context)."),
     results: Path | None = typer.Option(None, "--results", help="Results folder (default $SPECBENCH_RESULTS or ./results)."),
     report: Path | None = typer.Option(None, "--report", help="Also write the markdown report here."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON document instead of the markdown."),
@@ -83,7 +85,7 @@ def eval_cmd(
         typer.echo(f"specbench eval: {e}", err=True)
         raise typer.Exit(2) from None
     cfg = runner.EvalConfig(baseline=base, candidate=cand, tasks=tasks, limit=limit, num_fewshot=num_fewshot,
-                            concurrency=concurrency, tokenizer_backend=tokenizer_backend,
+                            concurrency=concurrency, tokenizer_backend=tokenizer_backend, max_length=max_length,
                             results=str(results) if results else None, startup_timeout_s=startup_timeout)
     try:
         pr, path = runner.run_parity(cfg)

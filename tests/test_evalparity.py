@@ -197,7 +197,8 @@ def test_eval_gsm8k_limit10_end_to_end(tmp_path: Path, tiny_target: str, tiny_dr
         assert x["n"] == 10 and x["metric"] == "exact_match"
         assert 0.0 <= x["baseline"]["value"] <= 1.0 and 0.0 <= x["candidate"]["value"] <= 1.0
         assert x["n_differ"] == len(x["differ_ids"]) <= 10
-    # greedy fp32 spec decoding is lossless on the tiny pair: the same answers, the same generations
+    # greedy fp32 spec decoding is lossless on the tiny pair: the same prompts, answers and generations
+    assert doc["prompt_mismatch"] == {}
     assert doc["verdict"] == "PARITY" and all(x["n_differ"] == 0 and x["raw_differ"] == 0 for x in rows.values())
     assert [a["role"] for a in doc["arms"]] == ["baseline", "candidate"]
     for a in doc["arms"]:

@@ -46,6 +46,7 @@ class ParityRun:
     notes: list[str] = field(default_factory=list)
     run_id: str | None = None
     samples_path: str | None = None
+    prompt_mismatch: dict[str, list[int]] = field(default_factory=dict)  # task -> doc ids
 
     @property
     def verdict(self) -> str:
@@ -62,7 +63,8 @@ def to_json(run: ParityRun) -> dict[str, Any]:
     return {"suite": "evalparity", "verdict": run.verdict, "rule": RULE, "run_id": run.run_id,
             "tasks": run.tasks, "num_fewshot": run.num_fewshot, "limit": run.limit,
             "concurrency": run.concurrency, "rows": rows, "arms": [asdict(a) for a in run.arms],
-            "notes": run.notes, "samples_path": run.samples_path}
+            "notes": run.notes, "samples_path": run.samples_path,
+            "prompt_mismatch": run.prompt_mismatch}
 
 
 def _short(s: str | None) -> str:

@@ -40,6 +40,7 @@ from .tasks import render_tasks
 from .worker import OFFLINE_ENV, LmEvalSpec
 
 SUITE_VERSION = "1"
+LM_EVAL_MAX_GEN_TOKS = 256  # TemplateAPI.max_gen_toks default in lm-eval 0.4.x
 BACKENDS = ("auto", "remote", "none")
 INSTALL_HINT = ("lm-eval is not installed: `pip install 'specbench[eval]'` (or `pip install 'lm-eval[api]>=0.4.4,<0.5' "
                 "datasets`), then run `specbench eval` again.")
@@ -59,6 +60,7 @@ class EvalConfig:
     concurrency: int = 4
     tokenizer_backend: str = "auto"
     results: str | None = None
+    max_length: int | None = None  # lm-eval's context budget for both arms (remote backend); None: each server's
     startup_timeout_s: float = 600.0
     request_timeout_s: int = 1800
 
@@ -143,7 +145,7 @@ def run_parity(cfg: EvalConfig) -> tuple[ParityRun, Path]:
                 ls = LmEvalSpec(tasks=list(cfg.tasks), include_path=str(include), base_url=ep.completions_url,
                                 model=ep.model, num_fewshot=cfg.num_fewshot, limit=cfg.limit,
                                 num_concurrent=cfg.concurrency, tokenizer_backend=backend,
-                                max_length=ep.max_model_len if backend == "remote" else None,
+                                max_length=(cfg.max_length or ep.max_model_len) if backend == "remote" else None,
                                 timeout_s=cfg.request_timeout_s)
                 out = run_worker(ls, run.path, role)
             for rec in _sample_records(role, name, out["tasks"]):
@@ -156,9 +158,10 @@ def run_parity(cfg: EvalConfig) -> tuple[ParityRun, Path]:
             run.update(engines={**run.record.engines, role: {**engines[role], "model": ep.model,
                                                               "endpoint": ep.root, **ep.info}})
         rows = compare(results["baseline"]["tasks"], results["candidate"]["tasks"])
-        notes = _notes(infos, results)
-        pr = ParityRun(list(cfg.tasks), cfg.num_fewshot, cfg.limit, cfg.concurrency, rows, infos, notes,
-                       run.run_id, str(run.path / "samples.jsonl"))
+        max_gen = _max_gen_toks(include, list(cfg.tasks))
+        pr = ParityRun(list(cfg.tasks), cfg.num_fewshot, cfg.limit, cfg.concurrency, rows, infos,
+                       _notes(infos, results, max_gen), run.run_id, str(run.path / "samples.jsonl"),
+                       prompt_mismatches(results, infos, max_gen))
         doc = to_json(pr)
         (run.path / "report.json").write_text(json.dumps(doc, indent=2, default=str) + "\n", encoding="utf-8")
         (run.path / "report.md").write_text(render_markdown(pr), encoding="utf-8")
@@ -168,17 +171,52 @@ def run_parity(cfg: EvalConfig) -> tuple[ParityRun, Path]:
         return pr, run.path
 
 
-def _notes(infos: list[ArmInfo], results: dict[str, dict]) -> list[str]:
+def _max_gen_toks(include: Path, tasks: list[str]) -> dict[str, int]:
+    """Each task's generation budget as lm-eval applies it (its generation_kwargs, else lm-eval's 256)."""
+    import yaml
+
+    out = {}
+    for t in tasks:
+        cfg = yaml.safe_load((include / f"{t}.yaml").read_text(encoding="utf-8"))
+        out[t] = int((cfg.get("generation_kwargs") or {}).get("max_gen_toks", LM_EVAL_MAX_GEN_TOKS))
+    return out
+
+
+def prompt_mismatches(results: dict[str, dict], infos: list[ArmInfo], max_gen: dict[str, int]) -> dict[str, list[int]]:
+    """Per task, the documents whose prompt differs between the arms as the servers received it.
+
+    lm-eval (remote tokenizer) keeps the last (max_length - 1 - max_gen_toks) prompt tokens; two arms
+    with different budgets (a drafter's headroom shrinks the context) send different prompts exactly
+    where a prompt is longer than the smaller budget. Different prompt hashes also count."""
+    limits = {a.role: (a.max_length - 1 if a.max_length else None) for a in infos}
+    out: dict[str, list[int]] = {}
+    for task, base in results["baseline"]["tasks"].items():
+        cand = results["candidate"]["tasks"].get(task, {"samples": []})
+        seen: dict[int, dict[str, tuple]] = {}
+        for role, t in (("baseline", base), ("candidate", cand)):
+            for smp in t["samples"]:
+                lim = limits[role]
+                n = smp.get("prompt_tokens")
+                eff = min(n, lim - max_gen[task]) if (n is not None and lim is not None) else n
+                seen.setdefault(smp["doc_id"], {})[role] = (smp.get("prompt_hash"), eff)
+        bad = sorted(d for d, v in seen.items() if v.get("baseline") != v.get("candidate"))
+        if bad:
+            out[task] = bad
+    return out
+
+
+def _notes(infos: list[ArmInfo], results: dict[str, dict], max_gen: dict[str, int]) -> list[str]:
     notes: list[str] = []
-    if len({(a.tokenizer_backend, a.max_length) for a in infos}) > 1:
+    budgets = {a.max_length for a in infos}
+    if len({a.tokenizer_backend for a in infos}) > 1 or len(budgets) > 1:
         notes.append("the arms ran with different tokenizer backends or context budgets: "
                      + "; ".join(f"{a.role}: {a.tokenizer_backend}, max_length {a.max_length}" for a in infos))
-    for task in results["baseline"]["tasks"]:
-        b = {(s["doc_id"], s["prompt_hash"]) for s in results["baseline"]["tasks"][task]["samples"]}
-        c = {(s["doc_id"], s["prompt_hash"]) for s in results["candidate"]["tasks"].get(task, {}).get("samples", [])}
-        if b != c:
-            notes.append(f"{task}: the arms' prompts differ for {len(b ^ c) // 2 or len(b ^ c)} documents "
-                         "(different few-shot draws or documents): answers are not comparable one to one")
+    for task, ids in prompt_mismatches(results, infos, max_gen).items():
+        fix = (f" Rerun with --max-length {min(b for b in budgets if b)} to give both arms the same budget."
+               if len(budgets) > 1 and all(budgets) else "")
+        notes.append(f"{task}: {len(ids)} documents reached the arms as different prompts (lm-eval left-truncated "
+                     f"them to different context budgets), so their answers are not comparable one to one: "
+                     f"doc ids {', '.join(map(str, ids[:30]))}{' ...' if len(ids) > 30 else ''}.{fix}")
     if infos:
         b, c = infos[0].wall_s, infos[-1].wall_s
         if b > 0 and c > 0:

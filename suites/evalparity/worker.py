@@ -9,17 +9,21 @@ Contract:
   `local-completions` and log_samples on.
 - OUT is one JSON document: per task its lm-eval version, n, per filter the metric and its stderr as
   lm-eval computed them, and one row per (doc, filter) with the raw generation, the extracted answer,
-  the target and the 0/1 score; plus lm-eval's config, its version and the wall time.
+  the target, the 0/1 score and the prompt's length (tokens counted by the server's /tokenize when the
+  backend is remote, so the caller can tell where lm-eval truncated a prompt); plus lm-eval's config,
+  its version and the wall time.
 - Exit 0 with OUT written, or non-zero with the error on stderr (OUT not written). A separate process
   keeps lm-eval's logging, its global state and the offline switches out of the caller.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,18 +63,27 @@ class LmEvalSpec:
         return ",".join(f"{k}={v}" for k, v in self.model_args().items())
 
 
-def _sample_row(s: dict) -> dict:
+def _prompt(s: dict) -> str | None:
+    args = s.get("arguments") or []
+    first = args[0] if args else None
+    return first[0] if isinstance(first, list | tuple) and first and isinstance(first[0], str) else None
+
+
+def _sample_row(s: dict, count: Callable[[str], int | None]) -> dict:
     resps = s.get("resps") or [[None]]
     raw = resps[0][0] if resps and resps[0] else None
     filt = s.get("filtered_resps") or [None]
     metric_keys = [m for m in (s.get("metrics") or []) if m in s]
+    prompt = _prompt(s)
     return {"doc_id": s["doc_id"], "filter": s["filter"], "target": s.get("target"),
             "raw": raw, "extracted": filt[0], "scores": {m: s[m] for m in metric_keys},
-            "prompt_hash": s.get("prompt_hash"), "question": (s.get("doc") or {}).get("question")}
+            "prompt_hash": s.get("prompt_hash"), "prompt_chars": len(prompt) if prompt is not None else None,
+            "prompt_tokens": count(prompt) if prompt is not None else None,
+            "question": (s.get("doc") or {}).get("question")}
 
 
-def summarize(res: dict, tasks: list[str]) -> dict:
-    """simple_evaluate's result -> the worker's compact JSON (pure; tested without lm-eval)."""
+def summarize(res: dict, tasks: list[str], count: Callable[[str], int | None] = lambda _: None) -> dict:
+    """simple_evaluate's result -> the worker's compact JSON; `count` gives a prompt's token count."""
     out: dict[str, Any] = {}
     for task in tasks:
         metrics = res["results"].get(task, {})
@@ -88,7 +101,7 @@ def summarize(res: dict, tasks: list[str]) -> dict:
                      "n": (res.get("n-samples") or {}).get(task, {}).get("effective"),
                      "n_shot": (res.get("n-shot") or {}).get(task),
                      "filters": by_filter,
-                     "samples": [_sample_row(s) for s in (res.get("samples") or {}).get(task, [])]}
+                     "samples": [_sample_row(s, count) for s in (res.get("samples") or {}).get(task, [])]}
     return out
 
 
@@ -107,9 +120,29 @@ def run(spec: LmEvalSpec) -> dict:
     wall = time.perf_counter() - t0
     if res is None:
         raise RuntimeError("lm_eval.simple_evaluate returned nothing (not rank 0?)")
-    return {"tasks": summarize(res, spec.tasks), "wall_s": wall, "lm_eval_version": _version(),
+    return {"tasks": summarize(res, spec.tasks, _counter(spec)), "wall_s": wall, "lm_eval_version": _version(),
             "model_args": spec.model_args_str(), "config": _jsonable(res.get("config") or {}),
             "spec": asdict(spec)}
+
+
+def _counter(spec: LmEvalSpec) -> Callable[[str], int | None]:
+    """Prompt token counts through the server's /tokenize (remote backend only), one call per prompt."""
+    if spec.tokenizer_backend != "remote":
+        return lambda _: None
+    import httpx
+
+    root = spec.base_url.removesuffix("/v1/completions")
+    client = httpx.Client(timeout=60.0)
+
+    @functools.cache
+    def count(prompt: str) -> int | None:
+        try:
+            r = client.post(f"{root}/tokenize", json={"prompt": prompt, "add_special_tokens": False})
+            return len(r.json()["tokens"]) if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, KeyError):
+            return None
+
+    return count
 
 
 def _version() -> str:
