@@ -317,3 +317,24 @@ def test_bounded_load(served, prompts):
     assert all(r.ok for r in res), [r.error for r in res if not r.ok]
     assert all(r.completion_tokens == 8 == sum(r.chunk_tokens) for r in res) and len(done) == 32
     wait_idle(served)
+
+
+def test_lm_eval_local_completions_client(served, reference, prompts):
+    """lm-eval's own client: remote tokenizer auto-detected, loglikelihood via echo, generate_until with stops."""
+    oc = pytest.importorskip("lm_eval.models.openai_completions")
+    from lm_eval.api.instance import Instance
+
+    lm = oc.LocalCompletionsAPI(base_url=served.url + "/v1/completions", model=MODEL, num_concurrent=2,
+                                max_retries=1)
+    assert lm.tokenizer_backend == "remote"
+    ctx, cont = prompts[0], " 18"
+    (ll, _), = lm.loglikelihood([Instance("loglikelihood", {}, (ctx, cont), 0)])
+    tok = served.engine.tokenizer
+    ids, cids = tok.encode(ctx), tok.encode(ctx + cont)[len(tok.encode(ctx)):]
+    assert tok.encode(ctx + cont)[:len(ids)] == ids
+    assert ll == pytest.approx(reference.score_sync(ids, cids).total, abs=1e-3)
+    free = lm.generate_until([Instance("generate_until", {}, (ctx, {"until": ["Question:"], "max_gen_toks": 16}), 0)])[0]
+    stop = free[len(free) // 2:len(free) // 2 + 2]
+    if stop.strip():
+        cut = lm.generate_until([Instance("generate_until", {}, (ctx, {"until": [stop], "max_gen_toks": 16}), 0)])[0]
+        assert cut == free[:free.index(stop)]
