@@ -17,6 +17,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from .summarize import RunSummary  # noqa: E402
 
@@ -88,6 +89,7 @@ def plot_acceptance(runs: list[RunSummary], path: Path) -> Path:
                             label=f"{_label(runs, s, a)} {lvl}")
                     drawn = True
     ax.set_xlabel("draft position")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("accepted at position (% of verify steps)")
     ax.set_title("Acceptance per draft position")
     ax.grid(True, alpha=0.3)

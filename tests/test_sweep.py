@@ -1,0 +1,255 @@
+"""The sweep runner and command: interleaving, warm-up, open-loop arrivals, bad input, interrupts, and the
+same sweep through `local` and through `openai` to `specbench serve` agreeing."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from specbench.harness import engines
+from specbench.harness.adapters.base import EngineAdapter, GenRequest, GenResult
+from specbench.harness.cli import _register, app
+from specbench.suites.sweep import (
+    Arm,
+    SweepConfig,
+    SweepRunner,
+    Workload,
+    arm_labels,
+    arrival_offsets,
+    run_sweep,
+    schedule,
+    split_arms,
+    with_noise_copy,
+)
+from typer.testing import CliRunner
+
+
+class FakeAdapter(EngineAdapter):
+    """Streams `tokens` tokens in chunks of `chunk` every `gap` seconds; optional per-request spec counts."""
+
+    kind = "fake"
+
+    def __init__(self, name: str, tokens: int = 6, chunk: int = 2, gap: float = 0.001, spec: bool = False,
+                 interrupt_at: int | None = None) -> None:
+        super().__init__(name)
+        self.tokens, self.chunk, self.gap, self.spec = tokens, chunk, gap, spec
+        self.interrupt_at, self.calls, self.sent = interrupt_at, 0, []
+
+    async def generate_one(self, req: GenRequest) -> GenResult:
+        self.calls += 1
+        if self.interrupt_at is not None and self.calls == self.interrupt_at:
+            os.kill(os.getpid(), signal.SIGINT)  # a real Ctrl-C, delivered to asyncio.run's handler
+        res = GenResult(rid=self._rid(req), ok=True, t_send=time.perf_counter(), wall_send=time.time(),
+                        meta=dict(req.meta), prompt_tokens=len(req.prompt or []))
+        self.sent.append((res.t_send, req.meta.get("round"), req.meta.get("warmup")))
+        left = req.max_tokens if req.ignore_eos else min(req.max_tokens, self.tokens)
+        while left > 0:
+            await asyncio.sleep(self.gap)
+            n = min(self.chunk, left)
+            res.chunk_times.append(time.perf_counter())
+            res.chunk_tokens.append(n)
+            left -= n
+        res.t_first, res.t_end = res.chunk_times[0], res.chunk_times[-1]
+        res.completion_tokens = sum(res.chunk_tokens)
+        if self.spec:
+            steps = len(res.chunk_tokens)
+            res.spec = {"num_drafts": steps, "num_draft_tokens": 3 * steps,
+                        "num_accepted_tokens": res.completion_tokens - steps, "accepted_per_pos": [steps, 0, 0]}
+        return res
+
+    async def tokenize(self, text: str) -> list[int]:
+        return [1] * len(text.split())
+
+    def describe(self) -> dict:
+        return {"name": self.name, "kind": self.kind, "version": "0", "model": "fake", "config": {}}
+
+
+class ListSink:
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, int, GenResult]] = []
+        self.cells: list[dict] = []
+
+    def request(self, res: GenResult, arm: str, idx: int, round: int) -> None:
+        self.requests.append((arm, round, res))
+
+    def cell(self, record: dict) -> None:
+        self.cells.append(record)
+
+
+def test_schedule_interleaves_rounds_across_arms() -> None:
+    assert schedule(["A", "B", "A#2"], 2) == [(0, "A"), (0, "B"), (0, "A#2"), (1, "A"), (1, "B"), (1, "A#2")]
+    arms = with_noise_copy([Arm("off", "local"), Arm("on", "local,spec=dflash")])
+    assert [(a.label, a.copy_of) for a in arms] == [("off", None), ("on", None), ("off#2", "off")]
+    assert with_noise_copy(arms[:2], "on")[-1].copy_of == "on"
+    with pytest.raises(ValueError, match="baseline arm 'x'"):
+        with_noise_copy(arms, "x")
+
+
+def test_runner_order_warmup_and_records() -> None:
+    cfg = SweepConfig(levels=(1, 2), num_prompts=3, max_tokens=4, rounds=2, warmup=1, dataset="gsm8k")
+    arms = with_noise_copy([Arm("A", "a"), Arm("B", "b")])
+    a, b = FakeAdapter("A"), FakeAdapter("B", spec=True)
+    wl = Workload.build("gsm8k", 4)
+    asyncio.run(wl.tokenize("A", a))
+    asyncio.run(wl.tokenize("B", b))
+    wl.share("A", "A#2")
+    sink = ListSink()
+    asyncio.run(SweepRunner(cfg, arms, {"A": a, "B": b}, wl, sink, progress=False).run())
+    order = [(c["level"], c["round"], c["arm"]) for c in sink.cells]
+    expect = []
+    for lv in (1, 2):
+        expect += [(lv, -1, "A"), (lv, -1, "B")]  # warm-up: once per engine, not for the copy
+        expect += [(lv, r, arm) for r, arm in schedule(["A", "B", "A#2"], 2)]
+    assert order == expect
+    assert all(c["warmup"] == (c["round"] == -1) for c in sink.cells)
+    # every cell's requests were recorded as they finished, tagged with level/round/warm-up
+    assert len(sink.requests) == 2 * (2 * 1 + 2 * 3 * 3)
+    for arm, rnd, res in sink.requests:
+        assert res.meta["arm"] == arm and res.meta["round"] == rnd and res.meta["warmup"] == (rnd == -1)
+    # the copy ran on A's adapter; the same prompts in every cell
+    assert a.calls == 2 * (1 + 2 * 2 * 3) and b.calls == 2 * (1 + 2 * 3)
+    prompts = {(arm, rnd): sorted(r.meta["prompt_idx"] for x, y, r in sink.requests if (x, y) == (arm, rnd))
+               for arm, rnd, _ in sink.requests if rnd >= 0}
+    assert len({tuple(v) for v in prompts.values()}) == 1
+    assert sink.cells[-1]["counters"] is None  # the fake has no counters: acceptance comes per request
+
+
+def test_arrival_offsets() -> None:
+    off = arrival_offsets(4000, 10.0, "poisson", seed=1)
+    gaps = np.diff(off)
+    assert off[0] == 0.0 and np.all(gaps >= 0)
+    assert np.mean(gaps) == pytest.approx(0.1, rel=0.05)
+    assert np.std(gaps) == pytest.approx(0.1, rel=0.08)  # exponential: sd = mean
+    bursty = np.diff(arrival_offsets(4000, 10.0, "gamma", burstiness=0.25, seed=1))
+    assert np.mean(bursty) == pytest.approx(0.1, rel=0.1) and np.std(bursty) > 1.5 * np.std(gaps)
+    assert arrival_offsets(5, float("inf")) == [0.0] * 5
+    assert arrival_offsets(5, 2.0, seed=3) == arrival_offsets(5, 2.0, seed=3)
+
+
+def test_open_loop_sends_on_schedule() -> None:
+    cfg = SweepConfig(levels=(50.0,), mode="open", num_prompts=6, max_tokens=2, rounds=1, warmup=0,
+                      noise_floor=False)
+    ad = FakeAdapter("A")
+    wl = Workload.build("gsm8k", 6)
+    sink = ListSink()
+    asyncio.run(SweepRunner(cfg, [Arm("A", "a")], {"A": ad}, wl, sink, progress=False).run())
+    sends = sorted(t for t, _, _ in ad.sent)
+    offsets = arrival_offsets(6, 50.0, seed=0)
+    rel = [t - sends[0] for t in sends]
+    assert all(r >= o - 0.002 for r, o in zip(rel, offsets, strict=True))
+    assert sink.cells[0]["level_kind"] == "rate"
+
+
+def test_config_validation_names_the_field() -> None:
+    with pytest.raises(ValueError, match="concurrency 0 is invalid"):
+        SweepConfig(levels=(0,))
+    with pytest.raises(ValueError, match="rounds=0"):
+        SweepConfig(rounds=0)
+    with pytest.raises(ValueError, match="arrival='x'"):
+        SweepConfig(arrival="x")
+    assert SweepConfig(levels=(16,), prompts_per_level=4).prompts_at(16) == 64
+    assert SweepConfig(levels=(1,), prompts_per_level=4).prompts_at(1) == 8  # floor
+    assert SweepConfig(num_prompts=5).prompts_at(64) == 5
+
+
+def test_split_arms_and_labels() -> None:
+    s = "local:/m,draft=/d,spec=dflash,openai:http://h:8000/v1,model=x,local,spec=off;hf:/m"
+    assert split_arms(s) == ["local:/m,draft=/d,spec=dflash", "openai:http://h:8000/v1,model=x", "local,spec=off",
+                             "hf:/m"]
+    specs = [engines.parse_engine(x) for x in ("local,spec=off", "local,spec=ngram", "openai:http://h,name=vllm",
+                                               "openai:http://h2")]
+    assert arm_labels(specs) == ["spec-off", "spec-ngram", "vllm", "openai-4"]
+    assert arm_labels(specs[:2], ["a", "a"]) == ["a", "a-2"]
+    with pytest.raises(ValueError, match="--labels has 1 labels for 2 arms"):
+        arm_labels(specs[:2], ["a"])
+
+
+@pytest.fixture
+def cli() -> CliRunner:
+    _register()
+    return CliRunner()
+
+
+@pytest.mark.parametrize("args, option", [
+    (["--concurrency", "0,x"], "--concurrency"),
+    (["--concurrency", "1,1"], "--concurrency"),
+    (["--request-rate", "-1"], "--request-rate"),
+    (["--dataset", "nope"], "--dataset"),
+    (["--rounds", "0"], "--rounds"),
+    (["--num-prompts", "4", "--prompts-per-level", "2"], "--num-prompts"),
+    (["--arrival", "uniform"], "--arrival"),
+    (["--arms", "bogus:x"], "--arms"),
+    (["--arms", "local:/no/such/dir"], "--arms"),
+])
+def test_cli_bad_input_exits_2_naming_the_option(cli: CliRunner, args: list[str], option: str, tmp_path: Path) -> None:
+    r = cli.invoke(app, ["sweep", *args, "--out", str(tmp_path)])
+    assert r.exit_code == 2, r.output
+    assert option in r.output
+    assert not list(tmp_path.iterdir())  # nothing started
+
+
+def fake_builder(adapters: dict[str, FakeAdapter]):
+    def build(spec, name=None):
+        return adapters[name]
+    return build
+
+
+def test_interrupted_sweep_keeps_records(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from specbench.harness.results import load_run
+
+    fakes = {"A": FakeAdapter("A", gap=0.002), "B": FakeAdapter("B", gap=0.002, interrupt_at=12)}
+    monkeypatch.setattr(engines, "build_adapter", fake_builder(fakes))
+    cfg = SweepConfig(levels=(1, 2), num_prompts=4, max_tokens=4, rounds=3, warmup=0)
+    out = run_sweep(cfg, ["openai:http://a,name=A", "openai:http://b,name=B"], out_dir=tmp_path, progress=False)
+    assert out.complete is False and out.run_dir is not None
+    run = load_run(out.run_dir)
+    assert run.status == "incomplete" and "interrupted" in (run.meta.get("error") or "")
+    reqs, cells = run.records("requests"), run.records("cells")
+    assert len(reqs) >= 11 and len(cells) >= 2  # everything finished before Ctrl-C is on disk
+    assert fakes["A"].calls < 2 * 3 * 4 * 2  # and the sweep stopped
+    from specbench.suites.report import load_run as load_summary
+
+    s = load_summary(out.run_dir)
+    assert not s.complete and s.get("A", 1.0) is not None
+
+
+def test_local_and_openai_sweeps_agree(tiny_pair, tmp_path: Path) -> None:
+    """One sweep, two arms: the reference engine in process, and the same engine behind `specbench serve`
+    reached through the openai adapter. Same prompts (as token ids), greedy: same tokens, same acceptance."""
+    from specbench.engine import EngineConfig, LLMEngine, SpecConfig
+    from specbench.harness.server import ServerThread, make_app
+    from specbench.suites.report import load_run
+
+    target, draft = tiny_pair
+    eng = LLMEngine(EngineConfig(model=target, draft=draft, spec=SpecConfig(method="dflash"), num_pages=256))
+    app, loop = make_app(eng, served_name="tiny")
+    cfg = SweepConfig(levels=(1, 3), num_prompts=4, max_tokens=24, rounds=1, warmup=0, noise_floor=False)
+    try:
+        with ServerThread(app) as srv:
+            out = run_sweep(cfg, [f"local:{target},draft={draft},num_pages=256", f"openai:{srv.url},model=tiny"],
+                            labels=["local", "openai"], out_dir=tmp_path, progress=False)
+    finally:
+        loop.close()
+    assert out.complete
+    s = load_run(out.run_dir)
+    reqs = [r for r in out.records if r["kind"] == "request"]
+    assert reqs and all(r["ok"] for r in reqs)
+    by = {(r["arm"], r["meta"]["level"], r["item_id"]): r for r in reqs}
+    for (arm, lv, item), r in by.items():
+        if arm == "local":
+            o = by[("openai", lv, item)]
+            assert o["completion_tokens"] == r["completion_tokens"] and o["output_ids"] == r["output_ids"]
+            assert o["prompt_tokens"] == r["prompt_tokens"]
+            assert sum(o["chunk_tokens"]) == o["completion_tokens"]  # exact per-chunk counts over SSE
+    for lv in (1.0, 3.0):
+        a, b = s.get("local", lv), s.get("openai", lv)
+        assert a.stats["output_tokens"] == b.stats["output_tokens"] > 0
+        assert a.acceptance is not None and b.acceptance is not None
+        assert b.acceptance["source"] == "request"
+        for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos"):
+            assert a.acceptance[k] == b.acceptance[k], k
