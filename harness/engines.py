@@ -2,7 +2,8 @@
 
 Forms (options are comma-separated key=value after the target):
   local[:<model_dir>][,draft=<dir>][,spec=off|dflash|ngram][,k=N][,device=cpu|cuda[:i]][,dtype=D]
-        [,num_pages=N][,faults=a+b][,name=X]     (no model_dir = the bundled tiny pair)
+        [,num_pages=N][,faults=a+b][,name=X][,tau=T]     (no model_dir = the bundled tiny pair;
+        tau = synthetic acceptance length for speed curves on random weights, labelled, never lossless)
   openai:<base_url>[,model=M][,stream=0|1][,extras=0|1][,timeout=S][,retries=N][,api_key=K][,name=X]
   hf:<model_dir>[,assistant=<dir>][,lookup=N][,device=...][,dtype=...][,name=X]
 With no engine string at all, `default_engines()` gives the bundled tiny pair: the baseline with
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
 FORMS = ("local[:<model_dir>][,draft=<dir>][,spec=off|dflash|ngram][,k=N][,device=cpu|cuda][,dtype=...]",
          "openai:<base_url>[,model=M]", "hf:<model_dir>[,assistant=<dir>][,lookup=N]")
 OPTIONS = {
-    "local": ("draft", "spec", "k", "device", "dtype", "num_pages", "faults", "name", "max_model_len"),
+    "local": ("draft", "spec", "k", "device", "dtype", "num_pages", "faults", "name", "max_model_len", "tau"),
     "openai": ("model", "stream", "extras", "timeout", "retries", "api_key", "name"),
     "hf": ("assistant", "lookup", "device", "dtype", "name"),
 }
@@ -104,6 +105,11 @@ def parse_engine(raw: str) -> EngineSpec:
         raise _fail(raw, f"device={dev!r} is invalid: expected cpu, cuda or cuda:<index>")
     for key, lo in (("k", 1), ("lookup", 1), ("retries", 0), ("num_pages", 1), ("max_model_len", 1)):
         _check_int(raw, opts, key, lo)
+    if "tau" in opts:
+        try:
+            assert float(opts["tau"]) >= 1.0
+        except (ValueError, AssertionError):
+            raise _fail(raw, f"tau={opts['tau']!r} is invalid: expected a mean acceptance length >= 1") from None
     if "timeout" in opts:
         try:
             assert float(opts["timeout"]) > 0
@@ -157,6 +163,8 @@ def build_adapter(spec: EngineSpec | str, name: str | None = None) -> EngineAdap
             kw["max_model_len"] = int(o["max_model_len"])
         if "faults" in o:
             kw["faults"] = tuple(f for f in o["faults"].split("+") if f)
+        if "tau" in o:
+            kw["synthetic_tau"] = float(o["tau"])
         return LocalAdapter.from_dirs(target, draft=draft, spec=method, k=spec.opt_int("k"),
                                       device=o.get("device", "cpu"), dtype=o.get("dtype", "float32"), name=name, **kw)
     if spec.kind == "openai":

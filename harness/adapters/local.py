@@ -44,14 +44,16 @@ class LocalAdapter(EngineAdapter):
     @classmethod
     def from_dirs(cls, model: str, draft: str | None = None, spec: str | None = None, k: int | None = None,
                   device: str = "cpu", dtype: str = "float32", name: str | None = None,
-                  **engine_kw: Any) -> LocalAdapter:
-        """spec: "dflash" | "ngram" | "off"/None; None with a draft means dflash."""
+                  synthetic_tau: float | None = None, **engine_kw: Any) -> LocalAdapter:
+        """spec: "dflash" | "ngram" | "off"/None; None with a draft means dflash. synthetic_tau: draw
+        acceptance for speed curves on random weights (labelled in describe(); never for lossless)."""
         method = None if spec in (None, "off") else spec
         if spec is None and draft:
             method = "dflash"
         cfg = EngineConfig(model=str(model), draft=str(draft) if draft and method == "dflash" else None,
                            device=device, dtype=dtype,
-                           spec=SpecConfig(method=method, num_speculative_tokens=k), **engine_kw)
+                           spec=SpecConfig(method=method, num_speculative_tokens=k, synthetic_tau=synthetic_tau),
+                           **engine_kw)
         return cls(LLMEngine(cfg), name=name)
 
     def _prompt(self, req: GenRequest) -> str | list[int]:
