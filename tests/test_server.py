@@ -34,7 +34,7 @@ def served(tiny_pair):
     eng = LLMEngine(EngineConfig(model=target, draft=draft, spec=spec, num_pages=256))
     app, loop = make_app(eng, served_name=MODEL, max_pending=64)
     srv = ServerThread(app).start()
-    yield SimpleNamespace(url=srv.url, engine=eng, loop=loop, target=target)
+    yield SimpleNamespace(url=srv.url, engine=eng, loop=loop, target=target, state=app.state.sb)
     srv.stop()
     loop.close()
 
@@ -236,6 +236,15 @@ def test_bad_chat_and_routes(served):
     assert httpx.get(served.url + "/v1/nothing").json()["error"]["type"] == "not_found_error"
     assert post(served, "/tokenize", {"prompt": 3}).status_code == 400
     assert post(served, "/detokenize", {"tokens": ["a"]}).status_code == 400
+
+
+def test_oversize_body_answers_413(served):
+    served.state.max_body_bytes = 1000
+    try:
+        r = post(served, "/v1/completions", {"model": MODEL, "prompt": "a" * 2000})
+    finally:
+        served.state.max_body_bytes = 32 * 1024 * 1024
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
 
 
 def test_overload_answers_503(served):
