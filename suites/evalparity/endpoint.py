@@ -86,7 +86,7 @@ def serve_argv(spec: EngineSpec, host: str, port: int) -> list[str]:
     return argv
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def die_with_parent() -> None:  # runs in the child between fork and exec
     if sys.platform.startswith("linux"):
         import ctypes
 
@@ -180,7 +180,7 @@ def open_endpoint(spec: EngineSpec, name: str, log_path: Path | None = None,
     log = open(log_path, "w", encoding="utf-8") if log_path else subprocess.DEVNULL  # noqa: SIM115
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                            start_new_session=True, preexec_fn=_die_with_parent)
+                            start_new_session=True, preexec_fn=die_with_parent)
     try:
         _wait_healthy(proc, root, startup_timeout, log_path)
         model, mml, remote, info = probe(root, None)

@@ -33,7 +33,7 @@ from typing import Any
 
 from specbench.harness.engines import EngineSpec
 
-from .endpoint import Endpoint, open_endpoint, stop_process
+from .endpoint import Endpoint, die_with_parent, open_endpoint, stop_process
 from .parity import compare
 from .report import ArmInfo, ParityRun, render_markdown, to_json
 from .tasks import render_tasks
@@ -93,7 +93,7 @@ def run_worker(spec: LmEvalSpec, workdir: Path, role: str) -> dict:
     with open(log_path, "w", encoding="utf-8") as log:
         proc = subprocess.Popen([sys.executable, "-m", "specbench.suites.evalparity.worker", str(spec_path),
                                  str(out_path)], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=env)
+                                env=env, preexec_fn=die_with_parent)
         try:
             rc = proc.wait()
         finally:
