@@ -28,14 +28,18 @@ def serve(
 ) -> None:
     """Serve the reference engine with an OpenAI-compatible API (/v1/completions, /v1/chat/completions, ...)."""
     from specbench.engine import ConfigError, EngineConfig, LLMEngine, SpecConfig
-    from specbench.harness.engines import bundled
+    from specbench.harness.engines import EngineStringError, bundled
     from specbench.harness.server import serve as run_server
 
     if spec is not None and spec not in ("dflash", "ngram", "off"):
         typer.echo(f"specbench serve: --spec={spec!r} is invalid: expected dflash, ngram or off", err=True)
         raise typer.Exit(2)
     if model is None:
-        model, bdraft = bundled()
+        try:
+            model, bdraft = bundled()
+        except EngineStringError as e:
+            typer.echo(f"specbench serve: {e}", err=True)
+            raise typer.Exit(2) from None
         draft = draft or (bdraft if spec in (None, "dflash") else None)
     method = spec or ("dflash" if draft else "off")
     try:

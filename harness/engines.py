@@ -125,7 +125,10 @@ def bundled() -> tuple[str, str | None]:
     from .fixtures import bundled_pair
 
     target, draft = bundled_pair()
-    return str(target), (str(draft) if draft and Path(draft).is_dir() else None)
+    if not (Path(target) / "config.json").is_file():
+        raise EngineStringError(f"the bundled tiny target is missing at {target}: reinstall specbench or rebuild "
+                                "it with `specbench fixtures`, or name an engine (" + "; ".join(FORMS) + ")")
+    return str(target), (str(draft) if draft and (Path(draft) / "config.json").is_file() else None)
 
 
 def default_engines() -> tuple[EngineSpec, EngineSpec]:

@@ -234,3 +234,30 @@ def test_openai_failures_recorded_not_raised():
     refused = OpenAIAdapter("http://127.0.0.1:9", model="m", retries=0, connect_timeout=2)
     r = refused.generate_sync([GenRequest(prompt="x")])[0]
     assert not r.ok and "ConnectError" in r.error
+
+
+# ---- specbench generate ---------------------------------------------------------------------------
+def _generate_cli():
+    import typer
+    from specbench.harness.cmd_generate import generate
+
+    app = typer.Typer()
+    app.command()(generate)
+    return app
+
+
+def test_cli_generate_json_and_exit_codes(pair):
+    from typer.testing import CliRunner
+
+    app, runner = _generate_cli(), CliRunner()
+    ok = runner.invoke(app, ["-e", f"local:{pair[0]},spec=off,num_pages=64", "-p", "12 + 3 =", "-p", "Question:",
+                             "--max-tokens", "4", "--logprobs", "2", "--json"])
+    assert ok.exit_code == 0, ok.output
+    doc = json.loads(ok.stdout)
+    assert doc["engine"]["kind"] == "local" and [r["rid"] for r in doc["results"]] == ["prompt-0", "prompt-1"]
+    assert all(r["ok"] and r["completion_tokens"] <= 4 and len(r["logprobs"]) == r["completion_tokens"]
+               for r in doc["results"])
+    bad = runner.invoke(app, ["-e", "local:/no/such/dir", "-p", "x"])
+    assert bad.exit_code == 2 and "does not exist" in bad.output
+    failed = runner.invoke(app, ["-e", f"local:{pair[0]},spec=off,num_pages=64", "-p", "x", "--max-tokens", "100000"])
+    assert failed.exit_code == 1 and "FAILED" in failed.output

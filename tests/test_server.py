@@ -347,3 +347,34 @@ def test_lm_eval_local_completions_client(served, reference, prompts):
     if stop.strip():
         cut = lm.generate_until([Instance("generate_until", {}, (ctx, {"until": [stop], "max_gen_toks": 16}), 0)])[0]
         assert cut == free[:free.index(stop)]
+
+
+def test_serve_command_subprocess(tiny_pair, tmp_path):
+    """`specbench serve` as users run it: answers, then exits cleanly on SIGINT."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "specbench", "serve", "--model", tiny_pair[0], "--spec", "off", "--port", str(port),
+           "--num-pages", "64", "--served-model-name", "cli", "--log-level", "warning"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(300):
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        r = httpx.post(url + "/v1/completions", json={"model": "cli", "prompt": "1 + 1 =", "max_tokens": 3,
+                                                      "temperature": 0}, timeout=30)
+        assert r.status_code == 200 and r.json()["choices"][0]["index"] == 0
+        p.send_signal(signal.SIGINT)
+        assert p.wait(timeout=30) in (0, 130), p.stdout.read()
+    finally:
+        if p.poll() is None:
+            p.kill()
