@@ -131,6 +131,22 @@ def test_local_cancel_frees_kv(local_off, prompts):
     assert not eng.has_unfinished() and eng.pool.num_free == eng.pool.num_pages
 
 
+def test_engine_failure_fails_in_flight_and_loop_survives(local_off, monkeypatch):
+    eng, orig, calls = local_off.engine, local_off.engine.step, {"n": 0}
+
+    def flaky():
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("boom")
+        return orig()
+
+    monkeypatch.setattr(eng, "step", flaky)
+    reqs = [GenRequest(prompt="ab", max_tokens=8, ignore_eos=True), GenRequest(prompt="cd", max_tokens=8, ignore_eos=True)]
+    assert [r.error for r in local_off.generate_sync(reqs)] == ["EngineFailure: engine step failed: RuntimeError: boom"] * 2
+    again = local_off.generate_sync(reqs[:1])[0]
+    assert again.ok and again.completion_tokens == 8 and eng.pool.num_free == eng.pool.num_pages
+
+
 def test_local_score_and_logprobs_agree(local_off, prompts):
     ids = local_off.engine.tokenizer.encode(prompts[0])
     gen = local_off.generate_sync([GenRequest(prompt=ids, max_tokens=4, logprobs=3)])[0]

@@ -122,6 +122,7 @@ class EngineLoop:
             except Exception as e:
                 self.last_error = "".join(traceback.format_exception_only(type(e), e)).strip()
                 self._fail_all(EngineFailure(f"engine step failed: {self.last_error}"))
+                self._stop.wait(0.01)  # never spin hot on an engine that keeps failing
                 continue
             for out in outs:
                 with self._lock:
