@@ -8,7 +8,6 @@ report. Ctrl-C keeps every record already written (the run is marked incomplete)
 from __future__ import annotations
 
 import math
-import sys
 
 import typer
 
@@ -34,8 +33,9 @@ def _levels(text: str, option: str, rate: bool) -> tuple[float, ...]:
 
 
 def sweep(
-    concurrency: str = typer.Option("1,8,16,32,64", "--concurrency", "-c",
-                                    help="Closed-loop levels: requests in flight, comma-separated."),
+    concurrency: str = typer.Option(None, "--concurrency", "-c",
+                                    help="Closed-loop levels: requests in flight, comma-separated "
+                                         "[default: 1,8,16,32,64]."),
     arms: str = typer.Option(None, "--arms", help="Engine strings, comma-separated (see docs/sweep.md); "
                              "default: the bundled pair with spec off and spec on."),
     labels: str = typer.Option(None, "--labels", help="Arm labels, comma-separated, one per arm."),
@@ -72,14 +72,13 @@ def sweep(
     open_loop = request_rate is not None
     if open_loop:
         levels = _levels(request_rate, "--request-rate", rate=True)
-        cap_given = any(a in ("--concurrency", "-c") or a.startswith("--concurrency=") for a in sys.argv)
-        caps = _levels(concurrency, "--concurrency", rate=False) if cap_given else (None,)
+        caps = _levels(concurrency, "--concurrency", rate=False) if concurrency else (None,)
         if len(caps) != 1:
             raise typer.BadParameter("with --request-rate give one value (a cap on requests in flight)",
                                      param_hint="--concurrency")
         cap = int(caps[0]) if caps[0] else None
     else:
-        levels, cap = _levels(concurrency, "--concurrency", rate=False), None
+        levels, cap = _levels(concurrency or "1,8,16,32,64", "--concurrency", rate=False), None
     if dataset not in DATASETS:
         raise typer.BadParameter(f"{dataset!r} is invalid: expected one of {', '.join(DATASETS)}", param_hint="--dataset")
     if num_prompts is not None and prompts_per_level is not None:

@@ -253,3 +253,17 @@ def test_local_and_openai_sweeps_agree(tiny_pair, tmp_path: Path) -> None:
         assert b.acceptance["source"] == "request"
         for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos"):
             assert a.acceptance[k] == b.acceptance[k], k
+
+
+def test_cli_open_loop_sweep_and_report(cli: CliRunner, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    fakes = {"A": FakeAdapter("A"), "B": FakeAdapter("B", spec=True)}
+    monkeypatch.setattr(engines, "build_adapter", fake_builder(fakes))
+    r = cli.invoke(app, ["sweep", "--request-rate", "500,inf", "--concurrency", "2", "--num-prompts", "3",
+                         "--max-tokens", "4", "--rounds", "2", "--warmup", "0", "--no-progress",
+                         "--arms", "openai:http://a,name=A,openai:http://b,name=B", "--out", str(tmp_path / "res"),
+                         "--report", str(tmp_path / "r.md")])
+    assert r.exit_code == 0, r.output
+    assert "(complete)" in r.output and "| rate | A tok/s | B tok/s | B vs A |" in r.output
+    md = (tmp_path / "r.md").read_text()
+    assert "open loop (poisson arrivals" in md and "| 500 req/s |" in md and "| inf |" in md
+    assert "| 500 req/s | 33.3% | 2.000 | 2.000 | per-request |" in md  # fake: 2 tokens per step, K=3

@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# The nightly GPU job (.github/workflows/nightly-gpu.yml calls it; runs by hand the same way).
+#
+#   scripts/nightly.sh [OUT]        # OUT defaults to ./nightly-out
+#
+# 1. locate (or build) the random Qwen3-4B-shaped pair: $SPECBENCH_MODELS/{target,draft}, built with
+#    `specbench fixtures --shape qwen3-4b --device cuda` when missing (about 9 GB, reused afterwards);
+# 2. lossless gates, each its own command and exit code:
+#    - the bundled tiny pair on the GPU, spec off vs DFlash (trained drafter: real acceptance), with the
+#      concurrent heterogeneous gate and the engine gates;
+#    - the 4B-shaped pair in bf16, spec off vs n-gram (random weights accept nothing from the random
+#      drafter, so the DFlash verdict would be NOT SPECULATING; greedy text of a random model repeats,
+#      so n-gram drafts do get accepted and the bf16 regret gate has work to do);
+# 3. a sweep on the 4B-shaped pair: spec off vs DFlash with synthetic acceptance (tau=$NIGHTLY_TAU,
+#    labelled synthetic in every record and report), interleaved rounds, paired noise floor;
+# 4. the reports (markdown + PNG) under OUT/report, the markdown appended to $GITHUB_STEP_SUMMARY;
+#    result records under OUT/results for the artifact upload.
+# Exit status: 1 when any gate fails or the sweep fails, after everything has run and been written.
+#
+# Knobs (environment): SPECBENCH (the CLI, default .venv/bin/specbench or specbench on PATH),
+# SPECBENCH_MODELS, NIGHTLY_DEVICE (cuda), NIGHTLY_CONCURRENCY (1,8,16,32,64), NIGHTLY_ROUNDS (3),
+# NIGHTLY_PROMPTS_PER_LEVEL (4), NIGHTLY_MAX_TOKENS (128), NIGHTLY_DATASET (sharegpt), NIGHTLY_TAU (3.5),
+# NIGHTLY_SKIP_GATES=1 (sweep only).
+set -uo pipefail
+
+cd "$(dirname "$0")/.."
+OUT=$(mkdir -p "${1:-nightly-out}" && cd "${1:-nightly-out}" && pwd)
+if [[ -n "${SPECBENCH:-}" ]]; then SB=$SPECBENCH
+elif [[ -x .venv/bin/specbench ]]; then SB=$PWD/.venv/bin/specbench
+else SB=specbench; fi
+MODELS=${SPECBENCH_MODELS:-$HOME/.cache/specbench/qwen3-4b-shape}
+DEVICE=${NIGHTLY_DEVICE:-cuda}
+CONC=${NIGHTLY_CONCURRENCY:-1,8,16,32,64}
+ROUNDS=${NIGHTLY_ROUNDS:-3}
+PPL=${NIGHTLY_PROMPTS_PER_LEVEL:-4}
+MAXTOK=${NIGHTLY_MAX_TOKENS:-128}
+DATASET=${NIGHTLY_DATASET:-sharegpt}
+TAU=${NIGHTLY_TAU:-3.5}
+RESULTS=$OUT/results
+REPORTS=$OUT/report
+mkdir -p "$RESULTS" "$REPORTS"
+export SPECBENCH_RESULTS=$RESULTS
+STATUS=()
+FAILED=0
+
+log() { printf '\n[nightly %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
+step() {  # step NAME CMD...: run, record the exit code, never stop the job
+  local name=$1; shift
+  log "$name: $*"
+  local t0=$SECONDS
+  "$@"
+  local rc=$?
+  STATUS+=("| $name | $rc | $((SECONDS - t0)) s |")
+  if [[ $rc -ne 0 ]]; then FAILED=1; log "$name FAILED (exit $rc)"; fi
+  return $rc
+}
+
+log "specbench: $($SB --version 2>&1)"
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+
+# 1. models
+if [[ -f $MODELS/target/config.json && -f $MODELS/draft/config.json ]]; then
+  log "using the Qwen3-4B-shaped pair in $MODELS"
+else
+  step "build qwen3-4b-shaped pair" "$SB" fixtures --shape qwen3-4b --out "$MODELS" --device "$DEVICE" || {
+    log "no models: stopping"; exit 1; }
+fi
+T=$MODELS/target
+D=$MODELS/draft
+GPU="device=$DEVICE"
+BIG="device=$DEVICE,dtype=bfloat16"
+
+# 2. lossless gates
+if [[ "${NIGHTLY_SKIP_GATES:-0}" != 1 ]]; then
+  step "lossless: tiny pair, dflash, $DEVICE" "$SB" lossless --margin-tol 0.20 \
+    --baseline "local,spec=off,$GPU" --candidate "local,spec=dflash,$GPU" \
+    --num-prompts 16 --max-tokens 96 --concurrency 4 --concurrent --engine-gates \
+    --report "$REPORTS/lossless-tiny.md"
+  step "lossless: qwen3-4b shape, ngram, bf16" "$SB" lossless --margin-tol 0.20 \
+    --baseline "local:$T,spec=off,$BIG" --candidate "local:$T,spec=ngram,$BIG" \
+    --dataset "$DATASET" --num-prompts 8 --max-tokens 128 --concurrency 4 --concurrent \
+    --report "$REPORTS/lossless-4b-ngram.md"
+fi
+
+# 3. sweep (+ 4. its report)
+step "sweep: qwen3-4b shape, off vs dflash tau=$TAU" "$SB" sweep --concurrency "$CONC" \
+  --arms "local:$T,spec=off,$BIG,name=spec-off,local:$T,draft=$D,$BIG,tau=$TAU,name=dflash-tau$TAU" \
+  --dataset "$DATASET" --prompts-per-level "$PPL" --max-tokens "$MAXTOK" --ignore-eos \
+  --rounds "$ROUNDS" --warmup 4 --no-progress --report "$REPORTS/sweep.md"
+
+# job summary: the verdicts, then every markdown report (plots are in the artifact)
+{
+  echo "# specbench nightly ($(date -u +%Y-%m-%dT%H:%MZ), $(git rev-parse --short HEAD 2>/dev/null))"
+  echo
+  echo "| step | exit | time |"
+  echo "|---|---:|---:|"
+  printf '%s\n' "${STATUS[@]}"
+  echo
+  for f in "$REPORTS"/lossless-*.md "$REPORTS"/sweep.md; do
+    [[ -f $f ]] || continue
+    echo "<details><summary>$(basename "$f")</summary>"
+    echo
+    sed 's/!\[\([^]]*\)\]([^)]*)/(plot: \1, see the artifact)/' "$f"
+    echo
+    echo "</details>"
+  done
+} > "$OUT/summary.md"
+if [[ -n "${GITHUB_STEP_SUMMARY:-}" ]]; then cat "$OUT/summary.md" >> "$GITHUB_STEP_SUMMARY"; fi
+log "summary: $OUT/summary.md; reports: $REPORTS; records: $RESULTS"
+printf '%s\n' "${STATUS[@]}"
+exit $FAILED
