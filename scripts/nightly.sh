@@ -25,9 +25,9 @@ set -uo pipefail
 
 cd "$(dirname "$0")/.."
 OUT=$(mkdir -p "${1:-nightly-out}" && cd "${1:-nightly-out}" && pwd)
-if [[ -n "${SPECBENCH:-}" ]]; then SB=$SPECBENCH
-elif [[ -x .venv/bin/specbench ]]; then SB=$PWD/.venv/bin/specbench
-else SB=specbench; fi
+if [[ -n "${SPECBENCH:-}" ]]; then read -r -a SB <<< "$SPECBENCH"   # e.g. "python3 -m specbench"
+elif [[ -x .venv/bin/specbench ]]; then SB=("$PWD/.venv/bin/specbench")
+else SB=(specbench); fi
 MODELS=${SPECBENCH_MODELS:-$HOME/.cache/specbench/qwen3-4b-shape}
 DEVICE=${NIGHTLY_DEVICE:-cuda}
 CONC=${NIGHTLY_CONCURRENCY:-1,8,16,32,64}
@@ -55,14 +55,14 @@ step() {  # step NAME CMD...: run, record the exit code, never stop the job
   return $rc
 }
 
-log "specbench: $($SB --version 2>&1)"
+log "specbench: $("${SB[@]}" --version 2>&1)"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 
 # 1. models
 if [[ -f $MODELS/target/config.json && -f $MODELS/draft/config.json ]]; then
   log "using the Qwen3-4B-shaped pair in $MODELS"
 else
-  step "build qwen3-4b-shaped pair" "$SB" fixtures --shape qwen3-4b --out "$MODELS" --device "$DEVICE" || {
+  step "build qwen3-4b-shaped pair" "${SB[@]}" fixtures --shape qwen3-4b --out "$MODELS" --device "$DEVICE" || {
     log "no models: stopping"; exit 1; }
 fi
 T=$MODELS/target
@@ -72,18 +72,18 @@ BIG="device=$DEVICE,dtype=bfloat16"
 
 # 2. lossless gates
 if [[ "${NIGHTLY_SKIP_GATES:-0}" != 1 ]]; then
-  step "lossless: tiny pair, dflash, $DEVICE" "$SB" lossless --margin-tol 0.20 \
+  step "lossless: tiny pair, dflash, $DEVICE" "${SB[@]}" lossless --margin-tol 0.20 \
     --baseline "local,spec=off,$GPU" --candidate "local,spec=dflash,$GPU" \
     --num-prompts 16 --max-tokens 96 --concurrency 4 --concurrent --engine-gates \
     --report "$REPORTS/lossless-tiny.md"
-  step "lossless: qwen3-4b shape, ngram, bf16" "$SB" lossless --margin-tol 0.20 \
+  step "lossless: qwen3-4b shape, ngram, bf16" "${SB[@]}" lossless --margin-tol 0.20 \
     --baseline "local:$T,spec=off,$BIG" --candidate "local:$T,spec=ngram,$BIG" \
     --dataset "$DATASET" --num-prompts 8 --max-tokens 128 --concurrency 4 --concurrent \
     --report "$REPORTS/lossless-4b-ngram.md"
 fi
 
 # 3. sweep (+ 4. its report)
-step "sweep: qwen3-4b shape, off vs dflash tau=$TAU" "$SB" sweep --concurrency "$CONC" \
+step "sweep: qwen3-4b shape, off vs dflash tau=$TAU" "${SB[@]}" sweep --concurrency "$CONC" \
   --arms "local:$T,spec=off,$BIG,name=spec-off,local:$T,draft=$D,$BIG,tau=$TAU,name=dflash-tau$TAU" \
   --dataset "$DATASET" --prompts-per-level "$PPL" --max-tokens "$MAXTOK" --ignore-eos \
   --rounds "$ROUNDS" --warmup 4 --no-progress --report "$REPORTS/sweep.md"

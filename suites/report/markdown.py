@@ -80,8 +80,8 @@ def _desc(d: dict | None) -> str:
     for k in ("spec", "k", "dtype", "device"):
         if c.get(k) not in (None, "", 0):
             bits.append(f"{k}={c[k]}")
-    if c.get("synthetic_accept") is not None:
-        bits.append(f"synthetic_accept={c['synthetic_accept']}")
+    if c.get("synthetic_tau") is not None:
+        bits.append(f"**synthetic acceptance tau={c['synthetic_tau']}** (drawn, not measured)")
     return " ".join(b for b in bits if b).replace("|", "/") or "—"
 
 
@@ -115,6 +115,15 @@ def latency_table(s: RunSummary, metric: str, title: str) -> list[str]:
     return [f"#### {title} (ms: mean / median / p90 / p99)", "", *_table([s.level_kind, *arms], rows)]
 
 
+def synthetic_tau(s: RunSummary, arm: str) -> float | None:
+    """The synthetic acceptance length an arm's engine drew its accepts from, if any."""
+    for a in s.arms:
+        if a["label"] == arm:
+            c = (a.get("description") or {}).get("config")
+            return c.get("synthetic_tau") if isinstance(c, dict) else None
+    return None
+
+
 def acceptance_table(s: RunSummary) -> list[str]:
     arms = s.spec_arms
     if not arms:
@@ -131,9 +140,10 @@ def acceptance_table(s: RunSummary) -> list[str]:
             if acc is None:
                 r += ["—"] * 4
                 continue
+            src = "per-request" if acc["source"] == "request" else "counters (server-wide)"
+            tau = synthetic_tau(s, a)
             r += [_f(acc["rate"] * 100 if acc["rate"] is not None else None, "{:.1f}%"), _f(acc["length"], "{:.3f}"),
-                  _f(acc["length_request_mean"], "{:.3f}"),
-                  "per-request" if acc["source"] == "request" else "counters (server-wide)"]
+                  _f(acc["length_request_mean"], "{:.3f}"), src if tau is None else f"{src}, SYNTHETIC tau={tau}"]
         rows.append(r)
     return _table(header, rows)
 
