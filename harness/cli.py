@@ -27,6 +27,7 @@ COMMANDS: dict[str, str] = {
     "report": "specbench.harness.cmd_report:report",
     "lossless": "specbench.harness.cmd_lossless:lossless",
     "selftest": "specbench.harness.cmd_selftest:selftest",
+    "sampled": "specbench.harness.cmd_sampled:sampled",
 }
 
 app = typer.Typer(name="specbench", no_args_is_help=True, add_completion=False,

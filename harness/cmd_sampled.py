@@ -1,0 +1,193 @@
+"""`specbench sampled`: the sampled (T > 0) equivalence gate, spec off vs spec on, for any engine.
+
+Contract: builds the baseline and candidate adapters from engine strings (default: the bundled tiny
+pair, spec off vs spec on), runs suites/sampled (gate.py) and prints the verdict, or with --selftest runs
+the gate against the local candidate with each sampling fault injected and the clean engine
+(selftest.py). Records go to the results store (run.json, cells.jsonl, samples.jsonl) unless
+--no-record; --report writes markdown; --json prints the summary as one JSON document on the last line.
+Exit codes: 0 PASS (also "PASS (speculation unverified)"), 1 FAIL / NOT SPECULATING / NO DRAFT ACCEPTED /
+INCOMPLETE / a self-test case that did not behave, 2 bad input (engine string, option value).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import typer
+
+
+def sampled(
+    baseline: str | None = typer.Option(None, "--baseline", help="Engine string, speculation off. "
+                                        "Default: the bundled tiny pair, spec off."),
+    candidate: str | None = typer.Option(None, "--candidate", help="Engine string, speculation on. "
+                                         "Default: the bundled tiny pair, spec on."),
+    num_prompts: int = typer.Option(8, "--num-prompts", min=1, help="gsm8k test prompts."),
+    configs: str | None = typer.Option(None, "--configs", help="Sampling configs 't=1.0;t=0.7,p=0.9;t=1,k=20' "
+                                       "(keys t, p, k). Default: t1.0; t0.7-p0.9; t1.0-k20; t0.5."),
+    positions: int = typer.Option(8, "--positions", min=1, help="Output positions P tested (max_tokens = P)."),
+    samples: int = typer.Option(256, "--samples", min=2, help="Samples per arm per (prompt, config)."),
+    permutations: int = typer.Option(1999, "--permutations", min=19, help="Permutations per cell."),
+    q: float = typer.Option(0.05, "--q", min=0.0, max=1.0, help="Benjamini-Hochberg false discovery rate."),
+    null: bool = typer.Option(False, "--null", help="Also run spec vs spec on disjoint seeds: must reject nothing."),
+    selftest: bool = typer.Option(False, "--selftest", help="Inject each sampling fault into the local candidate: "
+                                  "every fault must be caught, the clean engine must pass."),
+    seed: int = typer.Option(0, "--seed", min=0, help="Base seed (sample seeds and permutations)."),
+    concurrency: int = typer.Option(128, "--concurrency", min=1, help="Requests in flight per arm."),
+    refine: bool = typer.Option(True, "--refine/--no-refine", help="Extra permutations for cells near the p floor."),
+    prompt_chars: int = typer.Option(400, "--prompt-chars", min=16, help="Keep the last N characters of a prompt."),
+    json_out: bool = typer.Option(False, "--json", help="Print the summary JSON (last line)."),
+    report: Path | None = typer.Option(None, "--report", help="Write the markdown report here."),
+    results: Path | None = typer.Option(None, "--results", help="Results directory (default $SPECBENCH_RESULTS "
+                                        "or ./results)."),
+    record: bool = typer.Option(True, "--record/--no-record", help="Write records to the results store."),
+) -> None:
+    """Sampled equivalence gate: per-position token distributions, spec off vs on, permutation test + BH."""
+    from specbench.harness.engines import EngineStringError, build_adapter, default_engines, parse_engine
+    from specbench.suites.sampled import report as rep
+    from specbench.suites.sampled.gate import DEFAULT_CONFIGS, GateOptions, SampledError, parse_configs
+
+    def bad(msg: str) -> typer.Exit:
+        typer.echo(f"specbench sampled: {msg}", err=True)
+        return typer.Exit(2)
+
+    try:
+        opts = GateOptions(num_prompts=num_prompts, positions=positions, samples=samples, permutations=permutations,
+                           q=q, null=null, seed=seed, concurrency=concurrency, refine=refine, prompt_chars=prompt_chars)
+        cfgs = parse_configs(configs) if configs else list(DEFAULT_CONFIGS)
+        need_default = baseline is None or candidate is None
+        dflt = default_engines() if need_default else None
+        bspec = parse_engine(baseline) if baseline else dflt[0]  # type: ignore[index]
+        cspec = parse_engine(candidate) if candidate else dflt[1]  # type: ignore[index]
+        if selftest and (cspec.kind != "local" or "faults" in cspec.options):
+            raise SampledError("--selftest needs a local candidate without faults= (it injects them itself)")
+    except (SampledError, EngineStringError, ValueError, FileNotFoundError) as e:
+        raise bad(str(e)) from None
+
+    def log(s: str) -> None:
+        if not json_out:
+            typer.echo(s)
+
+    try:
+        base = build_adapter(bspec, name="baseline")
+    except (EngineStringError, ValueError, FileNotFoundError) as e:
+        raise bad(str(e)) from None
+    try:
+        with _recorder(record, results, opts, cfgs, base) as rec:
+            if selftest:
+                code = _selftest(base, cspec, opts, cfgs, rec, log, json_out, report)
+            else:
+                try:
+                    cand = build_adapter(cspec, name="candidate")
+                except (EngineStringError, ValueError, FileNotFoundError) as e:
+                    raise bad(str(e)) from None
+                from specbench.suites.sampled.gate import run_gate
+
+                try:
+                    res = run_gate(base, cand, opts, cfgs, log=log, on_samples=rec.samples)
+                finally:
+                    cand.close()
+                rec.result(res)
+                if report:
+                    report.parent.mkdir(parents=True, exist_ok=True)
+                    report.write_text(rep.render(res))
+                summ = res.summary()
+                log(_line(summ))
+                if json_out:
+                    typer.echo(json.dumps(summ, default=_jsonable))
+                code = 0 if res.passed else 1
+    finally:
+        base.close()
+    raise typer.Exit(code)
+
+
+def _selftest(base, cspec, opts, cfgs, rec, log, json_out: bool, report: Path | None) -> int:
+    from specbench.harness.engines import EngineSpec, build_adapter
+    from specbench.suites.sampled import report as rep
+    from specbench.suites.sampled.selftest import run_selftest
+
+    def make(fault: str | None):
+        o = dict(cspec.options)
+        if fault:
+            o["faults"] = fault
+        o["name"] = f"candidate-{fault or 'clean'}"
+        return build_adapter(EngineSpec(cspec.kind, cspec.target, o, cspec.raw + (f",faults={fault}" if fault else "")))
+
+    rows, results = run_selftest(base, make, opts, cfgs, log=log, on_samples=rec.samples)
+    for case, res in results.items():
+        rec.result(res, case)
+    o = {**opts.__dict__, "configs": [c.name for c in cfgs]}
+    text = rep.render_selftest(rows, o)
+    for case, res in results.items():
+        text += "\n" + rep.render(res, title=f"Case {case}")
+    if report:
+        report.parent.mkdir(parents=True, exist_ok=True)
+        report.write_text(text)
+    ok = all(r["ok"] for r in rows)
+    log(rep.render_selftest(rows, o))
+    log("self-test: " + ("PASS (every fault caught, clean engine passed)" if ok else "FAIL"))
+    if json_out:
+        typer.echo(json.dumps({"selftest": "PASS" if ok else "FAIL", "rows": rows, "options": o}, default=_jsonable))
+    return 0 if ok else 1
+
+
+def _line(s: dict) -> str:
+    parts = [f"sampled gate: {s['verdict']}"]
+    for name, c in s["comparisons"].items():
+        parts.append(f"{name}: {c['rejected']}/{c['testable']} cells rejected (median MDE lone "
+                     f"{c['median_mde_lone']:.3f}, all {c['median_mde_all']:.3f})")
+    if s["spec"]:
+        parts.append(f"mean accepted length {s['spec']['mean_accept_len']:.2f}")
+    return "; ".join(parts)
+
+
+def _jsonable(x):
+    return str(x)
+
+
+class _Rec:
+    """Writes samples and cells to an open run (or nothing)."""
+
+    def __init__(self, run) -> None:
+        self.run = run
+
+    def samples(self, s) -> None:
+        if self.run is None:
+            return
+        for (pi, ci), arr in s.tokens.items():
+            self.run.write("samples", {"arm": s.arm, "prompt": pi, "config": ci, "tokens": arr.tolist()})
+
+    def result(self, res, case: str | None = None) -> None:
+        if self.run is None:
+            return
+        for comp in res.comparisons:
+            for c in comp.cells:
+                self.run.write("cells", {"case": case, "comparison": comp.name, **asdict(c)})
+        summ = res.summary()
+        if case:
+            summary = dict(self.run.record.summary)
+            summary[case] = summ
+            self.run.update(summary=summary)
+        else:
+            self.run.update(summary=summ, engines=res.engines)
+
+
+class _recorder:
+    def __init__(self, record: bool, results: Path | None, opts, cfgs, base) -> None:
+        self.record, self.results, self.opts, self.cfgs, self.base = record, results, opts, cfgs, base
+        self._cm = None
+
+    def __enter__(self) -> _Rec:
+        if not self.record:
+            return _Rec(None)
+        from specbench.harness.results import open_run
+        from specbench.suites.sampled.gate import SUITE_VERSION
+
+        self._cm = open_run("sampled", SUITE_VERSION, engines={"baseline": self.base.describe()},
+                            sampling={"configs": [asdict(c) for c in self.cfgs]}, dataset={"name": "gsm8k"},
+                            seeds={"base": self.opts.seed}, config=asdict(self.opts), results=self.results)
+        return _Rec(self._cm.__enter__())
+
+    def __exit__(self, *exc) -> bool:
+        return bool(self._cm.__exit__(*exc)) if self._cm is not None else False

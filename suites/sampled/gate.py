@@ -1,0 +1,357 @@
+"""The sampled equivalence gate: spec-off vs spec-on token distributions, per (prompt, config, position).
+
+Contract:
+- For every prompt x sampling config, each arm draws `samples` seeded generations of `positions`
+  tokens (ignore_eos; a missing position, e.g. an engine that stopped early, is the category END = -1).
+  Seeds are distinct per sample and disjoint between arms (`seed_of`), so the two samples of a cell are
+  independent draws. Position 0 comes from prefill; positions >= 1 pass through verify/accept whenever
+  the candidate speculates (an engine only speculates while >= 2 tokens remain), hence max_tokens = P.
+- A cell is (prompt, config, position j): the marginal distribution of output token j. Each cell gets a
+  permutation test on the maximum studentized frequency difference (stats.py; one shared set of
+  relabellings per run), then Benjamini-Hochberg across the comparison's testable cells at q. A cell
+  whose pooled sample holds a single token carries no information (its conditional p-value is 1 under
+  any alternative) and is excluded from the BH family; it is counted and reported. Unrejected cells
+  whose p-value is near the resolution floor 1/(B+1) get extra permutations (up to ceil(2 m / q)) so a
+  lone differing cell can still pass BH's q/m threshold.
+- The candidate's spec counters are snapshotted around its generation: no drafts -> NOT SPECULATING, no
+  accepted draft -> NO DRAFT ACCEPTED (both fail: the accept path was not exercised); an engine without
+  counters -> "PASS (speculation unverified)". Any failed request -> INCOMPLETE. Any rejected cell in the
+  main comparison or the null (spec vs spec, disjoint seeds) comparison -> FAIL.
+- `run_gate` never loads engines; the caller passes adapters (the CLI builds them from engine strings).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+from specbench.harness.adapters.base import EngineAdapter, GenRequest, counters_delta
+
+from . import stats
+
+END = -1
+SUITE_VERSION = "1"
+
+
+class SampledError(ValueError):
+    """Bad input to the sampled gate; the message names the option and what would be accepted."""
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    name: str
+    temperature: float
+    top_p: float = 1.0
+    top_k: int = 0
+
+
+DEFAULT_CONFIGS = (SamplingConfig("t1.0", 1.0), SamplingConfig("t0.7-p0.9", 0.7, top_p=0.9),
+                   SamplingConfig("t1.0-k20", 1.0, top_k=20), SamplingConfig("t0.5", 0.5))
+_KEYS = {"t": "temperature", "temperature": "temperature", "p": "top_p", "top_p": "top_p", "k": "top_k",
+         "top_k": "top_k"}
+
+
+def parse_configs(text: str) -> list[SamplingConfig]:
+    """'t=1.0;t=0.7,p=0.9;t=1,k=20' -> configs (keys t|temperature, p|top_p, k|top_k)."""
+    out = []
+    for part in [s.strip() for s in text.split(";") if s.strip()]:
+        kw: dict[str, float] = {}
+        for item in part.split(","):
+            key, eq, val = item.partition("=")
+            if not eq or key.strip() not in _KEYS:
+                raise SampledError(f"--configs item {item!r} is invalid: expected key=value with key one of "
+                                   "t, p, k (temperature, top_p, top_k), configs separated by ';'")
+            try:
+                kw[_KEYS[key.strip()]] = float(val)
+            except ValueError:
+                raise SampledError(f"--configs value {val!r} for {key.strip()} is not a number") from None
+        t, p, k = kw.get("temperature", 1.0), kw.get("top_p", 1.0), kw.get("top_k", 0.0)
+        if not (t > 0 and math.isfinite(t)):
+            raise SampledError(f"--configs temperature={t} is invalid: expected > 0 (greedy has its own gate)")
+        if not 0 < p <= 1 or k < 0 or k != int(k):
+            raise SampledError(f"--configs {part!r}: expected 0 < top_p <= 1 and an integer top_k >= 0")
+        name = f"t{t:g}" + (f"-p{p:g}" if p < 1 else "") + (f"-k{int(k)}" if k else "")
+        out.append(SamplingConfig(name, t, p, int(k)))
+    if not out:
+        raise SampledError("--configs is empty: expected e.g. 't=1.0;t=0.7,p=0.9'")
+    return out
+
+
+@dataclass(frozen=True)
+class GateOptions:
+    num_prompts: int = 8
+    positions: int = 8
+    samples: int = 256
+    permutations: int = 1999
+    q: float = 0.05
+    null: bool = False
+    seed: int = 0
+    concurrency: int = 128
+    refine: bool = True
+    prompt_chars: int = 400
+    power: float = 0.8
+
+    def __post_init__(self) -> None:
+        for name, lo in (("num_prompts", 1), ("positions", 1), ("samples", 2), ("permutations", 19),
+                         ("concurrency", 1)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < lo:
+                raise SampledError(f"--{name.replace('_', '-')} {v!r} is invalid: expected an integer >= {lo}")
+        if not 0 < self.q < 1:
+            raise SampledError(f"--q {self.q} is invalid: expected 0 < q < 1")
+
+
+def load_prompts(n: int, max_chars: int = 400) -> list[tuple[str, str]]:
+    """The first n gsm8k test questions in the 'Question: ...\\nAnswer:' form the tiny pair was trained on."""
+    path = Path(str(resources.files("specbench.harness") / "data" / "gsm8k" / "test.jsonl"))
+    rows = []
+    with open(path, encoding="utf-8") as fh:
+        for i, line in enumerate(fh):
+            if len(rows) >= n:
+                break
+            text = f"Question: {json.loads(line)['question']}\nAnswer:"
+            rows.append((f"gsm8k-{i}", text if len(text) <= max_chars else text[-max_chars:]))
+    return rows
+
+
+def seed_of(seed: int, arm: int, cell: int, sample: int, samples: int) -> int:
+    """Disjoint per-arm seed ranges: arm a owns [base + a * 2^24, base + (a + 1) * 2^24)."""
+    return seed * (1 << 30) + arm * (1 << 24) + cell * samples + sample
+
+
+@dataclass
+class Samples:
+    """tokens[(prompt_idx, config_idx)] -> int array [n, positions] (END where missing)."""
+
+    arm: str
+    tokens: dict[tuple[int, int], np.ndarray]
+    failed: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    spec: dict | None = None  # counters delta over this arm's generation
+
+
+def collect(adapter: EngineAdapter, prompts: Sequence[tuple[str, str]], configs: Sequence[SamplingConfig],
+            opts: GateOptions, arm: str, arm_index: int) -> Samples:
+    if len(prompts) * len(configs) * opts.samples >= 1 << 24:
+        raise SampledError("prompts x configs x samples is too large: expected fewer than 2^24 generations per arm")
+    reqs, keys = [], []
+    for pi, (pid, text) in enumerate(prompts):
+        for ci, c in enumerate(configs):
+            for si in range(opts.samples):
+                s = seed_of(opts.seed, arm_index, pi * len(configs) + ci, si, opts.samples)
+                reqs.append(GenRequest(prompt=text, max_tokens=opts.positions, temperature=c.temperature,
+                                       top_p=c.top_p, top_k=c.top_k, seed=s, ignore_eos=True,
+                                       rid=f"{arm}-{pid}-{c.name}-{si}"))
+                keys.append((pi, ci))
+    before = adapter.spec_counters_sync()
+    t0 = time.perf_counter()
+    results = adapter.generate_sync(reqs, concurrency=opts.concurrency)
+    seconds = time.perf_counter() - t0
+    spec = counters_delta(before, adapter.spec_counters_sync())
+    rows: dict[tuple[int, int], list[list[int]]] = {}
+    failed = []
+    for key, res in zip(keys, results, strict=True):
+        if not res.ok or res.output_ids is None:
+            failed.append(f"{res.rid}: {res.error or 'no output token ids'}")
+            continue
+        ids = list(res.output_ids[:opts.positions])
+        rows.setdefault(key, []).append(ids + [END] * (opts.positions - len(ids)))
+    tokens = {k: np.asarray(v, dtype=np.int64) for k, v in rows.items()}
+    return Samples(arm, tokens, failed, seconds, spec)
+
+
+@dataclass
+class Cell:
+    prompt: str
+    config: str
+    position: int
+    n_a: int
+    n_b: int
+    support: int
+    stat: float
+    p_value: float
+    permutations: int
+    tv: float
+    mde_lone: float  # min detectable TV, 80% power, this cell alone differing (level q / m)
+    mde_all: float  # the same when every cell differs (level about q)
+    q_value: float = 1.0
+    testable: bool = True
+    rejected: bool = False
+
+
+@dataclass
+class Comparison:
+    name: str  # "spec" (baseline vs candidate) or "null" (candidate vs candidate)
+    arms: tuple[str, str]
+    cells: list[Cell]
+    seconds: float = 0.0
+
+    @property
+    def testable(self) -> int:
+        return sum(c.testable for c in self.cells)
+
+    @property
+    def rejected(self) -> list[Cell]:
+        return [c for c in self.cells if c.rejected]
+
+
+def compare(name: str, a: Samples, b: Samples, prompts: Sequence[tuple[str, str]],
+            configs: Sequence[SamplingConfig], opts: GateOptions) -> Comparison:
+    t0 = time.perf_counter()
+    perms: dict[tuple[int, int], stats.Permuter] = {}
+    cells: list[Cell] = []
+    data: list[tuple[np.ndarray, np.ndarray, stats.PermResult, stats.Permuter]] = []
+    for key in sorted(set(a.tokens) & set(b.tokens)):
+        ta, tb = a.tokens[key], b.tokens[key]
+        na, nb = len(ta), len(tb)
+        if (na, nb) not in perms:
+            perms[(na, nb)] = stats.Permuter(na, nb, opts.permutations, seed=opts.seed + 7919 * len(perms))
+        perm = perms[(na, nb)]
+        for j in range(opts.positions):
+            r = perm.test(ta[:, j], tb[:, j])
+            cells.append(Cell(prompts[key[0]][0], configs[key[1]].name, j, na, nb, r.support, r.stat,
+                              r.p_value, r.permutations, stats.tv_distance(ta[:, j], tb[:, j]), math.inf,
+                              math.inf, testable=r.support > 1))
+            data.append((ta[:, j], tb[:, j], r, perm))
+    idx = [i for i, c in enumerate(cells) if c.testable]
+    m = max(len(idx), 1)
+    if opts.refine and idx:
+        rej = stats.benjamini_hochberg([cells[i].p_value for i in idx], opts.q)
+        upto = math.ceil(2 * m / opts.q)
+        for i, r_ in zip(idx, rej, strict=True):
+            xa, xb, r, perm = data[i]
+            if not r_ and r.exceed < 10 and r.permutations < upto:
+                r2 = perm.refine(xa, xb, r, upto)
+                cells[i].p_value, cells[i].permutations = r2.p_value, r2.permutations
+    if idx:
+        pv = [cells[i].p_value for i in idx]
+        rej, adj = stats.benjamini_hochberg(pv, opts.q), stats.bh_adjusted(pv)
+        for i, r_, qv in zip(idx, rej, adj, strict=True):
+            cells[i].rejected, cells[i].q_value = bool(r_), float(qv)
+    for c, (xa, xb, _, _) in zip(cells, data, strict=True):
+        if c.testable:
+            _, counts = np.unique(np.concatenate([xa, xb]), return_counts=True)
+            c.mde_lone = stats.min_detectable_tv(counts, c.n_a, c.n_b, opts.q / m, opts.power)
+            c.mde_all = stats.min_detectable_tv(counts, c.n_a, c.n_b, opts.q, opts.power)
+    return Comparison(name, (a.arm, b.arm), cells, time.perf_counter() - t0)
+
+
+def spec_summary(delta: dict | None) -> dict | None:
+    """Counters delta -> drafts, acceptance rate, mean accepted length (1 + accepted / drafts), per position."""
+    if delta is None or delta.get("num_drafts") is None:
+        return None
+    d, k, acc = delta.get("num_drafts", 0), delta.get("num_draft_tokens", 0), delta.get("num_accepted_tokens", 0)
+    per = list(delta.get("accepted_per_pos") or [])
+    return {"num_drafts": d, "num_draft_tokens": k, "num_accepted_tokens": acc,
+            "acceptance_rate": acc / k if k else 0.0, "mean_accept_len": 1 + acc / d if d else 0.0,
+            "per_position_rate": [x / d for x in per] if d else [], "source": delta.get("source")}
+
+
+@dataclass
+class GateResult:
+    verdict: str
+    comparisons: list[Comparison]
+    spec: dict | None
+    options: dict
+    configs: list[dict]
+    prompts: list[str]
+    engines: dict[str, dict]
+    failed: list[str]
+    seconds: dict[str, float]
+
+    @property
+    def passed(self) -> bool:
+        return self.verdict.startswith("PASS")
+
+    def summary(self) -> dict:
+        comps = {}
+        for c in self.comparisons:
+            fin = [x for x in c.cells if x.testable]
+            comps[c.name] = {
+                "cells": len(c.cells), "testable": c.testable, "rejected": len(c.rejected),
+                "rejected_cells": [(x.prompt, x.config, x.position, round(x.tv, 4), x.q_value) for x in c.rejected][:20],
+                "min_p": min((x.p_value for x in fin), default=1.0),
+                "max_tv": max((x.tv for x in fin), default=0.0),
+                "median_mde_lone": _median([x.mde_lone for x in fin]),
+                "median_mde_all": _median([x.mde_all for x in fin]),
+                "frac_detectable_lone": sum(math.isfinite(x.mde_lone) for x in fin) / max(len(fin), 1)}
+        return {"verdict": self.verdict, "passed": self.passed, "spec": self.spec, "comparisons": comps,
+                "options": self.options, "configs": [c["name"] for c in self.configs],
+                "num_prompts": len(self.prompts), "failed": len(self.failed), "seconds": self.seconds}
+
+
+def _median(xs: list[float]) -> float:
+    return float(np.median(xs)) if xs else math.inf
+
+
+def verdict_of(comparisons: Sequence[Comparison], spec: dict | None, failed: Sequence[str]) -> str:
+    if failed:
+        return "INCOMPLETE"
+    if any(c.rejected for c in comparisons):
+        return "FAIL"
+    if spec is None:
+        return "PASS (speculation unverified)"
+    if spec["num_drafts"] == 0:
+        return "NOT SPECULATING"
+    if spec["num_accepted_tokens"] == 0:
+        return "NO DRAFT ACCEPTED"
+    return "PASS"
+
+
+def run_gate(baseline: EngineAdapter, candidate: EngineAdapter, opts: GateOptions,
+             configs: Sequence[SamplingConfig] = DEFAULT_CONFIGS, prompts: Sequence[tuple[str, str]] | None = None,
+             baseline_samples: Samples | None = None, log: Callable[[str], None] | None = None,
+             on_samples: Callable[[Samples], None] | None = None) -> GateResult:
+    """Baseline vs candidate (and, with opts.null, candidate vs candidate on disjoint seeds)."""
+    say = log or (lambda s: None)
+    prompts = list(prompts) if prompts is not None else load_prompts(opts.num_prompts, opts.prompt_chars)
+    if not prompts:
+        raise SampledError("the prompt set is empty")
+    n = len(prompts) * len(configs) * opts.samples
+    secs: dict[str, float] = {}
+    if baseline_samples is None:
+        say(f"baseline: {n} generations of {opts.positions} tokens")
+        baseline_samples = collect(baseline, prompts, configs, opts, "baseline", 0)
+        if on_samples:
+            on_samples(baseline_samples)
+    secs["baseline"] = baseline_samples.seconds
+    say(f"candidate: {n} generations of {opts.positions} tokens")
+    cand = collect(candidate, prompts, configs, opts, "candidate", 1)
+    if on_samples:
+        on_samples(cand)
+    secs["candidate"] = cand.seconds
+    comps = [compare("spec", baseline_samples, cand, prompts, configs, opts)]
+    failed = baseline_samples.failed + cand.failed
+    spec = cand.spec
+    if opts.null:
+        say(f"null: {n} more candidate generations (disjoint seeds)")
+        cand2 = collect(candidate, prompts, configs, opts, "candidate2", 2)
+        if on_samples:
+            on_samples(cand2)
+        secs["null"] = cand2.seconds
+        comps.append(compare("null", cand, cand2, prompts, configs, opts))
+        failed += cand2.failed
+        spec = _add_counters(spec, cand2.spec)
+    secs["stats"] = sum(c.seconds for c in comps)
+    summ = spec_summary(spec)
+    return GateResult(verdict_of(comps, summ, failed), comps, summ, asdict(opts), [asdict(c) for c in configs],
+                      [p for p, _ in prompts], {"baseline": baseline.describe(), "candidate": candidate.describe()},
+                      failed, secs)
+
+
+def _add_counters(a: dict | None, b: dict | None) -> dict | None:
+    if a is None or b is None:
+        return a if b is None else b
+    out = dict(a)
+    for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        out[k] = a.get(k, 0) + b.get(k, 0)
+    pa, pb = list(a.get("accepted_per_pos") or []), list(b.get("accepted_per_pos") or [])
+    n = max(len(pa), len(pb))
+    out["accepted_per_pos"] = [x + y for x, y in zip(pa + [0] * (n - len(pa)), pb + [0] * (n - len(pb)), strict=True)]
+    return out

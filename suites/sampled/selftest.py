@@ -1,0 +1,61 @@
+"""The sampled gate's self-test: the gate must catch every sampling fault and pass the clean engine.
+
+Contract: `run_selftest(baseline, make_candidate, opts, ...)` draws the baseline samples once, then runs
+the gate against a clean candidate and one candidate per fault in `FAULT_CASES` (the local engine's
+named faults, injected through the adapter's engine string, never a back door). A fault is caught when
+the verdict is FAIL (some cell rejected); NOT SPECULATING does not count. The clean case must PASS.
+Returns one row per case plus the per-case `GateResult`s.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+from specbench.harness.adapters.base import EngineAdapter
+
+from .gate import (DEFAULT_CONFIGS, GateOptions, GateResult, Samples, SamplingConfig, collect, load_prompts,
+                   run_gate)
+
+FAULT_CASES = ("biased_accept", "resample_from_p", "reused_uniform")
+
+
+def _row(case: str, res: GateResult, seconds: float) -> dict:
+    spec = res.comparisons[0]
+    fin = [c for c in spec.cells if c.testable]
+    expect = "PASS" if case == "clean" else "FAIL"
+    ok = res.passed if case == "clean" else res.verdict == "FAIL"
+    return {"case": case, "expect": expect, "verdict": res.verdict, "ok": ok, "rejected": len(spec.rejected),
+            "testable": len(fin), "min_p": min((c.p_value for c in fin), default=1.0),
+            "max_tv": max((c.tv for c in fin), default=0.0),
+            "mean_accept_len": (res.spec or {}).get("mean_accept_len", 0.0), "seconds": seconds}
+
+
+def run_selftest(baseline: EngineAdapter, make_candidate: Callable[[str | None], EngineAdapter], opts: GateOptions,
+                 configs: Sequence[SamplingConfig] = DEFAULT_CONFIGS, prompts: Sequence[tuple[str, str]] | None = None,
+                 cases: Sequence[str] = ("clean", *FAULT_CASES), log: Callable[[str], None] | None = None,
+                 on_samples: Callable[[Samples], None] | None = None) -> tuple[list[dict], dict[str, GateResult]]:
+    say = log or (lambda s: None)
+    prompts = list(prompts) if prompts is not None else load_prompts(opts.num_prompts, opts.prompt_chars)
+    t0 = time.perf_counter()
+    base = collect(baseline, prompts, configs, opts, "baseline", 0)
+    if on_samples:
+        on_samples(base)
+    say(f"baseline samples: {base.seconds:.1f} s")
+    rows, results = [], {}
+    for case in cases:
+        t = time.perf_counter()
+        cand = make_candidate(None if case == "clean" else case)
+        try:
+            case_opts = opts if case == "clean" else GateOptions(**{**opts.__dict__, "null": False})
+            res = run_gate(baseline, cand, case_opts, configs, prompts, baseline_samples=base, on_samples=on_samples)
+        finally:
+            cand.close()
+        rows.append(_row(case, res, time.perf_counter() - t))
+        results[case] = res
+        say(f"{case}: {res.verdict} ({rows[-1]['rejected']} of {rows[-1]['testable']} cells rejected, "
+            f"{rows[-1]['seconds']:.1f} s)")
+    rows_total = time.perf_counter() - t0
+    for r in rows:
+        r["total_seconds"] = rows_total
+    return rows, results
