@@ -20,7 +20,8 @@
 # Knobs (environment): SPECBENCH (the CLI, default .venv/bin/specbench or specbench on PATH),
 # SPECBENCH_MODELS, NIGHTLY_DEVICE (cuda), NIGHTLY_CONCURRENCY (1,8,16,32,64), NIGHTLY_ROUNDS (3),
 # NIGHTLY_PROMPTS_PER_LEVEL (4), NIGHTLY_MAX_TOKENS (128), NIGHTLY_DATASET (sharegpt), NIGHTLY_TAU (3.5),
-# NIGHTLY_SKIP_GATES=1 (sweep only).
+# NIGHTLY_SWEEP_TIMEOUT (seconds; on expiry the sweep is interrupted like Ctrl-C: its records are kept,
+# the run is marked incomplete, the report says so and the step fails), NIGHTLY_SKIP_GATES=1 (sweep only).
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
@@ -83,7 +84,9 @@ if [[ "${NIGHTLY_SKIP_GATES:-0}" != 1 ]]; then
 fi
 
 # 3. sweep (+ 4. its report)
-step "sweep: qwen3-4b shape, off vs dflash tau=$TAU" "${SB[@]}" sweep --concurrency "$CONC" \
+LIMIT=()
+[[ -n "${NIGHTLY_SWEEP_TIMEOUT:-}" ]] && LIMIT=(timeout -s INT -k 60 "$NIGHTLY_SWEEP_TIMEOUT")
+step "sweep: qwen3-4b shape, off vs dflash tau=$TAU" "${LIMIT[@]}" "${SB[@]}" sweep --concurrency "$CONC" \
   --arms "local:$T,spec=off,$BIG,name=spec-off,local:$T,draft=$D,$BIG,tau=$TAU,name=dflash-tau$TAU" \
   --dataset "$DATASET" --prompts-per-level "$PPL" --max-tokens "$MAXTOK" --ignore-eos \
   --rounds "$ROUNDS" --warmup 4 --no-progress --report "$REPORTS/sweep.md"

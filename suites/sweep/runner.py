@@ -154,7 +154,7 @@ class SweepRunner:
         bar = _bar(total, _level_name(cfg, level), self.progress)
         try:
             for arm in sources if cfg.warmup else []:
-                wpos = [(p + n) for p in positions[: cfg.warmup]]
+                wpos = [n + i for i in range(cfg.warmup)]  # prompts past the measured ones
                 await self.run_cell(arm, level, -1, wpos, conc if conc else None, None, bar, warmup=True)
             for rnd, label in schedule([a.label for a in self.arms], cfg.rounds):
                 arm = next(a for a in self.arms if a.label == label)
