@@ -262,8 +262,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     gpu_memory_utilization: float = 0.85
-    attention_backend: str = "torch"
-    eager: bool = True
+    # "auto": FlashInfer on CUDA when it imports, else the torch reference (always torch on CPU).
+    attention_backend: str = "auto"
+    eager: bool = False  # True: no CUDA graphs (launches only; the kernels and their shapes are the same)
+    triton: bool = True  # Triton kernels on CUDA (also off with SPECBENCH_TRITON=0); CPU keeps torch
     seed: int = 0
     spec: SpecConfig = field(default_factory=SpecConfig)
     faults: tuple[str, ...] = ()
@@ -280,8 +282,8 @@ class EngineConfig:
               "an integer >= 16")
         _need(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", self.gpu_memory_utilization,
               "a number in (0, 1]")
-        _need(self.attention_backend in ("torch", "flashinfer"), "attention_backend",
-              self.attention_backend, "torch or flashinfer")
+        _need(self.attention_backend in ("auto", "torch", "flashinfer"), "attention_backend",
+              self.attention_backend, "auto, torch or flashinfer")
         if isinstance(self.faults, list):
             object.__setattr__(self, "faults", tuple(self.faults))
 

@@ -5,27 +5,65 @@ returns fp32 logits for the requested rows (flat indices) plus the tapped decode
 proposer needs them. The KV cache is one [num_slots, Hkv, D] tensor pair per layer, addressed through
 the page pool's slot mapping; the drafter (when present) has its own per-layer cache over the SAME slot
 space, so its context for a request covers exactly the request's committed positions.
+
+Every cache has one extra page past the pool (`dummy_page`): rows that pad a batch up to a CUDA-graph
+bucket write their K/V there and attend to it alone; no request's page table ever holds it.
+On CUDA, a step whose spans are all single decode tokens (at most the largest bucket) runs through
+`graphs.DecodeGraphs`, padded to its bucket, captured or eager (`EngineConfig.eager`); everything else
+runs the plain forward below. On CPU the plain forward and the torch reference ops are all there is.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
-from .attention.base import AttentionMetadata
+from .attention.base import AttentionBackend, AttentionMetadata
 from .attention.torch_ref import TorchAttention
 from .config import EngineConfig, ModelConfig
+from .graphs import DecodeGraphs
 from .kv_cache import PagePool
 from .models.qwen3 import Qwen3ForCausalLM
 from .rope import RotaryCache
 from .scheduler import Span
 
+log = logging.getLogger("specbench.engine")
 
-def make_backend(name: str, device: torch.device):
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    """"auto" -> flashinfer on CUDA when it imports, else torch; flashinfer off CUDA or absent -> torch."""
+    if name == "torch":
+        return "torch"
+    from .attention.flashinfer import flashinfer_available  # noqa: PLC0415
+
+    if device.type == "cuda" and flashinfer_available():
+        return "flashinfer"
     if name == "flashinfer":
+        log.warning("attention_backend='flashinfer' needs CUDA and flashinfer-python; using the torch backend")
+    return "torch"
+
+
+def make_backend(name: str, device: torch.device, mcfg: ModelConfig | None = None, dtype: torch.dtype | None = None,
+                 max_pages: int = 0, ops=None) -> AttentionBackend:
+    if resolve_backend(name, device) == "flashinfer":
         from .attention.flashinfer import FlashInferAttention  # noqa: PLC0415 - optional dependency
 
-        return FlashInferAttention(device)
+        assert mcfg is not None and dtype is not None
+        return FlashInferAttention(device, mcfg.num_attention_heads, mcfg.num_key_value_heads, mcfg.head_dim, dtype,
+                                   max_pages, store_op=ops.kv_store if ops is not None else None)
     return TorchAttention(device)
+
+
+def select_ops(cfg: EngineConfig, device: torch.device):
+    """The Triton op bundle on CUDA when enabled, else None (the model's torch reference path)."""
+    from specbench.kernels import env_flag, triton_enabled  # noqa: PLC0415
+
+    if device.type != "cuda" or not triton_enabled(device, cfg.triton):
+        return None
+    from specbench.kernels.ops import TritonOps  # noqa: PLC0415
+
+    return TritonOps(gemv=env_flag("SPECBENCH_GEMV", True))
 
 
 class ModelRunner:
@@ -35,12 +73,17 @@ class ModelRunner:
         self.cfg, self.mcfg, self.model, self.pool = cfg, mcfg, model, pool
         self.device, self.dtype = device, dtype
         self.faults = faults
-        slots = pool.num_pages * pool.page_size
+        slots = (pool.num_pages + 1) * pool.page_size  # + the dummy page
+        self.dummy_page = pool.num_pages
+        self.dummy_slot = pool.num_pages * pool.page_size
         shape = (slots, mcfg.num_key_value_heads, mcfg.head_dim)
         self.kv = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                    for _ in range(mcfg.num_hidden_layers)]
         self.rope = RotaryCache(mcfg, device, dtype)
-        self.backend = make_backend(cfg.attention_backend, device)
+        model.ops = select_ops(cfg, device)
+        self.backend = make_backend(cfg.attention_backend, device, mcfg, dtype, pool.num_pages + 1, model.ops)
+        self.graphs: DecodeGraphs | None = None  # built at the first eligible decode step (CUDA only)
+        self.use_graph_runner = device.type == "cuda"
         self.draft_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
         if draft_cfg is not None:
             dshape = (slots, draft_cfg.num_key_value_heads, draft_cfg.head_dim)
@@ -74,6 +117,10 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, spans: list[Span], logit_rows: list[int], tap: tuple[int, ...] = ()
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.use_graph_runner and all(len(s.tokens) == 1 and s.kind == "decode" for s in spans):
+            graphs = self.decode_graphs(tuple(tap))
+            if graphs.can_run(spans):
+                return graphs.run(spans, logit_rows)
         shift = None
         if "kv_offset" in self.faults:
             shift = [1 if s.kind == "verify" else 0 for s in spans]
@@ -87,6 +134,12 @@ class ModelRunner:
             logits = self._replay_stale(len(spans), logits)
         tapped = torch.cat(taps, dim=-1) if taps else None
         return logits, tapped
+
+    def decode_graphs(self, tap: tuple[int, ...] = ()) -> DecodeGraphs:
+        """The decode graph runner for this tap set (captured now unless cfg.eager)."""
+        if self.graphs is None or self.graphs.tap != tap:
+            self.graphs = DecodeGraphs(self, tap, capture=not self.cfg.eager)
+        return self.graphs
 
     def _replay_stale(self, bucket: int, logits: torch.Tensor) -> torch.Tensor:
         """Fault: the first row count seen for a batch bucket is 'captured'; longer replays read stale rows."""

@@ -6,6 +6,11 @@ SwiGLU, down). The dense segments between attentions therefore depend only on th
 on KV length, which is what lets them be captured in CUDA graphs. Weights load from the standard HF names
 (q/k/v and gate/up are concatenated at load time).
 
+`self.ops` selects the dense kernels: None (the default, and always on CPU) runs the torch reference code
+below; the runner sets a `kernels.ops.TritonOps` on CUDA, which fuses residual add + norm into the qkv and
+gate/up GEMMs at small batch, SwiGLU into the gate/up epilogue, and q/k norm + RoPE (+ the K/V store, when
+the backend `accepts_stored_kv`) into one kernel. Both compute the same function.
+
 Tapped hidden states (for DFlash) are decoder-layer outputs, i.e. HF `hidden_states[i + 1]`; like HF,
 the last layer's entry is the final-normed hidden state.
 """
@@ -13,6 +18,7 @@ the last layer's entry is the final-normed hidden state.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +29,8 @@ from ..config import ModelConfig
 from ..loader import load_tensors, take
 from ..rope import RotaryCache
 from .layers import add_rms_norm, rms_norm, swiglu
+
+Store = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (k_cache, v_cache, slot_mapping)
 
 
 class Qwen3Layer(nn.Module):
@@ -40,8 +48,17 @@ class Qwen3Layer(nn.Module):
         self.post_norm = nn.Parameter(torch.empty(h), requires_grad=False)
 
     def pre_attn(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                 rope: RotaryCache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                 rope: RotaryCache, ops: Any = None, store: Store | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+        """`ops` (kernels.ops.TritonOps) swaps in the fused kernels; None keeps the torch reference.
+        With `store=(k_cache, v_cache, slots)` K/V go straight into the cache and k, v come back None."""
         cfg = self.cfg
+        if ops is not None:
+            qkv, residual = ops.add_norm_linear(x, residual, self.in_norm, self.qkv_w, cfg.rms_norm_eps)
+            q, k, v = ops.qk_norm_rope(qkv, self.q_norm, self.k_norm, cfg.rms_norm_eps, rope.cos, rope.sin,
+                                       positions, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                       cfg.head_dim, store)
+            return q, k, v, residual
         x, residual = add_rms_norm(x, residual, self.in_norm, cfg.rms_norm_eps)
         qkv = F.linear(x, self.qkv_w)
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
@@ -51,8 +68,13 @@ class Qwen3Layer(nn.Module):
         v = v.reshape(t, cfg.num_key_value_heads, cfg.head_dim)
         return rope.apply(q, positions), rope.apply(k, positions), v, residual
 
-    def post_attn(self, attn_out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def post_attn(self, attn_out: torch.Tensor, residual: torch.Tensor, ops: Any = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
         x = F.linear(attn_out.reshape(attn_out.shape[0], -1), self.o_w)
+        if ops is not None:
+            act, residual = ops.add_norm_linear(x, residual, self.post_norm, self.gate_up_w, self.cfg.rms_norm_eps,
+                                                swiglu=True)
+            return F.linear(act, self.down_w), residual
         x, residual = add_rms_norm(x, residual, self.post_norm, self.cfg.rms_norm_eps)
         return F.linear(swiglu(F.linear(x, self.gate_up_w)), self.down_w), residual
 
@@ -67,6 +89,7 @@ class Qwen3ForCausalLM(nn.Module):
         self.lm_head_w = (self.embed if cfg.tie_word_embeddings
                           else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False))
         self.scale = cfg.head_dim ** -0.5
+        self.ops: Any = None  # kernels.ops.TritonOps on CUDA when enabled (set by the runner)
 
     # ---- loading ---------------------------------------------------------------------------------
     @classmethod
@@ -107,13 +130,28 @@ class Qwen3ForCausalLM(nn.Module):
         x = F.embedding(input_ids, self.embed)
         residual = None
         taps: dict[int, torch.Tensor] = {}
+        ops = self.ops
         for i, layer in enumerate(self.layers):
-            q, k, v, residual = layer.pre_attn(x, residual, positions, rope)
+            store = self.fused_store(backend, kv_caches[i])
+            q, k, v, residual = layer.pre_attn(x, residual, positions, rope, ops, store)
             o = backend.forward(q, k, v, kv_caches[i][0], kv_caches[i][1], self.scale)
-            x, residual = layer.post_attn(o, residual)
+            x, residual = layer.post_attn(o, residual, ops)
             if i in tap_layers:
                 taps[i] = x + residual
-        x, _ = add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
+        return self.finish(x, residual, taps, tap_layers)
+
+    def fused_store(self, backend: AttentionBackend, kv: tuple[torch.Tensor, torch.Tensor]) -> Store | None:
+        """(k_cache, v_cache, slots) when the Triton rope kernel should store K/V itself (the backend
+        then gets k = v = None); None when the backend stores them."""
+        if self.ops is None or not getattr(backend, "accepts_stored_kv", False):
+            return None
+        return kv[0], kv[1], backend.slot_mapping
+
+    def finish(self, x: torch.Tensor, residual: torch.Tensor, taps: dict[int, torch.Tensor],
+               tap_layers: tuple[int, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Final norm after the last layer, and the taps in tap_layers order."""
+        norm = self.ops.add_rms_norm if self.ops is not None else add_rms_norm
+        x, _ = norm(x, residual, self.norm, self.cfg.rms_norm_eps)
         last = len(self.layers) - 1
         if last in tap_layers:  # HF's hidden_states[-1] is the final-normed output: keep its meaning
             taps[last] = x

@@ -1,0 +1,183 @@
+"""FlashInfer attention over the engine's paged cache (CUDA only; `flashinfer-python` >= 0.5).
+
+Layout: the engine keeps one [num_slots, Hkv, D] tensor per layer for K and one for V, which is FlashInfer's
+"NHD" paged layout [num_pages, page_size, Hkv, D] viewed flat. A step's page tables become (indptr,
+indices, last_page_len) once in `plan`; every layer then runs the same planned wrapper:
+- all spans of length 1 (decode): BatchDecodeWithPagedKVCacheWrapper;
+- anything else (prefill chunks, verify spans, a drafter's non-causal block): the paged prefill wrapper,
+  causal or not as the metadata says (causal queries are aligned to the end of their request's keys).
+Wrapper planning needs the head layout and scale, so eager plans are made lazily at the first `forward`
+of a step and redone if a later call brings another head layout (the drafter shares the backend).
+
+CUDA graphs (`prepare_capture` / `prepare_replay`): decode only, through one CUDA-graph-mode decode wrapper
+per batch size with fixed indptr/indices/last_page_len buffers. In that mode FlashInfer's split-KV choice
+depends only on the batch size, so a plan made for the real lengths before each replay drives the captured
+kernels correctly. The host partition depends only on the pages per request, so when those are unchanged
+since the last plan of that batch size only the page ids and last-page lengths are copied (no re-plan).
+
+K/V storage: `forward(q, k, v, ...)` writes k, v at the step's slots; with k = v = None the caller already
+stored them (the fused rope + store kernel: `accepts_stored_kv`). The `mask_leak` selftest fault is served
+by the torch reference backend, which can express it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import AttentionBackend, AttentionMetadata
+
+
+@dataclass
+class PagedArrays:
+    """FlashInfer's paged-KV description of a step, as CPU int32 tensors."""
+
+    qo_indptr: torch.Tensor  # [N + 1]
+    kv_indptr: torch.Tensor  # [N + 1]
+    kv_indices: torch.Tensor  # [kv_indptr[-1]]
+    last_page_len: torch.Tensor  # [N], in 1..page_size
+
+
+def paged_arrays(q_lens: list[int], kv_lens: list[int], page_tables: list[list[int]], page_size: int) -> PagedArrays:
+    qo, kvp, idx, last = [0], [0], [], []
+    for ql, kl, table in zip(q_lens, kv_lens, page_tables, strict=True):
+        n = -(-kl // page_size)
+        if kl < 1 or n > len(table):
+            raise ValueError(f"kv_len={kl} needs {n} pages but the page table has {len(table)}")
+        idx.extend(table[:n])
+        qo.append(qo[-1] + ql)
+        kvp.append(kvp[-1] + n)
+        last.append(kl - (n - 1) * page_size)
+    i32 = torch.int32
+    return PagedArrays(torch.tensor(qo, dtype=i32), torch.tensor(kvp, dtype=i32), torch.tensor(idx, dtype=i32),
+                       torch.tensor(last, dtype=i32))
+
+
+def flashinfer_available() -> bool:
+    try:
+        import flashinfer  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+class FlashInferAttention(AttentionBackend):
+    name = "flashinfer"
+    graph_safe = True  # decode forward may be captured whole after prepare_capture
+
+    def __init__(self, device: torch.device | str, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, max_pages: int, workspace_bytes: int = 256 << 20, store_op=None) -> None:
+        import flashinfer  # noqa: PLC0415 - optional dependency
+
+        self.fi = flashinfer
+        self.device = torch.device(device)
+        self.heads = (num_qo_heads, num_kv_heads, head_dim)
+        self.dtype = dtype
+        self.scale = head_dim ** -0.5
+        self.max_pages = max_pages
+        self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self._graph: dict[int, tuple[object, torch.Tensor]] = {}  # batch -> (wrapper, its int32 buffer)
+        self._graph_pages: dict[int, torch.Tensor] = {}  # batch -> kv_indptr of its last plan
+        self._store = store_op
+        self.meta: AttentionMetadata | None = None
+        self.slot_mapping: torch.Tensor | None = None
+        self._arrays: PagedArrays | None = None
+        self._active: object = None
+        self._key: tuple | None = None
+        self._fallback: AttentionBackend | None = None
+
+    @property
+    def accepts_stored_kv(self) -> bool:
+        """Whether the model may store K/V itself this step (not when the torch fallback serves it)."""
+        return self._fallback is None
+
+    # ---- eager ---------------------------------------------------------------------------------
+    def plan(self, meta: AttentionMetadata) -> None:
+        self.meta = meta
+        self.slot_mapping = meta.slot_mapping
+        self._key = None
+        self._fallback = None
+        if meta.leak is not None and any(meta.leak):
+            from .torch_ref import TorchAttention  # noqa: PLC0415
+
+            self._fallback = TorchAttention(self.device)
+            self._fallback.plan(meta)
+            return
+        self._arrays = paged_arrays(meta.q_lens, meta.kv_lens, meta.page_tables, meta.page_size)
+        self._decode_only = all(q == 1 for q in meta.q_lens)
+
+    def _ensure_planned(self, hq: int, hkv: int, d: int, dtype: torch.dtype, scale: float) -> None:
+        key = ("eager", hq, hkv, d, dtype, scale)
+        if key == self._key:
+            return
+        a, meta = self._arrays, self.meta
+        assert a is not None and meta is not None, "plan() must run before forward()"
+        if self._decode_only:
+            self._decode.plan(a.kv_indptr, a.kv_indices, a.last_page_len, hq, hkv, d, meta.page_size,
+                              q_data_type=dtype, kv_data_type=dtype, sm_scale=scale)
+            self._active = self._decode
+        else:
+            self._prefill.plan(a.qo_indptr, a.kv_indptr, a.kv_indices, a.last_page_len, hq, hkv, d, meta.page_size,
+                               causal=meta.causal, sm_scale=scale, q_data_type=dtype, kv_data_type=dtype)
+            self._active = self._prefill
+        self._key = key
+
+    # ---- CUDA graphs (decode) -------------------------------------------------------------------
+    def _graph_wrapper(self, b: int):
+        if b not in self._graph:
+            buf = torch.zeros(2 * b + 1 + self.max_pages + b, dtype=torch.int32, device=self.device)
+            w = self.fi.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, "NHD", use_cuda_graph=True, paged_kv_indptr_buffer=buf[: b + 1],
+                paged_kv_last_page_len_buffer=buf[b + 1: 2 * b + 1], paged_kv_indices_buffer=buf[2 * b + 1:])
+            self._graph[b] = (w, buf)
+        return self._graph[b]
+
+    def _plan_graph(self, meta: AttentionMetadata) -> None:
+        if not all(q == 1 for q in meta.q_lens) or not meta.causal or meta.leak is not None:
+            raise ValueError("FlashInfer graph plans are for plain decode steps (every span one token)")
+        b = meta.num_seqs
+        a = paged_arrays(meta.q_lens, meta.kv_lens, meta.page_tables, meta.page_size)
+        w, buf = self._graph_wrapper(b)
+        prev = self._graph_pages.get(b)
+        if prev is not None and torch.equal(prev, a.kv_indptr):
+            # Same pages per request: the host partition is unchanged; refresh page ids and last lengths.
+            buf[b + 1: 2 * b + 1 + len(a.kv_indices)].copy_(torch.cat([a.last_page_len, a.kv_indices]))
+        else:
+            hq, hkv, d = self.heads
+            w.plan(a.kv_indptr, a.kv_indices, a.last_page_len, hq, hkv, d, meta.page_size,
+                   q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale)
+            self._graph_pages[b] = a.kv_indptr
+        self.meta = meta
+        self.slot_mapping = meta.slot_mapping
+        self._active = w
+        self._key = ("graph", b)
+        self._fallback = None
+
+    def prepare_capture(self, meta: AttentionMetadata) -> None:
+        self._graph_pages.pop(meta.num_seqs, None)
+        self._plan_graph(meta)
+
+    def prepare_replay(self, meta: AttentionMetadata) -> None:
+        self._plan_graph(meta)
+
+    # ---- per layer -----------------------------------------------------------------------------
+    def forward(self, q, k, v, k_cache, v_cache, scale):
+        if self._fallback is not None:
+            assert k is not None, "the torch fallback stores K/V itself"
+            return self._fallback.forward(q, k, v, k_cache, v_cache, scale)
+        meta = self.meta
+        assert meta is not None, "plan() must run before forward()"
+        if k is not None:
+            if self._store is not None:
+                self._store(k, v, k_cache, v_cache, meta.slot_mapping)
+            else:
+                k_cache[meta.slot_mapping] = k.to(k_cache.dtype)
+                v_cache[meta.slot_mapping] = v.to(v_cache.dtype)
+        if self._key is None or self._key[0] == "eager":
+            self._ensure_planned(q.shape[1], k_cache.shape[1], q.shape[2], q.dtype, scale)
+        ps = meta.page_size
+        cache = (k_cache.view(-1, ps, *k_cache.shape[1:]), v_cache.view(-1, ps, *v_cache.shape[1:]))
+        return self._active.run(q.contiguous(), cache)

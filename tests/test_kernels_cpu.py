@@ -1,0 +1,150 @@
+"""CPU checks for the GPU fast path: torch references, FlashInfer page arrays, the decode-graph runner's
+padding (eager, no capture), and the Triton kernels under the Triton interpreter when triton is installed.
+
+The device checks (bf16 kernels, FlashInfer, CUDA-graph replay) live in tests/gpu and run with `-m gpu`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from qwen3_random import write_random_qwen3
+from specbench.engine import EngineConfig, LLMEngine, SamplingParams
+from specbench.engine.attention.flashinfer import paged_arrays
+from specbench.engine.config import ModelConfig
+from specbench.engine.graphs import DecodeGraphs, default_buckets
+from specbench.engine.models import layers
+from specbench.engine.rope import RotaryCache
+from specbench.kernels import activation, gemv, norm, rope, triton_importable
+
+
+@pytest.fixture(scope="module")
+def rand_model(tmp_path_factory) -> str:
+    return str(write_random_qwen3(tmp_path_factory.mktemp("q3") / "m", layers=3))
+
+
+def test_references_are_the_engine_ops():
+    g = torch.Generator().manual_seed(0)
+    for dt in (torch.float32, torch.bfloat16):
+        x, r = torch.randn(5, 64, generator=g).to(dt), torch.randn(5, 64, generator=g).to(dt)
+        w = (1 + 0.1 * torch.randn(64, generator=g)).to(dt)
+        for a, b in zip(norm.add_rms_norm_ref(x, r, w, 1e-6), layers.add_rms_norm(x, r, w, 1e-6), strict=True):
+            assert torch.equal(a, b)
+        gu = torch.randn(5, 96, generator=g).to(dt)
+        assert torch.equal(activation.swiglu_ref(gu), layers.swiglu(gu))
+        y, res = gemv.add_norm_linear_ref(x, r, w, torch.randn(96, 64, generator=g).to(dt), 1e-6, swiglu=True)
+        assert y.shape == (5, 48) and torch.equal(res, x + r)
+
+
+def test_rope_reference_matches_rotary_cache(rand_model):
+    cfg = ModelConfig.from_dir(rand_model)
+    rc = RotaryCache(cfg, "cpu", torch.float32, max_pos=64)
+    x = torch.randn(7, 4, cfg.head_dim)
+    pos = torch.tensor([0, 1, 5, 9, 17, 33, 63])
+    assert torch.equal(rope.rope_ref(x, rc.cos, rc.sin, pos), rc.apply(x, pos))
+
+
+def test_paged_arrays():
+    a = paged_arrays([1, 3, 1], [17, 3, 32], [[4, 7, 9], [2], [5, 6, 8]], 16)
+    assert a.qo_indptr.tolist() == [0, 1, 4, 5]
+    assert a.kv_indptr.tolist() == [0, 2, 3, 5]
+    assert a.kv_indices.tolist() == [4, 7, 2, 5, 6]  # only the pages the lengths cover
+    assert a.last_page_len.tolist() == [1, 3, 16]
+    assert a.kv_indices.dtype == torch.int32
+    with pytest.raises(ValueError, match="page table"):
+        paged_arrays([1], [40], [[1, 2]], 16)
+
+
+def test_default_buckets():
+    assert default_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert default_buckets(9) == [1, 2, 4, 8, 9]
+    assert default_buckets(1) == [1]
+
+
+def _generate(model: str, force_runner: str | None, n: int = 5, setup=None) -> list:
+    eng = LLMEngine(EngineConfig(model=model, device="cpu", max_num_seqs=8, eager=True))
+    if setup is not None:
+        setup(eng)
+    if force_runner is not None:  # the CUDA decode path, run eagerly on CPU
+        eng.runner.use_graph_runner = True
+        eng.runner.graphs = DecodeGraphs(eng.runner, (), capture=False, piecewise=force_runner == "piecewise")
+    prompts = [[(7 * i + 3 * j) % 500 + 2 for j in range(4 + 3 * i)] for i in range(n)]
+    params = [SamplingParams(max_tokens=6 + 2 * i, ignore_eos=True, logprobs=5) for i in range(n)]
+    return eng.generate(prompts, params)
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "whole"])
+def test_decode_graph_runner_padding_is_invisible(rand_model, mode):
+    """5 requests ride in the 8 bucket (then fewer as they finish): same tokens, same logprobs."""
+    plain = _generate(rand_model, None)
+    padded = _generate(rand_model, mode)
+    for a, b in zip(plain, padded, strict=True):
+        assert a.output_ids == b.output_ids
+        for (la, ta), (lb, tb) in zip(a.logprobs, b.logprobs, strict=True):
+            assert abs(la - lb) < 1e-4 and ta.keys() == tb.keys()
+
+
+INTERPRETER_SCRIPT = textwrap.dedent('''
+    import os, sys
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+    import triton.runtime.interpreter as ti
+
+    _orig = ti._patch_lang_tensor
+    def _patched(tensor, scope):  # numpy >= 2.4 refuses int() of a 1-element array
+        _orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+    ti._patch_lang_tensor = _patched
+
+    from specbench.kernels import activation, gemv, kv_store, norm, rope
+    sys.path.insert(0, sys.argv[1])
+    from kernel_cases import run_all
+    run_all(torch.device("cpu"), [torch.float32], norm, activation, rope, kv_store, gemv)
+    # the interpreter rounds bf16 by truncation and cannot run bf16 dots: elementwise kernels only, loosely
+    run_all(torch.device("cpu"), [torch.bfloat16], norm, activation, rope, kv_store, None, tol=3e-2)
+    print("KERNELS OK")
+    if len(sys.argv) > 2:  # the engine with the Triton ops and the fused rope + KV store, vs the plain engine
+        from specbench.engine.attention.torch_ref import TorchAttention
+        from specbench.kernels.ops import TritonOps
+        from test_kernels_cpu import _generate
+
+        class StoredKV(TorchAttention):  # a backend that, like FlashInfer, accepts K/V the model stored
+            accepts_stored_kv = True
+
+            def plan(self, meta):
+                super().plan(meta)
+                self.slot_mapping = meta.slot_mapping
+
+            def forward(self, q, k, v, kc, vc, scale):
+                if k is None:
+                    k, v = kc[self.meta.slot_mapping], vc[self.meta.slot_mapping]
+                return super().forward(q, k, v, kc, vc, scale)
+
+        def fast(eng):
+            eng.runner.model.ops = TritonOps(gemv=True)
+            eng.runner.backend = StoredKV("cpu")
+
+        plain = _generate(sys.argv[2], None, n=3)
+        for mode in (None, "whole"):
+            got = _generate(sys.argv[2], mode, n=3, setup=fast)
+            for a, b in zip(plain, got):
+                assert a.output_ids == b.output_ids, (mode, a.output_ids, b.output_ids)
+                for (la, _), (lb, _) in zip(a.logprobs, b.logprobs):
+                    assert abs(la - lb) < 1e-3, (mode, la, lb)
+        print("ENGINE OK")
+''')
+
+
+@pytest.mark.skipif(not triton_importable(), reason="triton is not installed: the interpreter checks need it")
+def test_triton_kernels_under_interpreter(rand_model):
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    here = Path(__file__).parent
+    out = subprocess.run([sys.executable, "-c", INTERPRETER_SCRIPT, str(here), rand_model], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and "ENGINE OK" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
