@@ -14,8 +14,16 @@ from collections.abc import Callable, Sequence
 
 from specbench.harness.adapters.base import EngineAdapter
 
-from .gate import (DEFAULT_CONFIGS, GateOptions, GateResult, Samples, SamplingConfig, collect, load_prompts,
-                   run_gate)
+from .gate import (
+    DEFAULT_CONFIGS,
+    GateOptions,
+    GateResult,
+    Samples,
+    SamplingConfig,
+    collect,
+    load_prompts,
+    run_gate,
+)
 
 FAULT_CASES = ("biased_accept", "resample_from_p", "reused_uniform")
 
