@@ -97,6 +97,22 @@ def test_missing_document_counts_as_differing() -> None:
     assert rows[0].differ_ids == [1] and rows[0].differ[0].candidate is None
 
 
+def test_prompt_truncated_to_different_budgets_is_flagged() -> None:
+    from specbench.suites.evalparity.runner import prompt_mismatches
+
+    def arm(lens: list[int]) -> dict:
+        return {"tasks": {"gsm8k": {"samples": [{"doc_id": i, "prompt_hash": str(i), "prompt_tokens": n}
+                                                for i, n in enumerate(lens)]}}}
+
+    infos = [report.ArmInfo(role, role, "", "", "", "remote", ml, 1.0, "", "")
+             for role, ml in (("baseline", 512), ("candidate", 506))]
+    # budget = max_length - 1 - 256: 255 vs 249 tokens; only a prompt longer than 249 differs
+    results = {"baseline": arm([100, 249, 250, 400]), "candidate": arm([100, 249, 250, 400])}
+    assert prompt_mismatches(results, infos, {"gsm8k": 256}) == {"gsm8k": [2, 3]}
+    infos[1].max_length = 512
+    assert prompt_mismatches(results, infos, {"gsm8k": 256}) == {}
+
+
 def test_summarize_lm_eval_results() -> None:
     res = {"results": {"gsm8k": {"alias": "gsm8k", "exact_match,strict-match": 0.1,
                                  "exact_match_stderr,strict-match": 0.05,

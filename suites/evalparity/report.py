@@ -115,7 +115,8 @@ def render_arms(arms: list[ArmInfo]) -> str:
     out = ["| arm | engine | model | endpoint | tokenizer | max_length | lm-eval wall time |",
            "|---|---|---|---|---|---:|---:|"]
     for a in arms:
-        out.append(f"| {a.role} ({a.name}) | `{a.engine}` | `{a.model}` | {a.endpoint} | {a.tokenizer_backend} "
+        label = a.role if a.name == a.role else f"{a.role} ({a.name})"
+        out.append(f"| {label} | `{a.engine}` | `{a.model}` | {a.endpoint} | {a.tokenizer_backend} "
                    f"| {a.max_length if a.max_length is not None else '-'} | {a.wall_s:.1f} s |")
     return "\n".join(out)
 

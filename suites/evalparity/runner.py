@@ -208,10 +208,14 @@ def prompt_mismatches(results: dict[str, dict], infos: list[ArmInfo], max_gen: d
 def _notes(infos: list[ArmInfo], results: dict[str, dict], max_gen: dict[str, int]) -> list[str]:
     notes: list[str] = []
     budgets = {a.max_length for a in infos}
-    if len({a.tokenizer_backend for a in infos}) > 1 or len(budgets) > 1:
-        notes.append("the arms ran with different tokenizer backends or context budgets: "
-                     + "; ".join(f"{a.role}: {a.tokenizer_backend}, max_length {a.max_length}" for a in infos))
-    for task, ids in prompt_mismatches(results, infos, max_gen).items():
+    if len({a.tokenizer_backend for a in infos}) > 1:
+        notes.append("the arms used different tokenizer backends: "
+                     + "; ".join(f"{a.role}: {a.tokenizer_backend}" for a in infos))
+    mismatched = prompt_mismatches(results, infos, max_gen)
+    if len(budgets) > 1 and not mismatched:
+        notes.append("context budgets differ (" + ", ".join(f"{a.role} {a.max_length}" for a in infos)
+                     + "), but no prompt was long enough to be cut differently: both arms saw the same prompts")
+    for task, ids in mismatched.items():
         fix = (f" Rerun with --max-length {min(b for b in budgets if b)} to give both arms the same budget."
                if len(budgets) > 1 and all(budgets) else "")
         notes.append(f"{task}: {len(ids)} documents reached the arms as different prompts (lm-eval left-truncated "
