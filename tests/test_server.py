@@ -297,8 +297,12 @@ def test_openai_adapter_logprobs_chat_and_failures(served, reference, prompts):
     assert r.output_ids == loc.output_ids
     assert [p.logprob for p in r.logprobs] == pytest.approx([p.logprob for p in loc.logprobs], abs=1e-4)
     assert all(len(p.top) == 2 for p in r.logprobs)
-    chat = oa.generate_sync([GenRequest(messages=[{"role": "user", "content": "hi"}], max_tokens=4)])[0]
+    creq = GenRequest(messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    chat = oa.generate_sync([creq])[0]
     assert chat.ok and chat.completion_tokens == len(chat.output_ids)
+    whole = OpenAIAdapter(served.url, model=MODEL, stream=False).generate_sync([creq])[0]
+    assert whole.text == chat.text and whole.output_ids == chat.output_ids
+    assert whole.chunk_tokens == [whole.completion_tokens]
     bad = oa.generate_sync([GenRequest(prompt="a", max_tokens=10**9)])[0]
     assert not bad.ok and "HTTP 400" in bad.error and bad.attempts == 1
 

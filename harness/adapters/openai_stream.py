@@ -97,7 +97,8 @@ class StreamAccumulator:
         for ch in obj.get("choices") or []:
             if ch.get("index", 0) != 0:
                 continue
-            text = (ch.get("delta") or {}).get("content") if self.chat else ch.get("text")
+            msg = ch.get("delta") or ch.get("message") or {}  # streamed delta or a whole message
+            text = msg.get("content") if self.chat else ch.get("text")
             text = text or ""
             n: int | None = None
             if ch.get("token_ids") is not None:
