@@ -257,15 +257,17 @@ def test_overload_answers_503(served):
 
 
 def test_client_disconnect_mid_stream_frees_kv(served, prompts):
-    body = {"model": MODEL, "prompt": prompts[0], "max_tokens": 400, "temperature": 0, "ignore_eos": True,
-            "stream": True}
+    n = len(served.engine.tokenizer.encode(prompts[0]))
+    # logprobs keep it one token per step: finishing would take far longer than wait_idle allows.
+    body = {"model": MODEL, "prompt": prompts[0], "max_tokens": served.engine.max_model_len - n, "temperature": 0,
+            "ignore_eos": True, "logprobs": 1, "stream": True}
     with httpx.Client(timeout=60) as c, c.stream("POST", served.url + "/v1/completions", json=body) as r:
         seen = 0
         for line in r.iter_lines():
             seen += line.startswith("data: {")
             if seen >= 3:
                 break
-    wait_idle(served)
+    wait_idle(served, timeout=2.0)
     assert httpx.get(served.url + "/health").status_code == 200
 
 

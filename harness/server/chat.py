@@ -19,7 +19,7 @@ from .completions import sse
 from .errors import APIError
 from .formatting import chat_logprobs, merge_spec, request_spec, usage
 from .protocol import ChatRequest, parse_chat, parse_json
-from .serving import ChoiceStream, Job, ServerState, admit, deltas, gather, new_id, sampling
+from .serving import ChoiceStream, Job, ServerState, abort_task, admit, deltas, gather, new_id, sampling
 
 
 def build_job(state: ServerState, req: ChatRequest) -> Job:
@@ -47,7 +47,7 @@ async def create_chat(state: ServerState, request: Request) -> Any:
     cid = new_id("chatcmpl")
     if req.stream:
         return StreamingResponse(_stream(state, req, job, q, rids, cid, model), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+                                 headers={"Cache-Control": "no-cache"}, background=abort_task(state, rids))
     out = (await gather(state, q, rids, request))[0]
     lp = None
     if req.logprobs is not None:

@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from .errors import APIError
 from .formatting import legacy_logprobs, merge_spec, request_spec, usage
 from .protocol import CompletionRequest, parse_completion, parse_json
-from .serving import ChoiceStream, Job, ServerState, admit, deltas, gather, new_id, sampling
+from .serving import ChoiceStream, Job, ServerState, abort_task, admit, deltas, gather, new_id, sampling
 
 
 def build_jobs(state: ServerState, req: CompletionRequest) -> list[Job]:
@@ -84,7 +84,7 @@ async def create_completion(state: ServerState, request: Request) -> Any:
     cid = new_id("cmpl")
     if req.stream:
         return StreamingResponse(_stream(state, req, jobs, q, rids, cid, model), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+                                 headers={"Cache-Control": "no-cache"}, background=abort_task(state, rids))
     finals = await gather(state, q, rids, request)
     choices, n_gen = [], 0
     for job in jobs:

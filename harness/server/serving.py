@@ -24,6 +24,7 @@ from typing import Any
 
 from fastapi import Request
 from specbench.engine import SamplingParams
+from starlette.background import BackgroundTask
 
 from ..adapters.loop import EngineLoop
 from .errors import APIError, from_engine
@@ -137,6 +138,17 @@ async def deltas(state: ServerState, q: asyncio.Queue, rids: dict[int, str]) -> 
     finally:
         for i in open_:
             state.loop.abort(rids[i])
+
+
+def abort_task(state: ServerState, rids: dict[int, str]) -> BackgroundTask:
+    """Runs after a streamed response ends, also on a client disconnect: aborts whatever is unfinished
+    (a no-op for finished requests), even when the disconnect came before the stream started."""
+
+    def run() -> None:
+        for rid in rids.values():
+            state.loop.abort(rid)
+
+    return BackgroundTask(run)
 
 
 class _Disconnected(Exception):
