@@ -21,6 +21,7 @@ Contract:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -32,6 +33,8 @@ from .attention.base import AttentionMetadata
 if TYPE_CHECKING:  # the runner imports this module
     from .runner import ModelRunner
     from .scheduler import Span
+
+log = logging.getLogger("specbench.engine")
 
 
 def default_buckets(max_batch: int) -> list[int]:
@@ -60,8 +63,25 @@ class DecodeGraphs:
         self._segs: dict[int, tuple[list[Callable[[], None]], list[Callable[[], None]], dict]] = {}
         if self.capture:
             with torch.inference_mode():
-                for b in reversed(self.buckets):
-                    self._capture(b)
+                try:
+                    for b in reversed(self.buckets):
+                        self._capture(b)
+                except RuntimeError as e:
+                    if not self.full:
+                        raise
+                    # A backend whose kernels will not capture: keep attention out of the graphs instead.
+                    log.warning("whole-step decode graph capture failed (%s); falling back to piecewise graphs", e)
+                    torch.cuda.synchronize()
+                    self.full, self.pool = False, None
+                    self._graphs.clear()
+                    self._out.clear()
+                    for b in reversed(self.buckets):
+                        self._capture(b)
+
+    @property
+    def mode(self) -> str:
+        """"whole" or "piecewise" graphs, or "eager" (the same padded body, launched without graphs)."""
+        return ("whole" if self.full else "piecewise") if self.capture else "eager"
 
     # ---- shapes --------------------------------------------------------------------------------
     def bucket(self, n: int) -> int | None:

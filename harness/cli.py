@@ -28,6 +28,7 @@ COMMANDS: dict[str, str] = {
     "lossless": "specbench.harness.cmd_lossless:lossless",
     "selftest": "specbench.harness.cmd_selftest:selftest",
     "sampled": "specbench.harness.cmd_sampled:sampled",
+    "bench-decode": "specbench.harness.cmd_bench:bench_decode",
 }
 
 app = typer.Typer(name="specbench", no_args_is_help=True, add_completion=False,

@@ -95,7 +95,7 @@ if triton_importable():
         triton.Config({"BLOCK_N": 32, "BLOCK_K": 256}, num_warps=4, num_stages=3),
         triton.Config({"BLOCK_N": 16, "BLOCK_K": 512}, num_warps=4, num_stages=3),
         triton.Config({"BLOCK_N": 64, "BLOCK_K": 128}, num_warps=8, num_stages=3),
-        triton.Config({"BLOCK_N": 32, "BLOCK_K": 512}, num_warps=8, num_stages=3),
+        triton.Config({"BLOCK_N": 32, "BLOCK_K": 512}, num_warps=8, num_stages=2),
     ]
     _tuned = triton.autotune(configs=_CONFIGS, key=["N", "K", "SWIGLU", "HAS_RES"])(_add_norm_gemv_kernel)
 

@@ -148,3 +148,23 @@ def test_triton_kernels_under_interpreter(rand_model):
     out = subprocess.run([sys.executable, "-c", INTERPRETER_SCRIPT, str(here), rand_model], env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and "ENGINE OK" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
+
+
+def test_decode_benchmark_logic_on_cpu(rand_model):
+    """The benchmark's engine driving (fill, variant switch, timed steps, abort) and its table, on CPU."""
+    from specbench.harness.cmd_bench import load_benchmark
+
+    mod = load_benchmark("decode")
+    bench = mod.Bench(rand_model, max_batch=4, device="cpu")
+    rids = bench.fill(3, 20, seed=1)
+    assert all(not bench.engine.requests[r].in_prefill for r in rids)
+    for v in ("torch-eager", "torch-graph"):
+        res = bench.steps(v, rids)
+        assert res["wall_ms"] > 0 and res["ctx"] > 20 and "gpu_ms" not in res
+    bench.abort(rids)
+    assert not bench.engine.has_unfinished() and bench.engine.pool.num_free == bench.engine.pool.num_pages
+    row = {"batch": 3, "context": 20, "dense_ms": 1.0,
+           "variants": {"torch-eager": {"wall_ms": 2.0, "bw_floor_ms": 0.5, "wall_over_dense": 2.0, "ctx": 21}}}
+    text = mod.render({"gpu": "cpu", "copy_bw_tb_s": 0.1, "weight_bytes": 10**9, "rows": [row], "hf_peer": None,
+                       "profile_b1": None})
+    assert "torch-eager" in text and "2.000" in text
