@@ -67,7 +67,7 @@ class FlashInferAttention(AttentionBackend):
     graph_safe = True  # decode forward may be captured whole after prepare_capture
 
     def __init__(self, device: torch.device | str, num_qo_heads: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, max_pages: int, workspace_bytes: int = 256 << 20, store_op=None) -> None:
+                 dtype: torch.dtype, max_pages: int, workspace_bytes: int = 512 << 20, store_op=None) -> None:
         import flashinfer  # noqa: PLC0415 - optional dependency
 
         self.fi = flashinfer
