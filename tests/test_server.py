@@ -242,9 +242,12 @@ def test_oversize_body_answers_413(served):
     served.state.max_body_bytes = 1000
     try:
         r = post(served, "/v1/completions", {"model": MODEL, "prompt": "a" * 2000})
+        chunks = iter([b'{"model": "tiny", "prompt": "', b"a" * 2000, b'"}'])  # chunked: no Content-Length
+        chunked = httpx.post(served.url + "/v1/completions", content=chunks, timeout=30)
     finally:
         served.state.max_body_bytes = 32 * 1024 * 1024
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert chunked.status_code == 413 and chunked.json()["error"]["code"] == "request_too_large"
 
 
 def test_overload_answers_503(served):
@@ -268,6 +271,10 @@ def test_client_disconnect_mid_stream_frees_kv(served, prompts):
             if seen >= 3:
                 break
     wait_idle(served, timeout=2.0)
+    # The same without streaming: the client gives up waiting for the whole answer.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(served.url + "/v1/completions", json={**body, "stream": False}, timeout=0.5)
+    wait_idle(served, timeout=3.0)
     assert httpx.get(served.url + "/health").status_code == 200
 
 

@@ -29,13 +29,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.state.sb = state
     install_error_handlers(app)
 
-    @app.middleware("http")
-    async def _limit_body(request: Request, call_next: Any) -> Any:
-        n = request.headers.get("content-length")
-        if n is not None and n.isdigit() and int(n) > state.max_body_bytes:
-            return APIError(f"the request body has {n} bytes: at most {state.max_body_bytes} are accepted",
-                            413, "invalid_request_error", None, "request_too_large").response()
-        return await call_next(request)
+    app.add_middleware(BodyLimit, state=state)
 
     @app.get("/health")
     async def health() -> Any:
@@ -107,6 +101,38 @@ def create_app(state: ServerState) -> FastAPI:
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     return app
+
+
+class BodyLimit:
+    """Pure ASGI (BaseHTTPMiddleware would hide client disconnects from the handlers): a declared
+    Content-Length over the limit is refused before reading; a chunked body is counted as it arrives."""
+
+    def __init__(self, app: Any, state: ServerState) -> None:
+        self.app, self.state = app, state
+
+    def _error(self, n: int) -> APIError:
+        return APIError(f"the request body has {n} bytes or more: at most {self.state.max_body_bytes} are "
+                        "accepted", 413, "invalid_request_error", None, "request_too_large")
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        limit = self.state.max_body_bytes
+        n = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if n.isdigit() and int(n) > limit:
+            return await self._error(int(n)).response()(scope, receive, send)
+        seen = 0
+
+        async def counted() -> dict:
+            nonlocal seen
+            msg = await receive()
+            if msg.get("type") == "http.request":
+                seen += len(msg.get("body") or b"")
+                if seen > limit:
+                    raise self._error(seen)
+            return msg
+
+        await self.app(scope, counted, send)
 
 
 def _special(v: object) -> str | None:
