@@ -1,0 +1,48 @@
+"""`specbench fixtures`: build the tiny Qwen3 + DFlash pair, or the random Qwen3-4B-shaped pair.
+
+Contract: writes OUT/target and OUT/draft (and OUT/BUILD.json for the tiny pair) and prints their
+paths; exit code 0 on success, 2 on bad usage (an unknown --shape, a device torch cannot use).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+SHAPES = ("tiny", "qwen3-4b")
+
+
+def fixtures(
+    out: Path = typer.Option(..., "--out", help="Output directory; DIR/target and DIR/draft are (re)written."),
+    seed: int = typer.Option(0, "--seed", help="Seed for every random draw (same seed, same bytes)."),
+    shape: str = typer.Option("tiny", "--shape", help="tiny or qwen3-4b"),
+    device: str = typer.Option("cpu", "--device", help="Where qwen3-4b weights are drawn (cpu or cuda); "
+                                                       "the tiny pair always trains on CPU."),
+) -> None:
+    """Build model fixtures.
+
+    tiny: a 4-layer Qwen3 target (hidden 128, byte-level BPE vocab 4096) trained briefly on bundled
+    gsm8k text, plus a DFlash drafter (block 8) distilled on the target's own greedy output; a few
+    minutes on 2 CPU cores. qwen3-4b: random bf16 weights with exactly Qwen3-4B's and
+    Qwen3-4B-DFlash-b16's configs and tensor shapes (about 9 GB), for speed work on a GPU.
+    """
+    if shape not in SHAPES:
+        typer.echo(f"error: --shape={shape!r} is invalid: expected one of {', '.join(SHAPES)}", err=True)
+        raise typer.Exit(2)
+    import torch
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        typer.echo(f"error: --device={device!r} is invalid: no CUDA device is available", err=True)
+        raise typer.Exit(2)
+    if not (device == "cpu" or device.startswith("cuda")):
+        typer.echo(f"error: --device={device!r} is invalid: expected cpu or cuda[:N]", err=True)
+        raise typer.Exit(2)
+    from .fixtures import build_qwen3_4b_shape, build_tiny_pair
+
+    if shape == "tiny":
+        tdir, ddir = build_tiny_pair(out, seed=seed, log=typer.echo)
+    else:
+        tdir, ddir = build_qwen3_4b_shape(out, seed=seed, device=device)
+    typer.echo(f"target: {tdir}")
+    typer.echo(f"draft:  {ddir}")
