@@ -219,6 +219,7 @@ def test_eval_gsm8k_limit10_end_to_end(tmp_path: Path, tiny_target: str, tiny_dr
     assert [a["role"] for a in doc["arms"]] == ["baseline", "candidate"]
     for a in doc["arms"]:
         assert a["wall_s"] > 0 and _closed(a["endpoint"])  # the servers were stopped
+    assert doc["arms"][1]["extra"]["spec"]["num_drafts"] > 0  # the candidate really speculated
     run_dir = Path(doc["samples_path"]).parent
     meta = json.loads((run_dir / "run.json").read_text())
     assert meta["suite"] == "evalparity" and meta["status"] == "complete"

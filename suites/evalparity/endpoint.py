@@ -10,6 +10,8 @@ Contract:
 - Either way the endpoint is probed once: the served model (`model=` option, else the first of
   /v1/models), its context length (max_model_len where the server reports it) and whether it answers
   /tokenizer_info and /tokenize (lm-eval's remote tokenizer). Probing never raises for a missing extra.
+- `spec_counters(ep)` snapshots vLLM-style spec-decode counters from /metrics; `spec_delta` turns two
+  snapshots into what one run accumulated (mean accepted length = 1 + accepted / drafts).
 """
 
 from __future__ import annotations
@@ -161,6 +163,27 @@ def probe(root: str, model: str | None, timeout: float = 10.0) -> tuple[str, int
                 info["tokenizer_info"] = {k: v for k, v in ti.json().items() if k != "chat_template"}
                 mml = mml or info["tokenizer_info"].get("model_max_length")
     return model, (int(mml) if isinstance(mml, int) else None), remote, info
+
+
+def spec_counters(ep: Endpoint) -> dict | None:
+    """The endpoint's cumulative speculative-decoding counters from /metrics (None where it has none)."""
+    from specbench.harness.adapters.prom import spec_counters_from_metrics
+
+    try:
+        r = httpx.get(f"{ep.root}/metrics", timeout=10.0)
+        return spec_counters_from_metrics(r.text, ep.model) if r.status_code == 200 else None
+    except httpx.HTTPError:
+        return None
+
+
+def spec_delta(before: dict | None, after: dict | None) -> dict | None:
+    """Counters accumulated between two snapshots, with the mean accepted length per verify step."""
+    if not after or after.get("num_drafts") is None:
+        return None
+    b = before or {}
+    d = {k: (after.get(k) or 0) - (b.get(k) or 0) for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    d["mean_accept_len"] = 1.0 + d["num_accepted_tokens"] / d["num_drafts"] if d["num_drafts"] else None
+    return d
 
 
 @contextlib.contextmanager

@@ -111,13 +111,19 @@ def render_differences(rows: list[ParityRow]) -> str:
     return "\n".join(parts) if parts else "\nNo extracted answer differs between the arms."
 
 
+def _accept(a: ArmInfo) -> str:
+    spec = a.extra.get("spec") or {}
+    mal = spec.get("mean_accept_len")
+    return f"{mal:.2f} ({spec['num_drafts']} verify steps)" if isinstance(mal, int | float) else "-"
+
+
 def render_arms(arms: list[ArmInfo]) -> str:
-    out = ["| arm | engine | model | endpoint | tokenizer | max_length | lm-eval wall time |",
-           "|---|---|---|---|---|---:|---:|"]
+    out = ["| arm | engine | model | endpoint | tokenizer | max_length | lm-eval wall time | mean accepted length |",
+           "|---|---|---|---|---|---:|---:|---:|"]
     for a in arms:
         label = a.role if a.name == a.role else f"{a.role} ({a.name})"
         out.append(f"| {label} | `{a.engine}` | `{a.model}` | {a.endpoint} | {a.tokenizer_backend} "
-                   f"| {a.max_length if a.max_length is not None else '-'} | {a.wall_s:.1f} s |")
+                   f"| {a.max_length if a.max_length is not None else '-'} | {a.wall_s:.1f} s | {_accept(a)} |")
     return "\n".join(out)
 
 

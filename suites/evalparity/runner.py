@@ -33,7 +33,7 @@ from typing import Any
 
 from specbench.harness.engines import EngineSpec
 
-from .endpoint import Endpoint, die_with_parent, open_endpoint, stop_process
+from .endpoint import Endpoint, die_with_parent, open_endpoint, spec_counters, spec_delta, stop_process
 from .parity import compare
 from .report import ArmInfo, ParityRun, render_markdown, to_json
 from .tasks import render_tasks
@@ -147,13 +147,15 @@ def run_parity(cfg: EvalConfig) -> tuple[ParityRun, Path]:
                                 num_concurrent=cfg.concurrency, tokenizer_backend=backend,
                                 max_length=(cfg.max_length or ep.max_model_len) if backend == "remote" else None,
                                 timeout_s=cfg.request_timeout_s)
+                before = spec_counters(ep)
                 out = run_worker(ls, run.path, role)
+                spec = spec_delta(before, spec_counters(ep))
             for rec in _sample_records(role, name, out["tasks"]):
                 run.write("samples", rec)
             results[role] = out
             infos.append(ArmInfo(role, name, ep.engine, ep.model, ep.root, backend, ls.max_length, out["wall_s"],
                                  out["lm_eval_version"], out["model_args"],
-                                 {"endpoint_info": ep.info, "n_shot": {t: v.get("n_shot") for t, v in out["tasks"].items()},
+                                 {"spec": spec, "endpoint_info": ep.info, "n_shot": {t: v.get("n_shot") for t, v in out["tasks"].items()},
                                   "task_versions": {t: v.get("version") for t, v in out["tasks"].items()}}))
             run.update(engines={**run.record.engines, role: {**engines[role], "model": ep.model,
                                                               "endpoint": ep.root, **ep.info}})
