@@ -2,12 +2,13 @@
 
 For each context (512, 2048) and batch (1, 8, 16, 32, 64): B requests are prefilled to the context, then
 each variant runs steady-state `engine.step()` calls (warm-up excluded, median reported):
-  fi-graph           FlashInfer attention, decode CUDA graphs, Triton kernels with the fused add-norm GEMV
+  fi-graph           the engine's defaults on CUDA: FlashInfer attention, decode CUDA graphs, Triton kernels
+                     (add+RMSNorm, SwiGLU, q/k norm + RoPE + KV store) around cuBLAS GEMMs
   fi-eager           the same kernels and padded shapes, launched without graphs (EngineConfig.eager)
+  fi-graph-gemv      fi-graph with the fused add-norm(+SwiGLU) Triton GEMV for the qkv and gate/up GEMMs, B <= 16
+  fi-graph-notriton  fi-graph with the torch reference dense ops (no Triton), B <= 16
   torch-graph        torch reference attention, piecewise graphs (dense segments captured, attention eager)
   torch-eager        torch reference attention, no graphs
-  fi-graph-nogemv    fi-graph without the fused GEMV (add-norm kernel + cuBLAS + SwiGLU kernel), B <= 16
-  fi-graph-notriton  fi-graph with the torch reference dense ops (no Triton), B <= 16
 `wall` is the engine step (host scheduling, sampling and its sync included); `gpu` is the captured step
 replayed back-to-back (the device time of the step alone). Floors:
   dense  all of the step's matmuls (merged qkv, o, merged gate/up, down for every layer, then the lm_head,
@@ -34,16 +35,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-VARIANTS = {  # name: (attention backend, capture graphs, ops: "gemv" | "nogemv" | "torch", max batch)
-    "fi-graph": ("flashinfer", True, "gemv", None),
-    "fi-eager": ("flashinfer", False, "gemv", None),
-    "fi-graph-nogemv": ("flashinfer", True, "nogemv", 16),
+VARIANTS = {  # name: (attention backend, capture graphs, ops: "triton" | "gemv" | "torch", max batch)
+    "fi-graph": ("flashinfer", True, "triton", None),
+    "fi-eager": ("flashinfer", False, "triton", None),
+    "fi-graph-gemv": ("flashinfer", True, "gemv", 16),
     "fi-graph-notriton": ("flashinfer", True, "torch", 16),
-    "torch-graph": ("torch", True, "gemv", None),
-    "torch-eager": ("torch", False, "gemv", None),
+    "torch-graph": ("torch", True, "triton", None),
+    "torch-eager": ("torch", False, "triton", None),
 }
 STEPS = {"fi-graph": (5, 30), "fi-eager": (2, 10), "torch-graph": (2, 6), "torch-eager": (2, 6),
-         "fi-graph-nogemv": (3, 20), "fi-graph-notriton": (3, 20)}  # (warm-up, timed)
+         "fi-graph-gemv": (3, 20), "fi-graph-notriton": (3, 20)}  # (warm-up, timed)
 
 
 def _events_ms(fn, reps: int, warmup: int = 2) -> float:
@@ -138,9 +139,9 @@ class Bench:
             from specbench.kernels.ops import TritonOps
 
             assert r.backend.name == "flashinfer", "flashinfer did not load"
-            self.ops.update(gemv=TritonOps(gemv=True), nogemv=TritonOps(gemv=False))
+            self.ops.update(triton=TritonOps(gemv=False), gemv=TritonOps(gemv=True))
         else:
-            self.ops.update(gemv=None, nogemv=None)
+            self.ops.update(triton=None, gemv=None)
         self.fill_variant = "fi-graph" if cuda else "torch-eager"
         self.batches = batches
         self.graphs: dict[str, object] = {}
@@ -281,14 +282,14 @@ def run(model: str | None = None, batches: tuple[int, ...] = (1, 8, 16, 32, 64),
                 cap = VARIANTS[v][3]
                 if cap is not None and b > cap:
                     continue
-                res = bench.steps(v, rids)
-                res["bw_floor_ms"] = (wbytes + kv_bytes(mcfg, b, res["ctx"])) / bw * 1e3
+                vr = bench.steps(v, rids)
+                vr["bw_floor_ms"] = (wbytes + kv_bytes(mcfg, b, vr["ctx"])) / bw * 1e3
                 for k in ("wall_ms", "gpu_ms"):
-                    if k in res:
-                        res[k.replace("_ms", "_over_dense")] = res[k] / dense[b]
-                        res[k.replace("_ms", "_bw_ratio")] = res["bw_floor_ms"] / res[k]
-                row["variants"][v] = res
-                print(f"  ctx {ctx} B {b} {v}: " + ", ".join(f"{k} {x:.3f}" for k, x in res.items()), flush=True)
+                    if k in vr:
+                        vr[k.replace("_ms", "_over_dense")] = vr[k] / dense[b]
+                        vr[k.replace("_ms", "_bw_ratio")] = vr["bw_floor_ms"] / vr[k]
+                row["variants"][v] = vr
+                print(f"  ctx {ctx} B {b} {v}: " + ", ".join(f"{k} {x:.3f}" for k, x in vr.items()), flush=True)
             if prof is None and b == 1 and "fi-graph" in variants:
                 prof = res["profile_b1"] = bench.profile(rids)
             bench.abort(rids)

@@ -63,7 +63,7 @@ def select_ops(cfg: EngineConfig, device: torch.device):
         return None
     from specbench.kernels.ops import TritonOps  # noqa: PLC0415
 
-    return TritonOps(gemv=env_flag("SPECBENCH_GEMV", True))
+    return TritonOps(gemv=env_flag("SPECBENCH_GEMV", False))
 
 
 class ModelRunner:

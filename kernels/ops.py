@@ -1,9 +1,11 @@
 """The op bundle the engine's model calls when the Triton path is on.
 
-`TritonOps(gemv=True)` exposes add_rms_norm, swiglu, qk_norm_rope, k_norm_rope, kv_store and
-add_norm_linear. add_norm_linear fuses residual add + RMSNorm (+ SwiGLU) into the GEMM for up to
-gemv.MAX_ROWS rows when `gemv` is on, and otherwise runs the add-norm kernel, cuBLAS and the SwiGLU
-kernel: the same function either way (tests hold both to the torch reference).
+`TritonOps(gemv=False)` exposes add_rms_norm, swiglu, qk_norm_rope, k_norm_rope, kv_store and
+add_norm_linear. add_norm_linear runs the add-norm kernel, cuBLAS and the SwiGLU kernel; with `gemv` on it
+fuses residual add + RMSNorm (+ SwiGLU) into one Triton GEMM for up to gemv.MAX_ROWS rows instead: the
+same function either way (tests hold both to the torch reference). The fused GEMV is off by default: on
+the H200 it measured slower than cuBLAS plus the two small kernels (docs/gpu.md); SPECBENCH_GEMV=1 turns
+it on.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from . import kv_store as _kv_store
 class TritonOps:
     name = "triton"
 
-    def __init__(self, gemv: bool = True) -> None:
+    def __init__(self, gemv: bool = False) -> None:
         self.gemv = gemv
 
     add_rms_norm = staticmethod(norm.add_rms_norm)
