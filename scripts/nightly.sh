@@ -20,6 +20,7 @@
 # Knobs (environment): SPECBENCH (the CLI, default .venv/bin/specbench or specbench on PATH),
 # SPECBENCH_MODELS, NIGHTLY_DEVICE (cuda), NIGHTLY_CONCURRENCY (1,8,16,32,64), NIGHTLY_ROUNDS (3),
 # NIGHTLY_PROMPTS_PER_LEVEL (4), NIGHTLY_MAX_TOKENS (128), NIGHTLY_DATASET (sharegpt), NIGHTLY_TAU (3.5),
+# NIGHTLY_NUM_PAGES (4096 KV pages per engine), NIGHTLY_GATE_PROMPTS (8), NIGHTLY_GATE_TOKENS (128),
 # NIGHTLY_SWEEP_TIMEOUT (seconds; on expiry the sweep is interrupted like Ctrl-C: its records are kept,
 # the run is marked incomplete, the report says so and the step fails), NIGHTLY_SKIP_GATES=1 (sweep only).
 set -uo pipefail
@@ -68,18 +69,23 @@ else
 fi
 T=$MODELS/target
 D=$MODELS/draft
-GPU="device=$DEVICE"
-BIG="device=$DEVICE,dtype=bfloat16"
+# Explicit KV pools: several engines share one GPU in one process (each would otherwise size itself
+# to most of the free memory).
+PAGES=${NIGHTLY_NUM_PAGES:-4096}
+GPU="device=$DEVICE,num_pages=$PAGES"
+BIG="device=$DEVICE,dtype=bfloat16,num_pages=$PAGES"
+GP=${NIGHTLY_GATE_PROMPTS:-8}
+GT=${NIGHTLY_GATE_TOKENS:-128}
 
 # 2. lossless gates
 if [[ "${NIGHTLY_SKIP_GATES:-0}" != 1 ]]; then
   step "lossless: tiny pair, dflash, $DEVICE" "${SB[@]}" lossless --margin-tol 0.20 \
     --baseline "local,spec=off,$GPU" --candidate "local,spec=dflash,$GPU" \
-    --num-prompts 16 --max-tokens 96 --concurrency 4 --concurrent --engine-gates \
+    --num-prompts $((2 * GP)) --max-tokens "$GT" --concurrency 4 --concurrent --engine-gates \
     --report "$REPORTS/lossless-tiny.md"
   step "lossless: qwen3-4b shape, ngram, bf16" "${SB[@]}" lossless --margin-tol 0.20 \
     --baseline "local:$T,spec=off,$BIG" --candidate "local:$T,spec=ngram,$BIG" \
-    --dataset "$DATASET" --num-prompts 8 --max-tokens 128 --concurrency 4 --concurrent \
+    --dataset "$DATASET" --num-prompts "$GP" --max-tokens "$GT" --concurrency 4 --concurrent \
     --report "$REPORTS/lossless-4b-ngram.md"
 fi
 
