@@ -21,8 +21,8 @@ def selftest(
     repeat: int = typer.Option(5, "--repeat", min=1, help="Clean-engine repetitions (each on a fresh engine)."),
     candidate: str | None = typer.Option(None, "--candidate", help="Local engine string with a drafter. Default: the bundled pair, spec on."),
     faults: str | None = typer.Option(None, "--faults", help="Comma-separated subset of faults (default: every greedy fault)."),
-    num_prompts: int = typer.Option(4, "--num-prompts", min=1, help="Prompts per gate."),
-    max_tokens: int = typer.Option(32, "--max-tokens", min=4, help="Greedy tokens per request."),
+    num_prompts: int = typer.Option(6, "--num-prompts", min=1, help="Prompts per gate."),
+    max_tokens: int = typer.Option(48, "--max-tokens", min=4, help="Greedy tokens per request."),
     margin_tol: float = typer.Option(0.20, "--margin-tol", min=0.0, help="Benign-flip margin in nats."),
     expect_accept_len: float | None = typer.Option(None, "--expect-accept-len", min=1.0, help="Reference acceptance (default: clean run 1)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON document instead of the table."),
@@ -41,13 +41,17 @@ def selftest(
     )
     from specbench.suites.lossless.greedy import GateOptions
     from specbench.suites.lossless.report import render_selftest
-    from specbench.suites.lossless.selftest import run_selftest
+    from specbench.suites.lossless.selftest import greedy_faults, run_selftest
 
     def bad(msg: str) -> typer.Exit:
         typer.echo(f"specbench selftest: {msg}", err=True)
         return typer.Exit(2)
 
     try:
+        names = [f.strip() for f in faults.split(",") if f.strip()] if faults else None
+        unknown = [f for f in names or [] if f not in greedy_faults()]
+        if unknown:
+            raise ValueError(f"--faults {','.join(unknown)} unknown: expected any of {', '.join(greedy_faults())}")
         base_spec, cand_spec = default_engines() if candidate is None else (None, parse_engine(candidate))
         if cand_spec.kind != "local":
             raise EngineStringError(f"--candidate {candidate!r}: the self-test injects faults into the local "
@@ -55,7 +59,6 @@ def selftest(
         if base_spec is None:
             opts = {k: v for k, v in cand_spec.options.items() if k in ("device", "dtype", "num_pages")}
             base_spec = EngineSpec("local", cand_spec.target, {**opts, "spec": "off"}, f"local:{cand_spec.target},spec=off")
-        names = [f.strip() for f in faults.split(",") if f.strip()] if faults else None
         baseline = build_adapter(base_spec, name="baseline")
     except (EngineStringError, ValueError, FileNotFoundError) as e:
         raise bad(str(e)) from None

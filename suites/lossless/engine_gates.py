@@ -30,6 +30,7 @@ from specbench.harness.adapters.base import EngineAdapter, GenRequest, GenResult
 
 from .checks import Check, SpecStats
 from .greedy import (
+    Divergence,
     GateOptions,
     GateRun,
     Prompt,
@@ -174,7 +175,7 @@ async def stop_in_run(baseline: EngineAdapter, candidate: EngineAdapter, prompts
                       max_tokens: int, opts: GateOptions) -> GateRun:
     t0 = time.perf_counter()
     cases: list[tuple[Prompt, str]] = []
-    for p in prompts[:2]:
+    for p in prompts[:3]:
         full = await baseline_for(baseline, p.ids, [], max_tokens, opts.top_k)
         if full.ok and full.text:
             cases += [(p, s) for s in pick_stops(full.text)]
@@ -200,15 +201,18 @@ async def stop_in_run(baseline: EngineAdapter, candidate: EngineAdapter, prompts
                 pc.status, pc.reason = "fail", f"same tokens, different text: {r.text[-40:]!r} vs {b.text[-40:]!r}"
             continue
         if i >= len(bid):
-            pc.status = "fail"
+            pc.divergences.append(Divergence(i, "past_stop", cid[i], None, 0))
+            pc.status, pc.tokens_compared = "fail", i
             pc.reason = f"{len(cid) - len(bid)} token(s) emitted past the stop {s!r} (baseline ends at {len(bid)})"
         elif i >= len(cid):
+            pc.divergences.append(Divergence(i, "early_stop", None, bid[i], 0))
             pc.status, pc.reason = "fail", f"the candidate stopped {len(bid) - len(cid)} token(s) before the baseline"
         else:
             lp = (b.logprobs or [])[i] if i < len(b.logprobs or []) else None
             j = judge_pick(cid[i], merged_dist(lp.top, lp.token_id, lp.logprob) if lp else {}, opts.margin_tol)
-            pc.status = "flip" if j.ok else "fail"
-            pc.reason = f"position {i}: {j.describe()}" + ("; the stop was not exercised" if j.ok else "")
+            pc.divergences.append(Divergence(i, "token", cid[i], bid[i], 0, j))
+            pc.status, pc.tokens_compared, pc.complete = ("flip" if j.ok else "fail"), i + 1, False
+            pc.reason = "benign flip before the stop: the stop was not exercised" if j.ok else j.describe()
     run = await finish_run("stop-in-run", candidate, baseline, pcs, res, delta, opts, t0, engine_k(candidate))
     run.notes.append(f"{len(cases)} stop strings; {inside} landed inside an accepted run")
     return run

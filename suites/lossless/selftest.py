@@ -134,17 +134,19 @@ class SelftestOutcome:
 
 
 def _why(g: GateRun) -> str:
-    for p in g.prompts:
-        if not p.ok:
-            d = p.divergences[-1] if p.divergences else None
-            if d is not None and d.judgement is not None:
-                j = d.judgement
-                r = j.regret if j.regret is not None else j.lower_bound
-                return f"{'outside top-k' if j.kind == 'outside_topk' else 'regret'} {r:.2f} @{d.position}"
-            return (d.kind if d else p.reason)[:40]
-    bad = g.failed_checks
+    """The strongest evidence a gate found: the largest regret (or its bound), else the failed check."""
+    bad = [p for p in g.prompts if not p.ok]
+    judged = [(d.judgement.regret_or_bound or 0.0, d) for p in bad for d in p.divergences[-1:] if d.judgement]
+    n = f", {len(bad)} requests" if len(bad) > 1 else ""
+    if judged:
+        r, d = max(judged, key=lambda x: x[0])
+        kind = "outside top-k" if d.judgement.kind == "outside_topk" else "regret"
+        return f"{kind} {'>= ' if d.judgement.regret is None else ''}{r:.2f} @{d.position}{n}"
     if bad:
-        return bad[0].name
+        d = bad[0].divergences[-1] if bad[0].divergences else None
+        return (d.kind if d else bad[0].reason[:48]) + n
+    if g.failed_checks:
+        return g.failed_checks[0].name
     return "not speculating" if g.verdict == "NOT SPECULATING" else g.verdict
 
 
@@ -186,7 +188,7 @@ def _num(x: float | None) -> str:
 
 
 async def run_selftest(make_candidate: Callable[[tuple[str, ...]], EngineAdapter], baseline: EngineAdapter,
-                       repeat: int = 5, num_prompts: int = 4, max_tokens: int = 32, dataset: str = "gsm8k",
+                       repeat: int = 5, num_prompts: int = 6, max_tokens: int = 48, dataset: str = "gsm8k",
                        opts: GateOptions | None = None, faults: list[str] | None = None,
                        expect_accept_len: float | None = None,
                        log: Callable[[str], None] | None = None) -> SelftestOutcome:
@@ -202,7 +204,7 @@ async def run_selftest(make_candidate: Callable[[tuple[str, ...]], EngineAdapter
     t0 = time.perf_counter()
     base = CachedAdapter(baseline)
     probe = make_candidate(())
-    prompts, _ = await tokenize_prompts(base, probe, load_prompts(dataset, num_prompts, 400))
+    prompts, _ = await tokenize_prompts(base, probe, load_prompts(dataset, num_prompts))
     engine = probe.describe()
     out = SelftestOutcome(engine, [], [], num_prompts, max_tokens, opts.margin_tol, expect_accept_len)
 

@@ -1,0 +1,129 @@
+"""The lossless command on the bundled pair, its checks, records and report."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from specbench.harness import cli
+from specbench.suites.lossless.checks import (
+    SpecStats,
+    check_acceptance,
+    check_after_stop,
+    check_counters,
+    check_kv_idle,
+    spec_stats,
+)
+from specbench.suites.lossless.concurrent import staggered
+
+cli._register()
+runner = CliRunner()
+
+
+def _engines(pair, faults: str | None = None) -> list[str]:
+    t, d = pair
+    cand = f"local:{t},draft={d},spec=dflash" + (f",faults={faults}" if faults else "")
+    return ["--baseline", f"local:{t},spec=off", "--candidate", cand]
+
+
+def _run(args: list[str]):
+    res = runner.invoke(cli.app, ["lossless", *args])
+    return res, (json.loads(res.stdout.strip().splitlines()[-1]) if "--json" in args and res.stdout.strip() else None)
+
+
+def test_lossless_passes_on_the_bundled_pair(tiny_pair, tmp_path):
+    report = tmp_path / "r.md"
+    res, out = _run(["--margin-tol", "0.20", *_engines(tiny_pair), "--num-prompts", "3", "--max-tokens", "24",
+                     "--concurrent", "--json", "--report", str(report), "--results", str(tmp_path / "res")])
+    assert res.exit_code == 0, res.output
+    assert out["verdict"] == "PASS" and out["summary"]["failed_prompts"] == 0
+    assert {g["name"] for g in out["gates"]} == {"greedy", "concurrent"}
+    g = out["gates"][0]
+    assert g["stats"]["speculating"] and g["stats"]["mean_accept_len"] > 1.05
+    assert all(c["ok"] for c in g["checks"]) and {c["name"] for c in g["checks"]} >= {"counters", "kv-leak"}
+    md = report.read_text()
+    assert md.startswith("# Lossless gate: PASS") and "| prompt | status | first divergence |" in md
+    (run_dir,) = (tmp_path / "res").iterdir()
+    meta = json.loads((run_dir / "run.json").read_text())
+    assert meta["status"] == "complete" and meta["summary"]["verdict"] == "PASS"
+    checks = [json.loads(line) for line in (run_dir / "checks.jsonl").read_text().splitlines()]
+    assert len(checks) == 3 and all(c["ok"] for c in checks)
+    assert (run_dir / "requests.jsonl").is_file() and (run_dir / "gates.jsonl").is_file()
+
+
+def test_lossless_fails_on_a_faulty_candidate(tiny_pair):
+    res, out = _run(["--margin-tol", "0.20", *_engines(tiny_pair, "wrong_bonus"), "--num-prompts", "2",
+                     "--max-tokens", "16", "--no-record", "--json"])
+    assert res.exit_code == 1 and out["verdict"] == "FAIL"
+    bad = [p for p in out["gates"][0]["prompts"] if not p["ok"]]
+    assert bad and bad[0]["divergences"][-1]["judgement"]["kind"] in ("regret", "outside_topk")
+
+
+def test_not_speculating_is_not_a_pass(tiny_pair):
+    t, _ = tiny_pair
+    res, out = _run(["--baseline", f"local:{t},spec=off", "--candidate", f"local:{t},spec=off",
+                     "--num-prompts", "1", "--max-tokens", "8", "--no-record", "--json"])
+    assert res.exit_code == 1 and out["verdict"] == "NOT SPECULATING"
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["--dataset", "nope"], "--dataset"),
+    (["--candidate", "local:/does/not/exist"], "does not exist"),
+    (["--baseline", "local"], "--candidate"),
+    (["--candidate", "openai:http://127.0.0.1:9"], "--baseline"),
+    (["--max-tokens", "0"], "max-tokens"),
+])
+def test_bad_input_exits_2(args, msg):
+    res = runner.invoke(cli.app, ["lossless", "--no-record", *args])
+    assert res.exit_code == 2 and msg in res.output
+
+
+# ---- checks -----------------------------------------------------------------------------------------
+
+
+def test_counter_invariants():
+    ok = SpecStats("counters", num_drafts=10, num_draft_tokens=28, num_accepted_tokens=12, accepted_per_pos=[6, 4, 2])
+    assert check_counters(ok, k=3).ok  # 28 <= 3 x 10: truncated spans near max_tokens draft fewer
+    assert not check_counters(SpecStats("counters", 10, 30, 12, [6, 4, 3]), k=3).ok  # sum != accepted
+    assert not check_counters(SpecStats("counters", 10, 30, 12, [4, 6, 2]), k=3).ok  # increasing
+    assert not check_counters(SpecStats("counters", 10, 31, 12, [6, 4, 2]), k=3).ok  # > K x drafts
+    assert check_counters(SpecStats("none"), 3).skipped
+
+
+def test_speculation_alarm_and_acceptance():
+    assert SpecStats("counters", 0, 0, 0).describe().startswith("NOT SPECULATING: zero drafts")
+    st = SpecStats("counters", 100, 400, 2, [2])
+    assert st.speculating is False and "NOT SPECULATING" in st.describe()
+    assert SpecStats("counters", 100, 400, 200, [100, 60, 40]).speculating
+    assert SpecStats("none").speculating is None
+    good = SpecStats("counters", 100, 400, 200, [100, 60, 40])  # 3.0
+    assert check_acceptance(good, 3.1).ok and not check_acceptance(good, 3.5).ok
+
+
+def test_after_eos_and_kv_leak():
+    from specbench.harness.adapters.base import GenResult
+
+    rs = [GenResult("a", True, output_ids=[1, 2, 0]), GenResult("b", True, output_ids=[1, 0, 5, 6])]
+    c = check_after_stop(rs, {0})
+    assert not c.ok and "2 token(s) after EOS" in c.detail
+    assert check_after_stop(rs[:1], {0}).ok
+    assert check_kv_idle({"kv_free_pages": 10, "kv_total_pages": 10, "running": 0, "waiting": 0}).ok
+    leak = check_kv_idle({"kv_free_pages": 7, "kv_total_pages": 10, "running": 0, "waiting": 0})
+    assert not leak.ok and "3 page(s) leaked" in leak.detail
+    assert check_kv_idle(None).skipped
+
+
+def test_spec_stats_prefers_per_request():
+    from specbench.harness.adapters.base import GenResult
+
+    rs = [GenResult("a", True, spec={"num_drafts": 2, "num_draft_tokens": 6, "num_accepted_tokens": 3,
+                                     "accepted_per_pos": [2, 1]})]
+    st = spec_stats(rs, {"num_drafts": 99, "num_draft_tokens": 99, "num_accepted_tokens": 0})
+    assert st.source == "per-request" and st.mean_accept_len == 2.5
+
+
+def test_staggered_lengths():
+    mts = staggered(64, 6)
+    assert mts[0] == 64 and min(mts) <= 4 and all(2 <= m <= 64 for m in mts) and len(set(mts)) == 6
