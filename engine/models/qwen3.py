@@ -7,9 +7,9 @@ on KV length, which is what lets them be captured in CUDA graphs. Weights load f
 (q/k/v and gate/up are concatenated at load time).
 
 `self.ops` selects the dense kernels: None (the default, and always on CPU) runs the torch reference code
-below; the runner sets a `kernels.ops.TritonOps` on CUDA, which fuses residual add + norm into the qkv and
-gate/up GEMMs at small batch, SwiGLU into the gate/up epilogue, and q/k norm + RoPE (+ the K/V store, when
-the backend `accepts_stored_kv`) into one kernel. Both compute the same function.
+below; the runner sets a `kernels.ops.TritonOps` on CUDA: residual add + norm and SwiGLU kernels around the
+cuBLAS GEMMs (optionally fused into a small-batch GEMV), and q/k norm + RoPE (+ the K/V store, when the
+backend `accepts_stored_kv`) in one kernel. Both compute the same function (docs/gpu.md).
 
 Tapped hidden states (for DFlash) are decoder-layer outputs, i.e. HF `hidden_states[i + 1]`; like HF,
 the last layer's entry is the final-normed hidden state.
