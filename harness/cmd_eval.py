@@ -1,9 +1,10 @@
 """`specbench eval`: lm-eval tasks on two arms (spec off vs on by default), offline, with a parity verdict.
 
 Contract: parses options, builds the suite's config, calls specbench.suites.evalparity, prints the
-markdown table (or one JSON document with --json). Exit codes: 0 PARITY, 1 DIFFERENT or an arm that
-could not be evaluated, 2 bad usage (an unknown task, a bad engine string) or lm-eval not installed
-(with the command that installs it), 130 on Ctrl-C; servers it started are stopped in every case.
+markdown table (or one JSON document with --json). Exit codes: 0 PARITY, 1 DIFFERENT (with --strict
+also any differing answer) or an arm that could not be evaluated, 2 bad usage (an unknown task, a bad
+engine string) or lm-eval not installed (with the command that installs it), 130 on Ctrl-C; servers it
+started are stopped in every case.
 Arms: with neither --baseline nor --candidate, the bundled tiny pair with speculation off vs on; with
 only a local --candidate, the baseline is the same engine with spec=off.
 """
@@ -57,6 +58,8 @@ def eval_cmd(
                                           help="lm-eval's context budget for both arms (remote tokenizer; default: each server's context)."),
     results: Path | None = typer.Option(None, "--results", help="Results folder (default $SPECBENCH_RESULTS or ./results)."),
     report: Path | None = typer.Option(None, "--report", help="Also write the markdown report here."),
+    strict: bool = typer.Option(False, "--strict",
+                                help="Also exit 1 when any extracted answer differs, even within stderr (a losslessness gate)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON document instead of the markdown."),
     startup_timeout: float = typer.Option(600.0, "--startup-timeout", min=1.0, help="Seconds to wait for a local server's /health."),
 ) -> None:
@@ -104,4 +107,8 @@ def eval_cmd(
         typer.echo(md)
         typer.echo(f"results: {path}")
     if pr.verdict != "PARITY":
+        raise typer.Exit(1)
+    n_differ = sum(len(r.differ) for r in pr.rows)
+    if strict and n_differ:
+        typer.echo(f"specbench eval: --strict: {n_differ} extracted answers differ between the arms", err=True)
         raise typer.Exit(1)
