@@ -149,7 +149,7 @@ def check_after_stop(results: Sequence[GenResult], eos_ids: set[int], ignore_eos
         hits = [i for i, t in enumerate(ids) if t in eos_ids]
         if hits and hits[0] < len(ids) - 1:
             bad.append(f"{r.rid}: {len(ids) - 1 - hits[0]} token(s) after EOS at position {hits[0]}")
-    return Check(name, not bad, "; ".join(bad[:5]) or f"{len(results)} outputs end at their EOS")
+    return Check(name, not bad, "; ".join(bad[:5]) or f"no token after an EOS in {len(results)} outputs")
 
 
 def check_speculating(stats: SpecStats) -> Check:

@@ -53,6 +53,7 @@ async def short_then_long(baseline: EngineAdapter, candidate: EngineAdapter, pro
     mts = shorts + [max_tokens] * len(ps[:2])
     run = await run_greedy(baseline, candidate, seq, max_tokens, opts, concurrency=1, name="short-then-long",
                            max_tokens_each=mts)
+    run.require_spec = False
     run.notes.append(f"max_tokens in order: {mts}, one request at a time")
     return run
 
@@ -80,7 +81,8 @@ async def headroom(baseline: EngineAdapter, candidate: EngineAdapter, prompts: S
     geo = geometry(candidate)
     if geo is None:
         return GateRun("headroom", [], SpecStats("none"),
-                       [Check("headroom", True, "engine geometry unknown (not a local engine)", skipped=True)])
+                       [Check("headroom", True, "engine geometry unknown (not a local engine)", skipped=True)],
+                       require_spec=False)
     max_pos, usable = geo
     block = max_pos - usable
     m = min(4, max_tokens)
@@ -107,7 +109,7 @@ async def headroom(baseline: EngineAdapter, candidate: EngineAdapter, prompts: S
     results.append(probe)
     delta = counters_delta(before, await candidate.spec_counters())
     run = await finish_run("headroom", candidate, baseline, [pc], results, delta, opts, t0, engine_k(candidate))
-    run.checks = checks + run.checks
+    run.checks, run.require_spec = checks + run.checks, False
     run.notes.append(f"max_pos {max_pos}, drafter headroom {block}, usable {usable}; served {usable}, "
                      f"refused {refused_lens}")
     return run
@@ -143,7 +145,7 @@ async def mixed(baseline: EngineAdapter, candidate: EngineAdapter, prompts: Sequ
     checks.append(Check("logprobs-returned", not short, f"missing logprobs: {short}" if short
                         else f"{len(lp_res)} logprobs requests returned one entry per token"))
     run = await finish_run("mixed", candidate, baseline, list(pcs), res, delta, opts, t0, engine_k(candidate))
-    run.checks = checks + run.checks
+    run.checks, run.require_spec = checks + run.checks, False
     run.notes.append(f"batch of {len(reqs)}: {kinds}")
     return run
 
@@ -214,6 +216,7 @@ async def stop_in_run(baseline: EngineAdapter, candidate: EngineAdapter, prompts
             pc.status, pc.tokens_compared, pc.complete = ("flip" if j.ok else "fail"), i + 1, False
             pc.reason = "benign flip before the stop: the stop was not exercised" if j.ok else j.describe()
     run = await finish_run("stop-in-run", candidate, baseline, pcs, res, delta, opts, t0, engine_k(candidate))
+    run.require_spec = False
     run.notes.append(f"{len(cases)} stop strings; {inside} landed inside an accepted run")
     return run
 

@@ -130,6 +130,9 @@ class GateRun:
     wall_s: float = 0.0
     notes: list[str] = field(default_factory=list)
     results: list[GenResult] = field(default_factory=list, repr=False)  # the candidate's, not serialized
+    # Scenario gates with a handful of short requests report speculation but are not judged on it:
+    # three drafts that happen to miss must not turn a correct engine's headroom check into an alarm.
+    require_spec: bool = True
 
     @property
     def failed_checks(self) -> list[Check]:
@@ -143,12 +146,15 @@ class GateRun:
     def verdict(self) -> str:
         if not self.ok:
             return "FAIL"
+        if not self.require_spec:
+            return "PASS"
         if self.stats.speculating is None:
             return "PASS (speculation unverified)"
         return "PASS" if self.stats.speculating else "NOT SPECULATING"
 
     def to_dict(self) -> dict:
         return {"name": self.name, "verdict": self.verdict, "ok": self.ok, "wall_s": self.wall_s,
+                "require_spec": self.require_spec,
                 "stats": self.stats.to_dict(), "checks": [c.to_dict() for c in self.checks],
                 "notes": list(self.notes), "prompts": [p.to_dict() for p in self.prompts]}
 

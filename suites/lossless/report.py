@@ -101,8 +101,8 @@ def check_rows(gates: list[GateRun]) -> list[str]:
         for c in g.checks:
             res = "skipped" if c.skipped else ("ok" if c.ok else "**FAIL**")
             rows.append(f"| {g.name} | {c.name} | {res} | {_cell(c.detail)} |")
-        rows.append(f"| {g.name} | speculating | {'ok' if g.stats.speculating else g.verdict} "
-                    f"| {_cell(g.stats.describe())} |")
+        res = "ok" if g.stats.speculating else (g.verdict if g.require_spec else "not judged")
+        rows.append(f"| {g.name} | speculating | {res} | {_cell(g.stats.describe())} |")
     return rows
 
 

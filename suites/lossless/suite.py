@@ -16,9 +16,11 @@ Contract:
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from specbench.harness.adapters.base import EngineAdapter
 
@@ -97,6 +99,19 @@ class LosslessOutcome:
                 "gates": [g.to_dict() for g in self.gates]}
 
 
+def recorded_acceptance(describe: dict) -> float | None:
+    """The mean accepted length a fixture build recorded beside its drafter (BUILD.json), if any."""
+    cfg = describe.get("config") if isinstance(describe.get("config"), dict) else {}
+    draft = cfg.get("draft")
+    if not draft:
+        return None
+    try:
+        info = json.loads((Path(str(draft)).parent / "BUILD.json").read_text())
+        return float(info["acceptance"]["mean_accept_len"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _record(run, gate: GateRun) -> None:
     if run is None:
         return
@@ -118,6 +133,10 @@ async def run_lossless(baseline: EngineAdapter, candidate: EngineAdapter, cfg: L
                           asdict(cfg), notes)
     if run is not None:
         out.run_id = run.run_id
+    rec = recorded_acceptance(out.engines["candidate"])
+    if rec is not None:
+        out.notes.append(f"the fixture's BUILD.json records a mean accepted length of {rec:.2f} (offline replay on "
+                         "other prompts and lengths: context for the measured value, not a gate)")
 
     def on_prompt(gate: str) -> Callable[[PromptCheck], None]:
         def f(pc: PromptCheck) -> None:
