@@ -49,7 +49,8 @@ def sweep(
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Always generate max_tokens tokens."),
     temperature: float = typer.Option(0.0, "--temperature", help="Sampling temperature (0 = greedy)."),
     rounds: int = typer.Option(3, "--rounds", help="Interleaved rounds per level (A B A' | A B A' ...)."),
-    warmup: int = typer.Option(2, "--warmup", help="Warm-up requests per arm and level (excluded)."),
+    warmup: int = typer.Option(1, "--warmup", help="Warm-up waves per engine and level: W x C requests "
+                               "(excluded from every figure)."),
     request_rate: str = typer.Option(None, "--request-rate",
                                      help="Open loop: request rates (req/s), comma-separated; then "
                                           "--concurrency (one value) is only a cap if given explicitly."),

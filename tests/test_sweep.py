@@ -108,11 +108,13 @@ def test_runner_order_warmup_and_records() -> None:
     assert order == expect
     assert all(c["warmup"] == (c["round"] == -1) for c in sink.cells)
     # every cell's requests were recorded as they finished, tagged with level/round/warm-up
-    assert len(sink.requests) == 2 * (2 * 1 + 2 * 3 * 3)
+    warm = [(c["level"], c["arm"], c["requests"]) for c in sink.cells if c["warmup"]]
+    assert warm == [(1, "A", 1), (1, "B", 1), (2, "A", 2), (2, "B", 2)]  # one wave: C requests at level C
+    assert len(sink.requests) == (2 * 1 + 2 * 3 * 3) + (2 * 2 + 2 * 3 * 3)
     for arm, rnd, res in sink.requests:
         assert res.meta["arm"] == arm and res.meta["round"] == rnd and res.meta["warmup"] == (rnd == -1)
     # the copy ran on A's adapter; the same prompts in every cell
-    assert a.calls == 2 * (1 + 2 * 2 * 3) and b.calls == 2 * (1 + 2 * 3)
+    assert a.calls == (1 + 2 + 2 * 2 * 2 * 3) and b.calls == (1 + 2 + 2 * 2 * 3)
     prompts = {(arm, rnd): sorted(r.meta["prompt_idx"] for x, y, r in sink.requests if (x, y) == (arm, rnd))
                for arm, rnd, _ in sink.requests if rnd >= 0}
     assert len({tuple(v) for v in prompts.values()}) == 1

@@ -59,7 +59,7 @@ def run_header(s: RunSummary) -> list[str]:
              f"- {loop}; dataset **{wl.get('dataset', cfg.get('dataset'))}** ({wl.get('kept', '?')} prompts kept, "
              f"seed {cfg.get('seed')}); max_tokens {cfg.get('max_tokens')}"
              f"{' (ignore_eos)' if cfg.get('ignore_eos') else ''}; temperature {cfg.get('temperature')}; "
-             f"{cfg.get('rounds')} interleaved rounds; {cfg.get('warmup')} warm-up requests per arm and level "
+             f"{cfg.get('rounds')} interleaved rounds; {cfg.get('warmup')} warm-up wave(s) per engine and level "
              "(excluded)",
              f"- started {when}; git {s.meta.get('git_sha') or '—'}; device {s.meta.get('device') or '—'}"
              + ("" if s.complete else "; **INCOMPLETE run (interrupted): figures cover the cells that finished**")]
@@ -96,7 +96,7 @@ def throughput_table(s: RunSummary) -> list[str]:
         r += [_f(c.tok_s_median if (c := s.get(a, lv)) else None) for a in arms]
         r += [speedup_cell(s.speedups.get((a, lv)), s.noise.get(lv)) for a in others]
         r.append(noise_cell(s.noise.get(lv)))
-        r += [_f(c.stats["req_s"] if (c := s.get(a, lv)) else None, "{:.2f}") for a in arms]
+        r += [_f(c.req_s_median if (c := s.get(a, lv)) else None, "{:.2f}") for a in arms]
         rows.append(r)
     return _table(header, rows)
 

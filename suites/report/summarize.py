@@ -2,8 +2,8 @@
 
 Contract: a pure function of the records one sweep wrote (`sweep` meta record, `request` and `cell`
 records, see suites/sweep/runner.py). Warm-up records are ignored. For each (arm, level):
-- `tok_s[r]`: output tok/s of round r's cell (completed requests' usage tokens / cell wall time);
-  the table figure is the median over rounds.
+- `tok_s[r]`, `req_s[r]`: output tok/s and req/s of round r's cell (completed requests' usage tokens
+  / cell wall time); the table figures are medians over rounds.
 - `stats`: `metrics.cell_stats` over the requests of all rounds pooled (latency distributions, token
   totals; throughput there is pooled over the summed cell time).
 - `acceptance`: per-request counts of all rounds, else the summed counter deltas of its cells.
@@ -28,13 +28,22 @@ class ArmLevel:
     tok_s: dict[int, float | None]
     stats: dict
     acceptance: dict | None
+    req_s: dict[int, float | None] = field(default_factory=dict)
 
     @property
     def tok_s_median(self) -> float | None:
-        import numpy as np
+        return _median(self.tok_s)
 
-        v = [x for x in self.tok_s.values() if x is not None]
-        return float(np.median(v)) if v else None
+    @property
+    def req_s_median(self) -> float | None:
+        return _median(self.req_s)
+
+
+def _median(d: dict[int, float | None]) -> float | None:
+    import numpy as np
+
+    v = [x for x in d.values() if x is not None]
+    return float(np.median(v)) if v else None
 
 
 @dataclass
@@ -117,6 +126,7 @@ def summarize(records: list[dict], run_id: str = "run", run_meta: dict | None = 
             if not rounds:
                 continue
             tok_s: dict[int, float | None] = {}
+            req_s: dict[int, float | None] = {}
             all_reqs: list[dict] = []
             total_time, counters = 0.0, []
             for rnd in rounds:
@@ -125,13 +135,13 @@ def summarize(records: list[dict], run_id: str = "run", run_meta: dict | None = 
                     all_reqs += rr
                     continue
                 st = cell_stats(rr, duration=c.get("duration"), counters=c.get("counters"))
-                tok_s[rnd] = st["output_tok_s"]
+                tok_s[rnd], req_s[rnd] = st["output_tok_s"], st["req_s"]
                 all_reqs += rr
                 total_time += c.get("duration") or 0.0
                 counters.append(c.get("counters"))
             summed = _sum_counters(counters)
             pooled = cell_stats(all_reqs, duration=total_time or None, counters=summed)
-            s.cells[(a["label"], lv)] = ArmLevel(a["label"], lv, tok_s, pooled, acceptance(all_reqs, summed))
+            s.cells[(a["label"], lv)] = ArmLevel(a["label"], lv, tok_s, pooled, acceptance(all_reqs, summed), req_s)
     for lv in levels:
         base = s.get(baseline, lv) if baseline else None
         for a in s.compared_arms:

@@ -5,8 +5,9 @@ Contract:
   --max-concurrency) or, in open-loop mode, request rates (req/s) with Poisson or gamma arrivals
   (`arrival_offsets`; the same seeded offsets for every arm and round, optionally capped by a
   concurrency limit).
-- At each level every arm first runs `warmup` requests (recorded with warmup=True, excluded from every
-  figure), then `rounds` rounds. Within a round the arms run one after another in `schedule` order
+- At each level every engine first runs `warmup` waves of warm-up requests (warmup x C requests at
+  concurrency C, so every batch size the level reaches is exercised, e.g. CUDA graph buckets; recorded
+  with warmup=True, excluded from every figure), then `rounds` rounds. Within a round the arms run one after another in `schedule` order
   (A B A' | A B A' ...), so drift hits every arm; A' is the noise-floor copy of the baseline arm (the
   same engine, run again) when `noise_floor` is on.
 - Every cell (level, arm, round) runs the same prompts. Around each cell the arm's spec counters are
@@ -53,7 +54,7 @@ class SweepConfig:
     ignore_eos: bool = False
     temperature: float = 0.0
     rounds: int = 3
-    warmup: int = 2
+    warmup: int = 1  # waves: warmup x C requests per engine and level
     arrival: str = "poisson"  # open loop: poisson | gamma
     burstiness: float = 1.0  # gamma shape; 1.0 is Poisson
     noise_floor: bool = True
@@ -81,11 +82,17 @@ class SweepConfig:
         if not self.burstiness > 0:
             raise ValueError(f"burstiness={self.burstiness} is invalid: expected a number > 0")
 
+    def width(self, level: float) -> int:
+        """Requests in flight a level aims at: C, or in open loop the cap (8 when uncapped)."""
+        return int(level) if self.mode == "closed" else (self.max_concurrency or 8)
+
     def prompts_at(self, level: float) -> int:
         if self.num_prompts is not None:
             return self.num_prompts
-        width = level if self.mode == "closed" else (self.max_concurrency or 8)
-        return max(self.min_prompts, int(self.prompts_per_level * width))
+        return max(self.min_prompts, self.prompts_per_level * self.width(level))
+
+    def warmup_at(self, level: float) -> int:
+        return self.warmup * self.width(level)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -150,11 +157,12 @@ class SweepRunner:
         offsets = None if cfg.mode == "closed" else arrival_offsets(n, level, cfg.arrival, cfg.burstiness,
                                                                    cfg.seed + li)
         sources = [a for a in self.arms if a.copy_of is None]
-        total = cfg.warmup * len(sources) + cfg.rounds * len(self.arms) * n
+        nw = cfg.warmup_at(level)
+        total = nw * len(sources) + cfg.rounds * len(self.arms) * n
         bar = _bar(total, _level_name(cfg, level), self.progress)
         try:
-            for arm in sources if cfg.warmup else []:
-                wpos = [n + i for i in range(cfg.warmup)]  # prompts past the measured ones
+            for arm in sources if nw else []:
+                wpos = [n + i for i in range(nw)]  # prompts past the measured ones
                 await self.run_cell(arm, level, -1, wpos, conc if conc else None, None, bar, warmup=True)
             for rnd, label in schedule([a.label for a in self.arms], cfg.rounds):
                 arm = next(a for a in self.arms if a.label == label)

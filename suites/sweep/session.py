@@ -110,7 +110,7 @@ def run_sweep(cfg: SweepConfig, engines: list[str] | None = None, labels: list[s
     arms = [Arm(label=n, engine=s.raw) for n, s in zip(names, specs, strict=True)]
     if cfg.noise_floor:
         arms = with_noise_copy(arms, baseline)
-    pool = max(cfg.prompts_at(lv) for lv in cfg.levels) + cfg.warmup
+    pool = max(cfg.prompts_at(lv) + cfg.warmup_at(lv) for lv in cfg.levels)
     workload = Workload.build(cfg.dataset, pool, cfg.seed, cfg.random_words)
     outcome = SweepOutcome(run_dir=None)
     adapters: dict[str, EngineAdapter] = {}
