@@ -144,7 +144,12 @@ def _why(g: GateRun) -> str:
         return f"{kind} {'>= ' if d.judgement.regret is None else ''}{r:.2f} @{d.position}{n}"
     if bad:
         d = bad[0].divergences[-1] if bad[0].divergences else None
-        return (d.kind if d else bad[0].reason[:48]) + n
+        if d is not None:
+            return d.kind + n
+        reason = bad[0].reason
+        if "failed: " in reason:  # "candidate request failed: EngineFailure: engine step failed: IndexError: ..."
+            reason = "request failed (" + reason.rsplit("failed: ", 1)[-1][:40] + ")"
+        return reason[:60] + n
     if g.failed_checks:
         return g.failed_checks[0].name
     return "not speculating" if g.verdict == "NOT SPECULATING" else g.verdict
