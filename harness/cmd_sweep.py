@@ -103,7 +103,7 @@ def sweep(
                       burstiness=burstiness, noise_floor=noise, seed=seed, random_words=random_words)
     try:
         outcome = run_sweep(cfg, engines, label_list, out_dir=out, baseline=baseline, progress=progress,
-                            keep_records=False)
+                            keep_records=True)
     except EngineStringError as e:
         raise typer.BadParameter(str(e), param_hint="--arms") from None
     except ValueError as e:
@@ -113,6 +113,10 @@ def sweep(
         raise typer.Exit(130)
     status = "complete" if outcome.complete else "INCOMPLETE (interrupted; every finished record kept)"
     typer.echo(f"records: {outcome.run_dir} ({status})")
+    failed = [r for r in outcome.records if r.get("kind") == "request" and not r.get("ok")]
+    if failed:
+        typer.echo(f"warning: {len(failed)} requests failed (first: {failed[0].get('error')}); they count as "
+                   "failed, not in any latency or throughput figure", err=True)
     if report:
         from specbench.suites.report import load_run, write_report
 

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from typer.testing import CliRunner
+
 from specbench.harness import engines
 from specbench.harness.adapters.base import EngineAdapter, GenRequest, GenResult
 from specbench.harness.cli import _register, app
@@ -26,7 +28,6 @@ from specbench.suites.sweep import (
     split_arms,
     with_noise_copy,
 )
-from typer.testing import CliRunner
 
 
 class FakeAdapter(EngineAdapter):
@@ -35,13 +36,15 @@ class FakeAdapter(EngineAdapter):
     kind = "fake"
 
     def __init__(self, name: str, tokens: int = 6, chunk: int = 2, gap: float = 0.001, spec: bool = False,
-                 interrupt_at: int | None = None) -> None:
+                 interrupt_at: int | None = None, down: bool = False) -> None:
         super().__init__(name)
-        self.tokens, self.chunk, self.gap, self.spec = tokens, chunk, gap, spec
+        self.tokens, self.chunk, self.gap, self.spec, self.down = tokens, chunk, gap, spec, down
         self.interrupt_at, self.calls, self.sent = interrupt_at, 0, []
 
     async def generate_one(self, req: GenRequest) -> GenResult:
         self.calls += 1
+        if self.down:
+            return GenResult(rid=self._rid(req), ok=False, error="ConnectError: refused", meta=dict(req.meta))
         if self.interrupt_at is not None and self.calls == self.interrupt_at:
             os.kill(os.getpid(), signal.SIGINT)  # a real Ctrl-C, delivered to asyncio.run's handler
         res = GenResult(rid=self._rid(req), ok=True, t_send=time.perf_counter(), wall_send=time.time(),
@@ -269,3 +272,13 @@ def test_cli_open_loop_sweep_and_report(cli: CliRunner, monkeypatch: pytest.Monk
     md = (tmp_path / "r.md").read_text()
     assert "open loop (poisson arrivals" in md and "| 500 req/s |" in md and "| inf |" in md
     assert "| 500 req/s | 33.3% | 2.000 | 2.000 | per-request |" in md  # fake: 2 tokens per step, K=3
+
+
+def test_cli_refuses_an_engine_that_cannot_serve(cli: CliRunner, monkeypatch: pytest.MonkeyPatch,
+                                                 tmp_path: Path) -> None:
+    fakes = {"A": FakeAdapter("A"), "B": FakeAdapter("B", down=True)}
+    monkeypatch.setattr(engines, "build_adapter", fake_builder(fakes))
+    r = cli.invoke(app, ["sweep", "-c", "1", "--num-prompts", "2", "--rounds", "1", "--no-progress",
+                         "--arms", "openai:http://a,name=A,openai:http://b,name=B", "--out", str(tmp_path)])
+    assert r.exit_code == 2 and "arm 'B'" in r.output and "probe" in r.output and "ConnectError" in r.output
+    assert not list(tmp_path.iterdir())  # refused before a run was opened

@@ -5,7 +5,8 @@ Contract:
   starts a new engine kind starts a new arm; `;` also separates); `arm_labels` names them (name=
   option, else spec-off / spec-on / <kind>-<n>), unique.
 - `run_sweep` builds every adapter, tokenizes the prompts once per engine, drops prompts that do not fit
-  some engine's context (so all arms run the same ones), writes a `sweep` meta record (config, arms
+  some engine's context (so all arms run the same ones), refuses (ValueError) an engine that fails a
+  one-token probe request, writes a `sweep` meta record (config, arms
   with their `describe()`, baseline, workload with prompt lengths) and then every request and cell
   record as it happens. On an interrupt (Ctrl-C) the store is closed incomplete with everything
   measured so far, and KeyboardInterrupt propagates.
@@ -158,6 +159,11 @@ async def _main(cfg: SweepConfig, arms: list[Arm], adapters: dict[str, EngineAda
         if a.copy_of:
             workload.share(a.copy_of, a.label)
     dropped = workload.keep({label: _context_limit(ad, cfg.max_tokens) for label, ad in adapters.items()})
+    for label, ad in adapters.items():  # fail fast on an engine that cannot serve at all
+        probe = workload.requests(label, [0], max_tokens=1, ignore_eos=True)
+        res = (await ad.generate(probe))[0]
+        if not res.ok:
+            raise ValueError(f"arm {label!r}: a one-token probe request failed before the sweep: {res.error}")
     described = {label: _describe(ad) for label, ad in adapters.items()}
     wl = {**workload.describe(), "dropped_too_long": dropped}
     meta = {"suite": "sweep", "suite_version": SUITE_VERSION, "config": cfg.to_dict(), "baseline": baseline,
