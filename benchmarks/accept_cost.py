@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 
 import torch
+
 from specbench.engine.config import SamplingParams
 from specbench.engine.sampler import sampling_probs
 from specbench.engine.spec.accept import accept_greedy

@@ -250,9 +250,8 @@ def run(model: str | None = None, batches: tuple[int, ...] = (1, 8, 16, 32, 64),
         workdir: str | None = None, budget_s: float | None = None, out: str | None = None) -> dict:
     """Rows run batch-major (both contexts of batch 1 first); past `budget_s` no new row starts and the
     HF peer is skipped. With `out`, the JSON so far is rewritten after every row."""
-    from specbench.kernels import gemv
-
     import specbench
+    from specbench.kernels import gemv
 
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/decode.py needs a CUDA GPU")

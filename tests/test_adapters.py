@@ -9,6 +9,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from specbench.harness.adapters import GenRequest, GenResult, counters_delta
 from specbench.harness.adapters.local import LocalAdapter
 from specbench.harness.adapters.openai_api import OpenAIAdapter, split_url
@@ -255,6 +256,7 @@ def test_openai_failures_recorded_not_raised():
 # ---- specbench generate ---------------------------------------------------------------------------
 def _generate_cli():
     import typer
+
     from specbench.harness.cmd_generate import generate
 
     app = typer.Typer()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from specbench.harness.engines import parse_engine
 from specbench.suites.evalparity import parity, report, tasks
 from specbench.suites.evalparity.endpoint import EndpointError, normalize_root, serve_argv

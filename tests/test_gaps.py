@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 import typer
+from typer.testing import CliRunner
+
 from specbench.harness.cmd_gaps import gaps
 from specbench.suites.gaps import (
     Classifier,
@@ -28,7 +30,6 @@ from specbench.suites.gaps import (
 )
 from specbench.suites.gaps.ranges import Range, RangeIndex, normalize_range_name
 from specbench.suites.gaps.trace import ns_from_decimal
-from typer.testing import CliRunner
 
 DATA = Path(__file__).parent / "data" / "traces"
 REFUSED = {"synthetic_nsys_graph_mode_no_table.sqlite"}

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from qwen3_random import write_random_qwen3
+
 from specbench.engine import EngineConfig, LLMEngine, SamplingParams
 from specbench.engine.attention.flashinfer import paged_arrays
 from specbench.engine.config import ModelConfig

@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 from lossless_fakes import FakeAdapter, dist
+
 from specbench.harness.adapters.base import GenRequest
 from specbench.suites.lossless.greedy import GateOptions, Prompt, check_output, run_greedy
 from specbench.suites.lossless.regret import (

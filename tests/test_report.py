@@ -6,9 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
+
 from specbench.harness.cli import _register, app
 from specbench.suites.report import render_markdown, summarize, write_report
-from typer.testing import CliRunner
 
 # output tok/s per (arm, level, round): B is 1.5x A in every round; A#2 is A within +-2%
 TOK_S = {

@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+
 from specbench.harness.adapters import GenResult
 from specbench.harness.results import RequestRecord, list_runs, load_run, open_run, read_jsonl
 

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+
 from specbench.engine import EngineConfig, LLMEngine, SpecConfig
 from specbench.harness.adapters import GenRequest
 from specbench.harness.adapters.local import LocalAdapter

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from specbench.harness.adapters.base import GenResult
 from specbench.suites.sweep.compare import noise_floor, paired_ratios, resolved, speedup
 from specbench.suites.sweep.metrics import (

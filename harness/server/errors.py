@@ -15,8 +15,9 @@ import re
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from specbench.engine import AdmissionError, ConfigError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from specbench.engine import AdmissionError, ConfigError
 
 from ..adapters.loop import EngineFailure, Overloaded
 

@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
-from specbench.engine import SamplingParams
 from starlette.background import BackgroundTask
+
+from specbench.engine import SamplingParams
 
 from ..adapters.loop import EngineLoop
 from .errors import APIError, from_engine

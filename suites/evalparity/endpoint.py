@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
 from specbench.harness.engines import EngineSpec
 
 STARTUP_TIMEOUT_S = 600.0

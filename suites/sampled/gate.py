@@ -31,6 +31,7 @@ from importlib import resources
 from pathlib import Path
 
 import numpy as np
+
 from specbench.harness.adapters.base import EngineAdapter, GenRequest, counters_delta
 
 from . import stats

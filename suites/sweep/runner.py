@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
 import numpy as np
+
 from specbench.harness.adapters.base import EngineAdapter, GenResult, counters_delta
 
 from .workload import Workload

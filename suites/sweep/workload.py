@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
 from specbench.harness.adapters.base import EngineAdapter, GenRequest
 
 DATA_DIR = Path(__file__).resolve().parents[2] / "harness" / "data"

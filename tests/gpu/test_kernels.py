@@ -12,6 +12,7 @@ pytestmark = pytest.mark.gpu
 def test_kernels_match_references(monkeypatch):
     monkeypatch.setenv("SPECBENCH_GEMV_TUNE", "0")  # fixed config here; every config is checked below
     from kernel_cases import run_all
+
     from specbench.kernels import activation, gemv, kv_store, norm, rope
 
     run_all(torch.device("cuda"), [torch.float32, torch.bfloat16], norm, activation, rope, kv_store, gemv)
@@ -21,6 +22,7 @@ def test_kernels_match_references(monkeypatch):
 def test_every_gemv_config(swiglu):
     import triton
     from kernel_cases import rel
+
     from specbench.kernels import gemv
 
     g = torch.Generator(device="cuda").manual_seed(7)
