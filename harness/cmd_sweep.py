@@ -35,7 +35,7 @@ def _levels(text: str, option: str, rate: bool) -> tuple[float, ...]:
 def sweep(
     concurrency: str = typer.Option(None, "--concurrency", "-c",
                                     help="Closed-loop levels: requests in flight, comma-separated "
-                                         "[default: 1,8,16,32,64]."),
+                                         "(default 1,8,16,32,64)."),
     arms: str = typer.Option(None, "--arms", help="Engine strings, comma-separated (see docs/sweep.md); "
                              "default: the bundled pair with spec off and spec on."),
     labels: str = typer.Option(None, "--labels", help="Arm labels, comma-separated, one per arm."),
