@@ -221,4 +221,4 @@ def render_comparison(runs: list[RunSummary]) -> list[str]:
         rows.append(r)
     return ["## Runs compared", "",
             "Unpaired: runs come from different sessions, so their ratios carry no paired noise floor; "
-            "read them against each run's own noise floor above.", "", *_table(header, rows), ""]
+            "read them against each run's own noise floor below.", "", *_table(header, rows), ""]
