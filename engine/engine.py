@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from .config import ConfigError, EngineConfig, ModelConfig, SamplingParams, Spec
 from .faults import check_faults
 from .kv_cache import PagePool
 from .loader import torch_dtype
-from .memory import plan_pages
+from .memory import measure, plan_memory
 from .metrics import EngineMetrics
 from .models.dflash import DFlashDraftModel
 from .models.qwen3 import Qwen3ForCausalLM
@@ -38,6 +39,7 @@ from .spec.synthetic import SyntheticAcceptance
 from .tokenizer import Tokenizer
 
 __all__ = ["LLMEngine", "RequestOutput", "AdmissionError"]
+log = logging.getLogger("specbench.engine")
 
 
 @dataclass
@@ -93,12 +95,14 @@ class LLMEngine:
             if self.spec_on else 0
         max_pos = self.mcfg.max_position_embeddings
         self.max_model_len = min(cfg.max_model_len or max_pos, max_pos) - headroom
-        num_pages = plan_pages(cfg, self.mcfg, self.draft_cfg if self.spec_on else None, self.dtype,
-                               self.max_model_len + headroom)
-        self.pool = PagePool(num_pages, cfg.page_size)
+        dflash_cfg = self.draft_cfg if (self.spec_on and spec.method == "dflash") else None
+        # The drafter's weights and per-token state are reserved before the pool is sized (memory.py).
+        self.memory = plan_memory(cfg, self.mcfg, dflash_cfg, self.dtype, self.max_model_len + headroom,
+                                  k=self.k if self.spec_on else 0)
+        self.pool = PagePool(self.memory.num_pages, cfg.page_size)
         self.scheduler = Scheduler(cfg, self.pool, self.max_model_len, headroom)
-        self.runner = ModelRunner(cfg, self.mcfg, self.model, self.pool, self.device, self.dtype,
-                                  self.draft_cfg if (self.spec_on and spec.method == "dflash") else None, self.faults)
+        self.runner = ModelRunner(cfg, self.mcfg, self.model, self.pool, self.device, self.dtype, dflash_cfg,
+                                  self.faults, spec_span=self.k + 1 if self.spec_on else 0)
         self.proposer: Proposer | None = proposer
         if self.proposer is None and self.spec_on:
             if spec.method == "dflash":
@@ -120,6 +124,8 @@ class LLMEngine:
         self._gen = torch.Generator().manual_seed(cfg.seed)
         self._ids = itertools.count()
         self._lock = threading.RLock()
+        measure(self.memory, self.model, self.draft_model if dflash_cfg else None, self.runner, self.device)
+        log.info("memory: %s", self.memory.summary())
 
     @staticmethod
     def _resolve_k(spec: SpecConfig, block: int | None, proposer: Proposer | None) -> int:
@@ -140,8 +146,28 @@ class LLMEngine:
                 "dtype": self.cfg.dtype, "device": self.cfg.device, "num_pages": self.pool.num_pages,
                 "page_size": self.pool.page_size, "max_model_len": self.max_model_len,
                 "attention_backend": self.cfg.attention_backend, "eager": self.cfg.eager,
-                "batched_draft": self.cfg.spec.batched_draft, "faults": sorted(self.faults),
-                "synthetic_tau": self.cfg.spec.synthetic_tau if self.synthetic else None}
+                "batched_draft": self.cfg.spec.batched_draft, "verify_graph": self.cfg.verify_graph,
+                "draft_graph": self.cfg.draft_graph, "faults": sorted(self.faults),
+                "synthetic_tau": self.cfg.spec.synthetic_tau if self.synthetic else None,
+                "memory": self.memory.describe()}
+
+    def memory_report(self) -> dict:
+        """The memory plan with its measured figures refreshed (CUDA allocator peak included on the GPU)."""
+        measure(self.memory, self.model, self.draft_model if self.runner.draft_kv else None, self.runner,
+                self.device, getattr(self.proposer, "graphs", None))
+        return self.memory.describe()
+
+    def fast_path_stats(self) -> dict:
+        """Which padded graph runners exist, their mode, captured row counts and padding so far."""
+        out: dict = {}
+        if self.runner.graphs is not None:
+            out["decode"] = {"mode": self.runner.graphs.mode, "buckets": self.runner.graphs.buckets}
+        if self.runner.verify_graphs is not None:
+            out["verify"] = self.runner.verify_graphs.describe()
+        dg = getattr(self.proposer, "graphs", None)
+        if dg is not None:
+            out["draft"] = dg.describe()
+        return out
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     rid: str | None = None) -> str:
@@ -246,8 +272,11 @@ class LLMEngine:
         new_tokens: list[list[int]] = []
         new_lps: list[list | None] = []
         with self.ranges.phase("accept"):
+            # One batched argmax and one host transfer per step serve every greedy span (not one sync each).
+            amax = logits.argmax(-1).tolist() if any(s.req.params.greedy for s in plan.spans) else None
             for s, (r0, cnt) in zip(plan.spans, row_of, strict=True):
-                c, toks, lps = self._resolve(s, logits[r0:r0 + cnt])
+                am = amax[r0:r0 + cnt] if amax is not None else None
+                c, toks, lps = self._resolve(s, logits[r0:r0 + cnt], am)
                 committed.append(c)
                 new_tokens.append(toks)
                 new_lps.append(lps)
@@ -279,8 +308,9 @@ class LLMEngine:
         self.metrics.kv_usage = 1.0 - self.pool.num_free / self.pool.num_pages
         return outs
 
-    def _resolve(self, s: Span, lg: torch.Tensor) -> tuple[int, list[int], list | None]:
-        """(rows committed to KV, new output tokens, their logprobs) for one span."""
+    def _resolve(self, s: Span, lg: torch.Tensor, am: list[int] | None = None) -> tuple[int, list[int], list | None]:
+        """(rows committed to KV, new output tokens, their logprobs) for one span. `am`: the argmax of each
+        of the span's logits rows, already on the host (greedy requests only)."""
         req, p = s.req, s.req.params
         gen = self._gens[req.rid]
         n = len(s.tokens)
@@ -290,10 +320,10 @@ class LLMEngine:
             if not s.completes_prefill:
                 return n, [], None
             last = lg[-1]
-            tok = select(last, p, gen)
+            tok = am[-1] if p.greedy and am else select(last, p, gen)
             return n, [tok], (topk_logprobs(last[None], [tok], p.logprobs) if p.logprobs is not None else None)
         if s.kind == "decode":
-            tok = select(lg[0], p, gen)
+            tok = am[0] if p.greedy and am else select(lg[0], p, gen)
             return 1, [tok], (topk_logprobs(lg[:1], [tok], p.logprobs) if p.logprobs is not None else None)
         k = len(s.drafts)
         if not p.greedy:
@@ -302,7 +332,7 @@ class LLMEngine:
             self.metrics.record_verify(k, m)
             req.spec.record(k, m)
             return m + 1, toks, None
-        argmax = lg.argmax(-1).tolist()
+        argmax = am if am is not None else lg.argmax(-1).tolist()
         m, toks = accept_greedy(list(s.drafts), argmax)
         if self.synthetic is not None:  # speed curves only: the accept count is drawn, not matched
             m = self.synthetic.draw(k)

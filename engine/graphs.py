@@ -17,6 +17,18 @@ Contract:
 - Buckets are captured largest first into one memory pool; a bucket's graphs are only ever replayed at the
   row count they were captured with (capture shape == replay shape), and graphs of one bucket replay in
   capture order, so sharing the pool is safe for step-local tensors.
+
+Verify graphs (`VerifyGraphs`, issue 8): a step of decode and verify spans (no prefill; at most the largest
+bucket of spans, each at most the largest configured span) runs padded to rows = bucket x span, where
+bucket is the smallest batch bucket >= the number of spans and span the smallest configured span >= the
+longest span of the step (default: the engine's K + 1). Real rows are packed first in span order (so the
+flat row indices of logits and taps are those of the plain forward), padding rows after them as their own
+one-token sequences on the dummy page. The body is `piecewise.PiecewiseStack`: num_layers + 1 dense
+segments captured per row count, attention eager between replays. A truncated span (a request near
+max_tokens) or a decode span among verify spans is therefore padded, never replayed at a shape it was not
+captured at: the seed engine's short-then-long bug (a bucket captured at a short span replayed for a long
+one left the tail rows' logits stale) cannot happen by construction. Logits and taps returned are views
+of static buffers, valid until the next verify step.
 """
 
 from __future__ import annotations
@@ -29,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention.base import AttentionMetadata
+from .piecewise import PiecewiseStack
 
 if TYPE_CHECKING:  # the runner imports this module
     from .runner import ModelRunner
@@ -222,3 +235,107 @@ class DecodeGraphs:
         else:
             out = logits[torch.tensor(logit_rows, dtype=torch.long, device=logits.device)]
         return out, (taps[:n].clone() if taps is not None else None)
+
+
+class TargetStack(PiecewiseStack):
+    """The target's piecewise body: embedding head; final norm, fp32 logits of every row and the taps."""
+
+    name = "verify"
+
+    def __init__(self, runner: ModelRunner, tap: tuple[int, ...], max_rows: int, capture: bool) -> None:
+        m = runner.model
+        super().__init__(m.layers, runner.kv, runner.rope, m.scale, m.ops, runner.backend, max_rows, runner.dtype,
+                         runner.device, capture, tap)
+        self.model = m
+        self.hidden = m.cfg.hidden_size
+        self.logits = torch.zeros(max_rows, m.cfg.vocab_size, dtype=torch.float32, device=runner.device)
+        self.taps = (torch.zeros(max_rows, len(tap) * self.hidden, dtype=runner.dtype, device=runner.device)
+                     if tap else None)
+
+    def static_bytes(self) -> int:
+        extra = [self.logits] + ([self.taps] if self.taps is not None else [])
+        return super().static_bytes() + sum(t.numel() * t.element_size() for t in extra)
+
+    def head(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.model.embed)
+
+    def tap_out(self, layer: int, hidden: torch.Tensor, rows: int) -> None:
+        j = self.tap.index(layer)
+        assert self.taps is not None
+        self.taps[:rows, j * self.hidden:(j + 1) * self.hidden].copy_(hidden)
+
+    def tail(self, x: torch.Tensor, res: torch.Tensor, rows: int) -> None:
+        hidden, _ = self.model.finish(x, res, {}, ())
+        last = len(self.layers) - 1
+        if last in self.tap:  # HF's hidden_states[-1] is the final-normed output (Qwen3ForCausalLM.finish)
+            self.tap_out(last, hidden, rows)
+        self.logits[:rows].copy_(self.model.logits(hidden))
+
+
+class VerifyGraphs:
+    """Piecewise verify graphs per (batch bucket, span); see the module docstring."""
+
+    def __init__(self, runner: ModelRunner, tap: tuple[int, ...], spans: tuple[int, ...], capture: bool = True,
+                 buckets: list[int] | None = None) -> None:
+        if not spans or min(spans) < 1:
+            raise ValueError(f"spans={spans!r} is invalid: expected span lengths >= 1")
+        self.runner = runner
+        self.tap = tuple(tap)
+        self.spans = tuple(sorted(set(spans)))
+        self.buckets = sorted(set(buckets or default_buckets(runner.cfg.max_num_seqs)))
+        self.stack = TargetStack(runner, self.tap, self.buckets[-1] * self.spans[-1], capture)
+        self.stats = {"steps": 0, "real_rows": 0, "padded_rows": 0}
+
+    @property
+    def mode(self) -> str:
+        return "piecewise" if self.stack.capture else "eager"
+
+    def key(self, spans: list[Span]) -> tuple[int, int] | None:
+        """(batch bucket, span) the step runs at, or None when it must take the plain forward."""
+        if not spans or any(s.kind == "prefill" for s in spans):
+            return None
+        b = next((x for x in self.buckets if x >= len(spans)), None)
+        longest = max(len(s.tokens) for s in spans)
+        span = next((x for x in self.spans if x >= longest), None)
+        return None if b is None or span is None else (b, span)
+
+    def run(self, spans: list[Span], logit_rows: list[int], key: tuple[int, int] | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        key = key or self.key(spans)
+        assert key is not None, "run() on a step that key() refuses"
+        b, span = key
+        rows = b * span
+        r, pool = self.runner, self.runner.pool
+        real = sum(len(s.tokens) for s in spans)
+        pad = rows - real
+        host = torch.zeros(3, rows, dtype=torch.long)
+        host[2].fill_(r.dummy_slot)
+        host[0, :real] = torch.tensor([t for s in spans for t in s.tokens], dtype=torch.long)
+        host[1, :real] = torch.tensor([p for s in spans for p in range(s.start, s.start + len(s.tokens))],
+                                      dtype=torch.long)
+        host[2, :real] = torch.tensor([x for s in spans for x in pool.slots(s.req.rid, s.start, s.start + len(s.tokens))],
+                                      dtype=torch.long)
+        io = self.stack.io
+        io[:, :rows].copy_(host)
+        meta = AttentionMetadata(q_lens=[len(s.tokens) for s in spans] + [1] * pad,
+                                 kv_lens=[s.start + len(s.tokens) for s in spans] + [1] * pad,
+                                 slot_mapping=io[2, :rows],
+                                 page_tables=[pool.table(s.req.rid) for s in spans] + [[r.dummy_page]] * pad,
+                                 page_size=pool.page_size, causal=True)
+        r.backend.plan(meta)
+        self.stack.run(rows)
+        self.stats["steps"] += 1
+        self.stats["real_rows"] += real
+        self.stats["padded_rows"] += pad
+        logits = self.stack.logits
+        if logit_rows == list(range(real)):
+            out = logits[:real]
+        else:
+            out = logits[torch.tensor(logit_rows, dtype=torch.long, device=logits.device)]
+        taps = self.stack.taps[:real] if self.stack.taps is not None else None
+        return out, taps
+
+    def describe(self) -> dict:
+        return {"mode": self.mode, "buckets": self.buckets, "spans": list(self.spans),
+                "captured_rows": self.stack.captured, "static_bytes": self.stack.static_bytes(),
+                "capture_bytes": self.stack.capture_bytes, **self.stats}

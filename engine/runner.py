@@ -9,8 +9,12 @@ space, so its context for a request covers exactly the request's committed posit
 Every cache has one extra page past the pool (`dummy_page`): rows that pad a batch up to a CUDA-graph
 bucket write their K/V there and attend to it alone; no request's page table ever holds it.
 On CUDA, a step whose spans are all single decode tokens (at most the largest bucket) runs through
-`graphs.DecodeGraphs`, padded to its bucket, captured or eager (`EngineConfig.eager`); everything else
-runs the plain forward below. On CPU the plain forward and the torch reference ops are all there is.
+`graphs.DecodeGraphs`, padded to its bucket, captured or eager (`EngineConfig.eager`); a step of verify
+and decode spans (speculation on, `EngineConfig.verify_graph`) runs through `graphs.VerifyGraphs`, padded
+to (batch bucket x span) rows, its dense segments captured or eager; everything else (prefill, steps
+past the largest bucket, fault-injected steps) runs the plain forward below. On CPU the plain forward and
+the torch reference ops are all there is, unless a test installs the graph runners with capture=False
+(`use_graph_runner = True`): the same padded bodies, run eagerly.
 """
 
 from __future__ import annotations
@@ -22,13 +26,16 @@ import torch
 from .attention.base import AttentionBackend, AttentionMetadata
 from .attention.torch_ref import TorchAttention
 from .config import EngineConfig, ModelConfig
-from .graphs import DecodeGraphs
+from .graphs import DecodeGraphs, VerifyGraphs
 from .kv_cache import PagePool
 from .models.qwen3 import Qwen3ForCausalLM
 from .rope import RotaryCache
 from .scheduler import Span
 
 log = logging.getLogger("specbench.engine")
+
+# Faults emulated by the plain forward (slot shift, mask leak, stale replay): their steps never take a graph.
+PLAIN_FAULTS = frozenset({"kv_offset", "mask_leak", "stale_shape"})
 
 
 def resolve_backend(name: str, device: torch.device) -> str:
@@ -69,8 +76,10 @@ def select_ops(cfg: EngineConfig, device: torch.device):
 class ModelRunner:
     def __init__(self, cfg: EngineConfig, mcfg: ModelConfig, model: Qwen3ForCausalLM, pool: PagePool,
                  device: torch.device, dtype: torch.dtype, draft_cfg: ModelConfig | None = None,
-                 faults: frozenset[str] = frozenset()) -> None:
+                 faults: frozenset[str] = frozenset(), spec_span: int = 0) -> None:
+        """spec_span: the longest verify span (K + 1) when speculation is on, else 0 (no verify graphs)."""
         self.cfg, self.mcfg, self.model, self.pool = cfg, mcfg, model, pool
+        self.spec_span = spec_span
         self.device, self.dtype = device, dtype
         self.faults = faults
         slots = (pool.num_pages + 1) * pool.page_size  # + the dummy page
@@ -83,6 +92,7 @@ class ModelRunner:
         model.ops = select_ops(cfg, device)
         self.backend = make_backend(cfg.attention_backend, device, mcfg, dtype, pool.num_pages + 1, model.ops)
         self.graphs: DecodeGraphs | None = None  # built at the first eligible decode step (CUDA only)
+        self.verify_graphs: VerifyGraphs | None = None  # built at the first verify step (CUDA, verify_graph)
         self.use_graph_runner = device.type == "cuda"
         self.draft_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
         if draft_cfg is not None:
@@ -121,6 +131,11 @@ class ModelRunner:
             graphs = self.decode_graphs(tuple(tap))
             if graphs.can_run(spans):
                 return graphs.run(spans, logit_rows)
+        elif self.use_graph_runner and self.cfg.verify_graph and self.spec_span > 1 and not self.faults & PLAIN_FAULTS:
+            vg = self.verify_graphs_for(tuple(tap))
+            key = vg.key(spans)
+            if key is not None:
+                return vg.run(spans, logit_rows, key)
         shift = None
         if "kv_offset" in self.faults:
             shift = [1 if s.kind == "verify" else 0 for s in spans]
@@ -140,6 +155,12 @@ class ModelRunner:
         if self.graphs is None or self.graphs.tap != tap:
             self.graphs = DecodeGraphs(self, tap, capture=not self.cfg.eager)
         return self.graphs
+
+    def verify_graphs_for(self, tap: tuple[int, ...] = ()) -> VerifyGraphs:
+        """The verify graph runner for this tap set (its row counts captured lazily unless cfg.eager)."""
+        if self.verify_graphs is None or self.verify_graphs.tap != tap:
+            self.verify_graphs = VerifyGraphs(self, tap, (self.spec_span,), capture=not self.cfg.eager)
+        return self.verify_graphs
 
     def _replay_stale(self, bucket: int, logits: torch.Tensor) -> torch.Tensor:
         """Fault: the first row count seen for a batch bucket is 'captured'; longer replays read stale rows."""

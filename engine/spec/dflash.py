@@ -11,6 +11,12 @@ positions [start, start + B), attention non-causal over the request's context pl
 the same paged backend as the target (the block's K/V land in scratch slots past the committed length,
 reserved by the verify transaction and overwritten by the next commit). `batched=False` runs the same code
 one request at a time (the off switch, for measurement).
+
+On CUDA with `EngineConfig.draft_graph` (and whenever a test installs `self.graphs`), the draft runs through
+`dflash_graphs.DraftGraphs`: the same function, padded to a batch bucket, its dense ops per layer captured
+as CUDA graphs around the eager non-causal attention (`eager`: the same padded body uncaptured).
+`draft_logits_plain` is the simple path it is checked against. With the Triton ops on, context rows take
+the K-only norm + RoPE kernel, which stores their K/V straight into the drafter's cache.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from ..rope import RotaryCache
 from ..runner import ModelRunner
 from ..sampler import sampling_probs
 from ..scheduler import Span
+from .dflash_graphs import DraftGraphs
 from .proposer import Proposer
 
 
@@ -44,6 +51,8 @@ class DFlashProposer(Proposer):
         self.rope = RotaryCache(draft.cfg, runner.device, runner.dtype,
                                 max_pos=max(draft.cfg.max_position_embeddings, runner.mcfg.max_position_embeddings))
         self.ctx_len: dict[str, int] = {}
+        self.graphs: DraftGraphs | None = None  # built at the first draft on the graph path
+        self.use_graphs = runner.use_graph_runner and runner.cfg.draft_graph
 
     @property
     def headroom(self) -> int:
@@ -74,7 +83,14 @@ class DFlashProposer(Proposer):
         feats = self.draft.project_context(taps[torch.tensor(rows, device=dev)])
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
         slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
+        ops, cfg = self.runner.model.ops, self.draft.cfg
         for i, (kc, vc) in enumerate(self.runner.draft_kv):
+            if ops is not None:  # K-only norm + RoPE kernel, storing K/V itself
+                ly = self.draft.layers[i]
+                kv = F.linear(feats, ly.qkv_w[cfg.q_size:])
+                ops.k_norm_rope(kv, ly.k_norm, cfg.rms_norm_eps, self.rope.cos, self.rope.sin, pos,
+                                cfg.num_key_value_heads, cfg.head_dim, (kc, vc, slot_t))
+                continue
             k, v = self.draft.context_kv(i, feats, pos, self.rope)
             kc[slot_t] = k.to(kc.dtype)
             vc[slot_t] = v.to(vc.dtype)
@@ -103,9 +119,18 @@ class DFlashProposer(Proposer):
                 s.drafts = torch.multinomial(q, 1, generator=gen).squeeze(-1).tolist()
                 s.draft_probs = q
 
-    @torch.inference_mode()
     def draft_logits(self, spans: list[Span]) -> torch.Tensor:
         """Draft logits [N, B - 1, V] for block slots 1..B-1 of each span's request."""
+        if self.use_graphs or self.graphs is not None:
+            if self.graphs is None:
+                self.graphs = DraftGraphs(self, capture=not self.runner.cfg.eager)
+            if self.graphs.can_run(spans):
+                return self.graphs.run(spans)
+        return self.draft_logits_plain(spans)
+
+    @torch.inference_mode()
+    def draft_logits_plain(self, spans: list[Span]) -> torch.Tensor:
+        """The simple path: one unpadded eager pass with the torch reference ops."""
         cfg, b, n = self.draft.cfg, self.block, len(spans)
         dev = self.runner.device
         for s in spans:

@@ -1,0 +1,163 @@
+"""Padded piecewise forward: a stack of Qwen3-style layers run as num_layers + 1 dense segments over
+static row buffers, attention eager between them; captured as CUDA graphs per row count, or run eagerly
+through the very same body.
+
+The segments are [head + L0.pre], [L0.post + L1.pre], ..., [L_last.post + tail], where `pre` is the
+layer's pre_attn (residual add + norm, merged qkv GEMM, q/k norm + RoPE, optionally the K/V store) and
+`post` its post_attn (o_proj, residual add + norm, gate/up, SwiGLU, down). A dense segment depends only
+on the number of rows, never on KV length, so it can be captured; attention cannot (a paged-prefill
+kernel freezes its KV-iteration count at capture: the seed engine's whole-forward graph corrupted tokens
+past ~60), so it always runs eagerly between replays.
+
+Contract:
+- Static buffers, sized for `max_rows` and shared by every row count: `io` (token ids, positions,
+  slots), the attention input `q` (and `k`/`v` when the model does not store K/V itself), the attention
+  output `o` and the residual stream `res`; the subclass's `tail` writes its outputs into its own static
+  buffers. A segment reads and writes only static buffers plus its own temporaries, so a captured
+  segment is valid at any later replay, and the temporaries of every graph may share one memory pool
+  (they are dead when their graph ends; graphs run one at a time, in order).
+- `run(rows)`: the caller has filled io[:, :rows] (real rows first; padding rows: token 0, position 0,
+  the runner's dummy slot, which no request owns) and planned the attention backend for the padded step
+  (padding rows as their own one-token sequences on the dummy page). The first run at a row count
+  captures that count's graphs (CUDA, capture=True), later runs replay them. Capture shape equals replay
+  shape by construction: graphs are keyed by the row count and only ever replayed at it (`shapes`
+  records it; a mismatch raises).
+- capture=False runs the same segments eagerly: same kernels, same shapes, so a replay is bit-identical
+  to the eager run of the same step and `eager` measures launch overhead alone. This is also how the CPU
+  tests drive it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from .attention.base import AttentionBackend
+from .models.qwen3 import Qwen3Layer
+from .rope import RotaryCache
+
+log = logging.getLogger("specbench.engine")
+
+
+class PiecewiseStack:
+    """Base class: subclasses define `head(ids) -> x` and `tail(x, res, rows)` (writes static outputs)."""
+
+    name = "piecewise"
+
+    def __init__(self, layers: Sequence[Qwen3Layer], kv: list[tuple[torch.Tensor, torch.Tensor]],
+                 rope: RotaryCache, scale: float, ops, backend: AttentionBackend, max_rows: int,
+                 dtype: torch.dtype, device: torch.device, capture: bool, tap: tuple[int, ...] = ()) -> None:
+        self.layers, self.kv, self.rope, self.scale, self.ops = list(layers), kv, rope, scale, ops
+        self.backend = backend
+        self.max_rows = max_rows
+        self.capture = capture and device.type == "cuda"
+        self.tap = tuple(tap)
+        cfg = self.layers[0].cfg
+        hq, hkv, d, h = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+        z = dict(dtype=dtype, device=device)
+        self.io = torch.zeros(3, max_rows, dtype=torch.long, device=device)
+        self.q = torch.zeros(max_rows, hq, d, **z)
+        self.k = torch.zeros(max_rows, hkv, d, **z)
+        self.v = torch.zeros(max_rows, hkv, d, **z)
+        self.o = torch.zeros(max_rows, hq, d, **z)
+        self.res = torch.zeros(max_rows, h, **z)
+        self.shapes: dict[int, int] = {}  # key (row count) -> rows it was captured / first run at
+        self._graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self._stored: dict[int, bool] = {}  # row count -> K/V stored by the rope kernel at capture
+        self.pool = None
+        self.capture_bytes = 0  # CUDA memory reserved by the captures (the graph pool), measured around each
+
+    # ---- subclass hooks --------------------------------------------------------------------------
+    def head(self, ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def tail(self, x: torch.Tensor, res: torch.Tensor, rows: int) -> None:
+        raise NotImplementedError
+
+    def tap_out(self, layer: int, hidden: torch.Tensor, rows: int) -> None:
+        """A tapped decoder-layer output (x + residual) for layers before the last."""
+
+    def static_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.io, self.q, self.k, self.v, self.o, self.res))
+
+    # ---- body ------------------------------------------------------------------------------------
+    def stores_kv(self) -> bool:
+        """Whether the fused rope kernel stores K/V (then attention gets k = v = None)."""
+        return self.ops is not None and bool(getattr(self.backend, "accepts_stored_kv", False))
+
+    def _segment(self, i: int, rows: int, stored: bool) -> None:
+        n_layers = len(self.layers)
+        if i == 0:
+            x, res = self.head(self.io[0, :rows]), None
+        else:
+            x, res = self.layers[i - 1].post_attn(self.o[:rows], self.res[:rows], self.ops)
+            if i - 1 in self.tap and i - 1 < n_layers - 1:
+                self.tap_out(i - 1, x + res, rows)
+        if i == n_layers:
+            self.tail(x, res, rows)
+            return
+        kc, vc = self.kv[i]
+        store = (kc, vc, self.io[2, :rows]) if stored else None
+        q, k, v, res = self.layers[i].pre_attn(x, res, self.io[1, :rows], self.rope, self.ops, store)
+        self.q[:rows].copy_(q)
+        if k is not None:
+            self.k[:rows].copy_(k)
+            self.v[:rows].copy_(v)
+        self.res[:rows].copy_(res)
+
+    def _attention(self, i: int, rows: int, stored: bool) -> None:
+        kc, vc = self.kv[i]
+        k, v = (None, None) if stored else (self.k[:rows], self.v[:rows])
+        self.o[:rows].copy_(self.backend.forward(self.q[:rows], k, v, kc, vc, self.scale))
+
+    def _eager(self, rows: int, stored: bool) -> None:
+        for i in range(len(self.layers)):
+            self._segment(i, rows, stored)
+            self._attention(i, rows, stored)
+        self._segment(len(self.layers), rows, stored)
+
+    # ---- run -------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, rows: int) -> None:
+        if not 0 < rows <= self.max_rows:
+            raise ValueError(f"rows={rows} is invalid: expected 1..{self.max_rows}")
+        stored = self.stores_kv()
+        first = self.shapes.setdefault(rows, rows)
+        if first != rows:  # unreachable by construction; kept as the invariant's guard
+            raise RuntimeError(f"{self.name}: graphs captured at {first} rows replayed at {rows}")
+        if not self.capture or self._stored.get(rows, stored) != stored:
+            self._eager(rows, stored)  # eager mode, or a step whose store mode differs from the capture
+            return
+        if rows not in self._graphs:
+            self._capture(rows, stored)
+        graphs = self._graphs[rows]
+        for i in range(len(self.layers)):
+            graphs[i].replay()
+            self._attention(i, rows, stored)
+        graphs[-1].replay()
+
+    def _capture(self, rows: int, stored: bool) -> None:
+        # Warm-up outside the capture: Triton compiles, cuBLAS picks its kernels (the outputs are redone
+        # by the replay that follows, so this step's result comes from the graphs like every later one).
+        self._eager(rows, stored)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_reserved()
+        graphs = []
+        for i in range(len(self.layers) + 1):  # attention is not captured: it only touches static buffers
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.pool):
+                self._segment(i, rows, stored)
+            if self.pool is None:
+                self.pool = g.pool()
+            graphs.append(g)
+        torch.cuda.synchronize()
+        self.capture_bytes += max(0, torch.cuda.memory_reserved() - before)
+        self._graphs[rows] = graphs
+        self._stored[rows] = stored
+        log.debug("%s: captured %d segments at %d rows", self.name, len(graphs), rows)
+
+    @property
+    def captured(self) -> list[int]:
+        return sorted(self._graphs)

@@ -1,0 +1,113 @@
+"""The DFlash draft as a padded piecewise graph: dense ops per drafter layer captured, the non-causal block
+attention over the drafter's paged context eager between replays.
+
+Contract:
+- A draft of N requests runs padded to rows = bucket x B (B = block size; bucket the smallest batch
+  bucket >= N). Rows [i * B, (i + 1) * B) are request i's block [anchor, MASK x (B - 1)] at positions
+  [start, start + B), its K/V written to the request's scratch slots past its committed length (the same
+  slots the plain draft uses); padding rows after the real ones read token 0 at position 0, write the
+  dummy slot and attend to it alone (one-token non-causal sequences on the dummy page).
+- The body is `piecewise.PiecewiseStack` over the drafter's layers (each a `Qwen3Layer`, so on CUDA the
+  Triton ops and the fused rope + K/V store serve the drafter too): head = the target's embedding times
+  the drafter's input scale; tail = final norm and the target's lm_head over block slots 1..B-1 into a
+  static fp32 [bucket, B - 1, V] buffer. Graphs are keyed by row count, captured at first use, only ever
+  replayed at it. `run` returns a view of that buffer, valid until the next draft.
+- Same function as `DFlashProposer.draft_logits_plain` (tested on CPU with capture=False).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from ..attention.base import AttentionMetadata
+from ..graphs import default_buckets
+from ..models.layers import add_rms_norm
+from ..piecewise import PiecewiseStack
+from ..scheduler import Span
+
+if TYPE_CHECKING:
+    from .dflash import DFlashProposer
+
+
+class DraftStack(PiecewiseStack):
+    name = "draft"
+
+    def __init__(self, proposer: DFlashProposer, max_blocks: int, capture: bool) -> None:
+        d, r = proposer.draft, proposer.runner
+        super().__init__(d.layers, r.draft_kv, proposer.rope, d.scale, r.model.ops, r.backend,
+                         max_blocks * proposer.block, r.dtype, r.device, capture)
+        self.draft, self.target, self.block = d, proposer.target, proposer.block
+        self.logits = torch.zeros(max_blocks, self.block - 1, self.target.cfg.vocab_size, dtype=torch.float32,
+                                  device=r.device)
+
+    def static_bytes(self) -> int:
+        return super().static_bytes() + self.logits.numel() * self.logits.element_size()
+
+    def head(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.target.embed) * self.draft.input_embedding_scale
+
+    def tail(self, x: torch.Tensor, res: torch.Tensor, rows: int) -> None:
+        norm = self.ops.add_rms_norm if self.ops is not None else add_rms_norm
+        hidden, _ = norm(x, res, self.draft.norm, self.draft.cfg.rms_norm_eps)
+        blocks = rows // self.block
+        h = hidden.reshape(blocks, self.block, -1)[:, 1:]
+        self.logits[:blocks].copy_(self.target.logits(h))
+
+
+class DraftGraphs:
+    def __init__(self, proposer: DFlashProposer, capture: bool = True, buckets: list[int] | None = None) -> None:
+        self.proposer = proposer
+        self.buckets = sorted(set(buckets or default_buckets(proposer.runner.cfg.max_num_seqs)))
+        self.stack = DraftStack(proposer, self.buckets[-1], capture)
+        self.stats = {"steps": 0, "real_rows": 0, "padded_rows": 0}
+
+    @property
+    def mode(self) -> str:
+        return "piecewise" if self.stack.capture else "eager"
+
+    def bucket(self, n: int) -> int | None:
+        return next((b for b in self.buckets if b >= n), None)
+
+    def can_run(self, spans: list[Span]) -> bool:
+        return 0 < len(spans) <= self.buckets[-1]
+
+    @torch.inference_mode()
+    def run(self, spans: list[Span]) -> torch.Tensor:
+        """Draft logits [N, B - 1, V] (a view of the static buffer)."""
+        p = self.proposer
+        r, pool, blk = p.runner, p.pool, p.block
+        n = len(spans)
+        b = self.bucket(n)
+        assert b is not None, "run() on more spans than the largest bucket"
+        rows, real = b * blk, n * blk
+        pad = rows - real
+        for s in spans:
+            pool.ensure(s.req.rid, s.start + blk)
+        host = torch.zeros(3, rows, dtype=torch.long)
+        host[2].fill_(r.dummy_slot)
+        block = torch.full((n, blk), p.draft.mask_token_id, dtype=torch.long)
+        block[:, 0] = torch.tensor([s.tokens[0] for s in spans], dtype=torch.long)
+        host[0, :real] = block.reshape(-1)
+        host[1, :real] = torch.tensor([q for s in spans for q in range(s.start, s.start + blk)], dtype=torch.long)
+        host[2, :real] = torch.tensor([x for s in spans for x in pool.slots(s.req.rid, s.start, s.start + blk)],
+                                      dtype=torch.long)
+        io = self.stack.io
+        io[:, :rows].copy_(host)
+        meta = AttentionMetadata(q_lens=[blk] * n + [1] * pad, kv_lens=[s.start + blk for s in spans] + [1] * pad,
+                                 slot_mapping=io[2, :rows],
+                                 page_tables=[pool.table(s.req.rid) for s in spans] + [[r.dummy_page]] * pad,
+                                 page_size=pool.page_size, causal=False)
+        r.backend.plan(meta)
+        self.stack.run(rows)
+        self.stats["steps"] += 1
+        self.stats["real_rows"] += real
+        self.stats["padded_rows"] += pad
+        return self.stack.logits[:n]
+
+    def describe(self) -> dict:
+        return {"mode": self.mode, "buckets": self.buckets, "block": self.proposer.block,
+                "captured_rows": self.stack.captured, "static_bytes": self.stack.static_bytes(),
+                "capture_bytes": self.stack.capture_bytes, **self.stats}

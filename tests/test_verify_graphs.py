@@ -1,0 +1,288 @@
+"""CPU proof of issue 8's fast paths (fp32, the tiny pair): the padded piecewise verify and draft runners
+(the bodies the CUDA graphs capture, run eagerly here) against the simple paths, the capture-shape
+discipline (the short-then-long gate, with the seed engine's bug emulated to show the gate has teeth),
+the switches, the drafter's memory reservation and the batched host sync of greedy picks.
+
+On CPU the graph runners only run when a test asks (`runner.use_graph_runner = True`): capture is always
+off off CUDA, so the same segments run eagerly. The device half (captured replay, bf16, FlashInfer, the
+regret gate, OOM at batch 64) is tests/gpu/test_spec_gpu.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specbench.engine import LLM, EngineConfig, SamplingParams
+from specbench.engine.config import ModelConfig
+from specbench.engine.graphs import VerifyGraphs
+from specbench.engine.memory import draft_weight_bytes, plan_memory, tensor_bytes
+from specbench.engine.scheduler import Span
+from specbench.engine.spec.dflash_graphs import DraftGraphs
+
+N_NEW = 20
+BUDGETS = [1, 2, 3, 6, 11, 20]  # staggered: truncated spans and decode spans ride with full verify spans
+
+
+@pytest.fixture(scope="module")
+def prompts(gsm8k_prompts):
+    return gsm8k_prompts[: len(BUDGETS)]
+
+
+@pytest.fixture(scope="module")
+def params():
+    return [SamplingParams(max_tokens=b, ignore_eos=True) for b in BUDGETS]
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_target, prompts, params):
+    """Spec-off greedy, one request at a time (the oracle)."""
+    llm = LLM(tiny_target, num_pages=256)
+    return [llm.generate([p], sp)[0].output_ids for p, sp in zip(prompts, params, strict=True)]
+
+
+def spec_llm(tiny_target, tiny_draft, fast: bool = True, **kw) -> LLM:
+    """A DFlash engine; fast=True routes it through the padded graph runners (eager on CPU)."""
+    llm = LLM(tiny_target, draft=tiny_draft, num_pages=256, max_num_seqs=8, **kw)
+    if fast:
+        eng = llm.engine
+        eng.runner.use_graph_runner = True
+        eng.proposer.use_graphs = eng.cfg.draft_graph
+    return llm
+
+
+def ready_requests(llm: LLM, prompts: list[str], n: int) -> list:
+    eng = llm.engine
+    for i, p in enumerate(prompts[:n]):
+        eng.add_request(p, SamplingParams(max_tokens=40, ignore_eos=True), rid=f"ready-{i}")
+    while eng.scheduler.waiting or any(r.in_prefill or not r.output_ids for r in eng.scheduler.running):
+        eng.step()
+    return list(eng.scheduler.running)
+
+
+def verify_spans(eng, reqs, lens: list[int]) -> list[Span]:
+    g = torch.Generator().manual_seed(sum(lens))
+    spans = []
+    for r, n in zip(reqs, lens, strict=True):
+        toks = [r.all_ids[r.num_computed]] + torch.randint(0, eng.mcfg.vocab_size, (n - 1,), generator=g).tolist()
+        spans.append(Span(r, toks, r.num_computed, "verify" if n > 1 else "decode"))
+        eng.pool.ensure(r.rid, r.num_computed + n)
+    return spans
+
+
+@pytest.fixture(scope="module")
+def ready(tiny_target, tiny_draft, prompts):
+    llm = spec_llm(tiny_target, tiny_draft, fast=False)
+    return llm, ready_requests(llm, prompts, 5)
+
+
+def blas_row_invariant(model, m: int, padded: int) -> bool:
+    """Does this machine's GEMM give row i the same bits at m rows as at `padded` rows, for every weight
+    of the step? (MKL takes a small-matrix path below 4 rows whose fp32 sums differ by ~1e-5.)"""
+    g = torch.Generator().manual_seed(m)
+    ws = [w for ly in model.layers for w in (ly.qkv_w, ly.o_w, ly.gate_up_w, ly.down_w)] + [model.lm_head_w]
+    for w in ws:
+        x = torch.randn(m, w.shape[1], generator=g)
+        xp = torch.cat([x, torch.zeros(padded - m, w.shape[1])])
+        if not torch.equal(torch.nn.functional.linear(x, w), torch.nn.functional.linear(xp, w)[:m]):
+            return False
+    return True
+
+
+def assert_same(got: torch.Tensor, want: torch.Tensor, exact: bool) -> None:
+    if exact:
+        assert torch.equal(got, want), (got - want).abs().max()
+    else:
+        assert torch.allclose(got, want, atol=1e-4, rtol=1e-5), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("lens", [["S", "S", "S", "S"], ["S", 3, 1], ["S"], [2], ["S", 1, 1, "S", 5]])
+def test_padded_verify_is_bit_identical_to_plain_forward(ready, lens):
+    """Real rows of the padded piecewise body == the plain forward, logits and taps, bit for bit (fp32)
+    wherever the BLAS itself is row-count invariant (probed); argmax-identical and within 1e-5 relative where
+    it is not (fewer than 4 real rows with MKL)."""
+    llm, reqs = ready
+    eng = llm.engine
+    s_full = eng.k + 1
+    lens = [s_full if x == "S" else x for x in lens]
+    spans = verify_spans(eng, reqs[: len(lens)], lens)
+    tap = eng.proposer.tap_layers
+    rows = list(range(sum(lens)))
+    plain, plain_taps = eng.runner.forward(spans, rows, tap)
+    plain, plain_taps = plain.clone(), plain_taps.clone()
+    vg = VerifyGraphs(eng.runner, tap, (s_full,), capture=False)
+    b, span = vg.key(spans)
+    got, taps = vg.run(spans, rows)
+    assert span == s_full and b >= len(spans) and vg.stats["padded_rows"] == b * span - sum(lens)
+    exact = blas_row_invariant(eng.model, sum(lens), b * span)
+    if sum(lens) >= 4:
+        assert exact, "MKL was row-count invariant from 4 rows up when this test was written"
+    assert_same(got, plain, exact)
+    assert_same(taps, plain_taps, exact)
+    assert got.argmax(-1).tolist() == plain.argmax(-1).tolist()
+    sub = rows[1::2]  # a subset of rows is gathered from the same buffer
+    assert torch.equal(vg.run(spans, sub)[0], got[sub])
+    assert vg.stack.shapes == {b * span: b * span}
+
+
+def test_verify_key_refuses_prefill_and_oversize(ready):
+    llm, reqs = ready
+    eng = llm.engine
+    vg = VerifyGraphs(eng.runner, (), (eng.k + 1,), capture=False, buckets=[1, 2])
+    spans = verify_spans(eng, reqs[:3], [2, 2, 2])
+    assert vg.key(spans[:2]) == (2, eng.k + 1)
+    assert vg.key(spans) is None  # more spans than the largest bucket: plain forward
+    assert vg.key([Span(reqs[0], [1, 2], 0, "prefill")]) is None
+    assert VerifyGraphs(eng.runner, (), (3,), capture=False).key(verify_spans(eng, reqs[:1], [4])) is None
+
+
+@pytest.mark.parametrize("n", [1, 3, 5])
+def test_padded_draft_is_bit_identical_to_plain_draft(ready, n):
+    llm, reqs = ready
+    eng = llm.engine
+    spans = [Span(r, [r.all_ids[r.num_computed]], r.num_computed, "verify") for r in reqs[:n]]
+    plain = eng.proposer.draft_logits_plain(spans).clone()
+    dg = DraftGraphs(eng.proposer, capture=False)
+    got = dg.run(spans)
+    blk = eng.proposer.block
+    assert got.shape == plain.shape
+    assert_same(got, plain, blas_row_invariant(eng.model, n * blk, dg.bucket(n) * blk))
+    assert got.argmax(-1).tolist() == plain.argmax(-1).tolist()
+    assert dg.stats["padded_rows"] == (dg.bucket(n) - n) * blk
+
+
+def test_fast_paths_are_lossless_and_draft_the_same(tiny_target, tiny_draft, prompts, params, baseline):
+    """All fast paths on (padded verify + padded draft, batched) vs the simple spec path and spec off:
+    the same tokens, the same accepted runs; truncated spans and decode spans were padded, not refused."""
+    fast = spec_llm(tiny_target, tiny_draft)
+    simple = spec_llm(tiny_target, tiny_draft, fast=False)
+    mixed = [p.with_(logprobs=2) if i == 2 else p for i, p in enumerate(params)]  # one span-1 neighbour
+    of, os_ = fast.generate(prompts, mixed), simple.generate(prompts, mixed)
+    for f, s, want in zip(of, os_, baseline, strict=True):
+        assert f.output_ids == s.output_ids == want
+        assert f.spec["accepted_runs"] == s.spec["accepted_runs"]
+    stats = fast.engine.fast_path_stats()
+    v, d = stats["verify"], stats["draft"]
+    assert v["mode"] == d["mode"] == "eager" and v["steps"] > 0 and d["steps"] > 0
+    assert v["padded_rows"] > 0  # truncated and decode spans were padded
+    span = fast.engine.k + 1
+    assert all(rows % span == 0 for rows in fast.engine.runner.verify_graphs.stack.shapes)  # bucket x span
+    assert v["captured_rows"] == d["captured_rows"] == []  # nothing is captured off CUDA
+    assert sum(r for runs in (o.spec["accepted_runs"] for o in of) for r in runs) > 0
+
+
+class FrozenFirstShape(VerifyGraphs):
+    """The seed engine's bug, emulated on CPU: graphs keyed by batch bucket alone, captured at the first
+    step's row count; a later replay with more rows leaves the rows past the capture holding the previous
+    step's logits (a captured GEMM bakes its row count into the launch)."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.frozen: dict[int, int] = {}
+
+    def run(self, spans, logit_rows, key=None):
+        b = (key or self.key(spans))[0]
+        real = sum(len(s.tokens) for s in spans)
+        captured = self.frozen.setdefault(b, real)
+        stale = self.stack.logits[captured:real].clone()
+        out, taps = super().run(spans, logit_rows, key)
+        if real > captured:
+            out = out.clone()
+            out[captured:real] = stale
+        return out, taps
+
+
+def _short_then_long(llm: LLM, prompts) -> tuple[list[int], list[int]]:
+    short = llm.generate([prompts[0]], SamplingParams(max_tokens=3, ignore_eos=True))[0].output_ids
+    long = llm.generate([prompts[1]], SamplingParams(max_tokens=N_NEW, ignore_eos=True))[0]
+    assert max(long.spec["accepted_runs"]) >= 2, "the long request never accepted 2 drafts: gate untested"
+    return short, long.output_ids
+
+
+def test_short_then_long_gate(tiny_target, tiny_draft, prompts):
+    """A max_tokens=3 request first meets bucket 1 with a truncated span (2 rows), then a long request
+    verifies full spans in the same bucket. Keyed by row count and padded, the long one stays lossless;
+    with the seed's keying (bucket alone, frozen at the first row count) it diverges."""
+    plain = LLM(tiny_target, num_pages=256)
+    want_short = plain.generate([prompts[0]], SamplingParams(max_tokens=3, ignore_eos=True))[0].output_ids
+    want_long = plain.generate([prompts[1]], SamplingParams(max_tokens=N_NEW, ignore_eos=True))[0].output_ids
+
+    good = spec_llm(tiny_target, tiny_draft)
+    assert _short_then_long(good, prompts) == (want_short, want_long)
+    vg = good.engine.runner.verify_graphs
+    span = good.engine.k + 1
+    assert vg.stack.shapes == {span: span} and vg.stats["padded_rows"] >= span - 2
+
+    bad = spec_llm(tiny_target, tiny_draft)
+    r = bad.engine.runner
+    r.verify_graphs = FrozenFirstShape(r, bad.engine.proposer.tap_layers, (span,), capture=False)
+    short, long = _short_then_long(bad, prompts)
+    assert short == want_short and r.verify_graphs.frozen == {1: 2}
+    assert long != want_long, "the emulated stale replay did not change the output: the gate has no teeth"
+
+
+def test_switches_take_the_simple_paths(tiny_target, tiny_draft, prompts, params, baseline):
+    off = spec_llm(tiny_target, tiny_draft, verify_graph=False, draft_graph=False)
+    outs = off.generate(prompts[:3], params[:3])
+    assert [o.output_ids for o in outs] == baseline[:3]
+    assert off.engine.runner.verify_graphs is None and off.engine.proposer.graphs is None
+    assert off.engine.describe()["verify_graph"] is False
+    serial = spec_llm(tiny_target, tiny_draft, batched_draft=False)
+    outs = serial.generate(prompts[:3], params[:3])
+    assert [o.output_ids for o in outs] == baseline[:3]
+    blk = serial.engine.proposer.block
+    assert serial.engine.proposer.graphs.stack.shapes == {blk: blk}  # one request per draft: bucket 1
+
+
+def test_memory_plan_reserves_the_drafter(tiny_target, tiny_draft):
+    llm = LLM(tiny_target, draft=tiny_draft, num_pages=64)
+    eng = llm.engine
+    mem = eng.describe()["memory"]
+    assert mem["source"] == "explicit" and mem["num_pages"] == 64
+    assert mem["draft_bytes_per_token"] > 0 and mem["bytes_per_token"] > mem["draft_bytes_per_token"]
+    # computed from the config before loading == counted from the loaded tensors
+    assert mem["reserved"]["draft_weights"] == mem["measured"]["draft_weights"] == \
+        tensor_bytes(eng.draft_model.parameters())
+    assert mem["measured"]["kv_pool"] + mem["measured"]["draft_kv"] == mem["kv_bytes"]
+    assert mem["reserved"]["draft_scratch"] > 0
+    report = eng.memory_report()
+    assert report["measured"]["draft_weights"] == mem["measured"]["draft_weights"]
+
+
+def test_gpu_plan_shrinks_the_pool_for_the_drafter(tiny_target, tiny_draft, monkeypatch):
+    """The GPU sizing formula, with the device's free/total memory faked: speculation (drafter K/V per
+    token, drafter scratch, graph buffers) leaves fewer pages than spec off; eager drops the graph buffers."""
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (30 * gib, 40 * gib))
+    tcfg, dcfg = ModelConfig.from_dir(tiny_target), ModelConfig.from_dir(tiny_draft)
+    cfg = EngineConfig(model=tiny_target, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.5,
+                       max_num_seqs=64)
+    big = 10**6
+    off = plan_memory(cfg, tcfg, None, torch.bfloat16, big)
+    on = plan_memory(cfg, tcfg, dcfg, torch.bfloat16, big, k=7)
+    eager = plan_memory(cfg.with_(eager=True), tcfg, dcfg, torch.bfloat16, big, k=7)
+    assert off.source == on.source == "profile"
+    assert on.num_pages < eager.num_pages < off.num_pages
+    assert {"draft_weights", "draft_scratch", "verify_graph_static", "draft_graph_static", "activations"} <= \
+        set(on.reserved)
+    assert "verify_graph_static" not in eager.reserved
+    fixed = sum(v for k, v in on.reserved.items() if k != "draft_weights")  # weights are resident already
+    assert on.budget == int(40 * gib * 0.5) - 10 * gib - fixed
+    assert on.num_pages == on.budget // (on.bytes_per_token * cfg.page_size)
+    assert on.reserved["draft_weights"] == draft_weight_bytes(dcfg, tcfg, torch.bfloat16)
+
+
+def test_greedy_picks_use_one_batched_host_transfer(tiny_target, tiny_draft, prompts, params, baseline, monkeypatch):
+    """Greedy decode, verify and prefill completion read the step's batched argmax: the per-request
+    `select` (one device sync each) is never called for a greedy request."""
+    import specbench.engine.engine as engine_mod
+
+    real = engine_mod.select
+
+    def guarded(logits, p, gen):
+        assert not p.greedy, "a greedy pick took the per-request path"
+        return real(logits, p, gen)
+
+    monkeypatch.setattr(engine_mod, "select", guarded)
+    for llm in (LLM(tiny_target, num_pages=256), spec_llm(tiny_target, tiny_draft)):
+        assert [o.output_ids for o in llm.generate(prompts[:4], params[:4])] == baseline[:4]
