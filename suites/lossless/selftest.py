@@ -6,8 +6,10 @@ Contract:
   the adapter's engine string (`faults=<name>`), and every gate runs against it: short-then-long (first,
   on the fresh engine), greedy, concurrent, mixed, stop-in-run, headroom, and an acceptance-regression
   gate (mean accepted length on the greedy gate's prompts vs the clean engine's; `draft_ctx_misaligned`
-  leaves the tokens lossless, because verify corrects them, and only acceptance shows it). A gate
-  "catches" a fault when its verdict is not PASS. Every fault must be caught by at least one gate.
+  leaves the tokens lossless, because verify corrects them, and only acceptance shows it), and
+  fp32-strict (fp32 candidates only: any divergence of the greedy or concurrent gate costing more than
+  0.01 nat; in fp32 on one machine spec on/off differ only by accumulation order). A gate "catches" a
+  fault when its verdict is neither PASS nor n/a. Every fault must be caught by at least one gate.
 - The clean engine runs the same gates `repeat` times, each on a fresh engine; every verdict must be
   PASS (a NOT SPECULATING verdict on the clean engine is a failure too: the bundled drafter speculates).
   Clean run 1 sets the reference acceptance (or `expect_accept_len` when given).
@@ -31,7 +33,12 @@ from .greedy import GateOptions, GateRun, Prompt, run_greedy, tokenize_prompts
 from .prompts import load_prompts
 
 SAMPLING_FAULTS = frozenset({"biased_accept", "resample_from_p", "reused_uniform"})
-GATE_NAMES = ("short-then-long", "greedy", "concurrent", "mixed", "stop-in-run", "headroom", "acceptance")
+GATE_NAMES = ("short-then-long", "greedy", "concurrent", "mixed", "stop-in-run", "headroom", "acceptance",
+              "fp32-strict")
+# Same engine, same weights, fp32 on one machine: spec on and off differ only by accumulation order
+# (logit differences ~1e-5), so a flip costing more than 0.01 nat is no tie. Judged on the greedy and
+# concurrent gates' divergences (re-anchoring went past every benign one); not applied to other dtypes.
+STRICT_FP32_TOL = 0.01
 
 
 def greedy_faults() -> dict[str, str]:
@@ -91,7 +98,7 @@ class EngineRow:
     wall_s: float = 0.0
 
     def caught(self, gate: str) -> bool:
-        return self.verdicts.get(gate, "PASS") != "PASS"
+        return self.verdicts.get(gate, "PASS") not in ("PASS", "n/a")
 
     def why(self, gate: str) -> str:
         return self.reasons.get(gate, "")
@@ -162,6 +169,7 @@ async def run_engine(label: str, faults: tuple[str, ...], description: str, base
     t0 = time.perf_counter()
     row = EngineRow(label, faults, description)
     stats: SpecStats | None = None
+    main: list[GateRun] = []
     runs: dict[str, Callable] = {
         "short-then-long": GATES["short-then-long"],
         "greedy": lambda b, c, p, m, o: run_greedy(b, c, p, m, o, concurrency=1),
@@ -178,14 +186,39 @@ async def run_engine(label: str, faults: tuple[str, ...], description: str, base
             row.reasons[name] = _why(g)
         if name == "greedy":
             stats, row.accept_len = g.stats, g.stats.mean_accept_len
+        if name in ("greedy", "concurrent"):
+            main.append(g)
     ref = reference_accept if reference_accept is not None else row.accept_len
     acc = check_acceptance(stats, ref) if stats is not None and stats.num_drafts else None
     ok = acc is not None and acc.ok
     row.verdicts["acceptance"] = "PASS" if ok else "FAIL"
     if not ok:
         row.reasons["acceptance"] = f"{row.accept_len or 1.0:.2f} vs {_num(ref)}"
+    fp32 = ((candidate.describe().get("config") or {}).get("dtype") == "float32")
+    strict = strict_evidence(main, STRICT_FP32_TOL) if fp32 else None
+    row.verdicts["fp32-strict"] = "n/a" if not fp32 else ("FAIL" if strict else "PASS")
+    if strict:
+        row.reasons["fp32-strict"] = strict
     row.wall_s = time.perf_counter() - t0
     return row
+
+
+def strict_evidence(gates: list[GateRun], tol: float) -> str | None:
+    """Divergences whose regret (or its lower bound) exceeds `tol`: 'regret R @pos, N flips > tol', or None."""
+    worst: tuple[float, int] | None = None
+    n = 0
+    for g in gates:
+        for p in g.prompts:
+            for d in p.divergences:
+                r = d.judgement.regret_or_bound if d.judgement else float("inf")
+                if r is None or r > tol:
+                    n += 1
+                    r = float("inf") if r is None else r
+                    if worst is None or r > worst[0]:
+                        worst = (r, d.position)
+    if worst is None:
+        return None
+    return f"regret {worst[0]:.2f} @{worst[1]}, {n} divergence(s) > {tol:g} nat"
 
 
 def _num(x: float | None) -> str:
