@@ -117,7 +117,7 @@ def render_markdown(out: LosslessOutcome) -> str:
               f"- prompts: {cfg.get('num_prompts')} from `{cfg.get('dataset')}`, max_tokens {cfg.get('max_tokens')}, "
               f"candidate concurrency {cfg.get('concurrency')}; re-scoring "
               f"{'on' if cfg.get('rescore') else 'off'}",
-              f"- run id: `{out.run_id}`, wall {out.wall_s:.1f} s"]
+              f"- run id: {f'`{out.run_id}`' if out.run_id else 'not recorded'}, wall {out.wall_s:.1f} s"]
     lines += [f"- note: {n}" for n in out.notes]
     lines += ["", "## Gates", ""] + gate_summary_rows(out.gates)
     for g in out.gates:
