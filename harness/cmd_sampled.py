@@ -23,11 +23,15 @@ def sampled(
                                         "Default: the bundled tiny pair, spec off."),
     candidate: str | None = typer.Option(None, "--candidate", help="Engine string, speculation on. "
                                          "Default: the bundled tiny pair, spec on."),
-    num_prompts: int = typer.Option(8, "--num-prompts", min=1, help="gsm8k test prompts."),
+    num_prompts: int | None = typer.Option(None, "--num-prompts", min=1, help="gsm8k test prompts "
+                                           "(default 8; --selftest: 1)."),
     configs: str | None = typer.Option(None, "--configs", help="Sampling configs 't=1.0;t=0.7,p=0.9;t=1,k=20' "
-                                       "(keys t, p, k). Default: t1.0; t0.7-p0.9; t1.0-k20; t0.5."),
-    positions: int = typer.Option(8, "--positions", min=1, help="Output positions P tested (max_tokens = P)."),
-    samples: int = typer.Option(256, "--samples", min=2, help="Samples per arm per (prompt, config)."),
+                                       "(keys t, p, k). Default: t1.0; t0.7-p0.9; t1.0-k20; t0.5 "
+                                       "(--selftest: t=1,k=3; t=0.7,p=0.8; t=0.5; t=1)."),
+    positions: int | None = typer.Option(None, "--positions", min=1, help="Output positions P tested "
+                                         "(max_tokens = P) (default 32; --selftest: 4)."),
+    samples: int | None = typer.Option(None, "--samples", min=2, help="Samples per arm per (prompt, config) "
+                                       "(default 256; --selftest: 1024)."),
     permutations: int = typer.Option(1999, "--permutations", min=19, help="Permutations per cell."),
     q: float = typer.Option(0.05, "--q", min=0.0, max=1.0, help="Benjamini-Hochberg false discovery rate."),
     null: bool = typer.Option(False, "--null", help="Also run spec vs spec on disjoint seeds: must reject nothing."),
@@ -36,7 +40,8 @@ def sampled(
     seed: int = typer.Option(0, "--seed", min=0, help="Base seed (sample seeds and permutations)."),
     concurrency: int = typer.Option(128, "--concurrency", min=1, help="Requests in flight per arm."),
     refine: bool = typer.Option(True, "--refine/--no-refine", help="Extra permutations for cells near the p floor."),
-    prompt_chars: int = typer.Option(400, "--prompt-chars", min=16, help="Keep the last N characters of a prompt."),
+    prompt_chars: int | None = typer.Option(None, "--prompt-chars", min=16, help="Keep the last N characters "
+                                            "of a prompt (default 400; --selftest: 200)."),
     json_out: bool = typer.Option(False, "--json", help="Print the summary JSON (last line)."),
     report: Path | None = typer.Option(None, "--report", help="Write the markdown report here."),
     results: Path | None = typer.Option(None, "--results", help="Results directory (default $SPECBENCH_RESULTS "
@@ -47,21 +52,28 @@ def sampled(
     from specbench.harness.engines import EngineStringError, build_adapter, default_engines, parse_engine
     from specbench.suites.sampled import report as rep
     from specbench.suites.sampled.gate import DEFAULT_CONFIGS, GateOptions, SampledError, parse_configs
+    from specbench.suites.sampled.selftest import SELFTEST_CONFIGS, SELFTEST_OPTIONS
 
     def bad(msg: str) -> typer.Exit:
         typer.echo(f"specbench sampled: {msg}", err=True)
         return typer.Exit(2)
 
     try:
-        opts = GateOptions(num_prompts=num_prompts, positions=positions, samples=samples, permutations=permutations,
-                           q=q, null=null, seed=seed, concurrency=concurrency, refine=refine, prompt_chars=prompt_chars)
-        cfgs = parse_configs(configs) if configs else list(DEFAULT_CONFIGS)
+        given = {"num_prompts": num_prompts, "positions": positions, "samples": samples, "prompt_chars": prompt_chars}
+        dflt_opts = SELFTEST_OPTIONS if selftest else {}
+        sized = {k: v if v is not None else dflt_opts.get(k, getattr(GateOptions, k)) for k, v in given.items()}
+        opts = GateOptions(**sized, permutations=permutations, q=q, null=null, seed=seed, concurrency=concurrency,
+                           refine=refine)
+        cfgs = parse_configs(configs or SELFTEST_CONFIGS) if (configs or selftest) else list(DEFAULT_CONFIGS)
         need_default = baseline is None or candidate is None
         dflt = default_engines() if need_default else None
         bspec = parse_engine(baseline) if baseline else dflt[0]  # type: ignore[index]
         cspec = parse_engine(candidate) if candidate else dflt[1]  # type: ignore[index]
         if selftest and (cspec.kind != "local" or "faults" in cspec.options):
             raise SampledError("--selftest needs a local candidate without faults= (it injects them itself)")
+        if selftest and opts.positions < 4:
+            raise SampledError(f"--positions {opts.positions} is too few for --selftest: reused_uniform acts only "
+                               "from the second draft of a verify step (expected >= 4)")
     except (SampledError, EngineStringError, ValueError, FileNotFoundError) as e:
         raise bad(str(e)) from None
 

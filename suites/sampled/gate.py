@@ -4,7 +4,7 @@ Contract:
 - For every prompt x sampling config, each arm draws `samples` seeded generations of `positions`
   tokens (ignore_eos; a missing position, e.g. an engine that stopped early, is the category END = -1).
   Seeds are distinct per sample and disjoint between arms (`seed_of`), so the two samples of a cell are
-  independent draws. Position 0 comes from prefill; positions >= 1 pass through verify/accept whenever
+  independent draws. An engine that reports no output ids has its text re-tokenized (`adapter.tokenize`). Position 0 comes from prefill; positions >= 1 pass through verify/accept whenever
   the candidate speculates (an engine only speculates while >= 2 tokens remain), hence max_tokens = P.
 - A cell is (prompt, config, position j): the marginal distribution of output token j. Each cell gets a
   permutation test on the maximum studentized frequency difference (stats.py; one shared set of
@@ -87,7 +87,7 @@ def parse_configs(text: str) -> list[SamplingConfig]:
 @dataclass(frozen=True)
 class GateOptions:
     num_prompts: int = 8
-    positions: int = 8
+    positions: int = 32
     samples: int = 256
     permutations: int = 1999
     q: float = 0.05
@@ -156,12 +156,21 @@ def collect(adapter: EngineAdapter, prompts: Sequence[tuple[str, str]], configs:
     seconds = time.perf_counter() - t0
     spec = counters_delta(before, adapter.spec_counters_sync())
     rows: dict[tuple[int, int], list[list[int]]] = {}
-    failed = []
+    failed: list[str] = []
+    retok: dict[str, list[int] | None] = {}
     for key, res in zip(keys, results, strict=True):
-        if not res.ok or res.output_ids is None:
-            failed.append(f"{res.rid}: {res.error or 'no output token ids'}")
+        out = res.output_ids
+        if res.ok and out is None:
+            # An engine that reports text only: re-tokenize it. Any fixed function of the output keeps the
+            # null hypothesis (equal distributions), so the test stays valid; positions are then those of
+            # the re-tokenized text.
+            if res.text not in retok:
+                retok[res.text] = adapter.tokenize_sync(res.text)
+            out = retok[res.text]
+        if not res.ok or out is None:
+            failed.append(f"{res.rid}: {res.error or 'the engine reports neither output token ids nor /tokenize'}")
             continue
-        ids = list(res.output_ids[:opts.positions])
+        ids = list(out[:opts.positions])
         rows.setdefault(key, []).append(ids + [END] * (opts.positions - len(ids)))
     tokens = {k: np.asarray(v, dtype=np.int64) for k, v in rows.items()}
     return Samples(arm, tokens, failed, seconds, spec)

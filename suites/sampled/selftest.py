@@ -18,6 +18,7 @@ from .gate import (
     DEFAULT_CONFIGS,
     GateOptions,
     GateResult,
+    SampledError,
     Samples,
     SamplingConfig,
     collect,
@@ -26,6 +27,11 @@ from .gate import (
 )
 
 FAULT_CASES = ("biased_accept", "resample_from_p", "reused_uniform")
+# Calibrated on the bundled tiny pair (docs/sampled.md "Self-test"): P = 4 is the fewest positions at which
+# reused_uniform can act (the first verify then has 2 drafts); it shows at position 2 only, with a TV of
+# about 0.05-0.1, hence 1,024 samples per arm.
+SELFTEST_OPTIONS = {"num_prompts": 1, "positions": 4, "samples": 1024, "prompt_chars": 200}
+SELFTEST_CONFIGS = "t=1,k=3;t=0.7,p=0.8;t=0.5;t=1"
 
 
 def _row(case: str, res: GateResult, seconds: float) -> dict:
@@ -44,6 +50,9 @@ def run_selftest(baseline: EngineAdapter, make_candidate: Callable[[str | None],
                  cases: Sequence[str] = ("clean", *FAULT_CASES), log: Callable[[str], None] | None = None,
                  on_samples: Callable[[Samples], None] | None = None) -> tuple[list[dict], dict[str, GateResult]]:
     say = log or (lambda s: None)
+    if "reused_uniform" in cases and opts.positions < 4:
+        raise SampledError(f"--positions {opts.positions} is too few for the self-test: reused_uniform acts only "
+                           "from the second draft of a verify step, which needs positions >= 4")
     prompts = list(prompts) if prompts is not None else load_prompts(opts.num_prompts, opts.prompt_chars)
     t0 = time.perf_counter()
     base = collect(baseline, prompts, configs, opts, "baseline", 0)

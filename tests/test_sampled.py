@@ -1,0 +1,283 @@
+"""The sampled equivalence gate: its statistics on synthetic data, the gate on the tiny pair, the CLI.
+
+Statistics: identical distributions give uniform-ish p-values and no BH rejections, a shifted one is
+rejected, BH matches a hand-worked vector, the stated power bound holds by simulation. Gate: the clean
+local engine passes, each sampling fault is caught (a CI-sized configuration; the full-size one is
+`-m slow`), and the CLI's exit codes (0 pass, 1 fail, 2 bad input).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from specbench.harness.adapters.base import EngineAdapter, GenResult
+from specbench.suites.sampled import stats
+from specbench.suites.sampled.gate import (
+    DEFAULT_CONFIGS,
+    END,
+    GateOptions,
+    SampledError,
+    SamplingConfig,
+    parse_configs,
+    verdict_of,
+)
+
+GEOM = np.exp(-np.arange(30) / 3.0)
+GEOM = GEOM / GEOM.sum()
+
+
+# ---- statistics ------------------------------------------------------------------------------------
+def test_max_studentized_and_tv_known_values():
+    ca, cb = np.array([3, 1]), np.array([1, 3])
+    # pooled f = 0.5 each; |0.75 - 0.25| / sqrt(0.25 * 0.5) = 0.5 / 0.35355
+    assert math.isclose(stats.max_studentized(ca, cb, 4, 4), 0.5 / math.sqrt(0.125))
+    assert stats.max_studentized(np.array([4]), np.array([4]), 4, 4) == 0.0  # one category: no information
+    assert stats.tv_distance(np.array([0, 0, 1, 1]), np.array([0, 1, 1, 1])) == pytest.approx(0.25)
+    assert stats.tv_distance(np.array([5, 5]), np.array([7, 7])) == pytest.approx(1.0)
+
+
+def test_identical_distributions_give_uniform_p_values_and_no_rejections():
+    rng = np.random.default_rng(0)
+    perm = stats.Permuter(128, 128, 199, seed=1)
+    p = np.array([perm.test(rng.choice(30, 128, p=GEOM), rng.choice(30, 128, p=GEOM)).p_value for _ in range(300)])
+    for level in (0.05, 0.2, 0.5):
+        assert abs((p <= level).mean() - level) < 0.07, (level, (p <= level).mean())
+    assert not stats.benjamini_hochberg(p, 0.05).any()
+
+
+def test_shifted_distribution_is_rejected():
+    rng = np.random.default_rng(1)
+    a = rng.choice(30, 256, p=GEOM)
+    b = rng.choice(30, 256, p=stats.swap_mass(GEOM, 0.2))
+    r = stats.permutation_test(a, b, 999, seed=2)
+    assert r.p_value <= 0.002 and r.exceed <= 1
+    assert stats.tv_distance(a, b) > 0.15
+
+
+def test_constant_cell_has_p_one():
+    r = stats.permutation_test(np.full(10, 7), np.full(12, 7), 99)
+    assert r.p_value == 1.0 and r.support == 1
+
+
+def test_refine_sharpens_floor_p_values():
+    rng = np.random.default_rng(3)
+    a, b = rng.choice(30, 128, p=GEOM), rng.choice(30, 128, p=stats.swap_mass(GEOM, 0.4))
+    perm = stats.Permuter(128, 128, 99, seed=4, chunk=500)
+    r = perm.test(a, b)
+    assert r.p_value == 1 / 100
+    r2 = perm.refine(a, b, r, upto=2000)
+    assert r2.permutations >= 2000 and r2.p_value < 1 / 1000
+
+
+def test_benjamini_hochberg_on_a_known_vector():
+    p = [0.01, 0.04, 0.03, 0.5, 0.001]
+    # sorted 0.001, 0.01, 0.03, 0.04, 0.5 vs k q / m = 0.01, 0.02, 0.03, 0.04, 0.05: k* = 4
+    assert stats.benjamini_hochberg(p, 0.05).tolist() == [True, True, True, False, True]
+    assert np.allclose(stats.bh_adjusted(p), [0.025, 0.05, 0.05, 0.5, 0.005])
+    # the step-up: p_(2) fails its own threshold but p_(3) passes, so both are rejected
+    p2 = [0.001, 0.0125, 0.014, 0.9]  # thresholds 0.0125, 0.025, 0.0375, 0.05
+    assert stats.benjamini_hochberg(p2, 0.05).tolist() == [True, True, True, False]
+    assert stats.benjamini_hochberg([0.02, 0.03], 0.01).tolist() == [False, False]
+    assert stats.benjamini_hochberg([], 0.05).size == 0
+
+
+def test_min_detectable_tv_is_conservative_by_simulation():
+    n, alpha = 128, 0.05
+    mde = stats.min_detectable_tv(GEOM, n, n, alpha)
+    assert 0 < mde < GEOM[0]
+    power = stats.simulated_power(GEOM, stats.swap_mass(GEOM, mde), n, n, alpha, sims=80, permutations=199)
+    assert power >= 0.7, power
+    assert stats.min_detectable_tv(GEOM, n, n, alpha / 100) > mde  # stricter level, larger MDE
+    assert stats.min_detectable_tv(GEOM, 4 * n, 4 * n, alpha) < mde  # more samples, smaller MDE
+    assert stats.min_detectable_tv(np.ones(500), n, n, alpha) == math.inf  # too flat for a swap
+
+
+# ---- gate pieces -----------------------------------------------------------------------------------
+def test_parse_configs_and_options():
+    cs = parse_configs("t=1.0; t=0.7,p=0.9 ;temperature=1,top_k=20")
+    assert [c.name for c in cs] == ["t1", "t0.7-p0.9", "t1-k20"]
+    assert cs[2] == SamplingConfig("t1-k20", 1.0, 1.0, 20)
+    assert len(DEFAULT_CONFIGS) == 4
+    for bad in ("t=0", "x=1", "t=abc", "p=1.5", "k=2.5", ";"):
+        with pytest.raises(SampledError):
+            parse_configs(bad)
+    with pytest.raises(SampledError, match="--positions"):
+        GateOptions(positions=0)
+    with pytest.raises(SampledError, match="--q"):
+        GateOptions(q=1.5)
+
+
+def test_verdicts():
+    spec = {"num_drafts": 10, "num_accepted_tokens": 3}
+    assert verdict_of([], spec, []) == "PASS"
+    assert verdict_of([], None, []) == "PASS (speculation unverified)"
+    assert verdict_of([], {"num_drafts": 0, "num_accepted_tokens": 0}, []) == "NOT SPECULATING"
+    assert verdict_of([], {"num_drafts": 5, "num_accepted_tokens": 0}, []) == "NO DRAFT ACCEPTED"
+    assert verdict_of([], spec, ["r1: boom"]) == "INCOMPLETE"
+    assert END == -1
+
+
+# ---- the gate end to end on a fake engine (no model) -----------------------------------------------
+class FakeEngine(EngineAdapter):
+    """Token j of a sample ~ a fixed distribution over 6 tokens (seeded by the request); `bias` moves mass
+    at positions >= 1 from token 0 to token 1; `text_only` reports text, not ids; `counters` None = none."""
+
+    kind = "fake"
+
+    def __init__(self, bias: float = 0.0, text_only: bool = False, counters: tuple | None = (10, 3),
+                 fail_every: int = 0) -> None:
+        super().__init__("fake")
+        self.bias, self.text_only, self.counters, self.fail_every = bias, text_only, counters, fail_every
+        self.calls = 0
+
+    async def generate_one(self, req):
+        self.calls += 1
+        if self.fail_every and self.calls % self.fail_every == 0:
+            return GenResult(rid=req.rid or "x", ok=False, error="boom")
+        rng = np.random.default_rng(req.seed)
+        ids = []
+        for j in range(req.max_tokens):
+            p = np.array([0.4, 0.2, 0.15, 0.1, 0.1, 0.05])
+            if j >= 1:
+                p[0] -= self.bias
+                p[1] += self.bias
+            ids.append(int(rng.choice(6, p=p)))
+        return GenResult(rid=req.rid or "x", ok=True, text=" ".join(map(str, ids)),
+                         output_ids=None if self.text_only else ids)
+
+    async def tokenize(self, text):
+        return [int(t) for t in text.split()]
+
+    async def spec_counters(self):
+        if self.counters is None:
+            return None
+        d, a = self.counters
+        return {"num_drafts": d * self.calls, "num_draft_tokens": 2 * d * self.calls,
+                "num_accepted_tokens": a * self.calls, "accepted_per_pos": [a * self.calls], "source": "fake"}
+
+    def describe(self):
+        return {"name": "fake", "kind": "fake", "config": {}}
+
+
+FAKE_OPTS = dict(num_prompts=2, positions=3, samples=200, permutations=199, concurrency=64)
+
+
+def test_gate_end_to_end_on_a_fake_engine():
+    from specbench.suites.sampled import report
+    from specbench.suites.sampled.gate import run_gate
+
+    cfgs = parse_configs("t=1")
+    res = run_gate(FakeEngine(), FakeEngine(text_only=True), GateOptions(**FAKE_OPTS, null=True), cfgs)
+    assert res.verdict == "PASS", res.summary()
+    assert [len(c.cells) for c in res.comparisons] == [6, 6]  # 2 prompts x 1 config x 3 positions, each
+    assert res.spec["num_drafts"] > 0 and res.spec["mean_accept_len"] == pytest.approx(1.3)
+    md = report.render(res)
+    assert "Sampled equivalence gate: PASS" in md and "## null" in md
+    bad = run_gate(FakeEngine(), FakeEngine(bias=0.2), GateOptions(**FAKE_OPTS), cfgs)
+    assert bad.verdict == "FAIL"
+    assert {(c.position) for c in bad.comparisons[0].rejected} <= {1, 2}  # position 0 is untouched
+    assert len(bad.comparisons[0].rejected) >= 3 and "Rejected cells" in report.render(bad)
+    assert run_gate(FakeEngine(), FakeEngine(counters=(0, 0)), GateOptions(**FAKE_OPTS), cfgs).verdict == \
+        "NOT SPECULATING"
+    assert run_gate(FakeEngine(), FakeEngine(counters=None), GateOptions(**FAKE_OPTS), cfgs).verdict == \
+        "PASS (speculation unverified)"
+    inc = run_gate(FakeEngine(), FakeEngine(fail_every=50), GateOptions(**FAKE_OPTS), cfgs)
+    assert inc.verdict == "INCOMPLETE" and inc.failed
+
+
+# ---- the gate on the tiny pair ---------------------------------------------------------------------
+# The CI configuration (docs/sampled.md "Self-test"): small enough for CI, every fault still caught.
+CI_OPTS = dict(num_prompts=1, positions=4, samples=1024, permutations=999, prompt_chars=200)
+CI_CONFIGS = "t=0.7,p=0.8"  # the config where reused_uniform shows most (position 2)
+
+
+def _adapters(tiny_pair, fault: str | None = None):
+    from specbench.harness.adapters.local import LocalAdapter
+
+    target, draft = tiny_pair
+    kw = {"faults": (fault,)} if fault else {}
+    return LocalAdapter.from_dirs(target, draft=draft, spec="dflash", name=f"cand-{fault or 'clean'}", **kw)
+
+
+@pytest.fixture(scope="module")
+def selftest_ci(tiny_pair):
+    from specbench.harness.adapters.local import LocalAdapter
+    from specbench.suites.sampled.selftest import run_selftest
+
+    base = LocalAdapter.from_dirs(tiny_pair[0], spec="off", name="baseline")
+    try:
+        rows, results = run_selftest(base, lambda f: _adapters(tiny_pair, f), GateOptions(**CI_OPTS, null=True),
+                                     parse_configs(CI_CONFIGS))
+    finally:
+        base.close()
+    return {r["case"]: r for r in rows}, results
+
+
+def test_gate_passes_clean_engine_with_null_run(selftest_ci):
+    rows, results = selftest_ci
+    res = results["clean"]
+    assert res.verdict == "PASS", res.summary()
+    assert [c.name for c in res.comparisons] == ["spec", "null"]
+    assert all(not c.rejected for c in res.comparisons)
+    assert res.spec["num_drafts"] > 0 and res.spec["mean_accept_len"] > 1.2  # the accept path was exercised
+    assert rows["clean"]["testable"] > 0
+
+
+@pytest.mark.parametrize("fault", ["biased_accept", "resample_from_p", "reused_uniform"])
+def test_gate_catches_each_sampling_fault(selftest_ci, fault):
+    rows, results = selftest_ci
+    assert rows[fault]["verdict"] == "FAIL", rows[fault]
+    assert rows[fault]["ok"]
+    assert results[fault].comparisons[0].rejected
+
+
+# ---- CLI -------------------------------------------------------------------------------------------
+def _cli(args: list[str]):
+    from typer.testing import CliRunner
+
+    from specbench.harness.cli import _register, app
+
+    _register()
+    return CliRunner().invoke(app, ["sampled", *args])
+
+
+def test_cli_exit_codes(tiny_pair, tmp_path):
+    target, draft = tiny_pair
+    small = ["--num-prompts", "1", "--positions", "3", "--samples", "24", "--configs", "t=1", "--permutations", "99",
+             "--results", str(tmp_path / "res")]
+    base, cand = f"local:{target},spec=off", f"local:{target},draft={draft},spec=dflash"
+    r = _cli(["--baseline", base, "--candidate", cand, *small, "--json", "--report", str(tmp_path / "r.md")])
+    assert r.exit_code == 0, r.output
+    summ = json.loads(r.output.strip().splitlines()[-1])
+    assert summ["verdict"] == "PASS" and summ["spec"]["num_drafts"] > 0
+    assert "Sampled equivalence gate: PASS" in (tmp_path / "r.md").read_text()
+    # the baseline as its own candidate never speculates: flagged, not passed
+    r = _cli(["--baseline", base, "--candidate", base, *small])
+    assert r.exit_code == 1 and "NOT SPECULATING" in r.output
+    for bad in (["--configs", "t=0"], ["--candidate", "nope:x"], ["--positions", "0"], ["--q", "2"],
+                ["--selftest", "--candidate", "openai:http://127.0.0.1:1"], ["--selftest", "--positions", "3"]):
+        r = _cli(["--baseline", base, "--candidate", cand, *small, *bad])
+        assert r.exit_code == 2, (bad, r.output)
+
+
+# ---- the full-size self-test (slow) ----------------------------------------------------------------
+@pytest.mark.slow
+def test_selftest_full_size(tiny_pair, request):
+    """`specbench sampled --selftest` as shipped (four configs), with the null run: a few minutes on CPU."""
+    if "slow" not in request.config.getoption("markexpr") or "not slow" in request.config.getoption("markexpr"):
+        pytest.skip("slow: run with pytest -m slow")
+    from specbench.harness.adapters.local import LocalAdapter
+    from specbench.suites.sampled.selftest import SELFTEST_CONFIGS, SELFTEST_OPTIONS, run_selftest
+
+    base = LocalAdapter.from_dirs(tiny_pair[0], spec="off", name="baseline")
+    try:
+        rows, results = run_selftest(base, lambda f: _adapters(tiny_pair, f),
+                                     GateOptions(**SELFTEST_OPTIONS, null=True), parse_configs(SELFTEST_CONFIGS))
+    finally:
+        base.close()
+    assert all(r["ok"] for r in rows), rows
+    assert not results["clean"].comparisons[1].rejected
