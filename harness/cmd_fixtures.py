@@ -20,12 +20,14 @@ def fixtures(
     device: str = typer.Option("cpu", "--device", help="Where qwen3-4b weights are drawn (cpu or cuda); "
                                                        "the tiny pair always trains on CPU."),
 ) -> None:
-    """Build model fixtures.
+    """Build model fixtures into DIR/target and DIR/draft.
 
-    tiny: a 4-layer Qwen3 target (hidden 128, byte-level BPE vocab 4096) trained briefly on bundled
-    gsm8k text, plus a DFlash drafter (block 8) distilled on the target's own greedy output; a few
-    minutes on 2 CPU cores. qwen3-4b: random bf16 weights with exactly Qwen3-4B's and
-    Qwen3-4B-DFlash-b16's configs and tensor shapes (about 9 GB), for speed work on a GPU.
+    tiny (default): a 4-layer Qwen3 target trained briefly on bundled gsm8k text,
+    plus a DFlash drafter (block 8) distilled on the target's own greedy output.
+    A few minutes on 2 CPU cores; DIR/BUILD.json records the measured acceptance.
+
+    qwen3-4b: random bf16 weights with exactly the configs and tensor shapes of
+    Qwen3-4B and Qwen3-4B-DFlash-b16 (about 9 GB), for speed work on a GPU.
     """
     if shape not in SHAPES:
         typer.echo(f"error: --shape={shape!r} is invalid: expected one of {', '.join(SHAPES)}", err=True)
