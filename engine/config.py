@@ -265,7 +265,7 @@ class EngineConfig:
     # "auto": FlashInfer on CUDA when it imports, else the torch reference (always torch on CPU).
     attention_backend: str = "auto"
     eager: bool = False  # True: no CUDA graphs (launches only; the kernels and their shapes are the same)
-    verify_graph: bool = True  # CUDA: verify steps through the padded piecewise runner (False: plain forward)
+    verify_graph: bool = True  # CUDA: non-decode steps (verify, prefill) via the padded piecewise runner
     draft_graph: bool = True  # CUDA: the DFlash draft through the padded piecewise runner (False: plain draft)
     triton: bool = True  # Triton kernels on CUDA (also off with SPECBENCH_TRITON=0); CPU keeps torch
     seed: int = 0

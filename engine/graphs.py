@@ -18,17 +18,20 @@ Contract:
   row count they were captured with (capture shape == replay shape), and graphs of one bucket replay in
   capture order, so sharing the pool is safe for step-local tensors.
 
-Verify graphs (`VerifyGraphs`, issue 8): a step of decode and verify spans (no prefill; at most the largest
-bucket of spans, each at most the largest configured span) runs padded to rows = bucket x span, where
-bucket is the smallest batch bucket >= the number of spans and span the smallest configured span >= the
-longest span of the step (default: the engine's K + 1). Real rows are packed first in span order (so the
-flat row indices of logits and taps are those of the plain forward), padding rows after them as their own
-one-token sequences on the dummy page. The body is `piecewise.PiecewiseStack`: num_layers + 1 dense
-segments captured per row count, attention eager between replays. A truncated span (a request near
-max_tokens) or a decode span among verify spans is therefore padded, never replayed at a shape it was not
-captured at: the seed engine's short-then-long bug (a bucket captured at a short span replayed for a long
-one left the tail rows' logits stale) cannot happen by construction. Logits and taps returned are views
-of static buffers, valid until the next verify step.
+Verify graphs (`VerifyGraphs`, issue 8): every step that is not pure decode (verify spans, decode spans
+riding with them, and prefill chunks that arrive meanwhile) runs padded to rows = bucket x span, where span
+is the smallest configured span >= the longest decode/verify span (default: the engine's K + 1; 16 rows
+for an engine without speculation) and bucket the smallest batch bucket that holds both the number of
+spans and the step's rows; a step that fits none (a long prefill chunk) runs the plain forward. Real rows
+are packed first in span order (so the flat row indices of logits and taps are those of the plain
+forward), padding rows after them as their own one-token sequences on the dummy page. The body is
+`piecewise.PiecewiseStack`: num_layers + 1 dense segments captured per row count, attention eager between
+replays. A truncated span (a request near max_tokens), a decode span among verify spans or a prefill
+chunk is therefore padded, never replayed at a shape it was not captured at: the seed engine's
+short-then-long bug (a bucket captured at a short span replayed for a long one left the tail rows' logits
+stale) cannot happen by construction. Logits and taps returned are views of static buffers, valid until
+the next step of this runner. Under closed-loop load a new request's prefill joins almost every
+speculative step, so keeping those steps on the graphs matters as much as the verify spans themselves.
 """
 
 from __future__ import annotations
@@ -284,7 +287,7 @@ class VerifyGraphs:
         self.spans = tuple(sorted(set(spans)))
         self.buckets = sorted(set(buckets or default_buckets(runner.cfg.max_num_seqs)))
         self.stack = TargetStack(runner, self.tap, self.buckets[-1] * self.spans[-1], capture)
-        self.stats = {"steps": 0, "real_rows": 0, "padded_rows": 0}
+        self.stats = {"steps": 0, "real_rows": 0, "padded_rows": 0, "prefill_steps": 0}
 
     @property
     def mode(self) -> str:
@@ -292,12 +295,15 @@ class VerifyGraphs:
 
     def key(self, spans: list[Span]) -> tuple[int, int] | None:
         """(batch bucket, span) the step runs at, or None when it must take the plain forward."""
-        if not spans or any(s.kind == "prefill" for s in spans):
+        if not spans:
             return None
-        b = next((x for x in self.buckets if x >= len(spans)), None)
-        longest = max(len(s.tokens) for s in spans)
+        longest = max((len(s.tokens) for s in spans if s.kind != "prefill"), default=1)
         span = next((x for x in self.spans if x >= longest), None)
-        return None if b is None or span is None else (b, span)
+        if span is None:
+            return None
+        rows = sum(len(s.tokens) for s in spans)
+        b = next((x for x in self.buckets if x >= len(spans) and x * span >= rows), None)
+        return None if b is None else (b, span)
 
     def run(self, spans: list[Span], logit_rows: list[int], key: tuple[int, int] | None = None
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -327,6 +333,7 @@ class VerifyGraphs:
         self.stats["steps"] += 1
         self.stats["real_rows"] += real
         self.stats["padded_rows"] += pad
+        self.stats["prefill_steps"] += any(s.kind == "prefill" for s in spans)
         logits = self.stack.logits
         if logit_rows == list(range(real)):
             out = logits[:real]

@@ -9,10 +9,10 @@ space, so its context for a request covers exactly the request's committed posit
 Every cache has one extra page past the pool (`dummy_page`): rows that pad a batch up to a CUDA-graph
 bucket write their K/V there and attend to it alone; no request's page table ever holds it.
 On CUDA, a step whose spans are all single decode tokens (at most the largest bucket) runs through
-`graphs.DecodeGraphs`, padded to its bucket, captured or eager (`EngineConfig.eager`); a step of verify
-and decode spans (speculation on, `EngineConfig.verify_graph`) runs through `graphs.VerifyGraphs`, padded
-to (batch bucket x span) rows, its dense segments captured or eager; everything else (prefill, steps
-past the largest bucket, fault-injected steps) runs the plain forward below. On CPU the plain forward and
+`graphs.DecodeGraphs`, padded to its bucket, captured or eager (`EngineConfig.eager`); any other step
+(verify spans, and prefill chunks with or without them; `EngineConfig.verify_graph`) runs through
+`graphs.VerifyGraphs`, padded to (batch bucket x span) rows, its dense segments captured or eager;
+what fits neither (more rows than the largest bucket holds, fault-injected steps) runs the plain forward. On CPU the plain forward and
 the torch reference ops are all there is, unless a test installs the graph runners with capture=False
 (`use_graph_runner = True`): the same padded bodies, run eagerly.
 """
@@ -36,6 +36,7 @@ log = logging.getLogger("specbench.engine")
 
 # Faults emulated by the plain forward (slot shift, mask leak, stale replay): their steps never take a graph.
 PLAIN_FAULTS = frozenset({"kv_offset", "mask_leak", "stale_shape"})
+NO_SPEC_SPAN = 16  # row quantum of the padded runner in an engine without speculation (prefill-mixed steps)
 
 
 def resolve_backend(name: str, device: torch.device) -> str:
@@ -77,7 +78,7 @@ class ModelRunner:
     def __init__(self, cfg: EngineConfig, mcfg: ModelConfig, model: Qwen3ForCausalLM, pool: PagePool,
                  device: torch.device, dtype: torch.dtype, draft_cfg: ModelConfig | None = None,
                  faults: frozenset[str] = frozenset(), spec_span: int = 0) -> None:
-        """spec_span: the longest verify span (K + 1) when speculation is on, else 0 (no verify graphs)."""
+        """spec_span: the longest verify span (K + 1) when speculation is on, else 0."""
         self.cfg, self.mcfg, self.model, self.pool = cfg, mcfg, model, pool
         self.spec_span = spec_span
         self.device, self.dtype = device, dtype
@@ -131,7 +132,7 @@ class ModelRunner:
             graphs = self.decode_graphs(tuple(tap))
             if graphs.can_run(spans):
                 return graphs.run(spans, logit_rows)
-        elif self.use_graph_runner and self.cfg.verify_graph and self.spec_span > 1 and not self.faults & PLAIN_FAULTS:
+        elif self.use_graph_runner and self.cfg.verify_graph and not self.faults & PLAIN_FAULTS:
             vg = self.verify_graphs_for(tuple(tap))
             key = vg.key(spans)
             if key is not None:
@@ -159,7 +160,8 @@ class ModelRunner:
     def verify_graphs_for(self, tap: tuple[int, ...] = ()) -> VerifyGraphs:
         """The verify graph runner for this tap set (its row counts captured lazily unless cfg.eager)."""
         if self.verify_graphs is None or self.verify_graphs.tap != tap:
-            self.verify_graphs = VerifyGraphs(self, tap, (self.spec_span,), capture=not self.cfg.eager)
+            span = self.spec_span if self.spec_span > 1 else NO_SPEC_SPAN
+            self.verify_graphs = VerifyGraphs(self, tap, (span,), capture=not self.cfg.eager)
         return self.verify_graphs
 
     def _replay_stale(self, bucket: int, logits: torch.Tensor) -> torch.Tensor:

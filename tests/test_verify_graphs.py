@@ -10,6 +10,11 @@ regret gate, OOM at batch 64) is tests/gpu/test_spec_gpu.py.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -19,6 +24,7 @@ from specbench.engine.graphs import VerifyGraphs
 from specbench.engine.memory import draft_weight_bytes, plan_memory, tensor_bytes
 from specbench.engine.scheduler import Span
 from specbench.engine.spec.dflash_graphs import DraftGraphs
+from specbench.kernels import triton_importable
 
 N_NEW = 20
 BUDGETS = [1, 2, 3, 6, 11, 20]  # staggered: truncated spans and decode spans ride with full verify spans
@@ -125,14 +131,18 @@ def test_padded_verify_is_bit_identical_to_plain_forward(ready, lens):
     assert vg.stack.shapes == {b * span: b * span}
 
 
-def test_verify_key_refuses_prefill_and_oversize(ready):
+def test_verify_key_buckets_spans_and_rows(ready):
     llm, reqs = ready
     eng = llm.engine
-    vg = VerifyGraphs(eng.runner, (), (eng.k + 1,), capture=False, buckets=[1, 2])
+    s_full = eng.k + 1
+    vg = VerifyGraphs(eng.runner, (), (s_full,), capture=False, buckets=[1, 2, 4])
     spans = verify_spans(eng, reqs[:3], [2, 2, 2])
-    assert vg.key(spans[:2]) == (2, eng.k + 1)
-    assert vg.key(spans) is None  # more spans than the largest bucket: plain forward
-    assert vg.key([Span(reqs[0], [1, 2], 0, "prefill")]) is None
+    assert vg.key(spans[:2]) == (2, s_full)
+    assert vg.key(spans) == (4, s_full)
+    assert vg.key(spans + spans[:2]) is None  # more spans than the largest bucket: plain forward
+    chunk = Span(reqs[3], list(range(2 * s_full + 1)), 0, "prefill")  # a prefill chunk needs rows, not a slot
+    assert vg.key([chunk]) == (4, s_full) and vg.key(spans[:1] + [chunk]) == (4, s_full)
+    assert vg.key([Span(reqs[3], list(range(4 * s_full + 1)), 0, "prefill")]) is None  # too many rows
     assert VerifyGraphs(eng.runner, (), (3,), capture=False).key(verify_spans(eng, reqs[:1], [4])) is None
 
 
@@ -171,6 +181,30 @@ def test_fast_paths_are_lossless_and_draft_the_same(tiny_target, tiny_draft, pro
     assert sum(r for runs in (o.spec["accepted_runs"] for o in of) for r in runs) > 0
 
 
+def test_prefill_joining_verify_steps_takes_the_padded_runner(tiny_target, tiny_draft, baseline, prompts, params):
+    """Closed-loop arrivals: short prompts join while others verify, so steps mix prefill chunks with
+    verify and decode spans; they run padded (rows bucketed), losslessly; spec off too (16-row quantum)."""
+    g = torch.Generator().manual_seed(3)
+    short = [torch.randint(10, 4000, (5 + 3 * i,), generator=g).tolist() for i in range(5)]
+    sp = [SamplingParams(max_tokens=6 + 3 * i, ignore_eos=True) for i in range(5)]
+    plain = LLM(tiny_target, num_pages=256)
+    want = [plain.generate([p], q)[0].output_ids for p, q in zip(short, sp, strict=True)]
+    for llm in (spec_llm(tiny_target, tiny_draft), LLM(tiny_target, num_pages=256, max_num_seqs=8)):
+        eng = llm.engine
+        eng.runner.use_graph_runner = True
+        got: dict[str, list[int]] = {}
+        for i, (p, q) in enumerate(zip(short, sp, strict=True)):  # one arrival per step
+            eng.add_request(p, q, rid=f"a{i}")
+            for o in eng.step():
+                got[o.rid] = o.output_ids
+        while eng.has_unfinished():
+            for o in eng.step():
+                got[o.rid] = o.output_ids
+        assert [got[f"a{i}"] for i in range(5)] == want
+        st = eng.fast_path_stats()["verify"]
+        assert st["prefill_steps"] >= 3 and st["padded_rows"] > 0
+
+
 class FrozenFirstShape(VerifyGraphs):
     """The seed engine's bug, emulated on CPU: graphs keyed by batch bucket alone, captured at the first
     step's row count; a later replay with more rows leaves the rows past the capture holding the previous
@@ -181,6 +215,8 @@ class FrozenFirstShape(VerifyGraphs):
         self.frozen: dict[int, int] = {}
 
     def run(self, spans, logit_rows, key=None):
+        if any(s.kind == "prefill" for s in spans):  # the seed's graphs served verify steps only
+            return super().run(spans, logit_rows, key)
         b = (key or self.key(spans))[0]
         real = sum(len(s.tokens) for s in spans)
         captured = self.frozen.setdefault(b, real)
@@ -211,7 +247,7 @@ def test_short_then_long_gate(tiny_target, tiny_draft, prompts):
     assert _short_then_long(good, prompts) == (want_short, want_long)
     vg = good.engine.runner.verify_graphs
     span = good.engine.k + 1
-    assert vg.stack.shapes == {span: span} and vg.stats["padded_rows"] >= span - 2
+    assert vg.stack.shapes[span] == span and vg.stats["padded_rows"] >= span - 2  # bucket 1: always S rows
 
     bad = spec_llm(tiny_target, tiny_draft)
     r = bad.engine.runner
@@ -286,3 +322,65 @@ def test_greedy_picks_use_one_batched_host_transfer(tiny_target, tiny_draft, pro
     monkeypatch.setattr(engine_mod, "select", guarded)
     for llm in (LLM(tiny_target, num_pages=256), spec_llm(tiny_target, tiny_draft)):
         assert [o.output_ids for o in llm.generate(prompts[:4], params[:4])] == baseline[:4]
+
+
+INTERPRETER_SPEC = textwrap.dedent('''
+    import os, sys
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+    import triton.runtime.interpreter as ti
+
+    _orig = ti._patch_lang_tensor
+    def _patched(tensor, scope):  # numpy >= 2.4 refuses int() of a 1-element array
+        _orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+    ti._patch_lang_tensor = _patched
+
+    from specbench.engine import LLM, SamplingParams
+    from specbench.engine.attention.torch_ref import TorchAttention
+    from specbench.kernels.ops import TritonOps
+
+    class StoredKV(TorchAttention):  # like FlashInfer, accepts K/V the rope kernel stored
+        accepts_stored_kv = True
+
+        def plan(self, meta):
+            super().plan(meta)
+            self.slot_mapping = meta.slot_mapping
+
+        def forward(self, q, k, v, kc, vc, scale):
+            if k is None:
+                k, v = kc[self.meta.slot_mapping], vc[self.meta.slot_mapping]
+            return super().forward(q, k, v, kc, vc, scale)
+
+    target, draft = sys.argv[1], sys.argv[2]
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(10, 4000, (6 + 4 * i,), generator=g).tolist() for i in range(2)]
+    sp = [SamplingParams(max_tokens=9 + 4 * i, ignore_eos=True) for i in range(2)]
+    plain = LLM(target, num_pages=128)
+    want = [plain.generate([p], q)[0].output_ids for p, q in zip(prompts, sp)]
+    simple = LLM(target, draft=draft, num_pages=128, max_num_seqs=4)
+    runs = [o.spec["accepted_runs"] for o in simple.generate(prompts, sp)]
+    fast = LLM(target, draft=draft, num_pages=128, max_num_seqs=4)
+    eng = fast.engine
+    eng.runner.model.ops = TritonOps()
+    eng.runner.backend = StoredKV("cpu")
+    eng.runner.use_graph_runner = True
+    eng.proposer.use_graphs = True
+    outs = fast.generate(prompts, sp)
+    assert [o.output_ids for o in outs] == want, ([o.output_ids for o in outs], want)
+    assert [o.spec["accepted_runs"] for o in outs] == runs, ([o.spec["accepted_runs"] for o in outs], runs)
+    st = eng.fast_path_stats()
+    assert st["verify"]["steps"] > 0 and st["draft"]["steps"] > 0, st
+    print("SPEC ENGINE OK", runs)
+''')
+
+
+@pytest.mark.skipif(not triton_importable(), reason="triton is not installed: the interpreter checks need it")
+def test_fast_spec_engine_with_triton_ops_under_interpreter(tiny_target, tiny_draft):
+    """The GPU op set on the padded runners: Triton q/k norm + RoPE storing K/V itself (target and drafter
+    blocks), the K-only kernel for the drafter's context rows, add+RMSNorm and SwiGLU kernels; fp32 under
+    the Triton interpreter: the same tokens as spec off, the same accepted runs as the simple spec path."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", INTERPRETER_SPEC, tiny_target, tiny_draft], env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0 and "SPEC ENGINE OK" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
