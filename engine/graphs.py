@@ -51,6 +51,7 @@ if TYPE_CHECKING:  # the runner imports this module
     from .scheduler import Span
 
 log = logging.getLogger("specbench.engine")
+NO_SPEC_SPAN = 16  # row quantum of the padded runner in an engine without speculation (prefill-mixed steps)
 
 
 def default_buckets(max_batch: int) -> list[int]:

@@ -9,8 +9,8 @@ of the memory is promised:
   already resident, so the profile's used memory holds them and the plan logs computed vs measured),
   the activations of the largest plain step, and the speculative step's extra scratch: the draft's
   [max_num_seqs x B] rows and the verify's [max_num_seqs x (K + 1)] rows (fp32 + model-dtype logits
-  and dense temporaries), plus the static buffers of the draft and verify graph runners when graphs are
-  on (`graph_reserve`).
+  and dense temporaries), plus, on the GPU, the static buffers of the padded draft and verify runners
+  and (unless `eager`) their graph pools (`spec_reserve`).
 On the GPU: pages = (total x gpu_memory_utilization - used after the weights - fixed reserves) /
 bytes per page, capped at what max_num_seqs full-length requests need. On the CPU: that cap, at most
 1 GiB. An explicit `EngineConfig.num_pages` wins and is reported as such.
@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import EngineConfig, ModelConfig
+from .graphs import NO_SPEC_SPAN
 
 log = logging.getLogger("specbench.engine")
 GiB = 2**30
@@ -60,28 +61,31 @@ def step_row_bytes(mcfg: ModelConfig, dtype: torch.dtype) -> int:
 
 
 def spec_reserve(cfg: EngineConfig, mcfg: ModelConfig, draft: ModelConfig | None, dtype: torch.dtype,
-                 k: int, graphs: bool) -> dict[str, int]:
-    """Fixed bytes the speculative step needs beyond the plain step's activation reserve."""
-    if k <= 0:
-        return {}
+                 k: int, runners: bool, capture: bool) -> dict[str, int]:
+    """Fixed bytes beyond the plain step's activation reserve: the speculative step's scratch (k > 0), and
+    with the padded runners (`runners`: CUDA) their static buffers, plus their graph pools (`capture`)."""
     out: dict[str, int] = {}
     elem = elem_size(dtype)
-    verify_rows = cfg.max_num_seqs * (k + 1)
-    # Verify rows past the plain reserve's row count need their own logits and temporaries.
-    out["verify_scratch"] = max(0, verify_rows - cfg.max_num_batched_tokens) * step_row_bytes(mcfg, dtype)
-    if graphs:
+    verify_rows = cfg.max_num_seqs * (k + 1 if k > 0 else NO_SPEC_SPAN)
+    if k > 0:  # verify rows past the plain reserve's row count need their own logits and temporaries
+        out["verify_scratch"] = max(0, verify_rows - cfg.max_num_batched_tokens) * step_row_bytes(mcfg, dtype)
+    if runners and cfg.verify_graph:
         static = mcfg.vocab_size * 4 + (3 * mcfg.q_size + 2 * mcfg.kv_size + mcfg.hidden_size) * elem
         if draft is not None:
             static += len(draft.target_layer_ids or ()) * mcfg.hidden_size * elem  # the taps
         out["verify_graph_static"] = verify_rows * static
-    if draft is not None:
+        if capture:  # the pool holds the largest segment's temporaries: the tail's logits, the MLP
+            out["verify_graph_pool"] = verify_rows * (mcfg.vocab_size + 3 * mcfg.intermediate_size) * elem
+    if draft is not None and k > 0:
         b = int(draft.block_size or 1)
         rows = cfg.max_num_seqs * b
         out["draft_weights"] = draft_weight_bytes(draft, mcfg, dtype)
         out["draft_scratch"] = rows * step_row_bytes(draft, dtype)
-        if graphs:
+        if runners and cfg.draft_graph:
             out["draft_graph_static"] = rows * (mcfg.vocab_size * 4 + (3 * draft.q_size + 2 * draft.kv_size
                                                                        + draft.hidden_size) * elem)
+            if capture:
+                out["draft_graph_pool"] = rows * (mcfg.vocab_size + 3 * draft.intermediate_size) * elem
     return out
 
 
@@ -122,7 +126,7 @@ def plan_memory(cfg: EngineConfig, mcfg: ModelConfig, draft: ModelConfig | None,
     per_page = per_tok * cfg.page_size
     want = cfg.max_num_seqs * -(-max_len // cfg.page_size)
     cuda = torch.device(cfg.device).type == "cuda"
-    reserved = spec_reserve(cfg, mcfg, draft, dtype, k, graphs=cuda and not cfg.eager)
+    reserved = spec_reserve(cfg, mcfg, draft, dtype, k, runners=cuda, capture=cuda and not cfg.eager)
     if cfg.num_pages is not None:
         return MemoryPlan(cfg.num_pages, cfg.page_size, per_tok, d_tok, "explicit", reserved)
     if cuda:

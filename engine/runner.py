@@ -26,7 +26,7 @@ import torch
 from .attention.base import AttentionBackend, AttentionMetadata
 from .attention.torch_ref import TorchAttention
 from .config import EngineConfig, ModelConfig
-from .graphs import DecodeGraphs, VerifyGraphs
+from .graphs import NO_SPEC_SPAN, DecodeGraphs, VerifyGraphs
 from .kv_cache import PagePool
 from .models.qwen3 import Qwen3ForCausalLM
 from .rope import RotaryCache
@@ -36,7 +36,6 @@ log = logging.getLogger("specbench.engine")
 
 # Faults emulated by the plain forward (slot shift, mask leak, stale replay): their steps never take a graph.
 PLAIN_FAULTS = frozenset({"kv_offset", "mask_leak", "stale_shape"})
-NO_SPEC_SPAN = 16  # row quantum of the padded runner in an engine without speculation (prefill-mixed steps)
 
 
 def resolve_backend(name: str, device: torch.device) -> str:

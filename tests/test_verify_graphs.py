@@ -299,9 +299,10 @@ def test_gpu_plan_shrinks_the_pool_for_the_drafter(tiny_target, tiny_draft, monk
     eager = plan_memory(cfg.with_(eager=True), tcfg, dcfg, torch.bfloat16, big, k=7)
     assert off.source == on.source == "profile"
     assert on.num_pages < eager.num_pages < off.num_pages
-    assert {"draft_weights", "draft_scratch", "verify_graph_static", "draft_graph_static", "activations"} <= \
-        set(on.reserved)
-    assert "verify_graph_static" not in eager.reserved
+    assert {"draft_weights", "draft_scratch", "verify_graph_static", "draft_graph_static", "verify_graph_pool",
+            "draft_graph_pool", "activations"} <= set(on.reserved)
+    assert "verify_graph_pool" not in eager.reserved and "verify_graph_static" in eager.reserved
+    assert "draft_weights" not in off.reserved and "verify_graph_static" in off.reserved  # prefill-mixed steps
     fixed = sum(v for k, v in on.reserved.items() if k != "draft_weights")  # weights are resident already
     assert on.budget == int(40 * gib * 0.5) - 10 * gib - fixed
     assert on.num_pages == on.budget // (on.bytes_per_token * cfg.page_size)
