@@ -2,8 +2,11 @@
 
 Forms (options are comma-separated key=value after the target):
   local[:<model_dir>][,draft=<dir>][,spec=off|dflash|ngram][,k=N][,device=cpu|cuda[:i]][,dtype=D]
-        [,num_pages=N][,faults=a+b][,name=X][,tau=T]     (no model_dir = the bundled tiny pair;
-        tau = synthetic acceptance length for speed curves on random weights, labelled, never lossless)
+        [,num_pages=N][,faults=a+b][,name=X][,tau=T][,max_num_seqs=N][,attention=auto|torch|flashinfer]
+        [,eager=0|1][,verify_graph=0|1][,draft_graph=0|1][,triton=0|1]
+        (no model_dir = the bundled tiny pair; tau = synthetic acceptance length for speed curves on random
+        weights, labelled, never lossless; eager / verify_graph / draft_graph / triton: the GPU fast-path
+        switches, docs/gpu.md)
   openai:<base_url>[,model=M][,stream=0|1][,extras=0|1][,timeout=S][,retries=N][,api_key=K][,name=X]
   hf:<model_dir>[,assistant=<dir>][,lookup=N][,device=...][,dtype=...][,name=X]
 With no engine string at all, `default_engines()` gives the bundled tiny pair: the baseline with
@@ -26,11 +29,15 @@ if TYPE_CHECKING:
 FORMS = ("local[:<model_dir>][,draft=<dir>][,spec=off|dflash|ngram][,k=N][,device=cpu|cuda][,dtype=...]",
          "openai:<base_url>[,model=M]", "hf:<model_dir>[,assistant=<dir>][,lookup=N]")
 OPTIONS = {
-    "local": ("draft", "spec", "k", "device", "dtype", "num_pages", "faults", "name", "max_model_len", "tau"),
+    "local": ("draft", "spec", "k", "device", "dtype", "num_pages", "faults", "name", "max_model_len", "tau",
+              "max_num_seqs", "attention", "eager", "verify_graph", "draft_graph", "triton"),
     "openai": ("model", "stream", "extras", "timeout", "retries", "api_key", "name"),
     "hf": ("assistant", "lookup", "device", "dtype", "name"),
 }
 SPECS = ("off", "dflash", "ngram")
+ATTENTION = ("auto", "torch", "flashinfer")
+BOOLS = ("0", "1", "true", "false", "yes", "no", "on", "off")
+SWITCHES = ("eager", "verify_graph", "draft_graph", "triton")  # local engine switches (EngineConfig fields)
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -103,8 +110,14 @@ def parse_engine(raw: str) -> EngineSpec:
     dev = opts.get("device")
     if dev is not None and not (dev == "cpu" or dev == "cuda" or (dev.startswith("cuda:") and dev[5:].isdigit())):
         raise _fail(raw, f"device={dev!r} is invalid: expected cpu, cuda or cuda:<index>")
-    for key, lo in (("k", 1), ("lookup", 1), ("retries", 0), ("num_pages", 1), ("max_model_len", 1)):
+    for key, lo in (("k", 1), ("lookup", 1), ("retries", 0), ("num_pages", 1), ("max_model_len", 1),
+                    ("max_num_seqs", 1)):
         _check_int(raw, opts, key, lo)
+    if opts.get("attention") is not None and opts["attention"] not in ATTENTION:
+        raise _fail(raw, f"attention={opts['attention']!r} is invalid: expected one of {', '.join(ATTENTION)}")
+    for key in SWITCHES:
+        if key in opts and opts[key] not in BOOLS:
+            raise _fail(raw, f"{key}={opts[key]!r} is invalid: expected 0 or 1")
     if "tau" in opts:
         try:
             assert float(opts["tau"]) >= 1.0
@@ -168,6 +181,13 @@ def build_adapter(spec: EngineSpec | str, name: str | None = None) -> EngineAdap
             kw["faults"] = tuple(f for f in o["faults"].split("+") if f)
         if "tau" in o:
             kw["synthetic_tau"] = float(o["tau"])
+        if "max_num_seqs" in o:
+            kw["max_num_seqs"] = int(o["max_num_seqs"])
+        if "attention" in o:
+            kw["attention_backend"] = o["attention"]
+        for key in SWITCHES:
+            if key in o:
+                kw[key] = spec.opt_bool(key, False)
         return LocalAdapter.from_dirs(target, draft=draft, spec=method, k=spec.opt_int("k"),
                                       device=o.get("device", "cpu"), dtype=o.get("dtype", "float32"), name=name, **kw)
     if spec.kind == "openai":

@@ -385,3 +385,20 @@ def test_fast_spec_engine_with_triton_ops_under_interpreter(tiny_target, tiny_dr
     out = subprocess.run([sys.executable, "-c", INTERPRETER_SPEC, tiny_target, tiny_draft], env=env,
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0 and "SPEC ENGINE OK" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
+
+
+def test_engine_string_switches(tiny_target):
+    from specbench.harness.engines import EngineStringError, build_adapter, parse_engine
+
+    ad = build_adapter(f"local:{tiny_target},spec=off,eager=1,verify_graph=0,draft_graph=off,attention=torch,"
+                       "max_num_seqs=4,triton=0,num_pages=64")
+    try:
+        d, cfg = ad.engine.describe(), ad.engine.cfg
+        assert (d["eager"], d["verify_graph"], d["draft_graph"], d["attention_backend"]) == (True, False, False, "torch")
+        assert cfg.max_num_seqs == 4 and cfg.triton is False
+    finally:
+        ad.close()
+    for bad, msg in (("local,eager=2", "eager='2'"), ("local,attention=xformers", "attention='xformers'"),
+                     ("local,max_num_seqs=0", "max_num_seqs='0'")):
+        with pytest.raises(EngineStringError, match=msg):
+            parse_engine(bad)
