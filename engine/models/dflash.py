@@ -62,24 +62,13 @@ class DFlashDraftModel(nn.Module):
         t = load_tensors(draft_dir, dtype, device, strip_prefix="model.")
         with torch.device("meta"):
             m = cls(cfg, target_cfg.hidden_size)
-        h, q, kv, inter, d = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size, cfg.head_dim
+        h = cfg.hidden_size
         P = lambda x: nn.Parameter(x, requires_grad=False)  # noqa: E731
         m.fc_w = P(take(t, "fc.weight", (h, len(m.target_layer_ids) * target_cfg.hidden_size), src))
         m.hidden_norm = P(take(t, "hidden_norm.weight", (h,), src))
         m.norm = P(take(t, "norm.weight", (h,), src))
         for i, layer in enumerate(m.layers):
-            p = f"layers.{i}."
-            layer.qkv_w = P(torch.cat([take(t, p + "self_attn.q_proj.weight", (q, h), src),
-                                       take(t, p + "self_attn.k_proj.weight", (kv, h), src),
-                                       take(t, p + "self_attn.v_proj.weight", (kv, h), src)]))
-            layer.o_w = P(take(t, p + "self_attn.o_proj.weight", (h, q), src))
-            layer.gate_up_w = P(torch.cat([take(t, p + "mlp.gate_proj.weight", (inter, h), src),
-                                           take(t, p + "mlp.up_proj.weight", (inter, h), src)]))
-            layer.down_w = P(take(t, p + "mlp.down_proj.weight", (h, inter), src))
-            layer.q_norm = P(take(t, p + "self_attn.q_norm.weight", (d,), src))
-            layer.k_norm = P(take(t, p + "self_attn.k_norm.weight", (d,), src))
-            layer.in_norm = P(take(t, p + "input_layernorm.weight", (h,), src))
-            layer.post_norm = P(take(t, p + "post_attention_layernorm.weight", (h,), src))
+            layer.load_weights(t, f"layers.{i}.", src)
         return m
 
     # ---- pieces ----------------------------------------------------------------------------------

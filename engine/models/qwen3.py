@@ -33,6 +33,10 @@ from .layers import add_rms_norm, rms_norm, swiglu
 Store = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (k_cache, v_cache, slot_mapping)
 
 
+def _P(x: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(x, requires_grad=False)
+
+
 class Qwen3Layer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -46,6 +50,22 @@ class Qwen3Layer(nn.Module):
         self.k_norm = nn.Parameter(torch.empty(cfg.head_dim), requires_grad=False)
         self.in_norm = nn.Parameter(torch.empty(h), requires_grad=False)
         self.post_norm = nn.Parameter(torch.empty(h), requires_grad=False)
+
+    def load_weights(self, t: dict[str, torch.Tensor], p: str, src: str) -> None:
+        """Standard HF names under prefix `p`; q/k/v and gate/up are concatenated here (merged GEMMs)."""
+        cfg = self.cfg
+        h, q, kv, inter, d = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size, cfg.head_dim
+        self.qkv_w = _P(torch.cat([take(t, p + "self_attn.q_proj.weight", (q, h), src),
+                                   take(t, p + "self_attn.k_proj.weight", (kv, h), src),
+                                   take(t, p + "self_attn.v_proj.weight", (kv, h), src)]))
+        self.o_w = _P(take(t, p + "self_attn.o_proj.weight", (h, q), src))
+        self.gate_up_w = _P(torch.cat([take(t, p + "mlp.gate_proj.weight", (inter, h), src),
+                                       take(t, p + "mlp.up_proj.weight", (inter, h), src)]))
+        self.down_w = _P(take(t, p + "mlp.down_proj.weight", (h, inter), src))
+        self.q_norm = _P(take(t, p + "self_attn.q_norm.weight", (d,), src))
+        self.k_norm = _P(take(t, p + "self_attn.k_norm.weight", (d,), src))
+        self.in_norm = _P(take(t, p + "input_layernorm.weight", (h,), src))
+        self.post_norm = _P(take(t, p + "post_attention_layernorm.weight", (h,), src))
 
     def pre_attn(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                  rope: RotaryCache, ops: Any = None, store: Store | None = None
@@ -98,28 +118,15 @@ class Qwen3ForCausalLM(nn.Module):
         t = load_tensors(model_dir, dtype, device)
         with torch.device("meta"):
             model = cls(cfg)
-        h, q, kv, inter, v, d = (cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size,
-                                 cfg.vocab_size, cfg.head_dim)
-        P = lambda x: nn.Parameter(x, requires_grad=False)  # noqa: E731
-        model.embed = P(take(t, "model.embed_tokens.weight", (v, h), src))
-        model.norm = P(take(t, "model.norm.weight", (h,), src))
+        h, v = cfg.hidden_size, cfg.vocab_size
+        model.embed = _P(take(t, "model.embed_tokens.weight", (v, h), src))
+        model.norm = _P(take(t, "model.norm.weight", (h,), src))
         if cfg.tie_word_embeddings:
             model.lm_head_w = model.embed
         else:
-            model.lm_head_w = P(take(t, "lm_head.weight", (v, h), src))
+            model.lm_head_w = _P(take(t, "lm_head.weight", (v, h), src))
         for i, layer in enumerate(model.layers):
-            p = f"model.layers.{i}."
-            layer.qkv_w = P(torch.cat([take(t, p + "self_attn.q_proj.weight", (q, h), src),
-                                       take(t, p + "self_attn.k_proj.weight", (kv, h), src),
-                                       take(t, p + "self_attn.v_proj.weight", (kv, h), src)]))
-            layer.o_w = P(take(t, p + "self_attn.o_proj.weight", (h, q), src))
-            layer.gate_up_w = P(torch.cat([take(t, p + "mlp.gate_proj.weight", (inter, h), src),
-                                           take(t, p + "mlp.up_proj.weight", (inter, h), src)]))
-            layer.down_w = P(take(t, p + "mlp.down_proj.weight", (h, inter), src))
-            layer.q_norm = P(take(t, p + "self_attn.q_norm.weight", (d,), src))
-            layer.k_norm = P(take(t, p + "self_attn.k_norm.weight", (d,), src))
-            layer.in_norm = P(take(t, p + "input_layernorm.weight", (h,), src))
-            layer.post_norm = P(take(t, p + "post_attention_layernorm.weight", (h,), src))
+            layer.load_weights(t, f"model.layers.{i}.", src)
         return model
 
     # ---- forward ---------------------------------------------------------------------------------
