@@ -2,7 +2,17 @@
 # One call on the GPU machine: install the carried wheels and the project, run the GPU tests, run the decode
 # benchmark, bring the JIT caches back. Everything is tee'd under $OUT (see docs/gpu.md).
 #
-# Usage (from the repo root, on the device):  bash scripts/gpu.sh [tests|bench|all] [benchmark args...]
+# Usage (from the repo root, on the device):  bash scripts/gpu.sh [MODE] [benchmark args...]
+#   tests        pytest -m gpu tests/gpu (all GPU tests)          bench       benchmarks/decode.py
+#   all          tests, then bench
+#   spec-tests   pytest -m gpu tests/gpu/test_spec_gpu.py (issue 8: regret gate, graph == eager, OOM)
+#   spec-steps   benchmarks/spec_step.py --part steps (per-step draft/verify/decode times, ideal speedups)
+#   spec-sweep   benchmarks/spec_step.py --part sweep (spec off vs synthetic tau 2/3.5/5/6.5 at c1..c64),
+#                with STEPS_JSON (default /tmp/spec_steps.json, written by spec-steps) for the ideal column
+#   spec         spec-steps, then spec-sweep (one call: give SWEEP_TIMEOUT room; see docs/gpu.md)
+# Knobs: TEST_TIMEOUT, BENCH_TIMEOUT, BENCH_BUDGET (decode); SPEC_TIMEOUT, SPEC_BUDGET (steps), SWEEP_TIMEOUT
+# (the sweep is interrupted like Ctrl-C at it: records kept), SWEEP_LEVELS, SWEEP_ROUNDS, SWEEP_PPL,
+# SWEEP_MAX_TOKENS, SPEC_WORKDIR (the Qwen3-4B-shaped pair; built there when absent).
 # Needs: .whl/ with flashinfer-python 0.5.3, apache-tvm-ffi, nvidia-cudnn-frontend (../shared/device/README.md).
 # Optional carried caches: .cache/fi_so.tgz (FlashInfer JIT modules, loaded as AOT), .cache/triton.tgz.
 set -uo pipefail
@@ -32,6 +42,33 @@ python3 -c "import torch, triton, flashinfer, transformers; print('torch', torch
 git log --oneline -1 2>/dev/null | tee -a "$OUT/gpu.log"
 
 rc=0
+SPEC_WORKDIR=${SPEC_WORKDIR:-/tmp/q3-4b-pair}
+if [ "$what" = spec-tests ]; then
+  log "pytest -m gpu tests/gpu/test_spec_gpu.py"
+  timeout ${TEST_TIMEOUT:-480} python3 -m pytest -m gpu tests/gpu/test_spec_gpu.py -q -rA -s -p no:cacheprovider 2>&1 \
+    | tee "$OUT/pytest-spec.log"
+  rc=${PIPESTATUS[0]}
+  log "pytest rc=$rc"
+fi
+if [ "$what" = spec-steps ] || [ "$what" = spec ]; then
+  log "spec step benchmark"
+  timeout ${SPEC_TIMEOUT:-420} python3 benchmarks/spec_step.py --part steps --workdir "$SPEC_WORKDIR" \
+    --out "$OUT/spec_steps.json" --budget-s ${SPEC_BUDGET:-300} "$@" 2>&1 | tee "$OUT/spec_steps.log"
+  rc=${PIPESTATUS[0]}
+  [ -f "$OUT/spec_steps.json" ] && cp "$OUT/spec_steps.json" /tmp/spec_steps.json
+  log "spec steps rc=$rc"
+fi
+if [ "$what" = spec-sweep ] || [ "$what" = spec ]; then
+  steps=${STEPS_JSON:-/tmp/spec_steps.json}
+  log "spec sweep (steps from $steps)"
+  timeout $(( ${SWEEP_TIMEOUT:-420} + 150 )) python3 benchmarks/spec_step.py --part sweep --workdir "$SPEC_WORKDIR" \
+    $( [ -f "$steps" ] && echo --steps-json "$steps" ) --levels ${SWEEP_LEVELS:-1,8,16,32,64} \
+    --rounds ${SWEEP_ROUNDS:-2} --prompts-per-level ${SWEEP_PPL:-4} --max-tokens ${SWEEP_MAX_TOKENS:-128} \
+    --sweep-timeout-s ${SWEEP_TIMEOUT:-420} --sweep-out "$OUT/results" --report "$OUT/spec_sweep.md" \
+    --out "$OUT/spec_sweep.json" "$@" 2>&1 | tee "$OUT/spec_sweep.log"
+  rc=${PIPESTATUS[0]}
+  log "spec sweep rc=$rc"
+fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
   log "pytest -m gpu"
   timeout ${TEST_TIMEOUT:-300} python3 -m pytest -m gpu tests/gpu -q -rA -s -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log"

@@ -402,3 +402,29 @@ def test_engine_string_switches(tiny_target):
                      ("local,max_num_seqs=0", "max_num_seqs='0'")):
         with pytest.raises(EngineStringError, match=msg):
             parse_engine(bad)
+
+
+def test_spec_step_benchmark_logic_on_cpu(tiny_target, tiny_draft, tmp_path):
+    """benchmarks/spec_step.py end to end on CPU: step timings of every variant, the sweep driver (a real
+    `specbench sweep` subprocess), the joined table, the targets and the JSON last line."""
+    import json
+
+    from specbench.harness.cmd_bench import load_benchmark
+
+    mod = load_benchmark("spec_step")
+    out = tmp_path / "spec.json"
+    res = mod.main(["--device", "cpu", "--target", tiny_target, "--draft", tiny_draft, "--batches", "1,3",
+                    "--reps", "1", "--taus", "2,6.5", "--levels", "1", "--rounds", "1", "--prompts-per-level", "1",
+                    "--max-tokens", "8", "--dataset", "gsm8k", "--num-pages", "256", "--no-noise-floor",
+                    "--sweep-out", str(tmp_path / "sw"), "--out", str(out)])
+    rows = res["steps"]["rows"]
+    assert [r["batch"] for r in rows] == [1, 3]
+    assert all(r[v] > 0 for r in rows for v in (*mod.VERIFY, *mod.DRAFT, "decode"))
+    assert set(rows[0]["ideal"]) == {"2.0", "6.5"}
+    lv = res["sweep"]["levels"][0]
+    assert lv["level"] == 1 and lv["spec-off"] > 0 and set(lv["arms"]) == {"tau2", "tau6.5"}
+    assert lv["arms"]["tau6.5"]["tau_measured"] > lv["arms"]["tau2"]["tau_measured"]
+    assert all(t["value"] is not None for t in res["targets"].values())
+    assert json.loads(out.read_text())["sweep"]["complete"] is True
+    text = mod.render(res)
+    assert "ideal x at tau 2 / 6.5" in text and "targets (batch 1)" in text
