@@ -157,8 +157,10 @@ class ModelRunner:
         return self.graphs
 
     def verify_graphs_for(self, tap: tuple[int, ...] = ()) -> VerifyGraphs:
-        """The verify graph runner for this tap set (its row counts captured lazily unless cfg.eager)."""
-        if self.verify_graphs is None or self.verify_graphs.tap != tap:
+        """The verify graph runner for this tap set, backend and op set (rebuilt when a benchmark swaps
+        either); its row counts are captured lazily unless cfg.eager."""
+        vg = self.verify_graphs
+        if vg is None or vg.tap != tap or vg.stack.backend is not self.backend or vg.stack.ops is not self.model.ops:
             span = self.spec_span if self.spec_span > 1 else NO_SPEC_SPAN
             self.verify_graphs = VerifyGraphs(self, tap, (span,), capture=not self.cfg.eager)
         return self.verify_graphs

@@ -124,8 +124,9 @@ class DFlashProposer(Proposer):
     def draft_logits(self, spans: list[Span]) -> torch.Tensor:
         """Draft logits [N, B - 1, V] for block slots 1..B-1 of each span's request."""
         if self.use_graphs or self.graphs is not None:
-            if self.graphs is None:
-                self.graphs = DraftGraphs(self, capture=not self.runner.cfg.eager)
+            g, r = self.graphs, self.runner
+            if g is None or g.stack.backend is not r.backend or g.stack.ops is not r.model.ops:
+                self.graphs = DraftGraphs(self, capture=not r.cfg.eager)  # first use, or a swapped backend/op set
             if self.graphs.can_run(spans):
                 return self.graphs.run(spans)
         return self.draft_logits_plain(spans)

@@ -100,7 +100,7 @@ class DraftGraphs:
                                  slot_mapping=io[2, :rows],
                                  page_tables=[pool.table(s.req.rid) for s in spans] + [[r.dummy_page]] * pad,
                                  page_size=pool.page_size, causal=False)
-        r.backend.plan(meta)
+        self.stack.backend.plan(meta)
         self.stack.run(rows)
         self.stats["steps"] += 1
         self.stats["real_rows"] += real
