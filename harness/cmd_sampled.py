@@ -22,7 +22,7 @@ def sampled(
     baseline: str | None = typer.Option(None, "--baseline", help="Engine string, speculation off. "
                                         "Default: the bundled tiny pair, spec off."),
     candidate: str | None = typer.Option(None, "--candidate", help="Engine string, speculation on. "
-                                         "Default: the bundled tiny pair, spec on."),
+                                         "Default: the bundled tiny pair, spec on (--selftest: the bundled target with the n-gram proposer)."),
     num_prompts: int | None = typer.Option(None, "--num-prompts", min=1, help="gsm8k test prompts "
                                            "(default 8; --selftest: 1)."),
     configs: str | None = typer.Option(None, "--configs", help="Sampling configs 't=1.0;t=0.7,p=0.9;t=1,k=20' "
@@ -42,6 +42,8 @@ def sampled(
     refine: bool = typer.Option(True, "--refine/--no-refine", help="Extra permutations for cells near the p floor."),
     prompt_chars: int | None = typer.Option(None, "--prompt-chars", min=16, help="Keep the last N characters "
                                             "of a prompt (default 400; --selftest: 200)."),
+    prompt_set: str | None = typer.Option(None, "--prompt-set", help="gsm8k, or echo: prompt + the baseline's "
+                                          "greedy answer + the prompt again (default gsm8k; --selftest: echo)."),
     json_out: bool = typer.Option(False, "--json", help="Print the summary JSON (last line)."),
     report: Path | None = typer.Option(None, "--report", help="Write the markdown report here."),
     results: Path | None = typer.Option(None, "--results", help="Results directory (default $SPECBENCH_RESULTS "
@@ -49,17 +51,24 @@ def sampled(
     record: bool = typer.Option(True, "--record/--no-record", help="Write records to the results store."),
 ) -> None:
     """Sampled equivalence gate: per-position token distributions, spec off vs on, permutation test + BH."""
-    from specbench.harness.engines import EngineStringError, build_adapter, default_engines, parse_engine
+    from specbench.harness.engines import (
+        EngineSpec,
+        EngineStringError,
+        build_adapter,
+        default_engines,
+        parse_engine,
+    )
     from specbench.suites.sampled import report as rep
     from specbench.suites.sampled.gate import DEFAULT_CONFIGS, GateOptions, SampledError, parse_configs
-    from specbench.suites.sampled.selftest import SELFTEST_CONFIGS, SELFTEST_OPTIONS
+    from specbench.suites.sampled.selftest import SELFTEST_CONFIGS, SELFTEST_OPTIONS, SELFTEST_SPEC
 
     def bad(msg: str) -> typer.Exit:
         typer.echo(f"specbench sampled: {msg}", err=True)
         return typer.Exit(2)
 
     try:
-        given = {"num_prompts": num_prompts, "positions": positions, "samples": samples, "prompt_chars": prompt_chars}
+        given = {"num_prompts": num_prompts, "positions": positions, "samples": samples, "prompt_chars": prompt_chars,
+                 "prompt_set": prompt_set}
         dflt_opts = SELFTEST_OPTIONS if selftest else {}
         sized = {k: v if v is not None else dflt_opts.get(k, getattr(GateOptions, k)) for k, v in given.items()}
         opts = GateOptions(**sized, permutations=permutations, q=q, null=null, seed=seed, concurrency=concurrency,
@@ -69,6 +78,10 @@ def sampled(
         dflt = default_engines() if need_default else None
         bspec = parse_engine(baseline) if baseline else dflt[0]  # type: ignore[index]
         cspec = parse_engine(candidate) if candidate else dflt[1]  # type: ignore[index]
+        if selftest and not candidate and bspec.kind == "local":
+            # the baseline's target with the proposer under which every sampling fault acts (selftest.py)
+            cspec = EngineSpec("local", bspec.target, {"spec": SELFTEST_SPEC, "name": "candidate"},
+                               f"local:{bspec.target},spec={SELFTEST_SPEC}")
         if selftest and (cspec.kind != "local" or "faults" in cspec.options):
             raise SampledError("--selftest needs a local candidate without faults= (it injects them itself)")
         if selftest and opts.positions < 4:

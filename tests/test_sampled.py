@@ -190,44 +190,57 @@ def test_gate_end_to_end_on_a_fake_engine():
 
 
 # ---- the gate on the tiny pair ---------------------------------------------------------------------
-# The CI configuration (docs/sampled.md "Self-test"): small enough for CI, every fault still caught.
-CI_OPTS = dict(num_prompts=1, positions=4, samples=1024, permutations=999, prompt_chars=200)
-CI_CONFIGS = "t=0.7,p=0.8"  # the config where reused_uniform shows most (position 2)
+# The CI configuration (docs/sampled.md "Self-test"): small enough for CI, every fault still caught. The
+# n-gram candidate on an echo prompt is where all three faults act; the DFlash candidate shares the
+# baseline samples and must pass clean and catch resample_from_p.
+CI_OPTS = dict(num_prompts=1, positions=4, samples=1024, permutations=999, prompt_chars=200, prompt_set="echo")
+CI_CONFIGS = "t=1.5,k=2"
 
 
-def _adapters(tiny_pair, fault: str | None = None):
+def _candidate(tiny_pair, spec: str, fault: str | None = None):
     from specbench.harness.adapters.local import LocalAdapter
 
     target, draft = tiny_pair
     kw = {"faults": (fault,)} if fault else {}
-    return LocalAdapter.from_dirs(target, draft=draft, spec="dflash", name=f"cand-{fault or 'clean'}", **kw)
+    return LocalAdapter.from_dirs(target, draft=draft if spec == "dflash" else None, spec=spec,
+                                  name=f"{spec}-{fault or 'clean'}", **kw)
 
 
 @pytest.fixture(scope="module")
 def selftest_ci(tiny_pair):
     from specbench.harness.adapters.local import LocalAdapter
+    from specbench.suites.sampled.gate import collect, make_prompts
     from specbench.suites.sampled.selftest import run_selftest
 
     base = LocalAdapter.from_dirs(tiny_pair[0], spec="off", name="baseline")
+    opts, cfgs = GateOptions(**CI_OPTS, null=True), parse_configs(CI_CONFIGS)
     try:
-        rows, results = run_selftest(base, lambda f: _adapters(tiny_pair, f), GateOptions(**CI_OPTS, null=True),
-                                     parse_configs(CI_CONFIGS))
+        prompts = make_prompts(base, opts)
+        samples = collect(base, prompts, cfgs, opts, "baseline", 0)
+        rows, results = run_selftest(base, lambda f: _candidate(tiny_pair, "ngram", f), opts, cfgs, prompts,
+                                     baseline_samples=samples)
+        drows, dres = run_selftest(base, lambda f: _candidate(tiny_pair, "dflash", f), opts, cfgs, prompts,
+                                   cases=("clean", "resample_from_p"), baseline_samples=samples)
     finally:
         base.close()
-    return {r["case"]: r for r in rows}, results
+    rows = {r["case"]: r for r in rows}
+    rows.update({f"dflash-{r['case']}": r for r in drows})
+    results.update({f"dflash-{k}": v for k, v in dres.items()})
+    return rows, results
 
 
-def test_gate_passes_clean_engine_with_null_run(selftest_ci):
+@pytest.mark.parametrize("case", ["clean", "dflash-clean"])
+def test_gate_passes_clean_engine_with_null_run(selftest_ci, case):
     rows, results = selftest_ci
-    res = results["clean"]
+    res = results[case]
     assert res.verdict == "PASS", res.summary()
     assert [c.name for c in res.comparisons] == ["spec", "null"]
     assert all(not c.rejected for c in res.comparisons)
     assert res.spec["num_drafts"] > 0 and res.spec["mean_accept_len"] > 1.2  # the accept path was exercised
-    assert rows["clean"]["testable"] > 0
+    assert rows[case]["testable"] > 0
 
 
-@pytest.mark.parametrize("fault", ["biased_accept", "resample_from_p", "reused_uniform"])
+@pytest.mark.parametrize("fault", ["biased_accept", "resample_from_p", "reused_uniform", "dflash-resample_from_p"])
 def test_gate_catches_each_sampling_fault(selftest_ci, fault):
     rows, results = selftest_ci
     assert rows[fault]["verdict"] == "FAIL", rows[fault]
@@ -247,7 +260,7 @@ def _cli(args: list[str]):
 
 def test_cli_exit_codes(tiny_pair, tmp_path):
     target, draft = tiny_pair
-    small = ["--num-prompts", "1", "--positions", "3", "--samples", "24", "--configs", "t=1", "--permutations", "99",
+    small = ["--num-prompts", "1", "--positions", "4", "--samples", "48", "--configs", "t=0.5", "--permutations", "99",
              "--results", str(tmp_path / "res")]
     base, cand = f"local:{target},spec=off", f"local:{target},draft={draft},spec=dflash"
     r = _cli(["--baseline", base, "--candidate", cand, *small, "--json", "--report", str(tmp_path / "r.md")])
@@ -271,11 +284,16 @@ def test_selftest_full_size(tiny_pair, request):
     if "slow" not in request.config.getoption("markexpr") or "not slow" in request.config.getoption("markexpr"):
         pytest.skip("slow: run with pytest -m slow")
     from specbench.harness.adapters.local import LocalAdapter
-    from specbench.suites.sampled.selftest import SELFTEST_CONFIGS, SELFTEST_OPTIONS, run_selftest
+    from specbench.suites.sampled.selftest import (
+        SELFTEST_CONFIGS,
+        SELFTEST_OPTIONS,
+        SELFTEST_SPEC,
+        run_selftest,
+    )
 
     base = LocalAdapter.from_dirs(tiny_pair[0], spec="off", name="baseline")
     try:
-        rows, results = run_selftest(base, lambda f: _adapters(tiny_pair, f),
+        rows, results = run_selftest(base, lambda f: _candidate(tiny_pair, SELFTEST_SPEC, f),
                                      GateOptions(**SELFTEST_OPTIONS, null=True), parse_configs(SELFTEST_CONFIGS))
     finally:
         base.close()

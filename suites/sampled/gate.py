@@ -37,6 +37,7 @@ from specbench.harness.adapters.base import EngineAdapter, GenRequest, counters_
 from . import stats
 
 END = -1
+PROMPT_SETS = ("gsm8k", "echo")
 SUITE_VERSION = "1"
 
 
@@ -97,6 +98,7 @@ class GateOptions:
     refine: bool = True
     prompt_chars: int = 400
     power: float = 0.8
+    prompt_set: str = "gsm8k"  # "gsm8k" or "echo" (see echo_prompts)
 
     def __post_init__(self) -> None:
         for name, lo in (("num_prompts", 1), ("positions", 1), ("samples", 2), ("permutations", 19),
@@ -106,6 +108,8 @@ class GateOptions:
                 raise SampledError(f"--{name.replace('_', '-')} {v!r} is invalid: expected an integer >= {lo}")
         if not 0 < self.q < 1:
             raise SampledError(f"--q {self.q} is invalid: expected 0 < q < 1")
+        if self.prompt_set not in PROMPT_SETS:
+            raise SampledError(f"--prompt-set {self.prompt_set!r} is invalid: expected one of {', '.join(PROMPT_SETS)}")
 
 
 def load_prompts(n: int, max_chars: int = 400) -> list[tuple[str, str]]:
@@ -119,6 +123,28 @@ def load_prompts(n: int, max_chars: int = 400) -> list[tuple[str, str]]:
             text = f"Question: {json.loads(line)['question']}\nAnswer:"
             rows.append((f"gsm8k-{i}", text if len(text) <= max_chars else text[-max_chars:]))
     return rows
+
+
+def echo_prompts(baseline: EngineAdapter, prompts: Sequence[tuple[str, str]],
+                 tokens: int = 32) -> list[tuple[str, str]]:
+    """prompt + the baseline's greedy continuation + a blank line + the prompt again.
+
+    Under such a prompt an engine tends to repeat its earlier answer, so a prompt-lookup (n-gram)
+    drafter proposes tokens the target gives moderate probability: accept ratios p/q strictly inside
+    (0, 1), the regime in which every sampling fault acts (docs/sampled.md, "Self-test").
+    """
+    reqs = [GenRequest(prompt=text, max_tokens=tokens, temperature=0.0, ignore_eos=True, rid=f"echo-{pid}")
+            for pid, text in prompts]
+    res = baseline.generate_sync(reqs)
+    bad = [r.rid for r in res if not r.ok]
+    if bad:
+        raise SampledError(f"the baseline failed the greedy generations that build the echo prompts: {bad[:3]}")
+    return [(f"{pid}-echo", f"{text}{r.text}\n\n{text}") for (pid, text), r in zip(prompts, res, strict=True)]
+
+
+def make_prompts(baseline: EngineAdapter, opts: GateOptions) -> list[tuple[str, str]]:
+    rows = load_prompts(opts.num_prompts, opts.prompt_chars)
+    return echo_prompts(baseline, rows) if opts.prompt_set == "echo" else rows
 
 
 def seed_of(seed: int, arm: int, cell: int, sample: int, samples: int) -> int:
@@ -320,7 +346,7 @@ def run_gate(baseline: EngineAdapter, candidate: EngineAdapter, opts: GateOption
              on_samples: Callable[[Samples], None] | None = None) -> GateResult:
     """Baseline vs candidate (and, with opts.null, candidate vs candidate on disjoint seeds)."""
     say = log or (lambda s: None)
-    prompts = list(prompts) if prompts is not None else load_prompts(opts.num_prompts, opts.prompt_chars)
+    prompts = list(prompts) if prompts is not None else make_prompts(baseline, opts)
     if not prompts:
         raise SampledError("the prompt set is empty")
     n = len(prompts) * len(configs) * opts.samples

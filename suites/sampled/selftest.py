@@ -22,16 +22,19 @@ from .gate import (
     Samples,
     SamplingConfig,
     collect,
-    load_prompts,
+    make_prompts,
     run_gate,
 )
 
 FAULT_CASES = ("biased_accept", "resample_from_p", "reused_uniform")
-# Calibrated on the bundled tiny pair (docs/sampled.md "Self-test"): P = 4 is the fewest positions at which
-# reused_uniform can act (the first verify then has 2 drafts); it shows at position 2 only, with a TV of
-# about 0.05-0.1, hence 1,024 samples per arm.
-SELFTEST_OPTIONS = {"num_prompts": 1, "positions": 4, "samples": 1024, "prompt_chars": 200}
-SELFTEST_CONFIGS = "t=1,k=3;t=0.7,p=0.8;t=0.5;t=1"
+# Calibrated on the bundled tiny pair (docs/sampled.md "Self-test"). The default candidate is the target
+# with the n-gram proposer on echo prompts: its accept ratios p(d)/1 lie strictly inside (0, 1), where all
+# three faults act; the bundled DFlash drafter's ratios are near 0 or >= 1, where reused_uniform is inert.
+# P = 4 is the fewest positions at which reused_uniform can act (the first verify has 2 drafts); it shows
+# at position 2 with a TV of about 0.05, hence 1,024 samples per arm.
+SELFTEST_OPTIONS = {"num_prompts": 2, "positions": 4, "samples": 1024, "prompt_chars": 200, "prompt_set": "echo"}
+SELFTEST_CONFIGS = "t=1.5,k=2;t=1,k=3"
+SELFTEST_SPEC = "ngram"
 
 
 def _row(case: str, res: GateResult, seconds: float) -> dict:
@@ -48,17 +51,20 @@ def _row(case: str, res: GateResult, seconds: float) -> dict:
 def run_selftest(baseline: EngineAdapter, make_candidate: Callable[[str | None], EngineAdapter], opts: GateOptions,
                  configs: Sequence[SamplingConfig] = DEFAULT_CONFIGS, prompts: Sequence[tuple[str, str]] | None = None,
                  cases: Sequence[str] = ("clean", *FAULT_CASES), log: Callable[[str], None] | None = None,
-                 on_samples: Callable[[Samples], None] | None = None) -> tuple[list[dict], dict[str, GateResult]]:
+                 on_samples: Callable[[Samples], None] | None = None,
+                 baseline_samples: Samples | None = None) -> tuple[list[dict], dict[str, GateResult]]:
     say = log or (lambda s: None)
     if "reused_uniform" in cases and opts.positions < 4:
         raise SampledError(f"--positions {opts.positions} is too few for the self-test: reused_uniform acts only "
                            "from the second draft of a verify step, which needs positions >= 4")
-    prompts = list(prompts) if prompts is not None else load_prompts(opts.num_prompts, opts.prompt_chars)
+    prompts = list(prompts) if prompts is not None else make_prompts(baseline, opts)
     t0 = time.perf_counter()
-    base = collect(baseline, prompts, configs, opts, "baseline", 0)
-    if on_samples:
-        on_samples(base)
-    say(f"baseline samples: {base.seconds:.1f} s")
+    base = baseline_samples
+    if base is None:
+        base = collect(baseline, prompts, configs, opts, "baseline", 0)
+        if on_samples:
+            on_samples(base)
+        say(f"baseline samples: {base.seconds:.1f} s")
     rows, results = [], {}
     for case in cases:
         t = time.perf_counter()
