@@ -147,9 +147,15 @@ def make_prompts(baseline: EngineAdapter, opts: GateOptions) -> list[tuple[str, 
     return echo_prompts(baseline, rows) if opts.prompt_set == "echo" else rows
 
 
-def seed_of(seed: int, arm: int, cell: int, sample: int, samples: int) -> int:
-    """Disjoint per-arm seed ranges: arm a owns [base + a * 2^24, base + (a + 1) * 2^24)."""
-    return seed * (1 << 30) + arm * (1 << 24) + cell * samples + sample
+ARMS = 3  # baseline, candidate, null candidate
+SEED_LIMIT = 1 << 31
+
+
+def seed_of(seed: int, arm: int, cell: int, sample: int, cells: int, samples: int) -> int:
+    """((seed * ARMS + arm) * cells + cell) * samples + sample: distinct per sample, disjoint per arm and per
+    --seed, and below 2^31, because engines keep only 32 bits of a seed (torch's CPU generator takes the
+    low 32; some servers want an int32), so a layout with wider offsets would repeat streams."""
+    return ((seed * ARMS + arm) * cells + cell) * samples + sample
 
 
 @dataclass
@@ -165,13 +171,15 @@ class Samples:
 
 def collect(adapter: EngineAdapter, prompts: Sequence[tuple[str, str]], configs: Sequence[SamplingConfig],
             opts: GateOptions, arm: str, arm_index: int) -> Samples:
-    if len(prompts) * len(configs) * opts.samples >= 1 << 24:
-        raise SampledError("prompts x configs x samples is too large: expected fewer than 2^24 generations per arm")
+    cells = len(prompts) * len(configs)
+    if seed_of(opts.seed + 1, 0, 0, 0, cells, opts.samples) > SEED_LIMIT:
+        raise SampledError(f"--seed {opts.seed} with {cells} prompt x config cells of {opts.samples} samples does not "
+                           f"fit below 2^31: expected --seed < {SEED_LIMIT // (ARMS * cells * opts.samples)}")
     reqs, keys = [], []
     for pi, (pid, text) in enumerate(prompts):
         for ci, c in enumerate(configs):
             for si in range(opts.samples):
-                s = seed_of(opts.seed, arm_index, pi * len(configs) + ci, si, opts.samples)
+                s = seed_of(opts.seed, arm_index, pi * len(configs) + ci, si, cells, opts.samples)
                 reqs.append(GenRequest(prompt=text, max_tokens=opts.positions, temperature=c.temperature,
                                        top_p=c.top_p, top_k=c.top_k, seed=s, ignore_eos=True,
                                        rid=f"{arm}-{pid}-{c.name}-{si}"))
