@@ -1,30 +1,14 @@
 """Dense building blocks shared by the target and the drafter (torch reference path).
 
 Numerics follow HF Qwen3: RMSNorm in fp32 then cast back before the weight multiply; residual adds
-in the model dtype.
+in the model dtype. The definitions are the torch references that kernels/ tests its Triton kernels
+against, so the CPU path and the kernel tests share one source of truth.
 """
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+from specbench.kernels.activation import swiglu_ref as swiglu
+from specbench.kernels.norm import add_rms_norm_ref as add_rms_norm
+from specbench.kernels.norm import rms_norm_ref as rms_norm
 
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dt = x.dtype
-    xf = x.to(torch.float32)
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(dt)
-
-
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused-residual form: returns (norm(x + residual), x + residual)."""
-    if residual is not None:
-        x = x + residual
-    return rms_norm(x, weight, eps), x
-
-
-def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+__all__ = ["rms_norm", "add_rms_norm", "swiglu"]
