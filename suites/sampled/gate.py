@@ -4,8 +4,8 @@ Contract:
 - For every prompt x sampling config, each arm draws `samples` seeded generations of `positions`
   tokens (ignore_eos; a missing position, e.g. an engine that stopped early, is the category END = -1).
   Seeds are distinct per sample and disjoint between arms (`seed_of`), so the two samples of a cell are
-  independent draws. An engine that reports no output ids has its text re-tokenized (`adapter.tokenize`). Position 0 comes from prefill; positions >= 1 pass through verify/accept whenever
-  the candidate speculates (an engine only speculates while >= 2 tokens remain), hence max_tokens = P.
+  independent draws. An engine that reports no output ids has its text re-tokenized (`adapter.tokenize`).
+  Position 0 comes from prefill; positions >= 1 pass through verify/accept whenever the candidate speculates (an engine only speculates while >= 2 tokens remain), hence max_tokens = P.
 - A cell is (prompt, config, position j): the marginal distribution of output token j. Each cell gets a
   permutation test on the maximum studentized frequency difference (stats.py; one shared set of
   relabellings per run), then Benjamini-Hochberg across the comparison's testable cells at q. A cell
@@ -18,133 +18,26 @@ Contract:
   counters -> "PASS (speculation unverified)". Any failed request -> INCOMPLETE. Any rejected cell in the
   main comparison or the null (spec vs spec, disjoint seeds) comparison -> FAIL.
 - `run_gate` never loads engines; the caller passes adapters (the CLI builds them from engine strings).
+  Options live in config.py, prompt sets in prompts.py (re-exported here).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from importlib import resources
-from pathlib import Path
 
 import numpy as np
 
 from specbench.harness.adapters.base import EngineAdapter, GenRequest, counters_delta
 
 from . import stats
+from .config import DEFAULT_CONFIGS, PROMPT_SETS, GateOptions, SampledError, SamplingConfig, parse_configs
+from .prompts import echo_prompts, load_prompts, make_prompts
 
 END = -1
-PROMPT_SETS = ("gsm8k", "echo")
 SUITE_VERSION = "1"
-
-
-class SampledError(ValueError):
-    """Bad input to the sampled gate; the message names the option and what would be accepted."""
-
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    name: str
-    temperature: float
-    top_p: float = 1.0
-    top_k: int = 0
-
-
-DEFAULT_CONFIGS = (SamplingConfig("t1.0", 1.0), SamplingConfig("t0.7-p0.9", 0.7, top_p=0.9),
-                   SamplingConfig("t1.0-k20", 1.0, top_k=20), SamplingConfig("t0.5", 0.5))
-_KEYS = {"t": "temperature", "temperature": "temperature", "p": "top_p", "top_p": "top_p", "k": "top_k",
-         "top_k": "top_k"}
-
-
-def parse_configs(text: str) -> list[SamplingConfig]:
-    """'t=1.0;t=0.7,p=0.9;t=1,k=20' -> configs (keys t|temperature, p|top_p, k|top_k)."""
-    out = []
-    for part in [s.strip() for s in text.split(";") if s.strip()]:
-        kw: dict[str, float] = {}
-        for item in part.split(","):
-            key, eq, val = item.partition("=")
-            if not eq or key.strip() not in _KEYS:
-                raise SampledError(f"--configs item {item!r} is invalid: expected key=value with key one of "
-                                   "t, p, k (temperature, top_p, top_k), configs separated by ';'")
-            try:
-                kw[_KEYS[key.strip()]] = float(val)
-            except ValueError:
-                raise SampledError(f"--configs value {val!r} for {key.strip()} is not a number") from None
-        t, p, k = kw.get("temperature", 1.0), kw.get("top_p", 1.0), kw.get("top_k", 0.0)
-        if not (t > 0 and math.isfinite(t)):
-            raise SampledError(f"--configs temperature={t} is invalid: expected > 0 (greedy has its own gate)")
-        if not 0 < p <= 1 or k < 0 or k != int(k):
-            raise SampledError(f"--configs {part!r}: expected 0 < top_p <= 1 and an integer top_k >= 0")
-        name = f"t{t:g}" + (f"-p{p:g}" if p < 1 else "") + (f"-k{int(k)}" if k else "")
-        out.append(SamplingConfig(name, t, p, int(k)))
-    if not out:
-        raise SampledError("--configs is empty: expected e.g. 't=1.0;t=0.7,p=0.9'")
-    return out
-
-
-@dataclass(frozen=True)
-class GateOptions:
-    num_prompts: int = 8
-    positions: int = 32
-    samples: int = 256
-    permutations: int = 1999
-    q: float = 0.05
-    null: bool = False
-    seed: int = 0
-    concurrency: int = 128
-    refine: bool = True
-    prompt_chars: int = 400
-    power: float = 0.8
-    prompt_set: str = "gsm8k"  # "gsm8k" or "echo" (see echo_prompts)
-
-    def __post_init__(self) -> None:
-        for name, lo in (("num_prompts", 1), ("positions", 1), ("samples", 2), ("permutations", 19),
-                         ("concurrency", 1)):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < lo:
-                raise SampledError(f"--{name.replace('_', '-')} {v!r} is invalid: expected an integer >= {lo}")
-        if not 0 < self.q < 1:
-            raise SampledError(f"--q {self.q} is invalid: expected 0 < q < 1")
-        if self.prompt_set not in PROMPT_SETS:
-            raise SampledError(f"--prompt-set {self.prompt_set!r} is invalid: expected one of {', '.join(PROMPT_SETS)}")
-
-
-def load_prompts(n: int, max_chars: int = 400) -> list[tuple[str, str]]:
-    """The first n gsm8k test questions in the 'Question: ...\\nAnswer:' form the tiny pair was trained on."""
-    path = Path(str(resources.files("specbench.harness") / "data" / "gsm8k" / "test.jsonl"))
-    rows = []
-    with open(path, encoding="utf-8") as fh:
-        for i, line in enumerate(fh):
-            if len(rows) >= n:
-                break
-            text = f"Question: {json.loads(line)['question']}\nAnswer:"
-            rows.append((f"gsm8k-{i}", text if len(text) <= max_chars else text[-max_chars:]))
-    return rows
-
-
-def echo_prompts(baseline: EngineAdapter, prompts: Sequence[tuple[str, str]],
-                 tokens: int = 32) -> list[tuple[str, str]]:
-    """prompt + the baseline's greedy continuation + a blank line + the prompt again.
-
-    Under such a prompt an engine tends to repeat its earlier answer, so a prompt-lookup (n-gram)
-    drafter proposes tokens the target gives moderate probability: accept ratios p/q strictly inside
-    (0, 1), the regime in which every sampling fault acts (docs/sampled.md, "Self-test").
-    """
-    reqs = [GenRequest(prompt=text, max_tokens=tokens, temperature=0.0, ignore_eos=True, rid=f"echo-{pid}")
-            for pid, text in prompts]
-    res = baseline.generate_sync(reqs)
-    bad = [r.rid for r in res if not r.ok]
-    if bad:
-        raise SampledError(f"the baseline failed the greedy generations that build the echo prompts: {bad[:3]}")
-    return [(f"{pid}-echo", f"{text}{r.text}\n\n{text}") for (pid, text), r in zip(prompts, res, strict=True)]
-
-
-def make_prompts(baseline: EngineAdapter, opts: GateOptions) -> list[tuple[str, str]]:
-    rows = load_prompts(opts.num_prompts, opts.prompt_chars)
-    return echo_prompts(baseline, rows) if opts.prompt_set == "echo" else rows
 
 
 ARMS = 3  # baseline, candidate, null candidate
@@ -399,3 +292,8 @@ def _add_counters(a: dict | None, b: dict | None) -> dict | None:
     n = max(len(pa), len(pb))
     out["accepted_per_pos"] = [x + y for x, y in zip(pa + [0] * (n - len(pa)), pb + [0] * (n - len(pb)), strict=True)]
     return out
+
+
+__all__ = ["DEFAULT_CONFIGS", "END", "PROMPT_SETS", "Cell", "Comparison", "GateOptions", "GateResult", "SampledError",
+           "Samples", "SamplingConfig", "collect", "compare", "echo_prompts", "load_prompts", "make_prompts",
+           "parse_configs", "run_gate", "seed_of", "spec_summary", "verdict_of"]

@@ -1,0 +1,83 @@
+"""Options of the sampled gate: sampling configs, `GateOptions`, and the bad-input error.
+
+Contract: `parse_configs` and `GateOptions` validate everything a user can type and raise `SampledError`
+(a ValueError; the CLI turns it into exit code 2) naming the option, the value and what is accepted.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+PROMPT_SETS = ("gsm8k", "echo")
+
+
+class SampledError(ValueError):
+    """Bad input to the sampled gate; the message names the option and what would be accepted."""
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    name: str
+    temperature: float
+    top_p: float = 1.0
+    top_k: int = 0
+
+
+DEFAULT_CONFIGS = (SamplingConfig("t1.0", 1.0), SamplingConfig("t0.7-p0.9", 0.7, top_p=0.9),
+                   SamplingConfig("t1.0-k20", 1.0, top_k=20), SamplingConfig("t0.5", 0.5))
+_KEYS = {"t": "temperature", "temperature": "temperature", "p": "top_p", "top_p": "top_p", "k": "top_k",
+         "top_k": "top_k"}
+
+
+def parse_configs(text: str) -> list[SamplingConfig]:
+    """'t=1.0;t=0.7,p=0.9;t=1,k=20' -> configs (keys t|temperature, p|top_p, k|top_k)."""
+    out = []
+    for part in [s.strip() for s in text.split(";") if s.strip()]:
+        kw: dict[str, float] = {}
+        for item in part.split(","):
+            key, eq, val = item.partition("=")
+            if not eq or key.strip() not in _KEYS:
+                raise SampledError(f"--configs item {item!r} is invalid: expected key=value with key one of "
+                                   "t, p, k (temperature, top_p, top_k), configs separated by ';'")
+            try:
+                kw[_KEYS[key.strip()]] = float(val)
+            except ValueError:
+                raise SampledError(f"--configs value {val!r} for {key.strip()} is not a number") from None
+        t, p, k = kw.get("temperature", 1.0), kw.get("top_p", 1.0), kw.get("top_k", 0.0)
+        if not (t > 0 and math.isfinite(t)):
+            raise SampledError(f"--configs temperature={t} is invalid: expected > 0 (greedy has its own gate)")
+        if not 0 < p <= 1 or k < 0 or k != int(k):
+            raise SampledError(f"--configs {part!r}: expected 0 < top_p <= 1 and an integer top_k >= 0")
+        name = f"t{t:g}" + (f"-p{p:g}" if p < 1 else "") + (f"-k{int(k)}" if k else "")
+        out.append(SamplingConfig(name, t, p, int(k)))
+    if not out:
+        raise SampledError("--configs is empty: expected e.g. 't=1.0;t=0.7,p=0.9'")
+    return out
+
+
+@dataclass(frozen=True)
+class GateOptions:
+    num_prompts: int = 8
+    positions: int = 32
+    samples: int = 256
+    permutations: int = 1999
+    q: float = 0.05
+    null: bool = False
+    seed: int = 0
+    concurrency: int = 128
+    refine: bool = True
+    prompt_chars: int = 400
+    power: float = 0.8
+    prompt_set: str = "gsm8k"  # "gsm8k" or "echo" (see echo_prompts)
+
+    def __post_init__(self) -> None:
+        for name, lo in (("num_prompts", 1), ("positions", 1), ("samples", 2), ("permutations", 19),
+                         ("concurrency", 1)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < lo:
+                raise SampledError(f"--{name.replace('_', '-')} {v!r} is invalid: expected an integer >= {lo}")
+        if not 0 < self.q < 1:
+            raise SampledError(f"--q {self.q} is invalid: expected 0 < q < 1")
+        if self.prompt_set not in PROMPT_SETS:
+            raise SampledError(f"--prompt-set {self.prompt_set!r} is invalid: expected one of {', '.join(PROMPT_SETS)}")

@@ -1,0 +1,53 @@
+"""Prompt sets of the sampled gate: gsm8k questions, and echo prompts built through the baseline.
+
+Contract: `load_prompts(n, max_chars)` returns the first n gsm8k test questions as (pid, text);
+`echo_prompts(baseline, prompts)` appends the baseline's greedy answer and the question again (one
+greedy request per prompt through the adapter, so it works for any engine); `make_prompts` picks by
+`opts.prompt_set`. Both arms of a comparison always get the same prompt texts.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from importlib import resources
+from pathlib import Path
+
+from specbench.harness.adapters.base import EngineAdapter, GenRequest
+
+from .config import GateOptions, SampledError
+
+
+def load_prompts(n: int, max_chars: int = 400) -> list[tuple[str, str]]:
+    """The first n gsm8k test questions in the 'Question: ...\\nAnswer:' form the tiny pair was trained on."""
+    path = Path(str(resources.files("specbench.harness") / "data" / "gsm8k" / "test.jsonl"))
+    rows = []
+    with open(path, encoding="utf-8") as fh:
+        for i, line in enumerate(fh):
+            if len(rows) >= n:
+                break
+            text = f"Question: {json.loads(line)['question']}\nAnswer:"
+            rows.append((f"gsm8k-{i}", text if len(text) <= max_chars else text[-max_chars:]))
+    return rows
+
+
+def echo_prompts(baseline: EngineAdapter, prompts: Sequence[tuple[str, str]],
+                 tokens: int = 32) -> list[tuple[str, str]]:
+    """prompt + the baseline's greedy continuation + a blank line + the prompt again.
+
+    Under such a prompt an engine tends to repeat its earlier answer, so a prompt-lookup (n-gram)
+    drafter proposes tokens the target gives moderate probability: accept ratios p/q strictly inside
+    (0, 1), the regime in which every sampling fault acts (docs/sampled.md, "Self-test").
+    """
+    reqs = [GenRequest(prompt=text, max_tokens=tokens, temperature=0.0, ignore_eos=True, rid=f"echo-{pid}")
+            for pid, text in prompts]
+    res = baseline.generate_sync(reqs)
+    bad = [r.rid for r in res if not r.ok]
+    if bad:
+        raise SampledError(f"the baseline failed the greedy generations that build the echo prompts: {bad[:3]}")
+    return [(f"{pid}-echo", f"{text}{r.text}\n\n{text}") for (pid, text), r in zip(prompts, res, strict=True)]
+
+
+def make_prompts(baseline: EngineAdapter, opts: GateOptions) -> list[tuple[str, str]]:
+    rows = load_prompts(opts.num_prompts, opts.prompt_chars)
+    return echo_prompts(baseline, rows) if opts.prompt_set == "echo" else rows
