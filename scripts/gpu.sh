@@ -2,7 +2,10 @@
 # One call on the GPU machine: install the carried wheels and the project, run the GPU tests, run the decode
 # benchmark, bring the JIT caches back. Everything is tee'd under $OUT (see docs/gpu.md).
 #
-# Usage (from the repo root, on the device):  bash scripts/gpu.sh [MODE] [benchmark args...]
+# Usage (from the repo root, on the device):  bash scripts/gpu.sh "MODE [MODE...]" [benchmark args...]
+# Several modes run in one call, in the order given; DEADLINE (seconds, default 570) caps the whole call: each
+# step's timeout is cut to what is left, and results are packed into $OUT/results.tgz after every step, so a
+# call stopped at its limit still brings back what finished.
 #   tests        pytest -m gpu tests/gpu (all GPU tests)          bench       benchmarks/decode.py
 #   all          tests, then bench
 #   spec-tests   pytest -m gpu tests/gpu/test_spec_gpu.py (issue 8: regret gate, graph == eager, OOM)
@@ -10,21 +13,32 @@
 #   spec-sweep   benchmarks/spec_step.py --part sweep (spec off vs synthetic tau 2/3.5/5/6.5 at c1..c64),
 #                with STEPS_JSON (default /tmp/spec_steps.json, written by spec-steps) for the ideal column
 #   spec         spec-steps, then spec-sweep (one call: give SWEEP_TIMEOUT room; see docs/gpu.md)
+#   accept       benchmarks/accept_cost.py at batch 1 and 64 (issue 11: sampling vs greedy accept step)
+#   profile      specbench profile on the pair: spec off/on (synthetic tau 6.5) x eager/graphs (issue 9)
+#   eval         specbench eval gsm8k --limit EVAL_LIMIT (50) spec off vs on on the pair (issue 10; needs the
+#                server and lm-eval wheels in .whl-eval/, see docs/gpu.md)
 # Knobs: TEST_TIMEOUT, BENCH_TIMEOUT, BENCH_BUDGET (decode); SPEC_TIMEOUT, SPEC_BUDGET (steps), SWEEP_TIMEOUT
 # (the sweep is interrupted like Ctrl-C at it: records kept), SWEEP_LEVELS, SWEEP_ROUNDS, SWEEP_PPL,
 # SWEEP_MAX_TOKENS, SPEC_WORKDIR (the Qwen3-4B-shaped pair; built there when absent).
 # Needs: .whl/ with flashinfer-python 0.5.3, apache-tvm-ffi, nvidia-cudnn-frontend (../shared/device/README.md).
 # Optional carried caches: .cache/fi_so.tgz (FlashInfer JIT modules, loaded as AOT), .cache/triton.tgz.
 set -uo pipefail
-what=${1:-all}
+modes=${1:-all}
 shift || true
 OUT=${OUT:-/tmp/specbench-out}
-mkdir -p "$OUT"
+W=${W:-/tmp/specbench-work}  # everything but the caches and gpu.log lands here, then in $OUT/results.tgz
+mkdir -p "$OUT" "$W"
+start=$(date +%s)
+left() { echo $(( ${DEADLINE:-570} - ($(date +%s) - start) )); }
+cap() { local l; l=$(( $(left) - 25 )); [ "$1" -lt "$l" ] && echo "$1" || echo $(( l > 10 ? l : 10 )); }
+pack() { tar czf "$OUT/results.tgz.part" --exclude='trace.json' --exclude='*.safetensors' -C "$W" . 2>/dev/null \
+  && mv "$OUT/results.tgz.part" "$OUT/results.tgz"; }
 export PYTHONUNBUFFERED=1 FLASHINFER_WORKSPACE_BASE=/tmp/fi-base TRITON_CACHE_DIR=/tmp/triton-cache
 log() { echo "[gpu.sh $(date +%H:%M:%S)] $*" | tee -a "$OUT/gpu.log"; }
 
 log "install wheels"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  $(ls .whl-eval/*.whl 2>/dev/null) \
   || { log "wheel install failed"; exit 1; }
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2 || { log "project install failed"; exit 1; }
@@ -43,45 +57,79 @@ git log --oneline -1 2>/dev/null | tee -a "$OUT/gpu.log"
 
 rc=0
 SPEC_WORKDIR=${SPEC_WORKDIR:-/tmp/q3-4b-pair}
+pair() {  # the Qwen3-4B-shaped random pair (target + b16-shaped drafter), built once per machine
+  [ -f "$1/target/config.json" ] && [ -f "$1/draft/config.json" ] && return
+  log "building the Qwen3-4B-shaped pair in $1"
+  python3 -m specbench fixtures --shape qwen3-4b --out "$1" --device cuda 2>&1 | tail -3 | tee -a "$OUT/gpu.log"
+}
+for what in $modes; do
+[ "$(left)" -lt 40 ] && { log "deadline: skipping $what"; continue; }
 if [ "$what" = spec-tests ]; then
   log "pytest -m gpu tests/gpu/test_spec_gpu.py"
-  timeout ${TEST_TIMEOUT:-480} python3 -m pytest -m gpu tests/gpu/test_spec_gpu.py -q -rA -s -p no:cacheprovider 2>&1 \
-    | tee "$OUT/pytest-spec.log"
-  rc=${PIPESTATUS[0]}
-  log "pytest rc=$rc"
+  timeout $(cap ${TEST_TIMEOUT:-480}) python3 -m pytest -m gpu tests/gpu/test_spec_gpu.py -q -rA -s -p no:cacheprovider 2>&1 \
+    | tee "$W/pytest-spec.log"
+  r=${PIPESTATUS[0]}; [ "$r" = 0 ] || rc=$r
+  log "pytest rc=$r"
 fi
 if [ "$what" = spec-steps ] || [ "$what" = spec ]; then
   log "spec step benchmark"
-  timeout ${SPEC_TIMEOUT:-420} python3 benchmarks/spec_step.py --part steps --workdir "$SPEC_WORKDIR" \
-    --out "$OUT/spec_steps.json" --budget-s ${SPEC_BUDGET:-300} "$@" 2>&1 | tee "$OUT/spec_steps.log"
-  rc=${PIPESTATUS[0]}
-  [ -f "$OUT/spec_steps.json" ] && cp "$OUT/spec_steps.json" /tmp/spec_steps.json
-  log "spec steps rc=$rc"
+  timeout $(cap ${SPEC_TIMEOUT:-420}) python3 benchmarks/spec_step.py --part steps --workdir "$SPEC_WORKDIR" \
+    --out "$W/spec_steps.json" --budget-s ${SPEC_BUDGET:-300} "$@" 2>&1 | tee "$W/spec_steps.log"
+  r=${PIPESTATUS[0]}; [ "$r" = 0 ] || rc=$r
+  [ -f "$W/spec_steps.json" ] && cp "$W/spec_steps.json" /tmp/spec_steps.json
+  log "spec steps rc=$r"
 fi
 if [ "$what" = spec-sweep ] || [ "$what" = spec ]; then
   steps=${STEPS_JSON:-/tmp/spec_steps.json}
   log "spec sweep (steps from $steps)"
-  timeout $(( ${SWEEP_TIMEOUT:-420} + 150 )) python3 benchmarks/spec_step.py --part sweep --workdir "$SPEC_WORKDIR" \
+  timeout $(cap $(( ${SWEEP_TIMEOUT:-420} + 150 ))) python3 benchmarks/spec_step.py --part sweep --workdir "$SPEC_WORKDIR" \
     $( [ -f "$steps" ] && echo --steps-json "$steps" ) --levels ${SWEEP_LEVELS:-1,8,16,32,64} \
     --rounds ${SWEEP_ROUNDS:-2} --prompts-per-level ${SWEEP_PPL:-4} --max-tokens ${SWEEP_MAX_TOKENS:-128} \
-    --sweep-timeout-s ${SWEEP_TIMEOUT:-420} --sweep-out "$OUT/results" --report "$OUT/spec_sweep.md" \
-    --out "$OUT/spec_sweep.json" "$@" 2>&1 | tee "$OUT/spec_sweep.log"
-  rc=${PIPESTATUS[0]}
-  log "spec sweep rc=$rc"
+    --sweep-timeout-s $(cap ${SWEEP_TIMEOUT:-420}) --sweep-out "$W/results" --report "$W/spec_sweep.md" \
+    --out "$W/spec_sweep.json" "$@" 2>&1 | tee "$W/spec_sweep.log"
+  r=${PIPESTATUS[0]}; [ "$r" = 0 ] || rc=$r
+  log "spec sweep rc=$r"
 fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
   log "pytest -m gpu"
-  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -m gpu tests/gpu -q -rA -s -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log"
-  rc=${PIPESTATUS[0]}
-  log "pytest rc=$rc"
+  timeout $(cap ${TEST_TIMEOUT:-300}) python3 -m pytest -m gpu tests/gpu -q -rA -s -p no:cacheprovider 2>&1 | tee "$W/pytest.log"
+  r=${PIPESTATUS[0]}; [ "$r" = 0 ] || rc=$r
+  log "pytest rc=$r"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   log "benchmark"
-  timeout ${BENCH_TIMEOUT:-330} python3 benchmarks/decode.py --workdir /tmp/q3-4b --out "$OUT/bench.json" \
+  timeout $(cap ${BENCH_TIMEOUT:-330}) python3 benchmarks/decode.py --workdir /tmp/q3-4b --out "$W/bench.json" \
     --budget-s ${BENCH_BUDGET:-250} "$@" 2>&1 \
-    | tee "$OUT/bench.log"
-  log "benchmark rc=${PIPESTATUS[0]}"
+    | tee "$W/bench.log"
+  r=${PIPESTATUS[0]}; [ "$r" = 0 ] || rc=$r; log "benchmark rc=$r"
 fi
+if [ "$what" = accept ]; then
+  log "accept-step cost (greedy vs sampled)"
+  timeout $(cap ${ACCEPT_TIMEOUT:-120}) python3 benchmarks/accept_cost.py --device cuda --batches ${ACCEPT_BATCHES:-1,64} \
+    2>&1 | tee "$W/accept_cost.log"
+  r=${PIPESTATUS[0]}; [ "$r" = 0 ] || rc=$r; log "accept rc=$r"
+fi
+if [ "$what" = profile ]; then
+  pair "$SPEC_WORKDIR"
+  for sp in off on; do for gm in eager graphs; do
+    log "profile spec=$sp $gm"
+    timeout $(cap ${PROFILE_TIMEOUT:-150}) python3 -m specbench profile --engine "local:$SPEC_WORKDIR/target,draft=$SPEC_WORKDIR/draft" \
+      --spec $sp --$gm --attention flashinfer --device cuda --steps ${PROFILE_STEPS:-20} --batch ${PROFILE_BATCH:-1} \
+      $( [ $sp = on ] && echo --synthetic-tau 6.5 ) --out "$W/profile-$sp-$gm" --json 2>&1 | tee "$W/profile-$sp-$gm.log"
+    r=${PIPESTATUS[0]}; [ "$r" = 0 ] || rc=$r; log "profile spec=$sp $gm rc=$r"
+  done; done
+fi
+if [ "$what" = eval ]; then
+  pair "$SPEC_WORKDIR"
+  log "eval gsm8k --limit ${EVAL_LIMIT:-50}"
+  timeout $(cap ${EVAL_TIMEOUT:-480}) python3 -m specbench eval --task gsm8k --limit ${EVAL_LIMIT:-50} \
+    --baseline "local:$SPEC_WORKDIR/target,spec=off,device=cuda,dtype=bfloat16" \
+    --candidate "local:$SPEC_WORKDIR/target,draft=$SPEC_WORKDIR/draft,spec=dflash,device=cuda,dtype=bfloat16" \
+    --concurrency ${EVAL_CONCURRENCY:-8} --results "$W/eval-results" --report "$W/eval-h200.md" 2>&1 | tee "$W/eval.log"
+  r=${PIPESTATUS[0]}; [ "$r" = 0 ] || rc=$r; log "eval rc=$r"
+fi
+pack
+done
 (cd "$FLASHINFER_WORKSPACE_BASE" 2>/dev/null && find . -name '*.so' | tar czf "$OUT/fi_so.tgz" -T -) 2>/dev/null
 [ -d "$TRITON_CACHE_DIR" ] && tar czf "$OUT/triton.tgz" -C "$TRITON_CACHE_DIR" .
 ls -la "$OUT" | tee -a "$OUT/gpu.log"
