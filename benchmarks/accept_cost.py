@@ -1,13 +1,16 @@
-"""Cost of the sampling accept step against the greedy one, as the engine runs them (per request).
+"""Cost of the sampling accept step against the greedy one, as the engine runs them.
 
 For batch B, K drafts and vocabulary V, the verify step leaves logits [B, K + 1, V] (bf16 on CUDA, fp32
-on CPU) and, for sampled requests, draft probabilities q [B, K, V]. The engine resolves each request in
-turn (engine.py `_resolve`):
-  greedy:  argmax over the K + 1 rows, one host read, `accept_greedy`
-  sampled: `sampling_probs` (the request's transform, fp32) + `accept_sampled` (uniforms, ratio test,
-           residual or bonus draw; host reads of the accepted count and the drawn token)
-Both are timed per whole batch (the loop over B requests), median of --repeats after --warmup, with
-CUDA synchronisation around each repeat. For scale, `lm_head` times the verify step's LM-head matmul
+on CPU) and, for sampled requests, draft probabilities q [B, K, V]. The engine resolves a step's spans
+together (engine.py `_execute` / `_accept_sampled`):
+  greedy:  one argmax over all B (K + 1) rows, one host read, then `accept_greedy` per request (host)
+  sampled: `sampling_probs_rows` (the requests' transforms, fp32) + `accept_sampled_batch` (each
+           request's uniforms from its own generator, ratio tests, residual or bonus rows, inverse-CDF
+           draws, all on the device; one host read of the accepted counts and drawn tokens)
+  *_loop:  the same sampled rule one request at a time (`sampling_probs` + `accept_sampled`, three host
+           reads each): the engine's path before the batched resolve, kept as the reference it replaced
+All are timed per whole batch, median of --repeats after --warmup, with CUDA synchronisation around each
+repeat. For scale, `lm_head` times the verify step's LM-head matmul
 ([B (K + 1), hidden] x [hidden, V], the dtype of the logits): a lower bound of the verify forward.
 Prints a table, then one JSON document as the last line.
 
@@ -25,9 +28,9 @@ from collections.abc import Callable
 import torch
 
 from specbench.engine.config import SamplingParams
-from specbench.engine.sampler import sampling_probs
+from specbench.engine.sampler import sampling_probs, sampling_probs_rows
 from specbench.engine.spec.accept import accept_greedy
-from specbench.engine.spec.sampling import accept_sampled
+from specbench.engine.spec.sampling import accept_sampled, accept_sampled_batch
 
 CONFIGS = {"sampled_t1": SamplingParams(temperature=1.0), "sampled_t0.7_p0.9": SamplingParams(temperature=0.7, top_p=0.9)}
 
@@ -58,16 +61,23 @@ def bench(batch: int, k: int, vocab: int, hidden: int, dev: torch.device, warmup
     out: dict = {"batch": batch}
 
     def greedy() -> None:
+        am = logits.argmax(-1).tolist()
         for b in range(batch):
-            accept_greedy(drafts[b], logits[b].argmax(-1).tolist())
+            accept_greedy(drafts[b], am[b])
 
     out["greedy_ms"] = _timeit(greedy, dev, warmup, repeats)
+    flat = logits.view(batch * (k + 1), vocab)
+    qs = [q[b] for b in range(batch)]
     for name, params in CONFIGS.items():
         def sampled(params: SamplingParams = params) -> None:
+            accept_sampled_batch(drafts, qs, sampling_probs_rows(flat, [params] * flat.shape[0]), gens)
+
+        def loop(params: SamplingParams = params) -> None:
             for b in range(batch):
                 accept_sampled(drafts[b], q[b], sampling_probs(logits[b], params), gens[b])
 
         out[f"{name}_ms"] = _timeit(sampled, dev, warmup, repeats)
+        out[f"{name}_loop_ms"] = _timeit(loop, dev, warmup, repeats)
     x = torch.randn(batch * (k + 1), hidden, generator=g, device=dev).to(dtype)
     w = (torch.randn(vocab, hidden, generator=g, device=dev) * 0.02).to(dtype)
     out["lm_head_ms"] = _timeit(lambda: torch.matmul(x, w.t()), dev, warmup, repeats)
@@ -86,7 +96,7 @@ def main() -> None:
     a = ap.parse_args()
     dev = torch.device(a.device)
     rows = [bench(int(b), a.k, a.vocab, a.hidden, dev, a.warmup, a.repeats) for b in a.batches.split(",")]
-    cols = ["greedy_ms", *(f"{n}_ms" for n in CONFIGS), "lm_head_ms"]
+    cols = ["greedy_ms", *(f"{n}{x}_ms" for n in CONFIGS for x in ("", "_loop")), "lm_head_ms"]
     print(f"accept step cost, K={a.k}, vocab={a.vocab}, device={dev} "
           f"({torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu'}), median of {a.repeats}")
     print("| batch | " + " | ".join(cols) + " | sampled_t1 / greedy |")

@@ -30,11 +30,11 @@ from .models.qwen3 import Qwen3ForCausalLM
 from .ranges import NO_RANGES, ProfilerRanges
 from .request import Request
 from .runner import ModelRunner
-from .sampler import make_generator, sampling_probs, select, topk_logprobs
+from .sampler import make_generator, sampling_probs, sampling_probs_rows, select, topk_logprobs
 from .scheduler import AdmissionError, Scheduler, Span, StepPlan
 from .spec.accept import accept_greedy
 from .spec.proposer import NgramProposer, Proposer
-from .spec.sampling import accept_sampled
+from .spec.sampling import accept_sampled, accept_sampled_batch
 from .spec.synthetic import SyntheticAcceptance
 from .tokenizer import Tokenizer
 
@@ -274,9 +274,11 @@ class LLMEngine:
         with self.ranges.phase("accept"):
             # One batched argmax and one host transfer per step serve every greedy span (not one sync each).
             amax = logits.argmax(-1).tolist() if any(s.req.params.greedy for s in plan.spans) else None
-            for s, (r0, cnt) in zip(plan.spans, row_of, strict=True):
+            # Likewise every sampled verify span: one batched speculative-sampling resolve, one host read.
+            sampled = self._accept_sampled(plan.spans, row_of, logits)
+            for i, (s, (r0, cnt)) in enumerate(zip(plan.spans, row_of, strict=True)):
                 am = amax[r0:r0 + cnt] if amax is not None else None
-                c, toks, lps = self._resolve(s, logits[r0:r0 + cnt], am)
+                c, toks, lps = self._resolve(s, logits[r0:r0 + cnt], am, sampled.get(i))
                 committed.append(c)
                 new_tokens.append(toks)
                 new_lps.append(lps)
@@ -308,9 +310,30 @@ class LLMEngine:
         self.metrics.kv_usage = 1.0 - self.pool.num_free / self.pool.num_pages
         return outs
 
-    def _resolve(self, s: Span, lg: torch.Tensor, am: list[int] | None = None) -> tuple[int, list[int], list | None]:
+    def _accept_sampled(self, spans: list[Span], row_of: list[tuple[int, int]],
+                        logits: torch.Tensor) -> dict[int, tuple[int, list[int]]]:
+        """(accepted drafts, emitted tokens) of every sampled verify span, by span index, resolved together."""
+        idx = [i for i, s in enumerate(spans) if s.kind == "verify" and not s.req.params.greedy]
+        if not idx:
+            return {}
+        rows: list[int] = []
+        params: list[SamplingParams] = []
+        for i in idx:
+            r0, cnt = row_of[i]
+            rows += range(r0, r0 + cnt)
+            params += [spans[i].req.params] * cnt
+        sel = logits if len(rows) == logits.shape[0] else logits[torch.tensor(rows, device=logits.device)]
+        probs = sampling_probs_rows(sel, params)
+        qs = [spans[i].draft_probs if isinstance(spans[i].draft_probs, torch.Tensor) else None for i in idx]
+        res = accept_sampled_batch([list(spans[i].drafts) for i in idx], qs, probs,
+                                   [self._gens[spans[i].req.rid] for i in idx], self.faults)
+        return dict(zip(idx, res, strict=True))
+
+    def _resolve(self, s: Span, lg: torch.Tensor, am: list[int] | None = None,
+                 sampled: tuple[int, list[int]] | None = None) -> tuple[int, list[int], list | None]:
         """(rows committed to KV, new output tokens, their logprobs) for one span. `am`: the argmax of each
-        of the span's logits rows, already on the host (greedy requests only)."""
+        of the span's logits rows, already on the host (greedy requests only); `sampled`: a sampled verify
+        span's (accepted count, tokens), already resolved with the batch."""
         req, p = s.req, s.req.params
         gen = self._gens[req.rid]
         n = len(s.tokens)
@@ -327,8 +350,10 @@ class LLMEngine:
             return 1, [tok], (topk_logprobs(lg[:1], [tok], p.logprobs) if p.logprobs is not None else None)
         k = len(s.drafts)
         if not p.greedy:
-            q = s.draft_probs if isinstance(s.draft_probs, torch.Tensor) else None
-            m, toks = accept_sampled(list(s.drafts), q, sampling_probs(lg, p), gen, self.faults)
+            if sampled is None:
+                q = s.draft_probs if isinstance(s.draft_probs, torch.Tensor) else None
+                sampled = accept_sampled(list(s.drafts), q, sampling_probs(lg, p), gen, self.faults)
+            m, toks = sampled
             self.metrics.record_verify(k, m)
             req.spec.record(k, m)
             return m + 1, toks, None

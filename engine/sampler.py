@@ -14,6 +14,9 @@ import torch
 from .config import SamplingParams
 
 
+TOP_P_CANDIDATES = 1024  # top-p: the candidate set tried before a full sort of the vocabulary
+
+
 def sampling_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """Probabilities after the request's sampling transform; logits [R, V] -> [R, V] fp32."""
     x = logits.float() / max(p.temperature, 1e-8)
@@ -23,7 +26,16 @@ def sampling_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         x = x.masked_fill(x < kth, float("-inf"))
     probs = torch.softmax(x, dim=-1)
     if p.top_p < 1.0:
-        sp, order = probs.sort(dim=-1, descending=True)
+        sp = order = None
+        if v > TOP_P_CANDIDATES:
+            # The nucleus is a prefix of the descending order; when the top candidates of every row already
+            # hold top_p of the mass, it lies inside them and a top-k replaces the full sort (same kept set,
+            # up to the order of exact ties). One host read decides; otherwise the full sort runs.
+            cv, ci = probs.topk(TOP_P_CANDIDATES, dim=-1)
+            if bool((cv.sum(-1) >= p.top_p).all()):
+                sp, order = cv, ci
+        if sp is None:
+            sp, order = probs.sort(dim=-1, descending=True)
         drop = (sp.cumsum(-1) - sp) >= p.top_p
         sp = sp.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sp)
@@ -31,6 +43,45 @@ def sampling_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         thresh = probs.max(dim=-1, keepdim=True).values * p.min_p
         probs = probs.masked_fill(probs < thresh, 0.0)
     return probs / probs.sum(-1, keepdim=True)
+
+
+def _transform_key(p: SamplingParams) -> tuple:
+    return (p.temperature, p.top_k, p.top_p, p.min_p)
+
+
+def sampling_probs_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """`sampling_probs` for a batch whose rows carry their own params (logits [R, V], one params per row).
+
+    Rows that share a transform go through one `sampling_probs` call (the usual case: one call for the
+    whole batch), so each row's probabilities are exactly what the per-request call would give.
+    """
+    if len(params) != logits.shape[0]:
+        raise ValueError(f"sampling_probs_rows: {len(params)} params for {logits.shape[0]} rows")
+    groups: dict[tuple, list[int]] = {}
+    for i, p in enumerate(params):
+        groups.setdefault(_transform_key(p), []).append(i)
+    if len(groups) == 1:
+        return sampling_probs(logits, params[0])
+    out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    for rows in groups.values():
+        idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        out[idx] = sampling_probs(logits[idx], params[rows[0]])
+    return out
+
+
+def draw_rows(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of probs [R, V] by inverse CDF with the row's uniform u [R] in [0, 1): the first
+    index whose cumulative probability exceeds u times the row's total (zero-probability tokens are never
+    drawn). On the device, no host read; exact up to fp32 rounding of the cumulative sum."""
+    cdf = probs.float().cumsum(-1)
+    x = (u.float() * cdf[:, -1]).unsqueeze(-1)
+    return torch.searchsorted(cdf, x, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
+
+
+def uniforms(counts: list[int], gens: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
+    """counts[b] uniforms from request b's own generator, concatenated (one small draw per request)."""
+    parts = [torch.rand(n, generator=g, device=device, dtype=torch.float32) for n, g in zip(counts, gens, strict=True)]
+    return torch.cat(parts) if parts else torch.empty(0, device=device)
 
 
 def make_generator(seed: int | None, device: torch.device | str, fallback: torch.Generator) -> torch.Generator:

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from specbench.engine import LLM, SamplingParams
-from specbench.engine.spec.sampling import accept_sampled, emitted_distribution
+from specbench.engine.sampler import draw_rows, sampling_probs, sampling_probs_rows
+from specbench.engine.spec.sampling import accept_sampled, accept_sampled_batch, emitted_distribution
 
 
 def _rand_dist(v, g, peaky=1.0):
@@ -47,6 +48,73 @@ def test_implementation_matches_p_and_faults_do_not():
     for fault in ("biased_accept", "resample_from_p"):
         bad = _mc_first_token(p, q, {fault})
         assert 0.5 * (bad - p[0]).abs().sum().item() > 0.03, fault
+
+
+def test_batch_equals_one_request_at_a_time():
+    """The batched resolve (one host read) gives each request exactly what resolving it alone gives, for
+    drafted q, point masses (q None) and a request with no drafts, under the same generator seeds."""
+    g = torch.Generator().manual_seed(3)
+    v, ks = 7, [3, 2, 0, 4]
+    ps = [torch.stack([_rand_dist(v, g, 1.0) for _ in range(k + 1)]) for k in ks]
+    qs = [torch.stack([_rand_dist(v, g, 1.0) for _ in range(k)]) if k and i != 1 else None for i, k in enumerate(ks)]
+    for trial in range(30):
+        drafts = [[int(t) for t in torch.randint(0, v, (k,), generator=g)] for k in ks]
+        one = [accept_sampled(d, q, p, torch.Generator().manual_seed(100 * trial + i))
+               for i, (d, q, p) in enumerate(zip(drafts, qs, ps, strict=True))]
+        gens = [torch.Generator().manual_seed(100 * trial + i) for i in range(len(ks))]
+        assert accept_sampled_batch(drafts, qs, torch.cat(ps), gens) == one
+
+
+def test_batched_first_tokens_match_p():
+    """Monte Carlo over the batched path: every request's first emitted token follows its own p."""
+    g = torch.Generator().manual_seed(11)
+    v = 4
+    ps = [torch.stack([_rand_dist(v, g, 1.5) for _ in range(3)]), torch.stack([_rand_dist(v, g, 1.5) for _ in range(3)]),
+          _rand_dist(v, g, 1.5)[None]]
+    q0 = torch.stack([_rand_dist(v, g, 1.5) for _ in range(2)])
+    gens = [torch.Generator().manual_seed(i) for i in range(3)]
+    n = 12000
+    counts = torch.zeros(3, v)
+    for _ in range(n):
+        d0 = [int(torch.multinomial(q0[i], 1, generator=g)) for i in range(2)]
+        d1 = [int(torch.randint(0, v, (1,), generator=g)) for _ in range(2)]  # any deterministic proposal
+        out = accept_sampled_batch([d0, d1, []], [q0, None, None], torch.cat(ps), gens)
+        for b, (_, toks) in enumerate(out):
+            counts[b, toks[0]] += 1
+    for b in range(3):
+        tv = 0.5 * (counts[b] / n - ps[b][0]).abs().sum().item()
+        assert tv < 0.025, f"request {b}: TV = {tv:.4f}"  # 12k draws: noise TV ~ 0.008
+
+
+def _top_p_by_sort(x, prm):
+    probs = torch.softmax(x.float() / prm.temperature, -1)
+    sp, order = probs.sort(dim=-1, descending=True)
+    sp = sp.masked_fill((sp.cumsum(-1) - sp) >= prm.top_p, 0.0)
+    out = torch.zeros_like(probs).scatter(-1, order, sp)
+    return out / out.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("scale", [8.0, 0.05])  # peaky: nucleus inside the top-k candidates; flat: full sort
+def test_top_p_candidates_equal_full_sort(scale):
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(5, 5000, generator=g) * scale
+    prm = SamplingParams(temperature=0.9, top_p=0.8)
+    assert torch.allclose(sampling_probs(x, prm), _top_p_by_sort(x, prm), atol=1e-7)
+
+
+def test_rows_helpers():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 50, generator=g)
+    a, b = SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=1.2, top_k=5)
+    mixed = sampling_probs_rows(x, [a, b, a, b, b, a])
+    for i, prm in enumerate([a, b, a, b, b, a]):
+        assert torch.equal(mixed[i], sampling_probs(x[i:i + 1], prm)[0])
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5], [0.25, 0.25, 0.25, 0.25]])
+    assert draw_rows(probs, torch.tensor([0.0, 0.0])).tolist() == [1, 0]  # zero-probability tokens never drawn
+    assert draw_rows(probs, torch.tensor([0.6, 0.99])).tolist() == [3, 3]
+    u = torch.rand(20000, generator=g)
+    emp = torch.bincount(draw_rows(probs[1:].expand(20000, 4), u), minlength=4) / 20000
+    assert (emp - 0.25).abs().max() < 0.02
 
 
 def test_sampled_requests_speculate_and_are_seeded(tiny_target, tiny_draft):

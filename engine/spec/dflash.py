@@ -31,7 +31,7 @@ from ..models.qwen3 import Qwen3ForCausalLM
 from ..request import Request
 from ..rope import RotaryCache
 from ..runner import ModelRunner
-from ..sampler import sampling_probs
+from ..sampler import draw_rows, sampling_probs_rows, uniforms
 from ..scheduler import Span
 from .dflash_graphs import DraftGraphs
 from .proposer import Proposer
@@ -108,18 +108,26 @@ class DFlashProposer(Proposer):
         kmap = {id(s): k for s, k in zip(spans, ks, strict=True)}
         for g in groups:
             logits = self.draft_logits(g)
-            drafts = logits.argmax(-1).tolist()
-            for i, (s, d) in enumerate(zip(g, drafts, strict=True)):
-                k = kmap[id(s)]
-                params = s.req.params
-                if params.greedy:
-                    s.drafts = d[:k]
-                    continue
-                # Sampled request: draw each slot from its own transformed distribution q.
-                q = sampling_probs(logits[i, :k], params)
-                gen = self.generators.get(s.req.rid)
-                s.drafts = torch.multinomial(q, 1, generator=gen).squeeze(-1).tolist()
-                s.draft_probs = q
+            greedy = [i for i, s in enumerate(g) if s.req.params.greedy]
+            if greedy:
+                drafts = logits[torch.tensor(greedy, device=logits.device)].argmax(-1).tolist() \
+                    if len(greedy) < len(g) else logits.argmax(-1).tolist()
+                for i, d in zip(greedy, drafts, strict=True):
+                    g[i].drafts = d[:kmap[id(g[i])]]
+            sampled = [i for i, s in enumerate(g) if not s.req.params.greedy]
+            if sampled:
+                # Sampled requests: each slot drawn from its own transformed distribution q (the request's
+                # sampling transform), all requests at once with their own generators, one host read.
+                n, slots, v = len(sampled), logits.shape[1], logits.shape[2]
+                sel = logits[torch.tensor(sampled, device=logits.device)] if n < len(g) else logits
+                q = sampling_probs_rows(sel.reshape(n * slots, v),
+                                        [g[i].req.params for i in sampled for _ in range(slots)]).view(n, slots, v)
+                u = uniforms([slots] * n, [self.generators.get(g[i].req.rid) for i in sampled], logits.device)
+                drawn = draw_rows(q.view(n * slots, v), u).view(n, slots).tolist()
+                for j, i in enumerate(sampled):
+                    k = kmap[id(g[i])]
+                    g[i].drafts = drawn[j][:k]
+                    g[i].draft_probs = q[j, :k]
 
     def draft_logits(self, spans: list[Span]) -> torch.Tensor:
         """Draft logits [N, B - 1, V] for block slots 1..B-1 of each span's request."""

@@ -6,8 +6,9 @@ emit a token from normalize(max(p_i - q_i, 0)); when all k are accepted emit a b
 emitted token at every position is distributed exactly as p (Leviathan et al. 2023, Chen et al. 2023):
   P(x) = q(x) min(1, p(x)/q(x)) + (1 - sum_y min(q(y), p(y))) * (p(x) - q(x))^+ / sum_y (p(y) - q(y))^+
        = min(q(x), p(x)) + (p(x) - q(x))^+ = p(x).
-A deterministic proposer (n-gram) is the point mass q = one_hot(d). All uniforms are drawn at once from
-the request's generator; the only host read is the final accepted count and tokens.
+A deterministic proposer (n-gram) is the point mass q = one_hot(d). Each request's uniforms are drawn at
+once from its own generator; a whole batch of requests is resolved on the device with one host read
+(the accepted counts and emitted tokens).
 Greedy is the exact limit handled elsewhere (argmax), never a temperature clamp.
 """
 
@@ -15,34 +16,90 @@ from __future__ import annotations
 
 import torch
 
+from ..sampler import draw_rows, uniforms
 
-def accept_sampled(drafts: list[int], q: torch.Tensor | None, p: torch.Tensor, gen: torch.Generator,
-                   faults: frozenset[str] = frozenset()) -> tuple[int, list[int]]:
-    """drafts [k]; q [k, V] draft probs or None (point masses); p [k + 1, V] target probs."""
-    k = len(drafts)
-    dev = p.device
-    d = torch.tensor(drafts, dtype=torch.long, device=dev)
-    if q is None:
-        q = torch.zeros(k, p.shape[1], dtype=p.dtype, device=dev)
-        q[torch.arange(k, device=dev), d] = 1.0
-    rows = torch.arange(k, device=dev)
-    p_d = p[rows, d]
-    q_d = q[rows, d].clamp_min(1e-20)
-    ratio = q_d / p_d.clamp_min(1e-20) if "biased_accept" in faults else p_d / q_d
-    u = torch.rand(k + 1, generator=gen, device=dev, dtype=torch.float32)
-    if "reused_uniform" in faults:
-        u = u[:1].expand(k + 1)
-    ok = (u[:k] < ratio.clamp(max=1.0)).to(torch.int64)
-    m = int(ok.cumprod(0).sum().item())
-    if m < k:
-        res = (p[m] - q[m]).clamp_min(0.0)
-        if "resample_from_p" in faults or float(res.sum()) <= 0.0:
-            res = p[m]
-        dist = res / res.sum()
+
+def accept_sampled_batch(drafts: list[list[int]], qs: list[torch.Tensor | None], p: torch.Tensor,
+                         gens: list[torch.Generator | None], faults: frozenset[str] = frozenset(),
+                         ) -> list[tuple[int, list[int]]]:
+    """Speculative sampling for a batch of requests with one host read.
+
+    drafts[b]: request b's k_b drafts; qs[b]: their draft probs [k_b, V], or None for a deterministic
+    proposer (point masses); p: target probs [sum_b (k_b + 1), V], request b's k_b + 1 rows in order.
+    Each request draws k_b + 1 uniforms from its own generator: k_b for the ratio tests, the last for the
+    emitted token (inverse CDF over the residual or the bonus distribution). Returns (m_b, tokens_b).
+    """
+    nb = len(drafts)
+    if not (len(qs) == len(gens) == nb):
+        raise ValueError("accept_sampled_batch: drafts, qs and gens must have one entry per request")
+    ks = [len(d) for d in drafts]
+    if p.shape[0] != sum(ks) + nb:
+        raise ValueError(f"accept_sampled_batch: p has {p.shape[0]} rows, expected sum(k + 1) = {sum(ks) + nb}")
+    if nb == 0:
+        return []
+    dev, v = p.device, p.shape[1]
+    kmax, nk = max(ks), sum(ks)
+    # Host-built index arrays, one transfer: per draft (p row, token, batch, slot); per request (p offset,
+    # q offset, k, offset of its uniforms).
+    prow, toks, bidx, slot, poff, qoff, uoff = [], [], [], [], [], [], []
+    po = qo = 0
+    for b, d in enumerate(drafts):
+        poff.append(po)
+        qoff.append(qo)
+        uoff.append(po)  # request b's uniforms sit at the same offsets as its p rows (k_b + 1 each)
+        prow += range(po, po + len(d))
+        toks += d
+        bidx += [b] * len(d)
+        slot += range(len(d))
+        po += len(d) + 1
+        qo += len(d)
+    ix = torch.tensor(prow + toks + bidx + slot + poff + qoff + ks + uoff, dtype=torch.long).to(dev, non_blocking=True)
+    prow_t, tok_t, b_t, slot_t = ix[:nk], ix[nk:2 * nk], ix[2 * nk:3 * nk], ix[3 * nk:4 * nk]
+    poff_t, qoff_t, k_t, uoff_t = ix[4 * nk:4 * nk + nb], ix[4 * nk + nb:4 * nk + 2 * nb], \
+        ix[4 * nk + 2 * nb:4 * nk + 3 * nb], ix[4 * nk + 3 * nb:]
+    point = all(q is None for q in qs)
+    q = None
+    if not point:  # mixed: point masses become one-hot rows
+        parts = []
+        for d, qb in zip(drafts, qs, strict=True):
+            if qb is None:
+                qb = torch.zeros(len(d), v, dtype=p.dtype, device=dev)
+                qb[torch.arange(len(d), device=dev), torch.tensor(d, dtype=torch.long, device=dev)] = 1.0
+            parts.append(qb.to(p.dtype))
+        q = torch.cat(parts) if parts else None
+    u = uniforms([k + 1 for k in ks], gens, dev)
+    m = torch.zeros(nb, dtype=torch.long, device=dev)
+    if nk:
+        p_d = p[prow_t, tok_t]
+        q_d = q[torch.arange(nk, device=dev), tok_t].clamp_min(1e-20) if q is not None else torch.ones_like(p_d)
+        ratio = q_d / p_d.clamp_min(1e-20) if "biased_accept" in faults else p_d / q_d
+        ua = u[uoff_t[b_t]] if "reused_uniform" in faults else u[prow_t]
+        ok = torch.zeros(nb, kmax, dtype=torch.long, device=dev)
+        ok[b_t, slot_t] = (ua < ratio.clamp(max=1.0)).long()
+        m = ok.cumprod(1).sum(1)
+    rows = p[poff_t + m]  # the rejected position's target row, or the bonus row when all were accepted
+    rejected = m < k_t
+    if nk:
+        qi = (qoff_t + m.clamp(max=(k_t - 1).clamp_min(0))).clamp(max=nk - 1)
+        if q is not None:
+            res = (rows - q[qi]).clamp_min(0.0)
+        else:
+            res = rows.scatter(1, tok_t[qi].unsqueeze(1), 0.0)  # (p - one_hot(d))^+ zeroes the draft token
+        if "resample_from_p" in faults:
+            res = rows
+        use_p = ~rejected | (res.sum(1) <= 0.0)
+        dist = torch.where(use_p.unsqueeze(1), rows, res)
     else:
-        dist = p[k]
-    tok = int(torch.multinomial(dist, 1, generator=gen).item())
-    return m, drafts[:m] + [tok]
+        dist = rows
+    tok = draw_rows(dist, u[uoff_t + k_t])
+    mh, th = torch.stack([m, tok]).tolist()
+    return [(mb, d[:mb] + [tb]) for mb, tb, d in zip(mh, th, drafts, strict=True)]
+
+
+def accept_sampled(drafts: list[int], q: torch.Tensor | None, p: torch.Tensor, gen: torch.Generator | None,
+                   faults: frozenset[str] = frozenset()) -> tuple[int, list[int]]:
+    """One request: drafts [k]; q [k, V] draft probs or None (point masses); p [k + 1, V] target probs."""
+    return accept_sampled_batch([list(drafts)], [q], p, [gen], faults)[0]
 
 
 def emitted_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
