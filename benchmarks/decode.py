@@ -7,6 +7,7 @@ each variant runs steady-state `engine.step()` calls (warm-up excluded, median r
   fi-eager           the same kernels and padded shapes, launched without graphs (EngineConfig.eager)
   fi-graph-gemv      fi-graph with the fused add-norm(+SwiGLU) Triton GEMV for the qkv and gate/up GEMMs, B <= 16
   fi-graph-notriton  fi-graph with the torch reference dense ops (no Triton), B <= 16
+  fi-tc-graph        fi-graph with FlashInfer's tensor-core (FA2) decode kernels (EngineConfig.decode_tensor_cores)
   torch-graph        torch reference attention, piecewise graphs (dense segments captured, attention eager)
   torch-eager        torch reference attention, no graphs
 `wall` is the engine step (host scheduling, sampling and its sync included); `gpu` is the captured step
@@ -40,11 +41,12 @@ VARIANTS = {  # name: (attention backend, capture graphs, ops: "triton" | "gemv"
     "fi-eager": ("flashinfer", False, "triton", None),
     "fi-graph-gemv": ("flashinfer", True, "gemv", 16),
     "fi-graph-notriton": ("flashinfer", True, "torch", 16),
+    "fi-tc-graph": ("flashinfer-tc", True, "triton", None),
     "torch-graph": ("torch", True, "triton", None),
     "torch-eager": ("torch", False, "triton", None),
 }
 STEPS = {"fi-graph": (5, 30), "fi-eager": (2, 10), "torch-graph": (2, 6), "torch-eager": (2, 6),
-         "fi-graph-gemv": (3, 20), "fi-graph-notriton": (3, 20)}  # (warm-up, timed)
+         "fi-graph-gemv": (3, 20), "fi-graph-notriton": (3, 20), "fi-tc-graph": (5, 30)}  # (warm-up, timed)
 
 
 def _events_ms(fn, reps: int, warmup: int = 2) -> float:
@@ -139,6 +141,9 @@ class Bench:
             from specbench.kernels.ops import TritonOps
 
             assert r.backend.name == "flashinfer", "flashinfer did not load"
+            fb = r.backend
+            self.backends["flashinfer-tc"] = make_backend("flashinfer", r.device, self.engine.mcfg, fb.dtype, fb.max_pages,
+                                                          r.model.ops, decode_tensor_cores=True)
             self.ops.update(triton=TritonOps(gemv=False), gemv=TritonOps(gemv=True))
         else:
             self.ops.update(triton=None, gemv=None)

@@ -268,6 +268,8 @@ class EngineConfig:
     verify_graph: bool = True  # CUDA: non-decode steps (verify, prefill) via the padded piecewise runner
     draft_graph: bool = True  # CUDA: the DFlash draft through the padded piecewise runner (False: plain draft)
     triton: bool = True  # Triton kernels on CUDA (also off with SPECBENCH_TRITON=0); CPU keeps torch
+    # FlashInfer decode through its tensor-core (FA2 prefill) kernels instead of the CUDA-core decode kernel
+    decode_tensor_cores: bool = False
     seed: int = 0
     spec: SpecConfig = field(default_factory=SpecConfig)
     faults: tuple[str, ...] = ()

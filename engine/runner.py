@@ -52,13 +52,14 @@ def resolve_backend(name: str, device: torch.device) -> str:
 
 
 def make_backend(name: str, device: torch.device, mcfg: ModelConfig | None = None, dtype: torch.dtype | None = None,
-                 max_pages: int = 0, ops=None) -> AttentionBackend:
+                 max_pages: int = 0, ops=None, decode_tensor_cores: bool = False) -> AttentionBackend:
     if resolve_backend(name, device) == "flashinfer":
         from .attention.flashinfer import FlashInferAttention  # noqa: PLC0415 - optional dependency
 
         assert mcfg is not None and dtype is not None
         return FlashInferAttention(device, mcfg.num_attention_heads, mcfg.num_key_value_heads, mcfg.head_dim, dtype,
-                                   max_pages, store_op=ops.kv_store if ops is not None else None)
+                                   max_pages, store_op=ops.kv_store if ops is not None else None,
+                                   decode_tensor_cores=decode_tensor_cores)
     return TorchAttention(device)
 
 
@@ -90,7 +91,8 @@ class ModelRunner:
                    for _ in range(mcfg.num_hidden_layers)]
         self.rope = RotaryCache(mcfg, device, dtype)
         model.ops = select_ops(cfg, device)
-        self.backend = make_backend(cfg.attention_backend, device, mcfg, dtype, pool.num_pages + 1, model.ops)
+        self.backend = make_backend(cfg.attention_backend, device, mcfg, dtype, pool.num_pages + 1, model.ops,
+                                    cfg.decode_tensor_cores)
         self.graphs: DecodeGraphs | None = None  # built at the first eligible decode step (CUDA only)
         self.verify_graphs: VerifyGraphs | None = None  # built at the first verify step (CUDA, verify_graph)
         self.use_graph_runner = device.type == "cuda"

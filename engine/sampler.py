@@ -13,7 +13,6 @@ import torch
 
 from .config import SamplingParams
 
-
 TOP_P_CANDIDATES = 1024  # top-p: the candidate set tried before a full sort of the vocabulary
 
 

@@ -391,11 +391,11 @@ def test_engine_string_switches(tiny_target):
     from specbench.harness.engines import EngineStringError, build_adapter, parse_engine
 
     ad = build_adapter(f"local:{tiny_target},spec=off,eager=1,verify_graph=0,draft_graph=off,attention=torch,"
-                       "max_num_seqs=4,triton=0,num_pages=64")
+                       "max_num_seqs=4,triton=0,num_pages=64,decode_tensor_cores=1")
     try:
         d, cfg = ad.engine.describe(), ad.engine.cfg
         assert (d["eager"], d["verify_graph"], d["draft_graph"], d["attention_backend"]) == (True, False, False, "torch")
-        assert cfg.max_num_seqs == 4 and cfg.triton is False
+        assert cfg.max_num_seqs == 4 and cfg.triton is False and cfg.decode_tensor_cores is True
     finally:
         ad.close()
     for bad, msg in (("local,eager=2", "eager='2'"), ("local,attention=xformers", "attention='xformers'"),

@@ -67,7 +67,8 @@ class FlashInferAttention(AttentionBackend):
     graph_safe = True  # decode forward may be captured whole after prepare_capture
 
     def __init__(self, device: torch.device | str, num_qo_heads: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, max_pages: int, workspace_bytes: int = 512 << 20, store_op=None) -> None:
+                 dtype: torch.dtype, max_pages: int, workspace_bytes: int = 512 << 20, store_op=None,
+                 decode_tensor_cores: bool = False) -> None:
         import flashinfer  # noqa: PLC0415 - optional dependency
 
         self.fi = flashinfer
@@ -78,7 +79,9 @@ class FlashInferAttention(AttentionBackend):
         self.max_pages = max_pages
         self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
-        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self.decode_tensor_cores = decode_tensor_cores  # decode via FlashInfer's tensor-core (FA2) kernels
+        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD",
+                                                                     use_tensor_cores=decode_tensor_cores)
         self._graph: dict[int, tuple[object, torch.Tensor]] = {}  # batch -> (wrapper, its int32 buffer)
         self._graph_pages: dict[int, torch.Tensor] = {}  # batch -> kv_indptr of its last plan
         self._store = store_op
@@ -130,7 +133,8 @@ class FlashInferAttention(AttentionBackend):
         if b not in self._graph:
             buf = torch.zeros(2 * b + 1 + self.max_pages + b, dtype=torch.int32, device=self.device)
             w = self.fi.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace, "NHD", use_cuda_graph=True, paged_kv_indptr_buffer=buf[: b + 1],
+                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.decode_tensor_cores,
+                paged_kv_indptr_buffer=buf[: b + 1],
                 paged_kv_last_page_len_buffer=buf[b + 1: 2 * b + 1], paged_kv_indices_buffer=buf[2 * b + 1:])
             self._graph[b] = (w, buf)
         return self._graph[b]

@@ -20,7 +20,9 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-MODES = [("flashinfer", True), ("flashinfer", False), ("torch", True), ("torch", False)]  # (backend, eager)
+# (backend, eager); flashinfer-tc: FlashInfer with decode_tensor_cores (its FA2 kernels for decode steps)
+MODES = [("flashinfer", True), ("flashinfer", False), ("flashinfer-tc", True), ("flashinfer-tc", False),
+         ("torch", True), ("torch", False)]
 N_REQ = 9
 
 
@@ -51,8 +53,9 @@ def _requests(vocab: int):
 def _engine(path: str, backend: str, eager: bool):
     from specbench.engine import EngineConfig, LLMEngine
 
-    return LLMEngine(EngineConfig(model=path, device="cuda", dtype="bfloat16", attention_backend=backend,
-                                  eager=eager, max_num_seqs=16, num_pages=1024))
+    return LLMEngine(EngineConfig(model=path, device="cuda", dtype="bfloat16", attention_backend=backend.split("-")[0],
+                                  decode_tensor_cores=backend.endswith("-tc"), eager=eager, max_num_seqs=16,
+                                  num_pages=1024))
 
 
 def _run(path: str, backend: str, eager: bool, one_at_a_time: bool = False) -> tuple[list, dict]:
@@ -111,7 +114,7 @@ def hf(model_dir):
 def test_golden_batched(runs, hf, mode):
     outs, info = runs[mode]
     backend, eager = mode
-    assert info["backend"] == backend and info["ops"] == "TritonOps" and info["graph_runner"]
+    assert info["backend"] == backend.split("-")[0] and info["ops"] == "TritonOps" and info["graph_runner"]
     assert info["captured"] == (not eager)
     stats = _gate(hf, outs)
     print(f"golden {mode} batch of {N_REQ}: {stats}")
@@ -125,7 +128,7 @@ def test_golden_one_at_a_time(model_dir, hf):
     _assert_gate(stats, "one at a time")
 
 
-@pytest.mark.parametrize("backend", ["flashinfer", "torch"])
+@pytest.mark.parametrize("backend", ["flashinfer", "flashinfer-tc", "torch"])
 def test_graph_replay_bit_identical_to_eager(runs, backend):
     eager, _ = runs[(backend, True)]
     graphs, _ = runs[(backend, False)]
