@@ -269,7 +269,7 @@ class EngineConfig:
     draft_graph: bool = True  # CUDA: the DFlash draft through the padded piecewise runner (False: plain draft)
     triton: bool = True  # Triton kernels on CUDA (also off with SPECBENCH_TRITON=0); CPU keeps torch
     # FlashInfer decode through its tensor-core (FA2 prefill) kernels instead of the CUDA-core decode kernel
-    decode_tensor_cores: bool = False
+    decode_tensor_cores: bool = True
     seed: int = 0
     spec: SpecConfig = field(default_factory=SpecConfig)
     faults: tuple[str, ...] = ()

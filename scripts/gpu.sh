@@ -13,12 +13,13 @@
 #   spec-sweep   benchmarks/spec_step.py --part sweep (spec off vs synthetic tau 2/3.5/5/6.5 at c1..c64),
 #                with STEPS_JSON (default /tmp/spec_steps.json, written by spec-steps) for the ideal column
 #   spec         spec-steps, then spec-sweep (one call: give SWEEP_TIMEOUT room; see docs/gpu.md)
+#   sampled      specbench sampled (spec off vs DFlash, with the null arm) on the bundled pair on CUDA
 #   accept       benchmarks/accept_cost.py at batch 1 and 64 (issue 11: sampling vs greedy accept step)
 #   profile      specbench profile on the pair: spec off/on (synthetic tau 6.5) x eager/graphs (issue 9)
 #   eval         specbench eval gsm8k --limit EVAL_LIMIT (50) spec off vs on on the pair (issue 10; needs the
 #                server and lm-eval wheels in .whl-eval/, see docs/gpu.md)
 # Knobs: TEST_TIMEOUT, BENCH_TIMEOUT, BENCH_BUDGET (decode); SPEC_TIMEOUT, SPEC_BUDGET (steps), SWEEP_TIMEOUT
-# (the sweep is interrupted like Ctrl-C at it: records kept), SWEEP_LEVELS, SWEEP_ROUNDS, SWEEP_PPL,
+# (the sweep is interrupted like Ctrl-C at it: records kept), SWEEP_LEVELS, SWEEP_TAUS, SWEEP_ROUNDS, SWEEP_PPL,
 # SWEEP_MAX_TOKENS, SPEC_WORKDIR (the Qwen3-4B-shaped pair; built there when absent).
 # Needs: .whl/ with flashinfer-python 0.5.3, apache-tvm-ffi, nvidia-cudnn-frontend (../shared/device/README.md).
 # Optional carried caches: .cache/fi_so.tgz (FlashInfer JIT modules, loaded as AOT), .cache/triton.tgz.
@@ -83,7 +84,7 @@ if [ "$what" = spec-sweep ] || [ "$what" = spec ]; then
   steps=${STEPS_JSON:-/tmp/spec_steps.json}
   log "spec sweep (steps from $steps)"
   timeout $(cap $(( ${SWEEP_TIMEOUT:-420} + 150 ))) python3 benchmarks/spec_step.py --part sweep --workdir "$SPEC_WORKDIR" \
-    $( [ -f "$steps" ] && echo --steps-json "$steps" ) --levels ${SWEEP_LEVELS:-1,8,16,32,64} \
+    $( [ -f "$steps" ] && echo --steps-json "$steps" ) --levels ${SWEEP_LEVELS:-1,8,16,32,64} --taus ${SWEEP_TAUS:-2,3.5,5,6.5} \
     --rounds ${SWEEP_ROUNDS:-2} --prompts-per-level ${SWEEP_PPL:-4} --max-tokens ${SWEEP_MAX_TOKENS:-128} \
     --sweep-timeout-s $(cap ${SWEEP_TIMEOUT:-420}) --sweep-out "$W/results" --report "$W/spec_sweep.md" \
     --out "$W/spec_sweep.json" "$@" 2>&1 | tee "$W/spec_sweep.log"
@@ -108,6 +109,13 @@ if [ "$what" = accept ]; then
   timeout $(cap ${ACCEPT_TIMEOUT:-120}) python3 benchmarks/accept_cost.py --device cuda --batches ${ACCEPT_BATCHES:-1,64} \
     2>&1 | tee "$W/accept_cost.log"
   r=${PIPESTATUS[0]}; [ "$r" = 0 ] || rc=$r; log "accept rc=$r"
+fi
+if [ "$what" = sampled ]; then
+  log "sampled gate on the bundled pair (CUDA)"
+  timeout $(cap ${SAMPLED_TIMEOUT:-150}) python3 -m specbench sampled --baseline "local,spec=off,device=cuda" \
+    --candidate "local,spec=dflash,device=cuda" --num-prompts ${SAMPLED_PROMPTS:-4} --samples ${SAMPLED_N:-400} \
+    --null --no-record --report "$W/sampled-cuda.md" 2>&1 | tee "$W/sampled.log"
+  r=${PIPESTATUS[0]}; [ "$r" = 0 ] || rc=$r; log "sampled rc=$r"
 fi
 if [ "$what" = profile ]; then
   pair "$SPEC_WORKDIR"

@@ -37,7 +37,7 @@ def accept_sampled_batch(drafts: list[list[int]], qs: list[torch.Tensor | None],
         raise ValueError(f"accept_sampled_batch: p has {p.shape[0]} rows, expected sum(k + 1) = {sum(ks) + nb}")
     if nb == 0:
         return []
-    dev, v = p.device, p.shape[1]
+    dev = p.device
     kmax, nk = max(ks), sum(ks)
     # Host-built index arrays, one transfer: per draft (p row, token, batch, slot); per request (p offset,
     # q offset, k, offset of its uniforms).
@@ -57,21 +57,12 @@ def accept_sampled_batch(drafts: list[list[int]], qs: list[torch.Tensor | None],
     prow_t, tok_t, b_t, slot_t = ix[:nk], ix[nk:2 * nk], ix[2 * nk:3 * nk], ix[3 * nk:4 * nk]
     poff_t, qoff_t, k_t, uoff_t = ix[4 * nk:4 * nk + nb], ix[4 * nk + nb:4 * nk + 2 * nb], \
         ix[4 * nk + 2 * nb:4 * nk + 3 * nb], ix[4 * nk + 3 * nb:]
-    point = all(q is None for q in qs)
-    q = None
-    if not point:  # mixed: point masses become one-hot rows
-        parts = []
-        for d, qb in zip(drafts, qs, strict=True):
-            if qb is None:
-                qb = torch.zeros(len(d), v, dtype=p.dtype, device=dev)
-                qb[torch.arange(len(d), device=dev), torch.tensor(d, dtype=torch.long, device=dev)] = 1.0
-            parts.append(qb.to(p.dtype))
-        q = torch.cat(parts) if parts else None
+    q, qrow_t = _draft_rows(drafts, qs, p, qoff)
     u = uniforms([k + 1 for k in ks], gens, dev)
     m = torch.zeros(nb, dtype=torch.long, device=dev)
     if nk:
         p_d = p[prow_t, tok_t]
-        q_d = q[torch.arange(nk, device=dev), tok_t].clamp_min(1e-20) if q is not None else torch.ones_like(p_d)
+        q_d = q[qrow_t, tok_t].clamp_min(1e-20) if q is not None else torch.ones_like(p_d)
         ratio = q_d / p_d.clamp_min(1e-20) if "biased_accept" in faults else p_d / q_d
         ua = u[uoff_t[b_t]] if "reused_uniform" in faults else u[prow_t]
         ok = torch.zeros(nb, kmax, dtype=torch.long, device=dev)
@@ -82,7 +73,7 @@ def accept_sampled_batch(drafts: list[list[int]], qs: list[torch.Tensor | None],
     if nk:
         qi = (qoff_t + m.clamp(max=(k_t - 1).clamp_min(0))).clamp(max=nk - 1)
         if q is not None:
-            res = (rows - q[qi]).clamp_min(0.0)
+            res = (rows - q[qrow_t[qi]]).clamp_min(0.0)
         else:
             res = rows.scatter(1, tok_t[qi].unsqueeze(1), 0.0)  # (p - one_hot(d))^+ zeroes the draft token
         if "resample_from_p" in faults:
@@ -94,6 +85,33 @@ def accept_sampled_batch(drafts: list[list[int]], qs: list[torch.Tensor | None],
     tok = draw_rows(dist, u[uoff_t + k_t])
     mh, th = torch.stack([m, tok]).tolist()
     return [(mb, d[:mb] + [tb]) for mb, tb, d in zip(mh, th, drafts, strict=True)]
+
+
+def _draft_rows(drafts: list[list[int]], qs: list[torch.Tensor | None], p: torch.Tensor,
+                qoff: list[int]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(q rows [*, V], the row of each draft in draft order) without copying q where possible.
+
+    The DFlash proposer hands each request a view qall[j, :k] of one contiguous tensor of V-wide rows:
+    then the rows are that tensor's, indexed in place. Otherwise the per-request q's are concatenated, point masses
+    (None) becoming one-hot rows; all None (a deterministic proposer) gives (None, None)."""
+    if all(q is None for q in qs):
+        return None, None
+    dev, v = p.device, p.shape[1]
+    base = qs[0]._base if qs[0] is not None else None
+    if base is not None and base.shape[-1] == v and base.is_contiguous() and base.dtype == p.dtype and all(
+            q is not None and q._base is base and q.dim() == 2 and q.stride() == (v, 1) for q in qs):
+        starts = [q.storage_offset() - base.storage_offset() for q in qs]
+        if all(s % v == 0 for s in starts):
+            rows = [s // v + i for s, d in zip(starts, drafts, strict=True) for i in range(len(d))]
+            return base.view(-1, v), torch.tensor(rows, dtype=torch.long).to(dev, non_blocking=True)
+    parts = []
+    for d, qb in zip(drafts, qs, strict=True):
+        if qb is None:
+            qb = torch.zeros(len(d), v, dtype=p.dtype, device=dev)
+            qb[torch.arange(len(d), device=dev), torch.tensor(d, dtype=torch.long, device=dev)] = 1.0
+        parts.append(qb.to(p.dtype))
+    q = torch.cat(parts)
+    return q, torch.arange(q.shape[0], device=dev)
 
 
 def accept_sampled(drafts: list[int], q: torch.Tensor | None, p: torch.Tensor, gen: torch.Generator | None,
