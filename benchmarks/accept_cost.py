@@ -50,7 +50,8 @@ def _timeit(fn: Callable[[], None], dev: torch.device, warmup: int, repeats: int
     return statistics.median(ts) * 1e3
 
 
-def bench(batch: int, k: int, vocab: int, hidden: int, dev: torch.device, warmup: int, repeats: int) -> dict:
+def bench(batch: int, k: int, vocab: int, hidden: int, dev: torch.device, warmup: int, repeats: int,
+          profile: bool = False) -> dict:
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     g = torch.Generator(device=dev).manual_seed(0)
     logits = (torch.randn(batch, k + 1, vocab, generator=g, device=dev) * 3).to(dtype)
@@ -78,6 +79,18 @@ def bench(batch: int, k: int, vocab: int, hidden: int, dev: torch.device, warmup
 
         out[f"{name}_ms"] = _timeit(sampled, dev, warmup, repeats)
         out[f"{name}_loop_ms"] = _timeit(loop, dev, warmup, repeats)
+        if profile and name == "sampled_t1":
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as prof
+
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+            with prof(activities=acts) as pr:
+                for _ in range(10):
+                    sampled()
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+            print(f"profile: batched sampled_t1 at batch {batch}, 10 calls")
+            print(pr.key_averages().table(sort_by="cpu_time_total", row_limit=20, max_name_column_width=40))
     x = torch.randn(batch * (k + 1), hidden, generator=g, device=dev).to(dtype)
     w = (torch.randn(vocab, hidden, generator=g, device=dev) * 0.02).to(dtype)
     out["lm_head_ms"] = _timeit(lambda: torch.matmul(x, w.t()), dev, warmup, repeats)
@@ -93,9 +106,10 @@ def main() -> None:
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--profile", action="store_true", help="also print a torch profile of the batched sampled path")
     a = ap.parse_args()
     dev = torch.device(a.device)
-    rows = [bench(int(b), a.k, a.vocab, a.hidden, dev, a.warmup, a.repeats) for b in a.batches.split(",")]
+    rows = [bench(int(b), a.k, a.vocab, a.hidden, dev, a.warmup, a.repeats, a.profile) for b in a.batches.split(",")]
     cols = ["greedy_ms", *(f"{n}{x}_ms" for n in CONFIGS for x in ("", "_loop")), "lm_head_ms"]
     print(f"accept step cost, K={a.k}, vocab={a.vocab}, device={dev} "
           f"({torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu'}), median of {a.repeats}")

@@ -38,22 +38,28 @@ log = logging.getLogger("specbench.engine")
 PLAIN_FAULTS = frozenset({"kv_offset", "mask_leak", "stale_shape"})
 
 
-def resolve_backend(name: str, device: torch.device) -> str:
-    """"auto" -> flashinfer on CUDA when it imports, else torch; flashinfer off CUDA or absent -> torch."""
+FLASHINFER_DTYPES = (torch.bfloat16, torch.float16)  # FlashInfer's attention kernels take half precision only
+
+
+def resolve_backend(name: str, device: torch.device, dtype: torch.dtype | None = None) -> str:
+    """"auto" -> flashinfer on CUDA when it imports and the dtype is bf16/fp16, else torch; flashinfer off
+    CUDA, absent or asked for fp32 -> torch (with a warning)."""
     if name == "torch":
         return "torch"
     from .attention.flashinfer import flashinfer_available  # noqa: PLC0415
 
-    if device.type == "cuda" and flashinfer_available():
+    half = dtype is None or dtype in FLASHINFER_DTYPES
+    if device.type == "cuda" and half and flashinfer_available():
         return "flashinfer"
     if name == "flashinfer":
-        log.warning("attention_backend='flashinfer' needs CUDA and flashinfer-python; using the torch backend")
+        why = f"dtype {dtype} (FlashInfer takes bfloat16 or float16)" if not half else "CUDA and flashinfer-python"
+        log.warning("attention_backend='flashinfer' needs %s; using the torch backend", why)
     return "torch"
 
 
 def make_backend(name: str, device: torch.device, mcfg: ModelConfig | None = None, dtype: torch.dtype | None = None,
                  max_pages: int = 0, ops=None, decode_tensor_cores: bool = False) -> AttentionBackend:
-    if resolve_backend(name, device) == "flashinfer":
+    if resolve_backend(name, device, dtype) == "flashinfer":
         from .attention.flashinfer import FlashInferAttention  # noqa: PLC0415 - optional dependency
 
         assert mcfg is not None and dtype is not None

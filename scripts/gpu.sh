@@ -106,7 +106,7 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
 fi
 if [ "$what" = accept ]; then
   log "accept-step cost (greedy vs sampled)"
-  timeout $(cap ${ACCEPT_TIMEOUT:-120}) python3 benchmarks/accept_cost.py --device cuda --batches ${ACCEPT_BATCHES:-1,64} \
+  timeout $(cap ${ACCEPT_TIMEOUT:-120}) python3 benchmarks/accept_cost.py --device cuda --batches ${ACCEPT_BATCHES:-1,64} ${ACCEPT_ARGS:-} \
     2>&1 | tee "$W/accept_cost.log"
   r=${PIPESTATUS[0]}; [ "$r" = 0 ] || rc=$r; log "accept rc=$r"
 fi

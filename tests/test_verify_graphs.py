@@ -428,3 +428,18 @@ def test_spec_step_benchmark_logic_on_cpu(tiny_target, tiny_draft, tmp_path):
     assert json.loads(out.read_text())["sweep"]["complete"] is True
     text = mod.render(res)
     assert "ideal x at tau 2 / 6.5" in text and "targets (batch 1)" in text
+
+
+def test_auto_attention_needs_half_precision(monkeypatch):
+    """FlashInfer takes bf16/fp16 only: 'auto' on CUDA in fp32 resolves to the torch backend (it raised a
+    KeyError from FlashInfer's dtype map before), and an explicit 'flashinfer' falls back with a warning."""
+    import specbench.engine.attention.flashinfer as fi
+    from specbench.engine.runner import resolve_backend
+
+    monkeypatch.setattr(fi, "flashinfer_available", lambda: True)
+    cuda = torch.device("cuda")
+    assert resolve_backend("auto", cuda, torch.bfloat16) == "flashinfer"
+    assert resolve_backend("auto", cuda, torch.float16) == "flashinfer"
+    assert resolve_backend("auto", cuda, torch.float32) == "torch"
+    assert resolve_backend("flashinfer", cuda, torch.float32) == "torch"
+    assert resolve_backend("auto", torch.device("cpu"), torch.bfloat16) == "torch"
