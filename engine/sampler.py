@@ -18,12 +18,14 @@ TOP_P_CANDIDATES = 1024  # top-p: the candidate set tried before a full sort of 
 
 def sampling_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """Probabilities after the request's sampling transform; logits [R, V] -> [R, V] fp32."""
-    x = logits.float() / max(p.temperature, 1e-8)
+    t = max(p.temperature, 1e-8)
+    x = logits.float() if t == 1.0 else logits.to(torch.float32, copy=True).div_(t)
     v = x.shape[-1]
+    masked = False
     if 0 < p.top_k < v:
         kth = torch.topk(x, p.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
-    probs = torch.softmax(x, dim=-1)
+    probs = torch.softmax(x, dim=-1)  # sums to one: renormalised below only after a mask drops mass
     if p.top_p < 1.0:
         sp = order = None
         if v > TOP_P_CANDIDATES:
@@ -38,10 +40,12 @@ def sampling_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         drop = (sp.cumsum(-1) - sp) >= p.top_p
         sp = sp.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sp)
+        masked = True
     if p.min_p > 0:
         thresh = probs.max(dim=-1, keepdim=True).values * p.min_p
         probs = probs.masked_fill(probs < thresh, 0.0)
-    return probs / probs.sum(-1, keepdim=True)
+        masked = True
+    return probs / probs.sum(-1, keepdim=True) if masked else probs
 
 
 def _transform_key(p: SamplingParams) -> tuple:
