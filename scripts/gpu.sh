@@ -13,6 +13,7 @@
 #   spec-sweep   benchmarks/spec_step.py --part sweep (spec off vs synthetic tau 2/3.5/5/6.5 at c1..c64),
 #                with STEPS_JSON (default /tmp/spec_steps.json, written by spec-steps) for the ideal column
 #   spec         spec-steps, then spec-sweep (one call: give SWEEP_TIMEOUT room; see docs/gpu.md)
+#   lossless     specbench lossless --margin-tol 0.20 spec off vs DFlash on the Qwen3-4B-shaped pair
 #   sampled      specbench sampled (spec off vs DFlash, with the null arm) on the bundled pair on CUDA
 #   accept       benchmarks/accept_cost.py at batch 1 and 64 (issue 11: sampling vs greedy accept step)
 #   profile      specbench profile on the pair: spec off/on (synthetic tau 6.5) x eager/graphs (issue 9)
@@ -116,6 +117,16 @@ if [ "$what" = sampled ]; then
     --candidate "local,spec=dflash,device=cuda" --num-prompts ${SAMPLED_PROMPTS:-4} --samples ${SAMPLED_N:-400} \
     --null --no-record --report "$W/sampled-cuda.md" 2>&1 | tee "$W/sampled.log"
   r=${PIPESTATUS[0]}; [ "$r" = 0 ] || rc=$r; log "sampled rc=$r"
+fi
+if [ "$what" = lossless ]; then
+  pair "$SPEC_WORKDIR"
+  log "lossless (regret gate) on the Qwen3-4B-shaped pair"
+  timeout $(cap ${LOSSLESS_TIMEOUT:-200}) python3 -m specbench lossless --margin-tol 0.20 \
+    --baseline "local:$SPEC_WORKDIR/target,spec=off,device=cuda,dtype=bfloat16" \
+    --candidate "local:$SPEC_WORKDIR/target,draft=$SPEC_WORKDIR/draft,spec=dflash,device=cuda,dtype=bfloat16" \
+    --num-prompts ${LOSSLESS_PROMPTS:-16} --max-tokens ${LOSSLESS_TOKENS:-64} --no-record \
+    --report "$W/lossless-4b.md" 2>&1 | tee "$W/lossless.log"
+  r=${PIPESTATUS[0]}; log "lossless rc=$r (NOT SPECULATING is expected: a random drafter accepts nothing)"
 fi
 if [ "$what" = profile ]; then
   pair "$SPEC_WORKDIR"
