@@ -6,7 +6,9 @@ together (engine.py `_execute` / `_accept_sampled`):
   greedy:  one argmax over all B (K + 1) rows, one host read, then `accept_greedy` per request (host)
   sampled: `sampling_probs_rows` (the requests' transforms, fp32) + `accept_sampled_batch` (each
            request's uniforms from its own generator, ratio tests, residual or bonus rows, inverse-CDF
-           draws, all on the device; one host read of the accepted counts and drawn tokens)
+           draws, all on the device; one host read of the accepted counts and drawn tokens). On CUDA the
+           resolve is the fused Triton kernel (kernels/spec_accept.py, one launch), as in the engine;
+           SPECBENCH_TRITON=0 times its torch reference instead
   *_loop:  the same sampled rule one request at a time (`sampling_probs` + `accept_sampled`, three host
            reads each): the engine's path before the batched resolve, kept as the reference it replaced
 All are timed per whole batch, median of --repeats after --warmup, with CUDA synchronisation around each

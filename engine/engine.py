@@ -326,7 +326,7 @@ class LLMEngine:
         probs = sampling_probs_rows(sel, params)
         qs = [spans[i].draft_probs if isinstance(spans[i].draft_probs, torch.Tensor) else None for i in idx]
         res = accept_sampled_batch([list(spans[i].drafts) for i in idx], qs, probs,
-                                   [self._gens[spans[i].req.rid] for i in idx], self.faults)
+                                   [self._gens[spans[i].req.rid] for i in idx], self.faults, kernel=self.cfg.triton)
         return dict(zip(idx, res, strict=True))
 
     def _resolve(self, s: Span, lg: torch.Tensor, am: list[int] | None = None,

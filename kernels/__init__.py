@@ -9,7 +9,9 @@ else it keeps the torch references. This package imports nothing from `specbench
 Modules: `norm` (residual add + RMSNorm), `activation` (SwiGLU), `rope` (q/k RMSNorm + RoPE, optionally
 storing K/V into the paged cache; the K-only variant for a drafter's context rows), `kv_store` (slot-mapping
 scatter into the paged cache), `gemv` (small-batch GEMM with a fused add + RMSNorm prologue and an
-optional SwiGLU epilogue), `ops` (the bundle the model calls).
+optional SwiGLU epilogue), `ops` (the bundle the model calls), `spec_accept` (the speculative-sampling
+accept step of a whole batch in one launch; its reference is the torch path of
+`engine.spec.sampling.accept_sampled_batch`, which calls it).
 """
 
 from __future__ import annotations

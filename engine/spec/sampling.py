@@ -16,18 +16,26 @@ from __future__ import annotations
 
 import torch
 
+from specbench.kernels import triton_enabled
+
 from ..sampler import draw_rows, uniforms
+
+# The fused Triton accept kernel (kernels/spec_accept.py) where `triton_enabled` allows it (CUDA, or the
+# Triton interpreter); False forces the torch path below everywhere (tests, A/B timing).
+USE_KERNEL = True
 
 
 def accept_sampled_batch(drafts: list[list[int]], qs: list[torch.Tensor | None], p: torch.Tensor,
                          gens: list[torch.Generator | None], faults: frozenset[str] = frozenset(),
-                         ) -> list[tuple[int, list[int]]]:
+                         kernel: bool = True) -> list[tuple[int, list[int]]]:
     """Speculative sampling for a batch of requests with one host read.
 
     drafts[b]: request b's k_b drafts; qs[b]: their draft probs [k_b, V], or None for a deterministic
     proposer (point masses); p: target probs [sum_b (k_b + 1), V], request b's k_b + 1 rows in order.
     Each request draws k_b + 1 uniforms from its own generator: k_b for the ratio tests, the last for the
     emitted token (inverse CDF over the residual or the bonus distribution). Returns (m_b, tokens_b).
+    On CUDA with Triton enabled (and `kernel`, `USE_KERNEL`) the whole resolve is one fused launch
+    (kernels/spec_accept.py); otherwise the torch ops below, its reference. Same generators, same draws.
     """
     nb = len(drafts)
     if not (len(qs) == len(gens) == nb):
@@ -37,6 +45,8 @@ def accept_sampled_batch(drafts: list[list[int]], qs: list[torch.Tensor | None],
         raise ValueError(f"accept_sampled_batch: p has {p.shape[0]} rows, expected sum(k + 1) = {sum(ks) + nb}")
     if nb == 0:
         return []
+    if kernel and USE_KERNEL and p.dtype == torch.float32 and triton_enabled(p.device):
+        return _accept_fused(drafts, qs, p, gens, faults, ks)
     dev = p.device
     kmax, nk = max(ks), sum(ks)
     # Host-built index arrays, one transfer: per draft (p row, token, batch, slot); per request (p offset,
@@ -87,6 +97,79 @@ def accept_sampled_batch(drafts: list[list[int]], qs: list[torch.Tensor | None],
     return [(mb, d[:mb] + [tb]) for mb, tb, d in zip(mh, th, drafts, strict=True)]
 
 
+def _accept_fused(drafts: list[list[int]], qs: list[torch.Tensor | None], p: torch.Tensor,
+                  gens: list[torch.Generator | None], faults: frozenset[str], ks: list[int],
+                  ) -> list[tuple[int, list[int]]]:
+    """accept_sampled_batch through the fused kernel: one HtoD copy of the index arrays, the uniforms,
+    one launch, one host read."""
+    from specbench.kernels.spec_accept import spec_accept  # noqa: PLC0415  (imports triton)
+
+    nb, nk, dev = len(drafts), sum(ks), p.device
+    q, qrows = _kernel_q_rows(drafts, qs, p)
+    toks, doff, poff = [], [], []
+    do = po = 0
+    for d in drafts:
+        doff.append(do)
+        poff.append(po)
+        toks += d
+        do += len(d)
+        po += len(d) + 1
+    ix = torch.tensor(toks + qrows + doff + ks + poff, dtype=torch.long).to(dev, non_blocking=True)
+    u = uniforms([k + 1 for k in ks], gens, dev)
+    out = torch.empty(2, nb, dtype=torch.long, device=dev)
+    spec_accept(p, q, ix[:nk], ix[nk:2 * nk], ix[2 * nk:2 * nk + nb], ix[2 * nk + nb:2 * nk + 2 * nb],
+                ix[2 * nk + 2 * nb:], u, faults, kmax=max(ks), out=out)
+    mh, th = out.tolist()
+    return [(mb, d[:mb] + [tb]) for mb, tb, d in zip(mh, th, drafts, strict=True)]
+
+
+def _base_rows(drafts: list[list[int]], qs: list[torch.Tensor | None], p: torch.Tensor,
+               point: int | None = None) -> tuple[torch.Tensor, list[int]] | None:
+    """The DFlash layout: every q a view qall[j, :k] of one contiguous tensor of V-wide rows. Then (that
+    tensor as [*, V], the row of each draft in draft order), else None. `point`: the row given to the
+    drafts of a None q (a point mass); None: any None q means no such layout."""
+    v = p.shape[1]
+    first = next((q for q in qs if q is not None), None)
+    base = first._base if first is not None else None
+    if base is None or base.shape[-1] != v or not base.is_contiguous() or base.dtype != p.dtype:
+        return None
+    rows: list[int] = []
+    for d, q in zip(drafts, qs, strict=True):
+        if q is None:
+            if point is None:
+                return None
+            rows += [point] * len(d)
+            continue
+        if q._base is not base or q.dim() != 2 or q.stride() != (v, 1):
+            return None
+        s = q.storage_offset() - base.storage_offset()
+        if s % v:
+            return None
+        rows += range(s // v, s // v + len(d))
+    return base.view(-1, v), rows
+
+
+def _kernel_q_rows(drafts: list[list[int]], qs: list[torch.Tensor | None], p: torch.Tensor,
+                   ) -> tuple[torch.Tensor | None, list[int]]:
+    """(q rows [*, V] or None, the row of each draft, -1 for a point mass) for the fused kernel, which
+    takes point masses as they are (no one-hot rows)."""
+    nk = sum(len(d) for d in drafts)
+    if all(q is None for q in qs):
+        return None, [-1] * nk
+    got = _base_rows(drafts, qs, p, point=-1)
+    if got is not None:
+        return got
+    parts, rows, r = [], [], 0
+    for d, qb in zip(drafts, qs, strict=True):
+        if qb is None:
+            rows += [-1] * len(d)
+        else:
+            parts.append(qb.to(p.dtype))
+            rows += range(r, r + len(d))
+            r += qb.shape[0]
+    return (parts[0] if len(parts) == 1 else torch.cat(parts)), rows
+
+
 def _draft_rows(drafts: list[list[int]], qs: list[torch.Tensor | None], p: torch.Tensor,
                 qoff: list[int]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(q rows [*, V], the row of each draft in draft order) without copying q where possible.
@@ -97,13 +180,9 @@ def _draft_rows(drafts: list[list[int]], qs: list[torch.Tensor | None], p: torch
     if all(q is None for q in qs):
         return None, None
     dev, v = p.device, p.shape[1]
-    base = qs[0]._base if qs[0] is not None else None
-    if base is not None and base.shape[-1] == v and base.is_contiguous() and base.dtype == p.dtype and all(
-            q is not None and q._base is base and q.dim() == 2 and q.stride() == (v, 1) for q in qs):
-        starts = [q.storage_offset() - base.storage_offset() for q in qs]
-        if all(s % v == 0 for s in starts):
-            rows = [s // v + i for s, d in zip(starts, drafts, strict=True) for i in range(len(d))]
-            return base.view(-1, v), torch.tensor(rows, dtype=torch.long).to(dev, non_blocking=True)
+    got = _base_rows(drafts, qs, p)
+    if got is not None:
+        return got[0], torch.tensor(got[1], dtype=torch.long).to(dev, non_blocking=True)
     parts = []
     for d, qb in zip(drafts, qs, strict=True):
         if qb is None:
