@@ -94,7 +94,7 @@ if [ "$what" = spec-sweep ] || [ "$what" = spec ]; then
 fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
   log "pytest -m gpu"
-  timeout $(cap ${TEST_TIMEOUT:-300}) python3 -m pytest -m gpu tests/gpu -q -rA -s -p no:cacheprovider 2>&1 | tee "$W/pytest.log"
+  timeout $(cap ${TEST_TIMEOUT:-300}) python3 -m pytest -m gpu tests/gpu ${TEST_ARGS:-} -q -rA -s -p no:cacheprovider 2>&1 | tee "$W/pytest.log"
   r=${PIPESTATUS[0]}; [ "$r" = 0 ] || rc=$r
   log "pytest rc=$r"
 fi
