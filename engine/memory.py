@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import EngineConfig, ModelConfig
+from .config import ConfigError, EngineConfig, ModelConfig
 from .graphs import NO_SPEC_SPAN
 
 log = logging.getLogger("specbench.engine")
@@ -136,7 +136,16 @@ def plan_memory(cfg: EngineConfig, mcfg: ModelConfig, draft: ModelConfig | None,
         # The drafter's weights are resident already (in total - free); do not charge them twice.
         fixed = sum(v for key, v in reserved.items() if key != "draft_weights")
         budget = int(total * cfg.gpu_memory_utilization) - (total - free) - fixed
-        pages = int(min(max(1, budget // per_page), want))
+        one = -(-max_len // cfg.page_size)  # pages one request of max_model_len tokens needs
+        if budget // per_page < one:
+            raise ConfigError(
+                f"gpu_memory_utilization={cfg.gpu_memory_utilization}: the KV pool would get "
+                f"{max(budget, 0) / GiB:.2f} GiB ({max(budget // per_page, 0)} pages) after "
+                f"{(total - free) / GiB:.2f} GiB already in use on {cfg.device} (this engine's weights and anything "
+                f"else in the process, e.g. another engine) and {fixed / GiB:.2f} GiB reserved, fewer than the {one} "
+                f"pages one max_model_len={max_len} request needs; raise gpu_memory_utilization, give the other "
+                "engine a smaller share, lower max_model_len, or set num_pages")
+        pages = int(min(budget // per_page, want))
         return MemoryPlan(pages, cfg.page_size, per_tok, d_tok, "profile", reserved, budget=budget,
                           measured={"total": total, "used_after_weights": total - free})
     # CPU: enough for max_num_seqs full-length requests, capped at 1 GiB.

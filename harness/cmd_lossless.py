@@ -59,7 +59,7 @@ def lossless(
 
     At each divergence the candidate's pick is scored under the baseline's top-20 distribution: regret = logp(top1) - logp(pick). Regret <= --margin-tol is a benign tie flip and the gate re-anchors (a fresh baseline from prompt + candidate tokens) to judge every later divergence too; larger, or a pick outside the top-20, is a FAIL. Speculation that never happened is reported as NOT SPECULATING, not PASS. Exit 1 on FAIL or NOT SPECULATING, 2 on bad input.
     """
-    from specbench.harness.engines import EngineStringError, build_adapter
+    from specbench.harness.engines import EngineStringError, build_adapter, share_gpu
     from specbench.harness.results import open_run
     from specbench.suites.lossless.prompts import DATASETS
     from specbench.suites.lossless.report import render_console, render_markdown
@@ -76,7 +76,7 @@ def lossless(
                              max_divergences=max_divergences, rescore=rescore, concurrency=concurrency,
                              concurrent=concurrent, engine_gates=engine_gates, min_accept_len=min_accept_len,
                              expect_accept_len=expect_accept_len)
-        bspec, cspec = _engines(baseline, candidate)
+        bspec, cspec = share_gpu(list(_engines(baseline, candidate)))
         base = build_adapter(bspec, name="baseline")
         cand = build_adapter(cspec, name="candidate")
     except (EngineStringError, LosslessError, ValueError, FileNotFoundError) as e:

@@ -57,6 +57,7 @@ def sampled(
         build_adapter,
         default_engines,
         parse_engine,
+        share_gpu,
     )
     from specbench.suites.sampled import report as rep
     from specbench.suites.sampled.gate import DEFAULT_CONFIGS, GateOptions, SampledError, parse_configs
@@ -84,6 +85,7 @@ def sampled(
                                f"local:{bspec.target},spec={SELFTEST_SPEC}")
         if selftest and (cspec.kind != "local" or "faults" in cspec.options):
             raise SampledError("--selftest needs a local candidate without faults= (it injects them itself)")
+        bspec, cspec = share_gpu([bspec, cspec])
         if selftest and opts.positions < 4:
             raise SampledError(f"--positions {opts.positions} is too few for --selftest: reused_uniform acts only "
                                "from the second draft of a verify step (expected >= 4)")

@@ -38,6 +38,7 @@ def selftest(
         build_adapter,
         default_engines,
         parse_engine,
+        share_gpu,
     )
     from specbench.suites.lossless.greedy import GateOptions
     from specbench.suites.lossless.report import render_selftest
@@ -59,6 +60,7 @@ def selftest(
         if base_spec is None:
             opts = {k: v for k, v in cand_spec.options.items() if k in ("device", "dtype", "num_pages")}
             base_spec = EngineSpec("local", cand_spec.target, {**opts, "spec": "off"}, f"local:{cand_spec.target},spec=off")
+        base_spec, cand_spec = share_gpu([base_spec, cand_spec])
         baseline = build_adapter(base_spec, name="baseline")
     except (EngineStringError, ValueError, FileNotFoundError) as e:
         raise bad(str(e)) from None

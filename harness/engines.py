@@ -31,7 +31,7 @@ FORMS = ("local[:<model_dir>][,draft=<dir>][,spec=off|dflash|ngram][,k=N][,devic
 OPTIONS = {
     "local": ("draft", "spec", "k", "device", "dtype", "num_pages", "faults", "name", "max_model_len", "tau",
               "max_num_seqs", "attention", "eager", "verify_graph", "draft_graph", "triton",
-              "decode_tensor_cores"),
+              "decode_tensor_cores", "gpu_memory_utilization"),
     "openai": ("model", "stream", "extras", "timeout", "retries", "api_key", "name"),
     "hf": ("assistant", "lookup", "device", "dtype", "name"),
 }
@@ -119,6 +119,12 @@ def parse_engine(raw: str) -> EngineSpec:
     for key in SWITCHES:
         if key in opts and opts[key] not in BOOLS:
             raise _fail(raw, f"{key}={opts[key]!r} is invalid: expected 0 or 1")
+    if "gpu_memory_utilization" in opts:
+        try:
+            assert 0.0 < float(opts["gpu_memory_utilization"]) <= 1.0
+        except (ValueError, AssertionError):
+            raise _fail(raw, f"gpu_memory_utilization={opts['gpu_memory_utilization']!r} is invalid: expected a "
+                        "fraction in (0, 1]") from None
     if "tau" in opts:
         try:
             assert float(opts["tau"]) >= 1.0
@@ -157,6 +163,30 @@ def default_engines() -> tuple[EngineSpec, EngineSpec]:
     return base, cand
 
 
+def share_gpu(specs: list[EngineSpec], utilization: float = 0.85) -> list[EngineSpec]:
+    """Split one device between the local CUDA engines a command builds in one process.
+
+    Each engine sizes its KV pool from the memory left at its start (`gpu_memory_utilization` is the share of
+    the device the process may hold once it is built), so the first of two engines would take it all and the
+    second would get no pool. Engines without num_pages or gpu_memory_utilization of their own get cumulative
+    shares utilization * i / n (i = 1..n in build order); others are left as given."""
+    def free(s: EngineSpec) -> bool:
+        o = s.options
+        return (s.kind == "local" and o.get("device", "cpu").startswith("cuda")
+                and "num_pages" not in o and "gpu_memory_utilization" not in o)
+
+    idx = [i for i, s in enumerate(specs) if free(s)]
+    if len(idx) < 2:
+        return list(specs)
+    out = list(specs)
+    for j, i in enumerate(idx, 1):
+        s = specs[i]
+        u = round(utilization * j / len(idx), 4)
+        out[i] = EngineSpec(s.kind, s.target, {**s.options, "gpu_memory_utilization": str(u)},
+                            s.raw + f",gpu_memory_utilization={u}")
+    return out
+
+
 def build_adapter(spec: EngineSpec | str, name: str | None = None) -> EngineAdapter:
     """Build the adapter an engine string names (loads weights for local/hf)."""
     spec = parse_engine(spec) if isinstance(spec, str) else spec
@@ -184,6 +214,8 @@ def build_adapter(spec: EngineSpec | str, name: str | None = None) -> EngineAdap
             kw["synthetic_tau"] = float(o["tau"])
         if "max_num_seqs" in o:
             kw["max_num_seqs"] = int(o["max_num_seqs"])
+        if "gpu_memory_utilization" in o:
+            kw["gpu_memory_utilization"] = float(o["gpu_memory_utilization"])
         if "attention" in o:
             kw["attention_backend"] = o["attention"]
         for key in SWITCHES:

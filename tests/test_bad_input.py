@@ -92,3 +92,21 @@ def test_unknown_fault_and_spec(tiny_target):
         LLM(tiny_target, spec="medusa")
     with pytest.raises(ConfigError, match="drafter"):
         LLM(tiny_target, spec="dflash")
+
+
+def test_share_gpu_splits_local_cuda_engines_and_names_bad_utilization():
+    """Two local CUDA engines in one process get cumulative shares of the device (the first would otherwise
+    size its pool over all of it and leave the second none); explicit sizes and CPU engines are left alone."""
+    from specbench.harness.engines import EngineStringError, parse_engine, share_gpu
+
+    a = parse_engine("local,spec=off,device=cuda")
+    b = parse_engine("local,spec=dflash,device=cuda")
+    sa, sb = share_gpu([a, b])
+    assert (sa.options["gpu_memory_utilization"], sb.options["gpu_memory_utilization"]) == ("0.425", "0.85")
+    assert sb.raw.endswith(",gpu_memory_utilization=0.85")
+    fixed = parse_engine("local,spec=off,device=cuda,num_pages=64")
+    assert share_gpu([fixed, b]) == [fixed, b]  # only one engine left to size: nothing to split
+    cpu = parse_engine("local,spec=off")
+    assert share_gpu([cpu, parse_engine("local,spec=dflash")])[1].options.get("gpu_memory_utilization") is None
+    with pytest.raises(EngineStringError, match="gpu_memory_utilization='1.5'"):
+        parse_engine("local,device=cuda,gpu_memory_utilization=1.5")

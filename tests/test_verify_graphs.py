@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from specbench.engine import LLM, EngineConfig, SamplingParams
-from specbench.engine.config import ModelConfig
+from specbench.engine.config import ConfigError, ModelConfig
 from specbench.engine.graphs import VerifyGraphs
 from specbench.engine.memory import draft_weight_bytes, plan_memory, tensor_bytes
 from specbench.engine.scheduler import Span
@@ -307,6 +307,18 @@ def test_gpu_plan_shrinks_the_pool_for_the_drafter(tiny_target, tiny_draft, monk
     assert on.budget == int(40 * gib * 0.5) - 10 * gib - fixed
     assert on.num_pages == on.budget // (on.bytes_per_token * cfg.page_size)
     assert on.reserved["draft_weights"] == draft_weight_bytes(dcfg, tcfg, torch.bfloat16)
+
+
+def test_gpu_plan_refuses_a_pool_too_small_for_one_request(tiny_target, monkeypatch):
+    """A second engine started after a first one took the device (or too low a utilization) used to get a
+    one-page pool and fail every request at admission; now the engine refuses to start and says why."""
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 * gib, 40 * gib))  # 39 GiB in use
+    tcfg = ModelConfig.from_dir(tiny_target)
+    cfg = EngineConfig(model=tiny_target, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.85)
+    with pytest.raises(ConfigError, match=r"gpu_memory_utilization=0\.85: the KV pool would get .* num_pages"):
+        plan_memory(cfg, tcfg, None, torch.bfloat16, 4096)
+    assert plan_memory(cfg.with_(num_pages=8), tcfg, None, torch.bfloat16, 4096).num_pages == 8  # explicit wins
 
 
 def test_greedy_picks_use_one_batched_host_transfer(tiny_target, tiny_draft, prompts, params, baseline, monkeypatch):
