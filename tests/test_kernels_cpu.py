@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from interp import PRELUDE
 from qwen3_random import write_random_qwen3
 
 from specbench.engine import EngineConfig, LLMEngine, SamplingParams
@@ -91,17 +92,7 @@ def test_decode_graph_runner_padding_is_invisible(rand_model, mode):
             assert abs(la - lb) < 1e-4 and ta.keys() == tb.keys()
 
 
-INTERPRETER_SCRIPT = textwrap.dedent('''
-    import os, sys
-    os.environ["TRITON_INTERPRET"] = "1"
-    import torch
-    import triton.runtime.interpreter as ti
-
-    _orig = ti._patch_lang_tensor
-    def _patched(tensor, scope):  # numpy >= 2.4 refuses int() of a 1-element array
-        _orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-    ti._patch_lang_tensor = _patched
+INTERPRETER_SCRIPT = PRELUDE + textwrap.dedent('''
 
     from specbench.kernels import activation, gemv, kv_store, norm, rope
     sys.path.insert(0, sys.argv[1])

@@ -14,20 +14,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from interp import PRELUDE
 
 from specbench.kernels import triton_importable
 
-SCRIPT = textwrap.dedent('''
-    import os, sys
-    os.environ["TRITON_INTERPRET"] = "1"
-    import torch
-    import triton.runtime.interpreter as ti
-
-    _orig = ti._patch_lang_tensor
-    def _patched(tensor, scope):  # numpy >= 2.4 refuses int() of a 1-element array
-        _orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-    ti._patch_lang_tensor = _patched
+SCRIPT = PRELUDE + textwrap.dedent('''
 
     sys.path.insert(0, sys.argv[1])
     from spec_accept_cases import run_cases

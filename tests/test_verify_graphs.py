@@ -17,6 +17,7 @@ import textwrap
 
 import pytest
 import torch
+from interp import PRELUDE
 
 from specbench.engine import LLM, EngineConfig, SamplingParams
 from specbench.engine.config import ConfigError, ModelConfig
@@ -337,17 +338,7 @@ def test_greedy_picks_use_one_batched_host_transfer(tiny_target, tiny_draft, pro
         assert [o.output_ids for o in llm.generate(prompts[:4], params[:4])] == baseline[:4]
 
 
-INTERPRETER_SPEC = textwrap.dedent('''
-    import os, sys
-    os.environ["TRITON_INTERPRET"] = "1"
-    import torch
-    import triton.runtime.interpreter as ti
-
-    _orig = ti._patch_lang_tensor
-    def _patched(tensor, scope):  # numpy >= 2.4 refuses int() of a 1-element array
-        _orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-    ti._patch_lang_tensor = _patched
+INTERPRETER_SPEC = PRELUDE + textwrap.dedent('''
 
     from specbench.engine import LLM, SamplingParams
     from specbench.engine.attention.torch_ref import TorchAttention
