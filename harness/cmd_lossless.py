@@ -17,6 +17,8 @@ from pathlib import Path
 
 import typer
 
+from specbench.harness.errors import usage_errors
+
 
 def _engines(baseline: str | None, candidate: str | None):
     from specbench.harness.engines import EngineSpec, EngineStringError, default_engines, parse_engine
@@ -65,9 +67,7 @@ def lossless(
     from specbench.suites.lossless.report import render_console, render_markdown
     from specbench.suites.lossless.suite import SUITE_VERSION, LosslessConfig, LosslessError, run_lossless
 
-    def bad(msg: str) -> typer.Exit:
-        typer.echo(f"specbench lossless: {msg}", err=True)
-        return typer.Exit(2)
+    bad = usage_errors("lossless")
 
     if dataset not in DATASETS:
         raise bad(f"--dataset {dataset!r} is invalid: expected one of {', '.join(DATASETS)}")

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import typer
 
+from specbench.harness.errors import usage_errors
+
 
 def sampled(
     baseline: str | None = typer.Option(None, "--baseline", help="Engine string, speculation off. "
@@ -63,9 +65,7 @@ def sampled(
     from specbench.suites.sampled.gate import DEFAULT_CONFIGS, GateOptions, SampledError, parse_configs
     from specbench.suites.sampled.selftest import SELFTEST_CONFIGS, SELFTEST_OPTIONS, SELFTEST_SPEC
 
-    def bad(msg: str) -> typer.Exit:
-        typer.echo(f"specbench sampled: {msg}", err=True)
-        return typer.Exit(2)
+    bad = usage_errors("sampled")
 
     try:
         given = {"num_prompts": num_prompts, "positions": positions, "samples": samples, "prompt_chars": prompt_chars,

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import typer
 
+from specbench.harness.errors import usage_errors
+
 
 def selftest(
     repeat: int = typer.Option(5, "--repeat", min=1, help="Clean-engine repetitions (each on a fresh engine)."),
@@ -44,9 +46,7 @@ def selftest(
     from specbench.suites.lossless.report import render_selftest
     from specbench.suites.lossless.selftest import greedy_faults, run_selftest
 
-    def bad(msg: str) -> typer.Exit:
-        typer.echo(f"specbench selftest: {msg}", err=True)
-        return typer.Exit(2)
+    bad = usage_errors("selftest")
 
     try:
         names = [f.strip() for f in faults.split(",") if f.strip()] if faults else None

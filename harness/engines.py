@@ -4,6 +4,7 @@ Forms (options are comma-separated key=value after the target):
   local[:<model_dir>][,draft=<dir>][,spec=off|dflash|ngram][,k=N][,device=cpu|cuda[:i]][,dtype=D]
         [,num_pages=N][,faults=a+b][,name=X][,tau=T][,max_num_seqs=N][,attention=auto|torch|flashinfer]
         [,eager=0|1][,verify_graph=0|1][,draft_graph=0|1][,triton=0|1][,decode_tensor_cores=0|1]
+        [,decode_attention=flashinfer|triton]
         (no model_dir = the bundled tiny pair; tau = synthetic acceptance length for speed curves on random
         weights, labelled, never lossless; eager / verify_graph / draft_graph / triton: the GPU fast-path
         switches, docs/gpu.md)
@@ -31,12 +32,13 @@ FORMS = ("local[:<model_dir>][,draft=<dir>][,spec=off|dflash|ngram][,k=N][,devic
 OPTIONS = {
     "local": ("draft", "spec", "k", "device", "dtype", "num_pages", "faults", "name", "max_model_len", "tau",
               "max_num_seqs", "attention", "eager", "verify_graph", "draft_graph", "triton",
-              "decode_tensor_cores", "gpu_memory_utilization"),
+              "decode_tensor_cores", "decode_attention", "gpu_memory_utilization"),
     "openai": ("model", "stream", "extras", "timeout", "retries", "api_key", "name"),
     "hf": ("assistant", "lookup", "device", "dtype", "name"),
 }
 SPECS = ("off", "dflash", "ngram")
 ATTENTION = ("auto", "torch", "flashinfer")
+DECODE_ATTENTION = ("flashinfer", "triton")  # EngineConfig.decode_attention: FlashInfer's decode steps
 BOOLS = ("0", "1", "true", "false", "yes", "no", "on", "off")
 SWITCHES = ("eager", "verify_graph", "draft_graph", "triton", "decode_tensor_cores")  # local engine switches (EngineConfig fields)
 DTYPES = ("float32", "bfloat16", "float16")
@@ -116,6 +118,9 @@ def parse_engine(raw: str) -> EngineSpec:
         _check_int(raw, opts, key, lo)
     if opts.get("attention") is not None and opts["attention"] not in ATTENTION:
         raise _fail(raw, f"attention={opts['attention']!r} is invalid: expected one of {', '.join(ATTENTION)}")
+    if opts.get("decode_attention") is not None and opts["decode_attention"] not in DECODE_ATTENTION:
+        raise _fail(raw, f"decode_attention={opts['decode_attention']!r} is invalid: expected one of "
+                    f"{', '.join(DECODE_ATTENTION)}")
     for key in SWITCHES:
         if key in opts and opts[key] not in BOOLS:
             raise _fail(raw, f"{key}={opts[key]!r} is invalid: expected 0 or 1")
@@ -218,6 +223,8 @@ def build_adapter(spec: EngineSpec | str, name: str | None = None) -> EngineAdap
             kw["gpu_memory_utilization"] = float(o["gpu_memory_utilization"])
         if "attention" in o:
             kw["attention_backend"] = o["attention"]
+        if "decode_attention" in o:
+            kw["decode_attention"] = o["decode_attention"]
         for key in SWITCHES:
             if key in o:
                 kw[key] = spec.opt_bool(key, False)
