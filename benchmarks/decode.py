@@ -8,6 +8,8 @@ each variant runs steady-state `engine.step()` calls (warm-up excluded, median r
   fi-graph-gemv      fi-graph with the fused add-norm(+SwiGLU) Triton GEMV for the qkv and gate/up GEMMs, B <= 16
   fi-graph-notriton  fi-graph with the torch reference dense ops (no Triton), B <= 16
   fi-tc-graph        fi-graph with FlashInfer's tensor-core (FA2) decode kernels (EngineConfig.decode_tensor_cores)
+  fi-tritondecode-graph  fi-graph with decode attention by the Triton split-K kernel (kernels/decode_attention.py,
+                     EngineConfig.decode_attention="triton"); prefill stays on FlashInfer
   torch-graph        torch reference attention, piecewise graphs (dense segments captured, attention eager)
   torch-eager        torch reference attention, no graphs
 `wall` is the engine step (host scheduling, sampling and its sync included); `gpu` is the captured step
@@ -42,11 +44,13 @@ VARIANTS = {  # name: (attention backend, capture graphs, ops: "triton" | "gemv"
     "fi-graph-gemv": ("flashinfer", True, "gemv", 16),
     "fi-graph-notriton": ("flashinfer", True, "torch", 16),
     "fi-tc-graph": ("flashinfer-tc", True, "triton", None),
+    "fi-tritondecode-graph": ("flashinfer-tritondecode", True, "triton", None),
     "torch-graph": ("torch", True, "triton", None),
     "torch-eager": ("torch", False, "triton", None),
 }
 STEPS = {"fi-graph": (5, 30), "fi-eager": (2, 10), "torch-graph": (2, 6), "torch-eager": (2, 6),
-         "fi-graph-gemv": (3, 20), "fi-graph-notriton": (3, 20), "fi-tc-graph": (5, 30)}  # (warm-up, timed)
+         "fi-graph-gemv": (3, 20), "fi-graph-notriton": (3, 20), "fi-tc-graph": (5, 30),
+         "fi-tritondecode-graph": (5, 30)}  # (warm-up, timed)
 
 
 def _events_ms(fn, reps: int, warmup: int = 2) -> float:
@@ -144,6 +148,9 @@ class Bench:
             fb = r.backend
             self.backends["flashinfer-tc"] = make_backend("flashinfer", r.device, self.engine.mcfg, fb.dtype, fb.max_pages,
                                                           r.model.ops, decode_tensor_cores=True)
+            self.backends["flashinfer-tritondecode"] = make_backend(
+                "flashinfer", r.device, self.engine.mcfg, fb.dtype, fb.max_pages, r.model.ops,
+                decode_tensor_cores=fb.decode_tensor_cores, decode_attention="triton")
             self.ops.update(triton=TritonOps(gemv=False), gemv=TritonOps(gemv=True))
         else:
             self.ops.update(triton=None, gemv=None)
@@ -207,11 +214,11 @@ class Bench:
         for rid in rids:
             self.engine.abort(rid)
 
-    def profile(self, rids: list[str], top: int = 14) -> list[dict]:
-        """Device time by kernel over 10 replays of the captured step (fi-graph)."""
+    def profile(self, rids: list[str], top: int = 14, variant: str = "fi-graph") -> list[dict]:
+        """Device time by kernel over 10 replays of the captured step (fi-graph, or another whole-graph variant)."""
         from torch.profiler import ProfilerActivity, profile
 
-        self.use("fi-graph")
+        self.use(variant)
         self.engine.step()
         graphs = self.engine.runner.graphs
         g = graphs._graphs[graphs.bucket(len(rids))][0]
@@ -296,6 +303,8 @@ def run(model: str | None = None, batches: tuple[int, ...] = (1, 8, 16, 32, 64),
                 print(f"  ctx {ctx} B {b} {v}: " + ", ".join(f"{k} {x:.3f}" for k, x in vr.items()), flush=True)
             if prof is None and b == 1 and "fi-graph" in variants:
                 prof = res["profile_b1"] = bench.profile(rids)
+                if "fi-tritondecode-graph" in variants:
+                    res["profile_b1_tritondecode"] = bench.profile(rids, variant="fi-tritondecode-graph")
             bench.abort(rids)
             rows.append(row)
             res["gemv_tuned"] = gemv.tuned_configs()
@@ -314,13 +323,13 @@ def run(model: str | None = None, batches: tuple[int, ...] = (1, 8, 16, 32, 64),
 
 def render(res: dict) -> str:
     lines = [f"# decode on {res['gpu']}: copy {res['copy_bw_tb_s']:.2f} TB/s, weights {res['weight_bytes'] / 1e9:.2f} GB",
-             "ctx  | B  | variant           | wall ms | gpu ms | dense ms | bw ms  | gpu/dense | wall/dense | bw/gpu | tok/s",
-             "---- | -- | ----------------- | ------- | ------ | -------- | ------ | --------- | ---------- | ------ | -----"]
+             "ctx  | B  | variant               | wall ms | gpu ms | dense ms | bw ms  | gpu/dense | wall/dense | bw/gpu | tok/s",
+             "---- | -- | --------------------- | ------- | ------ | -------- | ------ | --------- | ---------- | ------ | -----"]
     for row in res["rows"]:
         for v, r in row["variants"].items():
             gpu = r.get("gpu_ms")
             lines.append(
-                f"{row['context']:<4} | {row['batch']:<2} | {v:<17} | {r['wall_ms']:7.3f} | "
+                f"{row['context']:<4} | {row['batch']:<2} | {v:<21} | {r['wall_ms']:7.3f} | "
                 f"{gpu if gpu is not None else float('nan'):6.3f} | {row['dense_ms']:8.3f} | {r['bw_floor_ms']:6.3f} | "
                 f"{r.get('gpu_over_dense', float('nan')):9.3f} | {r['wall_over_dense']:10.3f} | "
                 f"{r.get('gpu_bw_ratio', float('nan')):6.3f} | {row['batch'] * 1e3 / r['wall_ms']:.0f}")
@@ -331,6 +340,9 @@ def render(res: dict) -> str:
     if res.get("profile_b1"):
         lines.append("device time per step at batch 1 (fi-graph), top kernels:")
         lines += [f"  {r['us_per_step']:8.1f} us  x{r['calls']:<3} {r['name']}" for r in res["profile_b1"]]
+    if res.get("profile_b1_tritondecode"):
+        lines.append("device time per step at batch 1 (fi-tritondecode-graph), top kernels:")
+        lines += [f"  {r['us_per_step']:8.1f} us  x{r['calls']:<3} {r['name']}" for r in res["profile_b1_tritondecode"]]
     return "\n".join(lines)
 
 

@@ -270,6 +270,9 @@ class EngineConfig:
     triton: bool = True  # Triton kernels on CUDA (also off with SPECBENCH_TRITON=0); CPU keeps torch
     # FlashInfer decode through its tensor-core (FA2 prefill) kernels instead of the CUDA-core decode kernel
     decode_tensor_cores: bool = True
+    # Decode-only steps of the FlashInfer backend: "flashinfer" (its decode wrapper) or "triton" (the split-K
+    # kernel of kernels/decode_attention.py, CUDA graphs included); prefill / verify steps stay on FlashInfer
+    decode_attention: str = "flashinfer"
     seed: int = 0
     spec: SpecConfig = field(default_factory=SpecConfig)
     faults: tuple[str, ...] = ()
@@ -288,6 +291,8 @@ class EngineConfig:
               "a number in (0, 1]")
         _need(self.attention_backend in ("auto", "torch", "flashinfer"), "attention_backend",
               self.attention_backend, "auto, torch or flashinfer")
+        _need(self.decode_attention in ("flashinfer", "triton"), "decode_attention", self.decode_attention,
+              "flashinfer or triton")
         if isinstance(self.faults, list):
             object.__setattr__(self, "faults", tuple(self.faults))
 

@@ -58,14 +58,25 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype | None =
 
 
 def make_backend(name: str, device: torch.device, mcfg: ModelConfig | None = None, dtype: torch.dtype | None = None,
-                 max_pages: int = 0, ops=None, decode_tensor_cores: bool = False) -> AttentionBackend:
+                 max_pages: int = 0, ops=None, decode_tensor_cores: bool = False, decode_attention: str = "flashinfer",
+                 triton: bool = True) -> AttentionBackend:
+    """decode_attention="triton": the FlashInfer backend runs decode-only steps through the Triton split-K
+    kernel (kernels/decode_attention.py) when Triton is enabled (`triton`, SPECBENCH_TRITON), else FlashInfer's
+    decode wrapper, with a warning."""
     if resolve_backend(name, device, dtype) == "flashinfer":
         from .attention.flashinfer import FlashInferAttention  # noqa: PLC0415 - optional dependency
 
         assert mcfg is not None and dtype is not None
+        if decode_attention == "triton":
+            from specbench.kernels import triton_enabled  # noqa: PLC0415
+
+            if not triton_enabled(device, triton):
+                log.warning("decode_attention='triton' needs Triton enabled (triton switch, SPECBENCH_TRITON); "
+                            "decode steps use FlashInfer's decode kernel")
+                decode_attention = "flashinfer"
         return FlashInferAttention(device, mcfg.num_attention_heads, mcfg.num_key_value_heads, mcfg.head_dim, dtype,
                                    max_pages, store_op=ops.kv_store if ops is not None else None,
-                                   decode_tensor_cores=decode_tensor_cores)
+                                   decode_tensor_cores=decode_tensor_cores, decode_attention=decode_attention)
     return TorchAttention(device)
 
 
@@ -98,7 +109,7 @@ class ModelRunner:
         self.rope = RotaryCache(mcfg, device, dtype)
         model.ops = select_ops(cfg, device)
         self.backend = make_backend(cfg.attention_backend, device, mcfg, dtype, pool.num_pages + 1, model.ops,
-                                    cfg.decode_tensor_cores)
+                                    cfg.decode_tensor_cores, cfg.decode_attention, cfg.triton)
         self.graphs: DecodeGraphs | None = None  # built at the first eligible decode step (CUDA only)
         self.verify_graphs: VerifyGraphs | None = None  # built at the first verify step (CUDA, verify_graph)
         self.use_graph_runner = device.type == "cuda"

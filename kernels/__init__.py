@@ -11,7 +11,8 @@ storing K/V into the paged cache; the K-only variant for a drafter's context row
 scatter into the paged cache), `gemv` (small-batch GEMM with a fused add + RMSNorm prologue and an
 optional SwiGLU epilogue), `ops` (the bundle the model calls), `spec_accept` (the speculative-sampling
 accept step of a whole batch in one launch; its reference is the torch path of
-`engine.spec.sampling.accept_sampled_batch`, which calls it).
+`engine.spec.sampling.accept_sampled_batch`, which calls it), `decode_attention` (split-K paged decode
+attention and its merge; FlashInfer's decode steps with `EngineConfig.decode_attention="triton"`).
 """
 
 from __future__ import annotations

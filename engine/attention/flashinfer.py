@@ -15,6 +15,14 @@ depends only on the batch size, so a plan made for the real lengths before each 
 kernels correctly. The host partition depends only on the pages per request, so when those are unchanged
 since the last plan of that batch size only the page ids and last-page lengths are copied (no re-plan).
 
+Triton decode (`decode_attention="triton"`): decode-only steps (every span one token; eager and CUDA-graph
+paths) run the split-K kernel of `specbench.kernels.decode_attention` instead of the decode wrapper; prefill
+and verify steps keep FlashInfer. Its metadata (sequence lengths, kv_indptr, page ids: the same CSR arrays)
+is one int32 device buffer: per step in eager `plan`, per batch bucket (fixed size, refreshed by one
+host-to-device copy in `prepare_capture` / `prepare_replay`) for graphs; the grid and the fp32 partials
+scratch depend on the batch and head layout only, so forward reads no host value and replays see the
+current lengths and pages.
+
 K/V storage: `forward(q, k, v, ...)` writes k, v at the step's slots; with k = v = None the caller already
 stored them (the fused rope + store kernel: `accepts_stored_kv`). The `mask_leak` selftest fault is served
 by the torch reference backend, which can express it.
@@ -62,13 +70,19 @@ def flashinfer_available() -> bool:
     return True
 
 
+DECODE_ATTENTION = ("flashinfer", "triton")  # the kernels decode-only steps may run (EngineConfig.decode_attention)
+
+
 class FlashInferAttention(AttentionBackend):
     name = "flashinfer"
     graph_safe = True  # decode forward may be captured whole after prepare_capture
 
     def __init__(self, device: torch.device | str, num_qo_heads: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, max_pages: int, workspace_bytes: int = 512 << 20, store_op=None,
-                 decode_tensor_cores: bool = False) -> None:
+                 decode_tensor_cores: bool = False, decode_attention: str = "flashinfer") -> None:
+        if decode_attention not in DECODE_ATTENTION:
+            raise ValueError(f"decode_attention={decode_attention!r} is invalid: expected one of "
+                             f"{', '.join(DECODE_ATTENTION)}")
         import flashinfer  # noqa: PLC0415 - optional dependency
 
         self.fi = flashinfer
@@ -91,6 +105,14 @@ class FlashInferAttention(AttentionBackend):
         self._active: object = None
         self._key: tuple | None = None
         self._fallback: AttentionBackend | None = None
+        # Triton split-K decode: (seq_lens, kv_indptr, kv_indices) device views of this step, or None
+        self.decode_attention = decode_attention
+        self._tri: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._tri_bufs: dict[int, torch.Tensor] = {}  # batch bucket -> its int32 metadata buffer
+        self._tri_scratch: dict[tuple, torch.Tensor] = {}  # (B, Hkv, G, D, splits) -> fp32 partials
+        self._tri_ctx = 0  # the longest context a request can have (pages the cache holds x page size)
+        self._sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                     if self.device.type == "cuda" else 0)
 
     @property
     def accepts_stored_kv(self) -> bool:
@@ -103,6 +125,7 @@ class FlashInferAttention(AttentionBackend):
         self.slot_mapping = meta.slot_mapping
         self._key = None
         self._fallback = None
+        self._tri = None
         if meta.leak is not None and any(meta.leak):
             from .torch_ref import TorchAttention  # noqa: PLC0415
 
@@ -111,6 +134,11 @@ class FlashInferAttention(AttentionBackend):
             return
         self._arrays = paged_arrays(meta.q_lens, meta.kv_lens, meta.page_tables, meta.page_size)
         self._decode_only = all(q == 1 for q in meta.q_lens)
+        if self._decode_only and self.decode_attention == "triton":
+            a, n = self._arrays, meta.num_seqs
+            buf = torch.cat([torch.tensor(meta.kv_lens, dtype=torch.int32), a.kv_indptr, a.kv_indices]).to(self.device)
+            self._tri = (buf[:n], buf[n: 2 * n + 1], buf[2 * n + 1:])
+            self._tri_ctx = self.max_pages * meta.page_size
 
     def _ensure_planned(self, hq: int, hkv: int, d: int, dtype: torch.dtype, scale: float) -> None:
         key = ("eager", hq, hkv, d, dtype, scale)
@@ -144,6 +172,13 @@ class FlashInferAttention(AttentionBackend):
             raise ValueError("FlashInfer graph plans are for plain decode steps (every span one token)")
         b = meta.num_seqs
         a = paged_arrays(meta.q_lens, meta.kv_lens, meta.page_tables, meta.page_size)
+        self.meta = meta
+        self.slot_mapping = meta.slot_mapping
+        self._fallback = None
+        if self.decode_attention == "triton":
+            self._plan_graph_triton(meta, a)
+            return
+        self._tri = None
         w, buf = self._graph_wrapper(b)
         prev = self._graph_pages.get(b)
         if prev is not None and torch.equal(prev, a.kv_indptr):
@@ -154,11 +189,41 @@ class FlashInferAttention(AttentionBackend):
             w.plan(a.kv_indptr, a.kv_indices, a.last_page_len, hq, hkv, d, meta.page_size,
                    q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale)
             self._graph_pages[b] = a.kv_indptr
-        self.meta = meta
-        self.slot_mapping = meta.slot_mapping
         self._active = w
         self._key = ("graph", b)
-        self._fallback = None
+
+    def _plan_graph_triton(self, meta: AttentionMetadata, a: PagedArrays) -> None:
+        """The bucket's fixed buffer [seq_lens (b) | kv_indptr (b + 1) | page ids (max_pages + b)], refreshed
+        by one copy; the captured kernels read it at every replay."""
+        b = meta.num_seqs
+        buf = self._tri_bufs.get(b)
+        if buf is None:
+            buf = self._tri_bufs[b] = torch.zeros(2 * b + 1 + self.max_pages + b, dtype=torch.int32,
+                                                  device=self.device)
+        host = torch.cat([torch.tensor(meta.kv_lens, dtype=torch.int32), a.kv_indptr, a.kv_indices])
+        if len(host) > len(buf):
+            raise ValueError(f"{len(a.kv_indices)} pages for a batch of {b} exceed the {self.max_pages + b} "
+                             "the decode buffer holds")
+        buf[: len(host)].copy_(host)
+        self._tri = (buf[:b], buf[b: 2 * b + 1], buf[2 * b + 1:])
+        self._tri_ctx = self.max_pages * meta.page_size
+        self._active = None
+        self._key = ("graph-triton", b)
+
+    def _triton_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+                       page_size: int) -> torch.Tensor:
+        from specbench.kernels import decode_attention as da  # noqa: PLC0415
+
+        assert self._tri is not None
+        b, hq, d = q.shape
+        hkv = k_cache.shape[1]
+        splits = da.num_splits(b, hkv, self._tri_ctx, self._sms or da.DEFAULT_SMS)
+        key = (b, hkv, hq // hkv, d, splits)
+        part = self._tri_scratch.get(key)
+        if part is None and splits > 1:  # first met at a warm-up forward, before any capture
+            part = self._tri_scratch[key] = da.alloc_partials(b, hkv, hq // hkv, d, splits, q.device)
+        lens, indptr, indices = self._tri
+        return da.decode_attention(q, k_cache, v_cache, lens, indptr, indices, page_size, scale, splits, part)
 
     def prepare_capture(self, meta: AttentionMetadata) -> None:
         self._graph_pages.pop(meta.num_seqs, None)
@@ -180,6 +245,8 @@ class FlashInferAttention(AttentionBackend):
             else:
                 k_cache[meta.slot_mapping] = k.to(k_cache.dtype)
                 v_cache[meta.slot_mapping] = v.to(v_cache.dtype)
+        if self._tri is not None:
+            return self._triton_decode(q, k_cache, v_cache, scale, meta.page_size)
         if self._key is None or self._key[0] == "eager":
             self._ensure_planned(q.shape[1], k_cache.shape[1], q.shape[2], q.dtype, scale)
         ps = meta.page_size

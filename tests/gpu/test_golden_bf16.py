@@ -1,8 +1,9 @@
 """bf16 golden gate against HF transformers (REFERENCE.md section 2) for every GPU pass, and graph replay
 bit-identical to eager.
 
-Passes: FlashInfer and torch attention, each eager and with decode graphs, on a batch of 9 greedy requests
-with staggered max_tokens (9 rows ride in the 16 bucket, then 8, 4, 2, 1 as requests finish), and the same
+Passes: FlashInfer (decode steps by its decode kernels, its tensor-core kernels, or the Triton split-K kernel
+of kernels/decode_attention.py) and torch attention, each eager and with decode graphs, on a batch of 9 greedy
+requests with staggered max_tokens (9 rows ride in the 16 bucket, then 8, 4, 2, 1 as requests finish), and the same
 prompts one at a time. Gate per pass: HF scores the engine's continuation teacher-forced (top-64); the
 engine's pick has argmax regret <= 0.20 nat at every position; over the engine's top-8 tokens that HF also
 ranks in its top-64, |delta logprob| has mean <= 0.06 and p99 <= 0.20.
@@ -20,9 +21,10 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-# (backend, eager); flashinfer-tc: FlashInfer with decode_tensor_cores (its FA2 kernels for decode steps)
+# (backend, eager); flashinfer-tc: FlashInfer with decode_tensor_cores (its FA2 kernels for decode steps);
+# flashinfer-tritondecode: FlashInfer with decode_attention="triton" (the split-K Triton kernel for decode steps)
 MODES = [("flashinfer", True), ("flashinfer", False), ("flashinfer-tc", True), ("flashinfer-tc", False),
-         ("torch", True), ("torch", False)]
+         ("flashinfer-tritondecode", True), ("flashinfer-tritondecode", False), ("torch", True), ("torch", False)]
 N_REQ = 9
 
 
@@ -55,6 +57,7 @@ def _engine(path: str, backend: str, eager: bool):
 
     return LLMEngine(EngineConfig(model=path, device="cuda", dtype="bfloat16", attention_backend=backend.split("-")[0],
                                   decode_tensor_cores=backend.endswith("-tc"), eager=eager, max_num_seqs=16,
+                                  decode_attention="triton" if backend.endswith("-tritondecode") else "flashinfer",
                                   num_pages=1024))
 
 
@@ -67,6 +70,7 @@ def _run(path: str, backend: str, eager: bool, one_at_a_time: bool = False) -> t
         outs = eng.generate(prompts, params)
     g = eng.runner.graphs
     info = {"backend": eng.runner.backend.name, "ops": type(eng.runner.model.ops).__name__,
+            "decode_attention": getattr(eng.runner.backend, "decode_attention", None),
             "captured": bool(g is not None and g.capture), "graph_runner": g is not None}
     del eng
     gc.collect()
@@ -116,6 +120,8 @@ def test_golden_batched(runs, hf, mode):
     backend, eager = mode
     assert info["backend"] == backend.split("-")[0] and info["ops"] == "TritonOps" and info["graph_runner"]
     assert info["captured"] == (not eager)
+    if backend.startswith("flashinfer"):
+        assert info["decode_attention"] == ("triton" if backend.endswith("-tritondecode") else "flashinfer")
     stats = _gate(hf, outs)
     print(f"golden {mode} batch of {N_REQ}: {stats}")
     _assert_gate(stats, f"{mode} batched")
@@ -128,7 +134,7 @@ def test_golden_one_at_a_time(model_dir, hf):
     _assert_gate(stats, "one at a time")
 
 
-@pytest.mark.parametrize("backend", ["flashinfer", "flashinfer-tc", "torch"])
+@pytest.mark.parametrize("backend", ["flashinfer", "flashinfer-tc", "flashinfer-tritondecode", "torch"])
 def test_graph_replay_bit_identical_to_eager(runs, backend):
     eager, _ = runs[(backend, True)]
     graphs, _ = runs[(backend, False)]

@@ -54,3 +54,68 @@ def test_spec_accept_kernel_matches_torch_path(batch):
     stats = run_cases(torch.device("cuda"), vocabs=(151936,), trials=2, batches=(batch,), k_fixed=15)
     assert stats["requests"] == 32 * batch
     assert len(stats["m_hist"]) > 3, stats  # accepted runs of several lengths, the bonus among them
+
+
+@pytest.mark.parametrize("ctx", [1, 511, 2048])
+@pytest.mark.parametrize("batch", [1, 9, 64])
+def test_decode_attention_qwen3_4b(batch, ctx):
+    """The split-K paged decode attention (kernels/decode_attention.py) vs its torch reference in bf16 at the
+    Qwen3-4B geometry (32 query heads, 8 KV heads, head_dim 128, page 16): ragged lengths up to ctx, shuffled
+    pages, NaN in every slot no row may read; the engine's split count, one split, and the most splits."""
+    import random
+
+    from decode_attention_cases import check
+
+    from specbench.kernels import decode_attention as da
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rng = random.Random(batch * 7919 + ctx)
+    rows = [ctx] + [rng.randint(1, ctx) for _ in range(batch - 1)]
+    for splits in sorted({da.num_splits(batch, 8, 1 << 20, sms), 1, da.MAX_SPLITS}):
+        err = check(da, torch.device("cuda"), torch.bfloat16, rows, 32, 8, 128, 16, splits, tol=2e-2, seed=splits)
+        print(f"decode attention B={batch} ctx={ctx} splits={splits}: max abs err {err:.3g}")
+
+
+def test_decode_attention_cuda_graph_replay():
+    """Captured once with static metadata buffers (the engine's graph bucket), replayed after lengths and pages
+    change, padding rows included (length 0, one key on a dummy page): each replay matches the reference and is
+    bit-identical to an eager launch."""
+    from specbench.kernels import decode_attention as da
+
+    b, hq, hkv, d, ps, pages = 9, 32, 8, 128, 16, 400
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(5)
+    kc = torch.randn(pages * ps, hkv, d, generator=g, device=dev).bfloat16()
+    vc = torch.randn(pages * ps, hkv, d, generator=g, device=dev).bfloat16()
+    perm = torch.randperm(pages - 1, generator=g, device=dev).tolist()
+    tables = [perm[i * 40:(i + 1) * 40] for i in range(b - 1)] + [[pages - 1]]  # last row: the dummy page
+    buf = torch.zeros(2 * b + 1 + pages + b, dtype=torch.int32, device=dev)
+    lens, ptr, idx = buf[:b], buf[b:2 * b + 1], buf[2 * b + 1:]
+    q = torch.zeros(b, hq, d, dtype=torch.bfloat16, device=dev)
+    splits = da.num_splits(b, hkv, pages * ps, torch.cuda.get_device_properties(0).multi_processor_count)
+    part = da.alloc_partials(b, hkv, hq // hkv, d, splits, dev)
+    scale = d ** -0.5
+
+    def fill(step_lens):
+        host = [list(step_lens), [0], []]
+        for t, n in zip(tables, step_lens, strict=True):
+            host[2] += t[:-(-n // ps)]
+            host[1].append(len(host[2]))
+        flat = torch.tensor(host[0] + host[1] + host[2], dtype=torch.int32)
+        buf[:len(flat)].copy_(flat)
+        q.copy_(torch.randn(b, hq, d, generator=g, device=dev).bfloat16())
+
+    fill([1] * b)
+    da.decode_attention(q, kc, vc, lens, ptr, idx, ps, scale, splits, part)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = da.decode_attention(q, kc, vc, lens, ptr, idx, ps, scale, splits, part)
+    for step_lens in ([1] * b, [5, 600, 17, 0, 640, 33, 100, 2, 1], [640, 1, 333, 16, 17, 0, 512, 640, 1]):
+        fill(step_lens)
+        graph.replay()
+        ref = da.decode_attention_ref(q, kc, vc, lens, ptr, idx, ps, scale)
+        err = float((out.float() - ref.float()).abs().max())
+        assert err <= 2e-2 and bool(torch.isfinite(out).all()), (step_lens, err)
+        eager = da.decode_attention(q, kc, vc, lens, ptr, idx, ps, scale, splits, part)
+        assert torch.equal(out, eager), step_lens

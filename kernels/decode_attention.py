@@ -1,0 +1,198 @@
+"""Split-K ("flash-decoding") paged decode attention: one query token per request, its KV spread over programs.
+
+`decode_attention(q, k_cache, v_cache, seq_lens, kv_indptr, kv_indices, page_size, scale, splits)`:
+q [B, Hq, D] (unit last stride); caches [num_slots, Hkv, D] contiguous, viewed as pages of `page_size`
+slots (page p holds slots p * page_size ...); request b has seq_lens[b] keys, on the pages
+kv_indices[kv_indptr[b]:kv_indptr[b + 1]] in order (the CSR layout of `engine.attention.flashinfer.paged_arrays`;
+int32 device tensors). Query head i reads KV head i // (Hq / Hkv), as in HF / FlashInfer GQA. Returns
+[B, Hq, D] in q's dtype. A request with seq_lens 0 gets zeros.
+
+Two launches:
+- split: grid (B, Hkv, splits). Program (b, h, s) loads the whole GQA group of h (every query head sharing
+  KV head h, so K/V are read once, the group padded to 16 rows for tl.dot) and runs an online softmax (fp32
+  max / sum / weighted V; base-2 exponent) over its contiguous token range [s * chunk, min((s + 1) * chunk,
+  len)), chunk = ceil(ceil(len / splits) / BLOCK_N) * BLOCK_N, gathering each token's slot through the page
+  ids. The range is computed on the device from seq_lens, so the grid depends on (B, Hkv, splits) only:
+  a CUDA graph captured for a batch bucket replays correctly while lengths change. A program whose range is
+  empty writes the neutral partial (max -inf, sum 0; its V partial is neither written nor read).
+- merge: grid (B, Hq): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the splits (M = max m_s).
+With splits == 1 the split kernel normalizes and writes the output itself (no merge launch).
+Partials: one fp32 scratch of B * Hkv * splits * G * (D + 2) floats (`alloc_partials`); a CUDA-graph user
+keeps one per bucket. `num_splits(batch, kv_heads, max_ctx)` picks splits so B x Hkv x splits is about
+WAVES x the SM count (capped by MAX_SPLITS and by max_ctx / MIN_BLOCK); SPECBENCH_DECODE_SPLITS=N forces N
+(for tuning on the device).
+
+`decode_attention_ref` is the torch reference (gather + fp32 softmax), for tests.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import triton_importable
+
+WAVES = 3  # target programs per launch, in multiples of the SM count
+MAX_SPLITS = 64
+MIN_BLOCK = 16  # the smallest token tile (tl.dot needs >= 16)
+DEFAULT_SMS = 132  # H200; used where no CUDA device answers (the interpreter)
+
+
+def num_splits(batch: int, kv_heads: int, max_ctx: int, sm_count: int = DEFAULT_SMS, waves: int = WAVES) -> int:
+    """Splits per request for a launch of `batch` requests: B x kv_heads x splits ~ waves x sm_count, at least
+    1, at most MAX_SPLITS and ceil(max_ctx / MIN_BLOCK). Depends on no sequence length (CUDA-graph buckets)."""
+    forced = os.environ.get("SPECBENCH_DECODE_SPLITS", "").strip()
+    if forced:
+        return max(1, int(forced))
+    want = -(-waves * sm_count // max(1, batch * kv_heads))
+    cap = max(1, -(-max_ctx // MIN_BLOCK))
+    return max(1, min(want, cap, MAX_SPLITS))
+
+
+def block_n(splits: int) -> int:
+    """Token tile: small when a request is spread thin over many splits, larger when each program loops."""
+    return 16 if splits >= 8 else 32 if splits >= 2 else 64
+
+
+def alloc_partials(batch: int, kv_heads: int, group: int, head_dim: int, splits: int,
+                   device: torch.device | str) -> torch.Tensor:
+    """Scratch for the split partials: acc [B, Hkv, S, G, D] then max and sum [B, Hkv, S, G], fp32, flat."""
+    return torch.empty(batch * kv_heads * splits * group * (head_dim + 2), dtype=torch.float32, device=device)
+
+
+def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
+                         kv_indptr: torch.Tensor, kv_indices: torch.Tensor, page_size: int,
+                         scale: float) -> torch.Tensor:
+    b, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    out = torch.zeros(b, hq, d, dtype=q.dtype, device=q.device)
+    lens, ptr = seq_lens.tolist(), kv_indptr.tolist()
+    pages = kv_indices.long()
+    for i in range(b):
+        n = lens[i]
+        if n == 0:
+            continue
+        pos = torch.arange(n, device=q.device)
+        slots = pages[ptr[i] + pos // page_size] * page_size + pos % page_size
+        k = k_cache[slots].float().repeat_interleave(hq // hkv, dim=1)  # [n, Hq, D]
+        v = v_cache[slots].float().repeat_interleave(hq // hkv, dim=1)
+        p = torch.softmax(torch.einsum("hd,nhd->hn", q[i].float(), k) * scale, dim=-1)
+        out[i] = torch.einsum("hn,nhd->hd", p, v).to(q.dtype)
+    return out
+
+
+if triton_importable():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _split_kernel(q_ptr, kc_ptr, vc_ptr, lens_ptr, indptr_ptr, pages_ptr, part_ptr, out_ptr,
+                      sq_b, sq_h, so_b, so_h, qk_scale, NSPLIT, NROWS,
+                      HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                      PS: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, PREC: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        s = tl.program_id(2)
+        seq = tl.load(lens_ptr + b)
+        p0 = tl.load(indptr_ptr + b)
+        chunk = tl.cdiv(tl.cdiv(seq, NSPLIT), BLOCK_N) * BLOCK_N
+        start = s * chunk
+        end = tl.minimum(start + chunk, seq)
+        g = tl.arange(0, GP)
+        d = tl.arange(0, DP)
+        n = tl.arange(0, BLOCK_N)
+        gm = g < G
+        dm = d < D
+        q = tl.load(q_ptr + b.to(tl.int64) * sq_b + (h * G + g)[:, None] * sq_h + d[None, :],
+                    mask=gm[:, None] & dm[None, :], other=0.0)
+        m_i = tl.full([GP], float("-inf"), tl.float32)
+        l_i = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, DP], tl.float32)
+        for t0 in range(start, end, BLOCK_N):
+            pos = t0 + n
+            valid = pos < end
+            page = tl.load(pages_ptr + p0 + pos // PS, mask=valid, other=0).to(tl.int64)
+            row = ((page * PS + pos % PS) * HKV + h) * D
+            kv_mask = valid[:, None] & dm[None, :]
+            k = tl.load(kc_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # [GP, BLOCK_N], log2 units
+            qk = tl.where(valid[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))  # finite: every tile holds >= 1 valid token
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(vc_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+            m_i = m_new
+        if DIRECT:  # one split: this program holds the whole softmax
+            o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            tl.store(out_ptr + b.to(tl.int64) * so_b + (h * G + g)[:, None] * so_h + d[None, :],
+                     o.to(out_ptr.dtype.element_ty), mask=gm[:, None] & dm[None, :])
+        else:
+            r = ((b * HKV + h) * NSPLIT + s) * G + g  # partial row of each query head of the group
+            # an empty range writes max -inf and sum 0 only: the merge reads no V partial behind a -inf max
+            tl.store(part_ptr + r[:, None] * D + d[None, :], acc, mask=(gm[:, None] & dm[None, :]) & (start < end))
+            tl.store(part_ptr + NROWS * D + r, m_i, mask=gm)
+            tl.store(part_ptr + NROWS * (D + 1) + r, l_i, mask=gm)
+
+    @triton.jit
+    def _merge_kernel(part_ptr, out_ptr, so_b, so_h, NSPLIT, NROWS,
+                      HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, SP: tl.constexpr):
+        b = tl.program_id(0)
+        hq = tl.program_id(1)
+        h = hq // G
+        s = tl.arange(0, SP)
+        d = tl.arange(0, DP)
+        sm = s < NSPLIT
+        dm = d < D
+        r = ((b * HKV + h) * NSPLIT + s) * G + hq % G
+        m = tl.load(part_ptr + NROWS * D + r, mask=sm, other=float("-inf"))
+        ls = tl.load(part_ptr + NROWS * (D + 1) + r, mask=sm, other=0.0)
+        mx = tl.max(m, 0)
+        mx = tl.where(mx == float("-inf"), 0.0, mx)  # every split empty (length 0): weights 0, output 0
+        w = tl.exp2(m - mx)
+        den = tl.sum(w * ls, 0)
+        live = sm & (m > float("-inf"))  # empty splits: weight 0 and no V partial to read
+        acc = tl.load(part_ptr + r[:, None] * D + d[None, :], mask=live[:, None] & dm[None, :], other=0.0)
+        o = tl.sum(w[:, None] * acc, 0) / tl.where(den > 0, den, 1.0)
+        tl.store(out_ptr + b.to(tl.int64) * so_b + hq * so_h + d, o.to(out_ptr.dtype.element_ty), mask=dm)
+
+
+LOG2E = 1.4426950408889634
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
+                     kv_indptr: torch.Tensor, kv_indices: torch.Tensor, page_size: int, scale: float, splits: int,
+                     partials: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                     tile: int | None = None) -> torch.Tensor:
+    """Triton kernels; same contract as `decode_attention_ref`. `partials` (from `alloc_partials` with the
+    same B, Hkv, G, D, splits) is reused when given; no host read of any device tensor."""
+    b, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    assert hq % hkv == 0 and k_cache.shape[2] == d and v_cache.shape == k_cache.shape
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and splits >= 1
+    g = hq // hkv
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    if out is None:
+        out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
+    if b == 0:
+        return out
+    direct = splits == 1
+    nrows = b * hkv * splits * g
+    if direct:
+        part = out  # unused
+    else:
+        part = partials if partials is not None else alloc_partials(b, hkv, g, d, splits, q.device)
+        assert part.dtype == torch.float32 and part.numel() >= nrows * (d + 2), "partials too small"
+    dp = triton.next_power_of_2(d)
+    _split_kernel[(b, hkv, splits)](
+        q, k_cache, v_cache, seq_lens, kv_indptr, kv_indices, part, out, q.stride(0), q.stride(1), out.stride(0),
+        out.stride(1), scale * LOG2E, splits, nrows, HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), D=d, DP=dp,
+        PS=page_size, BLOCK_N=tile or block_n(splits), DIRECT=direct,
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2)
+    if not direct:
+        _merge_kernel[(b, hq)](part, out, out.stride(0), out.stride(1), splits, nrows, HKV=hkv, G=g, D=d, DP=dp,
+                               SP=triton.next_power_of_2(splits), num_warps=4)
+    return out

@@ -1,0 +1,172 @@
+"""The split-K paged decode attention (kernels/decode_attention.py) and its engine switch, on CPU.
+
+- the torch reference against the engine's reference backend (TorchAttention) on the same paged step;
+- the Triton kernels against the reference under the Triton interpreter (a subprocess: TRITON_INTERPRET must be
+  set before triton is imported; fp32, the interpreter cannot run bf16 dots): ragged lengths 1..200, splits
+  left empty, shuffled pages, length-0 and dummy-page padding rows, NaN in every slot no real row may read;
+- FlashInferAttention's Triton decode path (a stub `flashinfer` module: its wrappers are never called on
+  decode steps) against TorchAttention: an eager step, then a graph bucket planned twice with other lengths
+  and pages (the replay reads the refreshed static buffer);
+- EngineConfig.decode_attention and the engine-string switch: accepted values and errors.
+The GPU twins (bf16 at the Qwen3-4B geometry, CUDA-graph replay) are in tests/gpu.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from decode_attention_cases import make_case
+from interp import PRELUDE
+
+from specbench.engine.attention.base import AttentionMetadata
+from specbench.engine.attention.torch_ref import TorchAttention
+from specbench.kernels import decode_attention as da
+from specbench.kernels import triton_importable
+
+
+def test_num_splits():
+    assert da.num_splits(1, 8, 1 << 20, sm_count=132) == 50  # 3 waves of 132 SMs over 8 KV heads
+    assert da.num_splits(64, 8, 1 << 20, sm_count=132) == 1
+    assert da.num_splits(16, 8, 1 << 20, sm_count=132) == 4
+    assert da.num_splits(1, 1, 1 << 20, sm_count=132) == da.MAX_SPLITS
+    assert da.num_splits(1, 8, 40, sm_count=132) == 3  # no split narrower than the smallest tile
+    assert da.num_splits(1, 8, 0, sm_count=132) == 1
+    assert all(da.block_n(s) >= da.MIN_BLOCK for s in range(1, 70))
+
+
+def test_num_splits_override(monkeypatch):
+    monkeypatch.setenv("SPECBENCH_DECODE_SPLITS", "7")
+    assert da.num_splits(64, 8, 100) == 7
+
+
+def test_reference_matches_torch_backend():
+    """decode_attention_ref == the engine's TorchAttention on a decode step over the same paged cache."""
+    ps, hq, hkv, d = 4, 8, 2, 32
+    rows = [9, 1, 30, 4]
+    q, kc, vc, lens, ptr, idx = make_case(torch.device("cpu"), torch.float32, rows, hq, hkv, d, ps, seed=3,
+                                          nan_unused=False)
+    tables = [idx[ptr[i]: ptr[i + 1]].tolist() for i in range(len(rows))]
+    slots = [t[(n - 1) // ps] * ps + (n - 1) % ps for t, n in zip(tables, rows, strict=True)]
+    meta = AttentionMetadata(q_lens=[1] * len(rows), kv_lens=rows, slot_mapping=torch.tensor(slots),
+                             page_tables=tables, page_size=ps)
+    ta = TorchAttention("cpu")
+    ta.plan(meta)
+    ref = ta.forward(q, kc[slots], vc[slots], kc.clone(), vc.clone(), d ** -0.5)
+    got = da.decode_attention_ref(q, kc, vc, lens, ptr, idx, ps, d ** -0.5)
+    assert (got - ref).abs().max() < 1e-5
+
+
+SCRIPT = PRELUDE + textwrap.dedent('''
+
+    sys.path.insert(0, sys.argv[1])
+    import random, types
+    from decode_attention_cases import check
+    from specbench.kernels import decode_attention as da
+
+    cpu, f32 = torch.device("cpu"), torch.float32
+    worst = 0.0
+    fixed = [  # (rows, hq, hkv, d, ps, splits, tile)
+        ([1], 4, 2, 32, 4, 5, None),  # one key: 4 of 5 splits empty
+        ([200], 8, 2, 64, 16, 3, None),
+        ([200], 4, 2, 32, 4, 1, None),  # one split: the split kernel writes the output itself
+        ([17, 0, 64], 4, 2, 32, 4, 8, 16),  # a length-0 row: zeros, no NaN
+        ([5, 190, 33, "dummy", 0], 8, 2, 64, 16, 16, None),  # padding rows of a graph bucket
+        ([31, 32, 33], 8, 2, 32, 16, 2, 32),  # tile and page boundaries
+    ]
+    for i, (rows, hq, hkv, d, ps, splits, tile) in enumerate(fixed):
+        worst = max(worst, check(da, cpu, f32, rows, hq, hkv, d, ps, splits, 1e-4, seed=i, tile=tile))
+    # NaN on the dummy page: the padding row's output is its own business, the real rows stay exact
+    worst = max(worst, check(da, cpu, f32, [40, "dummy", 7], 4, 2, 32, 4, 4, 1e-4, seed=9, nan_dummy=True))
+    rng = random.Random(5)
+    for i in range(6):
+        b = rng.randint(1, 5)
+        rows = [rng.randint(1, 200) for _ in range(b)]
+        hq, d, ps = rng.choice((4, 8)), rng.choice((32, 64)), rng.choice((4, 16))
+        splits = rng.choice((1, 2, 4, da.num_splits(b, 2, 200)))
+        worst = max(worst, check(da, cpu, f32, rows, hq, 2, d, ps, splits, 1e-4, seed=100 + i))
+    print(f"KERNEL OK max abs err {worst:.3g}")
+
+    # FlashInferAttention's Triton decode path; the stub wrappers are built but never run on decode steps
+    sys.modules["flashinfer"] = types.SimpleNamespace(BatchPrefillWithPagedKVCacheWrapper=lambda *a, **k: None,
+                                                      BatchDecodeWithPagedKVCacheWrapper=lambda *a, **k: None)
+    os.environ["SPECBENCH_DECODE_SPLITS"] = "4"
+    from specbench.engine.attention.base import AttentionMetadata
+    from specbench.engine.attention.flashinfer import FlashInferAttention
+    from specbench.engine.attention.torch_ref import TorchAttention
+
+    ps, hq, hkv, d, pages = 4, 8, 2, 32, 40
+    dummy = pages  # the runner's extra page
+    g = torch.Generator().manual_seed(0)
+    kc = torch.randn((pages + 1) * ps, hkv, d, generator=g)
+    vc = torch.randn((pages + 1) * ps, hkv, d, generator=g)
+    perm = torch.randperm(pages, generator=g).tolist()
+    tables = [perm[0:12], perm[12:20], perm[20:40]]
+    fa = FlashInferAttention("cpu", hq, hkv, d, f32, pages + 1, workspace_bytes=16, decode_attention="triton")
+
+    def step(lens, b, graph):
+        n = len(lens)
+        pad = b - n
+        slots = [t[(x - 1) // ps] * ps + (x - 1) % ps for t, x in zip(tables, lens)] + [dummy * ps] * pad
+        meta = AttentionMetadata(q_lens=[1] * b, kv_lens=list(lens) + [1] * pad, slot_mapping=torch.tensor(slots),
+                                 page_tables=[t[: -(-x // ps)] for t, x in zip(tables, lens)] + [[dummy]] * pad,
+                                 page_size=ps)
+        q, k, v = (torch.randn(b, h, d, generator=g) for h in (hq, hkv, hkv))
+        ta = TorchAttention("cpu")
+        ta.plan(meta)
+        kr, vr = kc.clone(), vc.clone()
+        ref = ta.forward(q, k, v, kr, vr, d ** -0.5)
+        if graph == "capture":
+            fa.prepare_capture(meta)
+        elif graph == "replay":
+            fa.prepare_replay(meta)
+        else:
+            fa.plan(meta)
+        out = fa.forward(q, k, v, kc, vc, d ** -0.5)
+        assert torch.equal(kc, kr) and torch.equal(vc, vr), "K/V store"
+        err = (out[:n] - ref[:n]).abs().max().item()
+        assert err < 1e-4 and bool(torch.isfinite(out).all()), (lens, b, graph, err)
+        return fa._tri[0].data_ptr()
+
+    step([5, 30, 77], 3, None)
+    p0 = step([6, 31, 1], 4, "capture")
+    p1 = step([7, 32, 80], 4, "replay")  # longer: a new page for the third request, read from the same buffer
+    assert p0 == p1 == fa._tri_bufs[4].data_ptr(), "the bucket's metadata buffer moved"
+    step([8], 1, None)
+    assert len(fa._tri_bufs) == 1 and set(k[-1] for k in fa._tri_scratch) == {4}
+    print("BACKEND OK")
+''')
+
+
+@pytest.mark.skipif(not triton_importable(), reason="triton is not installed: the interpreter checks need it")
+def test_decode_attention_under_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env.pop("SPECBENCH_DECODE_SPLITS", None)
+    out = subprocess.run([sys.executable, "-c", SCRIPT, str(Path(__file__).parent)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "BACKEND OK" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
+
+
+def test_decode_attention_switch(monkeypatch):
+    from specbench.engine import ConfigError, EngineConfig
+    from specbench.harness import engines
+    from specbench.harness.adapters import local
+
+    assert EngineConfig(model="m").decode_attention == "flashinfer"  # FlashInfer stays the default
+    assert EngineConfig(model="m", decode_attention="triton").decode_attention == "triton"
+    with pytest.raises(ConfigError, match=r"decode_attention='xformers' is invalid: expected flashinfer or triton"):
+        EngineConfig(model="m", decode_attention="xformers")
+    with pytest.raises(engines.EngineStringError, match=r"decode_attention='fa3' is invalid: expected one of "
+                                                          r"flashinfer, triton"):
+        engines.parse_engine("local,decode_attention=fa3")
+    assert engines.parse_engine("local,decode_attention=triton").options["decode_attention"] == "triton"
+    seen = {}
+    monkeypatch.setattr(local.LocalAdapter, "from_dirs", classmethod(lambda cls, *a, **kw: seen.update(kw)))
+    monkeypatch.setattr(engines, "bundled", lambda: ("target", None))
+    engines.build_adapter("local,spec=off,decode_attention=triton")
+    assert seen["decode_attention"] == "triton"
