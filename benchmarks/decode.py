@@ -7,7 +7,8 @@ each variant runs steady-state `engine.step()` calls (warm-up excluded, median r
   fi-eager           the same kernels and padded shapes, launched without graphs (EngineConfig.eager)
   fi-graph-gemv      fi-graph with the fused add-norm(+SwiGLU) Triton GEMV for the qkv and gate/up GEMMs, B <= 16
   fi-graph-notriton  fi-graph with the torch reference dense ops (no Triton), B <= 16
-  fi-tc-graph        fi-graph with FlashInfer's tensor-core (FA2) decode kernels (EngineConfig.decode_tensor_cores)
+  fi-tc-graph        FlashInfer's tensor-core (FA2) decode kernels (EngineConfig.decode_tensor_cores, the default)
+  fi-cc-graph        FlashInfer's CUDA-core decode kernel (decode_tensor_cores=False; fi-graph before 2026-11-29)
   fi-tritondecode-graph  fi-graph with decode attention by the Triton split-K kernel (kernels/decode_attention.py,
                      EngineConfig.decode_attention="triton"); prefill stays on FlashInfer
   torch-graph        torch reference attention, piecewise graphs (dense segments captured, attention eager)
@@ -44,12 +45,13 @@ VARIANTS = {  # name: (attention backend, capture graphs, ops: "triton" | "gemv"
     "fi-graph-gemv": ("flashinfer", True, "gemv", 16),
     "fi-graph-notriton": ("flashinfer", True, "torch", 16),
     "fi-tc-graph": ("flashinfer-tc", True, "triton", None),
+    "fi-cc-graph": ("flashinfer-cc", True, "triton", None),
     "fi-tritondecode-graph": ("flashinfer-tritondecode", True, "triton", None),
     "torch-graph": ("torch", True, "triton", None),
     "torch-eager": ("torch", False, "triton", None),
 }
 STEPS = {"fi-graph": (5, 30), "fi-eager": (2, 10), "torch-graph": (2, 6), "torch-eager": (2, 6),
-         "fi-graph-gemv": (3, 20), "fi-graph-notriton": (3, 20), "fi-tc-graph": (5, 30),
+         "fi-graph-gemv": (3, 20), "fi-graph-notriton": (3, 20), "fi-tc-graph": (5, 30), "fi-cc-graph": (5, 30),
          "fi-tritondecode-graph": (5, 30)}  # (warm-up, timed)
 
 
@@ -146,6 +148,8 @@ class Bench:
 
             assert r.backend.name == "flashinfer", "flashinfer did not load"
             fb = r.backend
+            self.backends["flashinfer-cc"] = make_backend("flashinfer", r.device, self.engine.mcfg, fb.dtype, fb.max_pages,
+                                                          r.model.ops, decode_tensor_cores=False)
             self.backends["flashinfer-tc"] = make_backend("flashinfer", r.device, self.engine.mcfg, fb.dtype, fb.max_pages,
                                                           r.model.ops, decode_tensor_cores=True)
             self.backends["flashinfer-tritondecode"] = make_backend(
