@@ -17,16 +17,14 @@ Contract:
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
 from specbench.harness.adapters.base import EngineAdapter, GenRequest
+from specbench.harness.datasets import bundled_prompts
 
-DATA_DIR = Path(__file__).resolve().parents[2] / "harness" / "data"
 DATASETS = ("gsm8k", "spec_bench", "mt_bench", "sharegpt", "random")
 
 
@@ -34,42 +32,14 @@ class WorkloadError(ValueError):
     """Bad workload input (unknown data set, impossible sizes); the message names the option."""
 
 
-def _jsonl(path: Path) -> list[dict]:
-    if not path.is_file():
-        raise WorkloadError(f"{path}: bundled data missing (reinstall specbench)")
-    with path.open(encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh if line.strip()]
-
-
 def dataset_texts(dataset: str) -> list[str]:
     """Every prompt of a bundled data set, in file order."""
-    data = _data_dir()
-    if dataset == "gsm8k":
-        return [f"Question: {r['question']}\nAnswer:" for r in _jsonl(data / "gsm8k" / "test.jsonl")]
-    if dataset in ("spec_bench", "mt_bench"):
-        return [r["turns"][0] for r in _jsonl(data / dataset / "question.jsonl") if r.get("turns")]
-    if dataset == "sharegpt":
-        path = data / "sharegpt" / "ShareGPT_V3_filtered_500.json"
-        rows = json.loads(path.read_text(encoding="utf-8"))
-        out = []
-        for r in rows:
-            turns = [c["value"] for c in r.get("conversations", []) if c.get("from") == "human" and c.get("value")]
-            if turns:
-                out.append(turns[0])
-        return out
-    raise WorkloadError(f"--dataset {dataset!r} is invalid: expected one of {', '.join(DATASETS)}")
-
-
-def _data_dir() -> Path:
+    if dataset not in DATASETS or dataset == "random":
+        raise WorkloadError(f"--dataset {dataset!r} is invalid: expected one of {', '.join(DATASETS)}")
     try:
-        from importlib import resources
-
-        p = Path(str(resources.files("specbench.harness") / "data"))
-        if p.is_dir():
-            return p
-    except (ModuleNotFoundError, TypeError):
-        pass
-    return DATA_DIR
+        return [text for _, text in bundled_prompts(dataset)]
+    except FileNotFoundError as e:
+        raise WorkloadError(str(e)) from None
 
 
 def random_texts(n: int, words: int, seed: int) -> list[str]:
