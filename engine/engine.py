@@ -30,7 +30,15 @@ from .models.qwen3 import Qwen3ForCausalLM
 from .ranges import NO_RANGES, ProfilerRanges
 from .request import Request
 from .runner import ModelRunner
-from .sampler import make_generator, sampling_probs, sampling_probs_rows, select, topk_logprobs
+from .sampler import (
+    draw_rows,
+    make_generator,
+    sampling_probs,
+    sampling_probs_rows,
+    select,
+    topk_logprobs,
+    uniforms,
+)
 from .scheduler import AdmissionError, Scheduler, Span, StepPlan
 from .spec.accept import accept_greedy
 from .spec.proposer import NgramProposer, Proposer
@@ -278,9 +286,11 @@ class LLMEngine:
             amax = logits.argmax(-1).tolist() if any(s.req.params.greedy for s in plan.spans) else None
             # Likewise every sampled verify span: one batched speculative-sampling resolve, one host read.
             sampled = self._accept_sampled(plan.spans, row_of, logits)
+            # And every sampled single pick (decode spans, prefill completions): one batched draw.
+            picks = self._sample_picks(plan.spans, row_of, logits)
             for i, (s, (r0, cnt)) in enumerate(zip(plan.spans, row_of, strict=True)):
                 am = amax[r0:r0 + cnt] if amax is not None else None
-                c, toks, lps = self._resolve(s, logits[r0:r0 + cnt], am, sampled.get(i))
+                c, toks, lps = self._resolve(s, logits[r0:r0 + cnt], am, sampled.get(i), picks.get(i))
                 committed.append(c)
                 new_tokens.append(toks)
                 new_lps.append(lps)
@@ -331,8 +341,28 @@ class LLMEngine:
                                    [self._gens[spans[i].req.rid] for i in idx], self.faults, kernel=self.cfg.triton)
         return dict(zip(idx, res, strict=True))
 
+    def _sample_picks(self, spans: list[Span], row_of: list[tuple[int, int]],
+                      logits: torch.Tensor) -> dict[int, int]:
+        """The sampled token of every non-greedy decode span and prefill completion, by span index: each
+        request's transform over its last row, an inverse-CDF draw with one uniform from its own generator,
+        all on the device, one host read (instead of a multinomial and a sync per request)."""
+        idx, rows, params = [], [], []
+        for i, s in enumerate(spans):
+            if s.req.params.greedy or not (s.kind == "decode" or (s.kind == "prefill" and s.completes_prefill)):
+                continue
+            r0, cnt = row_of[i]
+            idx.append(i)
+            rows.append(r0 + cnt - 1)
+            params.append(s.req.params)
+        if not idx:
+            return {}
+        probs = sampling_probs_rows(logits[torch.tensor(rows, device=logits.device)], params)
+        u = uniforms([1] * len(idx), [self._gens[spans[i].req.rid] for i in idx], logits.device)
+        return dict(zip(idx, draw_rows(probs, u).tolist(), strict=True))
+
     def _resolve(self, s: Span, lg: torch.Tensor, am: list[int] | None = None,
-                 sampled: tuple[int, list[int]] | None = None) -> tuple[int, list[int], list | None]:
+                 sampled: tuple[int, list[int]] | None = None,
+                 pick: int | None = None) -> tuple[int, list[int], list | None]:
         """(rows committed to KV, new output tokens, their logprobs) for one span. `am`: the argmax of each
         of the span's logits rows, already on the host (greedy requests only); `sampled`: a sampled verify
         span's (accepted count, tokens), already resolved with the batch."""
@@ -345,10 +375,10 @@ class LLMEngine:
             if not s.completes_prefill:
                 return n, [], None
             last = lg[-1]
-            tok = am[-1] if p.greedy and am else select(last, p, gen)
+            tok = am[-1] if p.greedy and am else (pick if pick is not None else select(last, p, gen))
             return n, [tok], (topk_logprobs(last[None], [tok], p.logprobs) if p.logprobs is not None else None)
         if s.kind == "decode":
-            tok = am[0] if p.greedy and am else select(lg[0], p, gen)
+            tok = am[0] if p.greedy and am else (pick if pick is not None else select(lg[0], p, gen))
             return 1, [tok], (topk_logprobs(lg[:1], [tok], p.logprobs) if p.logprobs is not None else None)
         k = len(s.drafts)
         if not p.greedy:

@@ -151,3 +151,35 @@ def test_sampled_requests_speculate_and_are_seeded(tiny_target, tiny_draft):
     b = llm.generate(["Question: Tom has 3 apples.\nAnswer:"], sp)[0]
     assert a.output_ids == b.output_ids  # the request's own seeded generator
     assert a.spec["num_drafts"] > 0  # sampled requests speculate (not span-1 rows)
+
+
+def test_sampled_single_picks_are_batched_and_follow_p(tiny_target):
+    """Spec off, T > 0: every sampled decode pick and prefill completion of a step comes from one batched
+    draw (no per-request `select`), is seeded per request, independent of its batch neighbours, and its
+    first token follows the transformed distribution of the prompt's last logits."""
+    import specbench.engine.engine as engine_mod
+
+    llm = LLM(tiny_target, num_pages=256)
+    prompt = "Question: Tom has 3 apples.\nAnswer:"
+    calls = []
+    real = engine_mod.select
+    engine_mod.select = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        sp = [SamplingParams(max_tokens=6, temperature=1.0, seed=s, ignore_eos=True) for s in range(3)]
+        together = [o.output_ids for o in llm.generate([prompt] * 3, sp)]
+        alone = [llm.generate([prompt], [p])[0].output_ids for p in sp]
+    finally:
+        engine_mod.select = real
+    assert calls == [] and together == alone  # batched, seeded, neighbour-independent
+    # First-token distribution over many seeds against p = softmax(last prompt logits).
+    eng = llm.engine
+    params = SamplingParams(max_tokens=1, temperature=1.0, ignore_eos=True, logprobs=0)
+    n = 600
+    outs = llm.generate([prompt] * n, [params.with_(seed=1000 + i) for i in range(n)])
+    counts = torch.bincount(torch.tensor([o.output_ids[0] for o in outs]), minlength=eng.mcfg.vocab_size).float()
+    # p at T = 1 is the raw softmax: a greedy request's top-20 logprobs of its first position give it.
+    top = llm.generate([prompt], SamplingParams(max_tokens=1, logprobs=20))[0].logprobs[0][1]
+    p_top = {t: float(torch.tensor(v).exp()) for t, v in top.items()}
+    emp = counts / n
+    worst = max(abs(emp[t].item() - p) for t, p in p_top.items())
+    assert max(p_top.values()) > 0.1 and worst < 0.06, f"first-token frequency off by {worst:.3f} from p (600 seeds; noise ~0.02)"
