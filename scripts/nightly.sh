@@ -14,7 +14,10 @@
 # 3. a sweep on the 4B-shaped pair: spec off vs DFlash with synthetic acceptance (tau=$NIGHTLY_TAU,
 #    labelled synthetic in every record and report), interleaved rounds, paired noise floor;
 # 4. the reports (markdown + PNG) under OUT/report, the markdown appended to $GITHUB_STEP_SUMMARY;
-#    result records under OUT/results for the artifact upload.
+#    result records under OUT/results for the artifact upload;
+# 5. on CUDA, the fast-path benchmarks at small size (benchmarks/decode.py --quick on the 4B-shaped target:
+#    tensor-core vs split-K Triton decode against the dense floor; benchmarks/accept_cost.py: the greedy and
+#    sampled accept steps), their tables in the summary (NIGHTLY_SKIP_BENCH=1 skips them).
 # Exit status: 1 when any gate fails or the sweep fails, after everything has run and been written.
 #
 # Knobs (environment): SPECBENCH (the CLI, default .venv/bin/specbench or specbench on PATH),
@@ -97,6 +100,18 @@ step "sweep: qwen3-4b shape, off vs dflash tau=$TAU" "${LIMIT[@]}" "${SB[@]}" sw
   --dataset "$DATASET" --prompts-per-level "$PPL" --max-tokens "$MAXTOK" --ignore-eos \
   --rounds "$ROUNDS" --warmup 2 --no-progress --report "$REPORTS/sweep.md"
 
+# 5. fast-path benchmarks (tables in the summary; JSON under OUT/report)
+if [[ "$DEVICE" == cuda* && "${NIGHTLY_SKIP_BENCH:-0}" != 1 ]]; then
+  if [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=python3; fi
+  bench() {  # bench NAME OUTFILE CMD...: the table (stdout less its JSON last line) to OUTFILE.txt
+    local name=$1 out=$2; shift 2
+    step "$name" bash -c '"$@" > "$0.log" 2>&1; rc=$?; grep -v "^{" "$0.log" | grep -E "^[|#A-Za-z0-9 -]" > "$0.txt"; tail -n 1 "$0.log" > "$0.json"; exit $rc' "$out" "$@"
+  }
+  bench "bench: decode (quick)" "$REPORTS/decode" "$PY" benchmarks/decode.py --model "$T" --quick --no-hf \
+    --variants fi-tc-graph,fi-tritondecode-graph
+  bench "bench: accept step" "$REPORTS/accept" "$PY" benchmarks/accept_cost.py --device cuda --batches 1,64
+fi
+
 # job summary: the verdicts, then every markdown report (plots are in the artifact)
 {
   echo "# specbench nightly ($(date -u +%Y-%m-%dT%H:%MZ), $(git rev-parse --short HEAD 2>/dev/null))"
@@ -110,6 +125,16 @@ step "sweep: qwen3-4b shape, off vs dflash tau=$TAU" "${LIMIT[@]}" "${SB[@]}" sw
     echo "<details><summary>$(basename "$f")</summary>"
     echo
     sed 's/!\[\([^]]*\)\]([^)]*)/(plot: \1, see the artifact)/' "$f"
+    echo
+    echo "</details>"
+  done
+  for f in "$REPORTS"/decode.txt "$REPORTS"/accept.txt; do
+    [[ -s $f ]] || continue
+    echo "<details><summary>$(basename "$f" .txt) benchmark</summary>"
+    echo
+    echo '```'
+    cat "$f"
+    echo '```'
     echo
     echo "</details>"
   done
