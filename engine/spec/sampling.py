@@ -49,50 +49,49 @@ def accept_sampled_batch(drafts: list[list[int]], qs: list[torch.Tensor | None],
         return _accept_fused(drafts, qs, p, gens, faults, ks)
     dev = p.device
     kmax, nk = max(ks), sum(ks)
-    # Host-built index arrays, one transfer: per draft (p row, token, batch, slot); per request (p offset,
-    # q offset, k, offset of its uniforms).
-    prow, toks, bidx, slot, poff, qoff, uoff = [], [], [], [], [], [], []
-    po = qo = 0
+    q, qrows = _q_rows(drafts, qs, p)
+    # Host-built index arrays, one transfer: per draft (p row, token, batch, slot, q row or -1 for a point
+    # mass); per request (p offset = offset of its uniforms, first draft, k).
+    prow, toks, bidx, slot, poff, doff = [], [], [], [], [], []
+    po = do = 0
     for b, d in enumerate(drafts):
         poff.append(po)
-        qoff.append(qo)
-        uoff.append(po)  # request b's uniforms sit at the same offsets as its p rows (k_b + 1 each)
+        doff.append(do)
         prow += range(po, po + len(d))
         toks += d
         bidx += [b] * len(d)
         slot += range(len(d))
         po += len(d) + 1
-        qo += len(d)
-    ix = torch.tensor(prow + toks + bidx + slot + poff + qoff + ks + uoff, dtype=torch.long).to(dev, non_blocking=True)
-    prow_t, tok_t, b_t, slot_t = ix[:nk], ix[nk:2 * nk], ix[2 * nk:3 * nk], ix[3 * nk:4 * nk]
-    poff_t, qoff_t, k_t, uoff_t = ix[4 * nk:4 * nk + nb], ix[4 * nk + nb:4 * nk + 2 * nb], \
-        ix[4 * nk + 2 * nb:4 * nk + 3 * nb], ix[4 * nk + 3 * nb:]
-    q, qrow_t = _draft_rows(drafts, qs, p, qoff)
-    u = uniforms([k + 1 for k in ks], gens, dev)
+        do += len(d)
+    ix = torch.tensor(prow + toks + bidx + slot + qrows + poff + doff + ks, dtype=torch.long).to(dev, non_blocking=True)
+    prow_t, tok_t, b_t, slot_t, qrow_t = (ix[i * nk:(i + 1) * nk] for i in range(5))
+    poff_t, doff_t, k_t = (ix[5 * nk + i * nb:5 * nk + (i + 1) * nb] for i in range(3))
+    u = uniforms([k + 1 for k in ks], gens, dev)  # request b's k_b + 1 uniforms at its p offset
     m = torch.zeros(nb, dtype=torch.long, device=dev)
     if nk:
         p_d = p[prow_t, tok_t]
-        q_d = q[qrow_t, tok_t].clamp_min(1e-20) if q is not None else torch.ones_like(p_d)
+        q_d = torch.ones_like(p_d) if q is None else \
+            torch.where(qrow_t < 0, 1.0, q[qrow_t.clamp_min(0), tok_t]).clamp_min(1e-20)
         ratio = q_d / p_d.clamp_min(1e-20) if "biased_accept" in faults else p_d / q_d
-        ua = u[uoff_t[b_t]] if "reused_uniform" in faults else u[prow_t]
+        ua = u[poff_t[b_t]] if "reused_uniform" in faults else u[prow_t]
         ok = torch.zeros(nb, kmax, dtype=torch.long, device=dev)
         ok[b_t, slot_t] = (ua < ratio.clamp(max=1.0)).long()
         m = ok.cumprod(1).sum(1)
     rows = p[poff_t + m]  # the rejected position's target row, or the bonus row when all were accepted
     rejected = m < k_t
     if nk:
-        qi = (qoff_t + m.clamp(max=(k_t - 1).clamp_min(0))).clamp(max=nk - 1)
+        qi = (doff_t + m.clamp(max=(k_t - 1).clamp_min(0))).clamp(max=nk - 1)  # the rejected draft
+        res = rows.scatter(1, tok_t[qi].unsqueeze(1), 0.0)  # a point mass: (p - one_hot(d))^+ zeroes d
         if q is not None:
-            res = (rows - q[qrow_t[qi]]).clamp_min(0.0)
-        else:
-            res = rows.scatter(1, tok_t[qi].unsqueeze(1), 0.0)  # (p - one_hot(d))^+ zeroes the draft token
+            qr = qrow_t[qi]
+            res = torch.where((qr < 0).unsqueeze(1), res, (rows - q[qr.clamp_min(0)]).clamp_min(0.0))
         if "resample_from_p" in faults:
             res = rows
         use_p = ~rejected | (res.sum(1) <= 0.0)
         dist = torch.where(use_p.unsqueeze(1), rows, res)
     else:
         dist = rows
-    tok = draw_rows(dist, u[uoff_t + k_t])
+    tok = draw_rows(dist, u[poff_t + k_t])
     mh, th = torch.stack([m, tok]).tolist()
     return [(mb, d[:mb] + [tb]) for mb, tb, d in zip(mh, th, drafts, strict=True)]
 
@@ -105,7 +104,7 @@ def _accept_fused(drafts: list[list[int]], qs: list[torch.Tensor | None], p: tor
     from specbench.kernels.spec_accept import spec_accept  # noqa: PLC0415  (imports triton)
 
     nb, nk, dev = len(drafts), sum(ks), p.device
-    q, qrows = _kernel_q_rows(drafts, qs, p)
+    q, qrows = _q_rows(drafts, qs, p)
     toks, doff, poff = [], [], []
     do = po = 0
     for d in drafts:
@@ -123,11 +122,10 @@ def _accept_fused(drafts: list[list[int]], qs: list[torch.Tensor | None], p: tor
     return [(mb, d[:mb] + [tb]) for mb, tb, d in zip(mh, th, drafts, strict=True)]
 
 
-def _base_rows(drafts: list[list[int]], qs: list[torch.Tensor | None], p: torch.Tensor,
-               point: int | None = None) -> tuple[torch.Tensor, list[int]] | None:
+def _base_rows(drafts: list[list[int]], qs: list[torch.Tensor | None],
+               p: torch.Tensor) -> tuple[torch.Tensor, list[int]] | None:
     """The DFlash layout: every q a view qall[j, :k] of one contiguous tensor of V-wide rows. Then (that
-    tensor as [*, V], the row of each draft in draft order), else None. `point`: the row given to the
-    drafts of a None q (a point mass); None: any None q means no such layout."""
+    tensor as [*, V], the row of each draft in draft order, -1 for the drafts of a None q), else None."""
     v = p.shape[1]
     first = next((q for q in qs if q is not None), None)
     base = first._base if first is not None else None
@@ -136,9 +134,7 @@ def _base_rows(drafts: list[list[int]], qs: list[torch.Tensor | None], p: torch.
     rows: list[int] = []
     for d, q in zip(drafts, qs, strict=True):
         if q is None:
-            if point is None:
-                return None
-            rows += [point] * len(d)
+            rows += [-1] * len(d)
             continue
         if q._base is not base or q.dim() != 2 or q.stride() != (v, 1):
             return None
@@ -149,14 +145,15 @@ def _base_rows(drafts: list[list[int]], qs: list[torch.Tensor | None], p: torch.
     return base.view(-1, v), rows
 
 
-def _kernel_q_rows(drafts: list[list[int]], qs: list[torch.Tensor | None], p: torch.Tensor,
-                   ) -> tuple[torch.Tensor | None, list[int]]:
-    """(q rows [*, V] or None, the row of each draft, -1 for a point mass) for the fused kernel, which
-    takes point masses as they are (no one-hot rows)."""
+def _q_rows(drafts: list[list[int]], qs: list[torch.Tensor | None], p: torch.Tensor,
+            ) -> tuple[torch.Tensor | None, list[int]]:
+    """(q rows [*, V] or None, the row of each draft in draft order, -1 for a point mass), for the kernel
+    and the torch path alike. The proposer's views of one tensor are indexed in place (no copy); other
+    q's are concatenated; all None (a deterministic proposer) gives no rows at all."""
     nk = sum(len(d) for d in drafts)
     if all(q is None for q in qs):
         return None, [-1] * nk
-    got = _base_rows(drafts, qs, p, point=-1)
+    got = _base_rows(drafts, qs, p)
     if got is not None:
         return got
     parts, rows, r = [], [], 0
@@ -167,30 +164,9 @@ def _kernel_q_rows(drafts: list[list[int]], qs: list[torch.Tensor | None], p: to
             parts.append(qb.to(p.dtype))
             rows += range(r, r + len(d))
             r += qb.shape[0]
+    if r == 0:  # only empty q's (requests without drafts): nothing to index
+        return None, rows
     return (parts[0] if len(parts) == 1 else torch.cat(parts)), rows
-
-
-def _draft_rows(drafts: list[list[int]], qs: list[torch.Tensor | None], p: torch.Tensor,
-                qoff: list[int]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(q rows [*, V], the row of each draft in draft order) without copying q where possible.
-
-    The DFlash proposer hands each request a view qall[j, :k] of one contiguous tensor of V-wide rows:
-    then the rows are that tensor's, indexed in place. Otherwise the per-request q's are concatenated, point masses
-    (None) becoming one-hot rows; all None (a deterministic proposer) gives (None, None)."""
-    if all(q is None for q in qs):
-        return None, None
-    dev, v = p.device, p.shape[1]
-    got = _base_rows(drafts, qs, p)
-    if got is not None:
-        return got[0], torch.tensor(got[1], dtype=torch.long).to(dev, non_blocking=True)
-    parts = []
-    for d, qb in zip(drafts, qs, strict=True):
-        if qb is None:
-            qb = torch.zeros(len(d), v, dtype=p.dtype, device=dev)
-            qb[torch.arange(len(d), device=dev), torch.tensor(d, dtype=torch.long, device=dev)] = 1.0
-        parts.append(qb.to(p.dtype))
-    q = torch.cat(parts)
-    return q, torch.arange(q.shape[0], device=dev)
 
 
 def accept_sampled(drafts: list[int], q: torch.Tensor | None, p: torch.Tensor, gen: torch.Generator | None,
