@@ -102,21 +102,9 @@ INTERPRETER_SCRIPT = PRELUDE + textwrap.dedent('''
     run_all(torch.device("cpu"), [torch.bfloat16], norm, activation, rope, kv_store, None, tol=3e-2)
     print("KERNELS OK")
     if len(sys.argv) > 2:  # the engine with the Triton ops and the fused rope + KV store, vs the plain engine
-        from specbench.engine.attention.torch_ref import TorchAttention
+        from interp import StoredKV
         from specbench.kernels.ops import TritonOps
         from test_kernels_cpu import _generate
-
-        class StoredKV(TorchAttention):  # a backend that, like FlashInfer, accepts K/V the model stored
-            accepts_stored_kv = True
-
-            def plan(self, meta):
-                super().plan(meta)
-                self.slot_mapping = meta.slot_mapping
-
-            def forward(self, q, k, v, kc, vc, scale):
-                if k is None:
-                    k, v = kc[self.meta.slot_mapping], vc[self.meta.slot_mapping]
-                return super().forward(q, k, v, kc, vc, scale)
 
         def fast(eng):
             eng.runner.model.ops = TritonOps(gemv=True)

@@ -14,10 +14,12 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 from interp import PRELUDE
+from span_helpers import verify_spans
 
 from specbench.engine import LLM, EngineConfig, SamplingParams
 from specbench.engine.config import ConfigError, ModelConfig
@@ -65,16 +67,6 @@ def ready_requests(llm: LLM, prompts: list[str], n: int) -> list:
     while eng.scheduler.waiting or any(r.in_prefill or not r.output_ids for r in eng.scheduler.running):
         eng.step()
     return list(eng.scheduler.running)
-
-
-def verify_spans(eng, reqs, lens: list[int]) -> list[Span]:
-    g = torch.Generator().manual_seed(sum(lens))
-    spans = []
-    for r, n in zip(reqs, lens, strict=True):
-        toks = [r.all_ids[r.num_computed]] + torch.randint(0, eng.mcfg.vocab_size, (n - 1,), generator=g).tolist()
-        spans.append(Span(r, toks, r.num_computed, "verify" if n > 1 else "decode"))
-        eng.pool.ensure(r.rid, r.num_computed + n)
-    return spans
 
 
 @pytest.fixture(scope="module")
@@ -340,21 +332,10 @@ def test_greedy_picks_use_one_batched_host_transfer(tiny_target, tiny_draft, pro
 
 INTERPRETER_SPEC = PRELUDE + textwrap.dedent('''
 
+    sys.path.insert(0, sys.argv[3])
+    from interp import StoredKV
     from specbench.engine import LLM, SamplingParams
-    from specbench.engine.attention.torch_ref import TorchAttention
     from specbench.kernels.ops import TritonOps
-
-    class StoredKV(TorchAttention):  # like FlashInfer, accepts K/V the rope kernel stored
-        accepts_stored_kv = True
-
-        def plan(self, meta):
-            super().plan(meta)
-            self.slot_mapping = meta.slot_mapping
-
-        def forward(self, q, k, v, kc, vc, scale):
-            if k is None:
-                k, v = kc[self.meta.slot_mapping], vc[self.meta.slot_mapping]
-            return super().forward(q, k, v, kc, vc, scale)
 
     target, draft = sys.argv[1], sys.argv[2]
     g = torch.Generator().manual_seed(5)
@@ -385,7 +366,8 @@ def test_fast_spec_engine_with_triton_ops_under_interpreter(tiny_target, tiny_dr
     blocks), the K-only kernel for the drafter's context rows, add+RMSNorm and SwiGLU kernels; fp32 under
     the Triton interpreter: the same tokens as spec off, the same accepted runs as the simple spec path."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-c", INTERPRETER_SPEC, tiny_target, tiny_draft], env=env,
+    out = subprocess.run([sys.executable, "-c", INTERPRETER_SPEC, tiny_target, tiny_draft, str(Path(__file__).parent)],
+                         env=env,
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0 and "SPEC ENGINE OK" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
 

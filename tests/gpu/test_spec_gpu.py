@@ -21,6 +21,7 @@ import gc
 
 import pytest
 import torch
+from span_helpers import verify_spans
 
 pytestmark = pytest.mark.gpu
 
@@ -144,18 +145,6 @@ def _ready_engine(model: str, backend: str, draft: str | None = None, n: int = 8
     return eng, list(eng.scheduler.running)
 
 
-def _spans(eng, reqs, lens):
-    from specbench.engine.scheduler import Span
-
-    g = torch.Generator().manual_seed(sum(lens))
-    out = []
-    for r, n in zip(reqs, lens, strict=True):
-        toks = [r.all_ids[r.num_computed]] + torch.randint(0, eng.mcfg.vocab_size, (n - 1,), generator=g).tolist()
-        out.append(Span(r, toks, r.num_computed, "verify" if n > 1 else "decode"))
-        eng.pool.ensure(r.rid, r.num_computed + n)
-    return out
-
-
 @pytest.mark.parametrize("backend", ["flashinfer", "torch"])
 def test_verify_graph_replay_bit_identical_to_eager(geo_pair, backend):
     from specbench.engine.graphs import VerifyGraphs
@@ -168,7 +157,7 @@ def test_verify_graph_replay_bit_identical_to_eager(geo_pair, backend):
     assert graph.stack.capture
     cases = [[span], [span] * 3, [span] * 8, [span, 5, 1, span, 2]]  # full spans, then truncated/decode ones
     for lens in cases:
-        spans = _spans(eng, reqs[: len(lens)], lens)
+        spans = verify_spans(eng, reqs[: len(lens)], lens)
         rows = list(range(sum(lens)))
         a, ta = (t.clone() for t in eager.run(spans, rows))
         for rep in range(2):  # the capture step, then a pure replay

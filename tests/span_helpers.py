@@ -1,0 +1,17 @@
+"""Verify spans built by hand over running requests (CPU and GPU verify-runner tests share them)."""
+
+import torch
+
+from specbench.engine.scheduler import Span
+
+
+def verify_spans(eng, reqs, lens: list[int]) -> list[Span]:
+    """One span per request at its committed length: the anchor then n - 1 seeded random drafts (n = 1 is a
+    decode span); the pages it needs reserved."""
+    g = torch.Generator().manual_seed(sum(lens))
+    spans = []
+    for r, n in zip(reqs, lens, strict=True):
+        toks = [r.all_ids[r.num_computed]] + torch.randint(0, eng.mcfg.vocab_size, (n - 1,), generator=g).tolist()
+        spans.append(Span(r, toks, r.num_computed, "verify" if n > 1 else "decode"))
+        eng.pool.ensure(r.rid, r.num_computed + n)
+    return spans
