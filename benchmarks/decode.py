@@ -5,12 +5,14 @@ each variant runs steady-state `engine.step()` calls (warm-up excluded, median r
   fi-graph           the engine's defaults on CUDA: FlashInfer attention, decode CUDA graphs, Triton kernels
                      (add+RMSNorm, SwiGLU, q/k norm + RoPE + KV store) around cuBLAS GEMMs
   fi-eager           the same kernels and padded shapes, launched without graphs (EngineConfig.eager)
-  fi-graph-gemv      fi-graph with the fused add-norm(+SwiGLU) Triton GEMV for the qkv and gate/up GEMMs, B <= 16
+  fi-graph-gemv      fi-graph with the Triton GEMVs of kernels/gemv.py (EngineConfig.gemv) for steps of at most
+                     gemv.MAX_ROWS rows: add+RMSNorm fused into qkv, add+RMSNorm and SwiGLU into gate/up, plain o, down
   fi-graph-notriton  fi-graph with the torch reference dense ops (no Triton), B <= 16
   fi-tc-graph        FlashInfer's tensor-core (FA2) decode kernels (EngineConfig.decode_tensor_cores, the default)
   fi-cc-graph        FlashInfer's CUDA-core decode kernel (decode_tensor_cores=False; fi-graph before 2026-11-29)
   fi-tritondecode-graph  fi-graph with decode attention by the Triton split-K kernel (kernels/decode_attention.py,
                      EngineConfig.decode_attention="triton"); prefill stays on FlashInfer
+  fi-tritondecode-gemv-graph  both of the above
   torch-graph        torch reference attention, piecewise graphs (dense segments captured, attention eager)
   torch-eager        torch reference attention, no graphs
 `wall` is the engine step (host scheduling, sampling and its sync included); `gpu` is the captured step
@@ -42,17 +44,19 @@ import torch.nn.functional as F
 VARIANTS = {  # name: (attention backend, capture graphs, ops: "triton" | "gemv" | "torch", max batch)
     "fi-graph": ("flashinfer", True, "triton", None),
     "fi-eager": ("flashinfer", False, "triton", None),
-    "fi-graph-gemv": ("flashinfer", True, "gemv", 16),
+    "fi-graph-gemv": ("flashinfer", True, "gemv", None),
     "fi-graph-notriton": ("flashinfer", True, "torch", 16),
     "fi-tc-graph": ("flashinfer-tc", True, "triton", None),
     "fi-cc-graph": ("flashinfer-cc", True, "triton", None),
     "fi-tritondecode-graph": ("flashinfer-tritondecode", True, "triton", None),
+    "fi-tritondecode-gemv-graph": ("flashinfer-tritondecode", True, "gemv", None),
     "torch-graph": ("torch", True, "triton", None),
     "torch-eager": ("torch", False, "triton", None),
 }
 STEPS = {"fi-graph": (5, 30), "fi-eager": (2, 10), "torch-graph": (2, 6), "torch-eager": (2, 6),
          "fi-graph-gemv": (3, 20), "fi-graph-notriton": (3, 20), "fi-tc-graph": (5, 30), "fi-cc-graph": (5, 30),
-         "fi-tritondecode-graph": (5, 30)}  # (warm-up, timed)
+         "fi-tritondecode-graph": (5, 30), "fi-tritondecode-gemv-graph": (5, 30)}
+PROFILED = ("fi-graph", "fi-tritondecode-graph", "fi-graph-gemv", "fi-tritondecode-gemv-graph")  # at batch 1  # (warm-up, timed)
 
 
 def _events_ms(fn, reps: int, warmup: int = 2) -> float:
@@ -155,7 +159,7 @@ class Bench:
             self.backends["flashinfer-tritondecode"] = make_backend(
                 "flashinfer", r.device, self.engine.mcfg, fb.dtype, fb.max_pages, r.model.ops,
                 decode_tensor_cores=fb.decode_tensor_cores, decode_attention="triton")
-            self.ops.update(triton=TritonOps(gemv=False), gemv=TritonOps(gemv=True))
+            self.ops.update(triton=TritonOps(gemv=False), gemv=TritonOps(gemv=True))  # gemv up to gemv.MAX_ROWS
         else:
             self.ops.update(triton=None, gemv=None)
         self.fill_variant = "fi-graph" if cuda else "torch-eager"
@@ -218,7 +222,7 @@ class Bench:
         for rid in rids:
             self.engine.abort(rid)
 
-    def profile(self, rids: list[str], top: int = 14, variant: str = "fi-graph") -> list[dict]:
+    def profile(self, rids: list[str], top: int = 16, variant: str = "fi-graph") -> list[dict]:
         """Device time by kernel over 10 replays of the captured step (fi-graph, or another whole-graph variant)."""
         from torch.profiler import ProfilerActivity, profile
 
@@ -283,7 +287,7 @@ def run(model: str | None = None, batches: tuple[int, ...] = (1, 8, 16, 32, 64),
     rows, prof = [], None
     res = {"bench": "decode", "version": specbench.__version__, "gpu": torch.cuda.get_device_name(),
            "torch": torch.__version__, "model": str(model_dir), "copy_bw_tb_s": bw / 1e12, "weight_bytes": wbytes,
-           "dense_floor_ms": dense, "rows": rows, "hf_peer": None, "profile_b1": None, "complete": False}
+           "dense_floor_ms": dense, "rows": rows, "hf_peer": None, "profile_b1": {}, "complete": False}
     over = lambda: budget_s is not None and time.time() - t_start > budget_s  # noqa: E731
     for b in batches:
         for ctx in contexts:
@@ -305,13 +309,11 @@ def run(model: str | None = None, batches: tuple[int, ...] = (1, 8, 16, 32, 64),
                         vr[k.replace("_ms", "_bw_ratio")] = vr["bw_floor_ms"] / vr[k]
                 row["variants"][v] = vr
                 print(f"  ctx {ctx} B {b} {v}: " + ", ".join(f"{k} {x:.3f}" for k, x in vr.items()), flush=True)
-            if prof is None and b == 1 and "fi-graph" in variants:
-                prof = res["profile_b1"] = bench.profile(rids)
-                if "fi-tritondecode-graph" in variants:
-                    res["profile_b1_tritondecode"] = bench.profile(rids, variant="fi-tritondecode-graph")
+            if prof is None and b == 1:  # device time by kernel of the whole-graph variants, once
+                prof = res["profile_b1"] = {v: bench.profile(rids, variant=v) for v in PROFILED if v in variants}
             bench.abort(rids)
             rows.append(row)
-            res["gemv_tuned"] = gemv.tuned_configs()
+            res["gemv_tuned"] = {str(k): v for k, v in gemv.TUNED.items()}
             if out:
                 Path(out).write_text(json.dumps(res, default=str) + "\n")
             print(f"ctx {ctx} batch {b} done in {time.time() - t0:.1f} s", flush=True)
@@ -341,12 +343,9 @@ def render(res: dict) -> str:
         p = res["hf_peer"]
         lines.append(f"HF transformers {p['transformers']} eager generate, batch 1: {p['tok_s']:.1f} tok/s "
                      f"({p['ms_per_token']:.1f} ms/token over {p['tokens']} tokens)")
-    if res.get("profile_b1"):
-        lines.append("device time per step at batch 1 (fi-graph), top kernels:")
-        lines += [f"  {r['us_per_step']:8.1f} us  x{r['calls']:<3} {r['name']}" for r in res["profile_b1"]]
-    if res.get("profile_b1_tritondecode"):
-        lines.append("device time per step at batch 1 (fi-tritondecode-graph), top kernels:")
-        lines += [f"  {r['us_per_step']:8.1f} us  x{r['calls']:<3} {r['name']}" for r in res["profile_b1_tritondecode"]]
+    for v, prof in (res.get("profile_b1") or {}).items():
+        lines.append(f"device time per step at batch 1 ({v}), top kernels:")
+        lines += [f"  {r['us_per_step']:8.1f} us  x{r['calls']:<3} {r['name']}" for r in prof]
     return "\n".join(lines)
 
 

@@ -10,9 +10,15 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
+
+
+def _env_bool(name: str, default: bool) -> bool:
+    v = os.environ.get(name, "").strip().lower()
+    return default if v == "" else v not in ("0", "false", "off", "no")
 
 
 class ConfigError(ValueError):
@@ -270,9 +276,13 @@ class EngineConfig:
     triton: bool = True  # Triton kernels on CUDA (also off with SPECBENCH_TRITON=0); CPU keeps torch
     # FlashInfer decode through its tensor-core (FA2 prefill) kernels instead of the CUDA-core decode kernel
     decode_tensor_cores: bool = True
+    # Triton GEMVs (kernels/gemv.py) for the projections of steps of at most gemv.MAX_ROWS rows (decode), with
+    # the residual add + RMSNorm and SwiGLU fused in; cuBLAS above that (default from SPECBENCH_GEMV, else off)
+    gemv: bool = field(default_factory=lambda: _env_bool("SPECBENCH_GEMV", False))
     # Decode-only steps of the FlashInfer backend: "flashinfer" (its decode wrapper) or "triton" (the split-K
     # kernel of kernels/decode_attention.py, CUDA graphs included); prefill / verify steps stay on FlashInfer
-    decode_attention: str = "flashinfer"
+    # (default from SPECBENCH_DECODE_ATTENTION, else "flashinfer")
+    decode_attention: str = field(default_factory=lambda: os.environ.get("SPECBENCH_DECODE_ATTENTION") or "flashinfer")
     seed: int = 0
     spec: SpecConfig = field(default_factory=SpecConfig)
     faults: tuple[str, ...] = ()

@@ -155,7 +155,7 @@ class LLMEngine:
                 "page_size": self.pool.page_size, "max_model_len": self.max_model_len,
                 "attention_backend": self.cfg.attention_backend, "eager": self.cfg.eager,
                 "attention": self.runner.backend.name, "triton": self.runner.model.ops is not None,
-                "decode_tensor_cores": self.cfg.decode_tensor_cores, "decode_attention": self.cfg.decode_attention,
+                "decode_tensor_cores": self.cfg.decode_tensor_cores, "decode_attention": self.cfg.decode_attention, "gemv": self.cfg.gemv,
                 "batched_draft": self.cfg.spec.batched_draft, "verify_graph": self.cfg.verify_graph,
                 "draft_graph": self.cfg.draft_graph, "faults": sorted(self.faults),
                 "synthetic_tau": self.cfg.spec.synthetic_tau if self.synthetic else None,

@@ -82,13 +82,13 @@ def make_backend(name: str, device: torch.device, mcfg: ModelConfig | None = Non
 
 def select_ops(cfg: EngineConfig, device: torch.device):
     """The Triton op bundle on CUDA when enabled, else None (the model's torch reference path)."""
-    from specbench.kernels import env_flag, triton_enabled  # noqa: PLC0415
+    from specbench.kernels import triton_enabled  # noqa: PLC0415
 
     if device.type != "cuda" or not triton_enabled(device, cfg.triton):
         return None
     from specbench.kernels.ops import TritonOps  # noqa: PLC0415
 
-    return TritonOps(gemv=env_flag("SPECBENCH_GEMV", False))
+    return TritonOps(gemv=cfg.gemv)
 
 
 class ModelRunner:

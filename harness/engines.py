@@ -3,7 +3,7 @@
 Forms (options are comma-separated key=value after the target):
   local[:<model_dir>][,draft=<dir>][,spec=off|dflash|ngram][,k=N][,device=cpu|cuda[:i]][,dtype=D]
         [,num_pages=N][,faults=a+b][,name=X][,tau=T][,max_num_seqs=N][,attention=auto|torch|flashinfer]
-        [,eager=0|1][,verify_graph=0|1][,draft_graph=0|1][,triton=0|1][,decode_tensor_cores=0|1]
+        [,eager=0|1][,verify_graph=0|1][,draft_graph=0|1][,triton=0|1][,decode_tensor_cores=0|1][,gemv=0|1]
         [,decode_attention=flashinfer|triton]
         (no model_dir = the bundled tiny pair; tau = synthetic acceptance length for speed curves on random
         weights, labelled, never lossless; eager / verify_graph / draft_graph / triton: the GPU fast-path
@@ -31,7 +31,7 @@ FORMS = ("local[:<model_dir>][,draft=<dir>][,spec=off|dflash|ngram][,k=N][,devic
          "openai:<base_url>[,model=M]", "hf:<model_dir>[,assistant=<dir>][,lookup=N]")
 OPTIONS = {
     "local": ("draft", "spec", "k", "device", "dtype", "num_pages", "faults", "name", "max_model_len", "tau",
-              "max_num_seqs", "attention", "eager", "verify_graph", "draft_graph", "triton",
+              "max_num_seqs", "attention", "eager", "verify_graph", "draft_graph", "triton", "gemv",
               "decode_tensor_cores", "decode_attention", "gpu_memory_utilization"),
     "openai": ("model", "stream", "extras", "timeout", "retries", "api_key", "name"),
     "hf": ("assistant", "lookup", "device", "dtype", "name"),
@@ -40,7 +40,7 @@ SPECS = ("off", "dflash", "ngram")
 ATTENTION = ("auto", "torch", "flashinfer")
 DECODE_ATTENTION = ("flashinfer", "triton")  # EngineConfig.decode_attention: FlashInfer's decode steps
 BOOLS = ("0", "1", "true", "false", "yes", "no", "on", "off")
-SWITCHES = ("eager", "verify_graph", "draft_graph", "triton", "decode_tensor_cores")  # local engine switches (EngineConfig fields)
+SWITCHES = ("eager", "verify_graph", "draft_graph", "triton", "decode_tensor_cores", "gemv")  # local engine switches (EngineConfig fields)
 DTYPES = ("float32", "bfloat16", "float16")
 
 

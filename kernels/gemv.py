@@ -1,17 +1,29 @@
-"""Small-batch GEMM with a fused residual add + RMSNorm prologue and an optional SwiGLU epilogue.
+"""Small-batch GEMV kernels for decode: a plain `linear` and `add_norm_linear` with a fused residual add +
+RMSNorm prologue and an optional SwiGLU epilogue.
 
+`linear(x, w) -> x @ w.T` and
 `add_norm_linear(x, residual, norm_w, w, eps, swiglu=False) -> (y, x + residual)`:
   h = x + residual (rounded to the model dtype; h = x when residual is None),
   y = rmsnorm(h) * norm_w @ w.T, and with swiglu=True (w = [gate; up], [2I, K]) y = silu(gate) * up.
-The torch reference is exactly the unfused sequence the model runs (add_rms_norm -> F.linear -> swiglu).
+The torch references are exactly the unfused sequences the model runs (F.linear; add_rms_norm -> F.linear ->
+swiglu).
 
-Why: at decode batch sizes a layer's small elementwise kernels cost as much as their launches; folding the
-residual add + norm into the qkv and gate/up GEMMs (and SwiGLU into the gate/up epilogue) removes three
-launches per layer. Each program owns BLOCK_N output columns (both the gate and the up rows for SwiGLU),
-recomputes the row statistics itself (the rows are a few KB, read from L2) and streams its weight rows
-once. Rows are independent and the K order is fixed, so a row's result does not depend on how many rows
-ride along (padding a batch to a graph bucket changes nothing). Only for M <= MAX_ROWS; callers fall
-back to the unfused sequence above that.
+Why: at decode batch sizes every GEMM is a weight stream (memory-bound), and cuBLAS reaches 65-80 % of the
+copy bandwidth on the Qwen3-4B shapes (its down projection also pays a split-K reduce kernel); the small
+elementwise kernels around the GEMMs cost about as much as their launches. Here one program owns BLOCK_N
+output columns of ONE row: it streams those weight rows once in BLOCK_K chunks into a [BLOCK_N, BLOCK_K]
+fp32 accumulator (multiply-adds, no tensor cores: one row has nothing to share) and reduces it at the end.
+The grid is (rows, column blocks) with the row fastest, so the programs of a batch's rows run side by side
+and read each weight tile from L2 after the first. The add-norm variant recomputes its row's statistics
+(the row is a few KB, read from L2) and program (0, 0) writes the residual sum; with SwiGLU a program owns
+both the gate and the up rows of its columns.
+
+Numerics: a row's result depends only on that row and the (N, K)-keyed config, never on the rows beside it
+or the batch size (batch invariance, tested); it differs from cuBLAS only in the fp32 summation order.
+
+Switch: `EngineConfig.gemv` (engine string `gemv=0`; env SPECBENCH_GEMV) and `MAX_ROWS`: the engine's op
+bundle (kernels/ops.py) uses these kernels for at most `max_rows` rows and cuBLAS + the separate kernels
+above that.
 """
 
 from __future__ import annotations
@@ -19,11 +31,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import env_flag, interpreting, triton_importable
+from . import triton_importable
 from .activation import swiglu_ref
 from .norm import add_rms_norm_ref
 
-MAX_ROWS = 16
+MAX_ROWS = 4  # default row limit of the engine's op bundle (kernels/ops.py); the kernels take any M
+
+
+def linear_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, w)
 
 
 def add_norm_linear_ref(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, w: torch.Tensor,
@@ -33,99 +49,104 @@ def add_norm_linear_ref(x: torch.Tensor, residual: torch.Tensor | None, norm_w: 
     return (swiglu_ref(y) if swiglu else y), res
 
 
+# (BLOCK_N, BLOCK_K, num_warps). CONFIGS is what the tests sweep and the benchmark (benchmarks/gemv.py) searches;
+# TUNED holds the picks measured on the H200 for the Qwen3-4B shapes, keyed (N, K, kind) with N the output
+# columns (I for SwiGLU) and kind "plain" | "norm" | "swiglu"; other shapes take DEFAULT.
+CONFIGS = [(bn, bk, nw) for bn in (2, 4, 8, 16) for bk in (256, 512, 1024) for nw in (2, 4, 8)
+           if bn * bk // (32 * nw) >= 8]
+DEFAULT = (4, 512, 4)
+TUNED: dict[tuple[int, int, str], tuple[int, int, int]] = {}
+
+
+def pick(n: int, k: int, kind: str) -> tuple[int, int, int]:
+    return TUNED.get((n, k, kind), DEFAULT)
+
+
 if triton_importable():
     import triton
     import triton.language as tl
 
     @triton.jit
-    def _load_h(x_ptr, r_ptr, rm, kk, msk, sx, sr, HAS_RES: tl.constexpr, dt: tl.constexpr):
-        h = tl.load(x_ptr + rm[:, None] * sx + kk[None, :], mask=msk, other=0.0)
-        if HAS_RES:
-            r = tl.load(r_ptr + rm[:, None] * sr + kk[None, :], mask=msk, other=0.0)
-            h = (h.to(tl.float32) + r.to(tl.float32)).to(dt)
-        return h
-
-    @triton.jit
-    def _add_norm_gemv_kernel(x_ptr, r_ptr, g_ptr, w_ptr, out_ptr, res_ptr, M, N, K, sx, sr, sw, so, sres, eps,
-                              HAS_RES: tl.constexpr, SWIGLU: tl.constexpr, PREC: tl.constexpr,
-                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        pid = tl.program_id(0)
+    def _gemv_kernel(x_ptr, r_ptr, g_ptr, w_ptr, out_ptr, res_ptr, N, K, sx, sr, sw, so, sres, eps,
+                     NORM: tl.constexpr, HAS_RES: tl.constexpr, SWIGLU: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        pid_n = tl.program_id(1)
         dt = out_ptr.dtype.element_ty
-        rm = tl.arange(0, BLOCK_M)
-        mm = rm < M
-        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mn = rn < N
         rk = tl.arange(0, BLOCK_K)
-        ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + rk
-            msk = mm[:, None] & (kk < K)[None, :]
-            h = _load_h(x_ptr, r_ptr, rm, kk, msk, sx, sr, HAS_RES, dt)
-            if HAS_RES:
-                tl.store(res_ptr + rm[:, None] * sres + kk[None, :], h, mask=msk & (pid == 0))
-            hf = h.to(tl.float32)
-            ss += tl.sum(hf * hf, axis=1)
-        inv = tl.rsqrt(ss / K + eps)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        xrow = x_ptr + row * sx
+        rrow = r_ptr + row * sr
+        inv = 0.0
+        if NORM:
+            ss = tl.zeros([BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                kk = k0 + rk
+                mk = kk < K
+                h = tl.load(xrow + kk, mask=mk, other=0.0)
+                if HAS_RES:
+                    h = (h.to(tl.float32) + tl.load(rrow + kk, mask=mk, other=0.0).to(tl.float32)).to(dt)
+                    tl.store(res_ptr + row * sres + kk, h, mask=mk & (pid_n == 0))
+                hf = h.to(tl.float32)
+                ss += hf * hf
+            inv = tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
+        wrow = w_ptr + rn[:, None].to(tl.int64) * sw
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + rk
             mk = kk < K
-            msk = mm[:, None] & mk[None, :]
-            h = _load_h(x_ptr, r_ptr, rm, kk, msk, sx, sr, HAS_RES, dt)
-            g = tl.load(g_ptr + kk, mask=mk, other=0.0).to(tl.float32)
-            xn = ((h.to(tl.float32) * inv[:, None]).to(dt).to(tl.float32) * g[None, :]).to(dt)
+            xv = tl.load(xrow + kk, mask=mk, other=0.0)
+            if NORM:
+                if HAS_RES:
+                    xv = (xv.to(tl.float32) + tl.load(rrow + kk, mask=mk, other=0.0).to(tl.float32)).to(dt)
+                g = tl.load(g_ptr + kk, mask=mk, other=0.0).to(tl.float32)
+                xv = ((xv.to(tl.float32) * inv).to(dt).to(tl.float32) * g).to(dt)
+            xf = xv.to(tl.float32)[None, :]
             wmask = mn[:, None] & mk[None, :]
-            w = tl.load(w_ptr + rn[:, None] * sw + kk[None, :], mask=wmask, other=0.0)
-            acc = tl.dot(xn, tl.trans(w), acc, input_precision=PREC)
+            w = tl.load(wrow + kk[None, :], mask=wmask, other=0.0)
+            acc += w.to(tl.float32) * xf
             if SWIGLU:
-                w2 = tl.load(w_ptr + (rn[:, None] + N) * sw + kk[None, :], mask=wmask, other=0.0)
-                acc2 = tl.dot(xn, tl.trans(w2), acc2, input_precision=PREC)
+                w2 = tl.load(wrow + N * sw + kk[None, :], mask=wmask, other=0.0)
+                acc2 += w2.to(tl.float32) * xf
+        y = tl.sum(acc, axis=1)
         if SWIGLU:
-            gf = acc.to(dt).to(tl.float32)
+            gf = y.to(dt).to(tl.float32)
             s = (gf / (1.0 + tl.exp(-gf))).to(dt)
-            y = (s.to(tl.float32) * acc2.to(dt).to(tl.float32)).to(dt)
-        else:
-            y = acc.to(dt)
-        tl.store(out_ptr + rm[:, None] * so + rn[None, :], y, mask=mm[:, None] & mn[None, :])
-
-    _CONFIGS = [
-        triton.Config({"BLOCK_N": 16, "BLOCK_K": 256}, num_warps=4, num_stages=4),
-        triton.Config({"BLOCK_N": 32, "BLOCK_K": 128}, num_warps=4, num_stages=4),
-        triton.Config({"BLOCK_N": 32, "BLOCK_K": 256}, num_warps=4, num_stages=3),
-        triton.Config({"BLOCK_N": 16, "BLOCK_K": 512}, num_warps=4, num_stages=3),
-        triton.Config({"BLOCK_N": 64, "BLOCK_K": 128}, num_warps=8, num_stages=3),
-        triton.Config({"BLOCK_N": 32, "BLOCK_K": 512}, num_warps=8, num_stages=2),
-    ]
-    _tuned = triton.autotune(configs=_CONFIGS, key=["N", "K", "SWIGLU", "HAS_RES"])(_add_norm_gemv_kernel)
+            y = s.to(tl.float32) * tl.sum(acc2, axis=1).to(dt).to(tl.float32)
+        tl.store(out_ptr + row * so + rn, y.to(dt), mask=mn)
 
 
-def tuned_configs() -> dict[str, str]:
-    """The autotuner's picks so far (for the benchmark's record)."""
-    if not triton_importable() or interpreting():
-        return {}
-    return {str(k): str(v) for k, v in _tuned.cache.items()}
+def _launch(x, r, g, w, out, res, n, k, eps, norm, has_res, swiglu, cfg) -> None:
+    bn, bk, nw = cfg
+    _gemv_kernel[(x.shape[0], triton.cdiv(n, bn))](
+        x, r, g, w, out, res, n, k, x.stride(0), r.stride(0), w.stride(0), out.stride(0), res.stride(0), eps,
+        NORM=norm, HAS_RES=has_res, SWIGLU=swiglu, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=1)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, cfg: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """Triton GEMV; same contract as `linear_ref` (2-D x with a unit last stride, w [N, K] contiguous rows)."""
+    m, k = x.shape
+    n = w.shape[0]
+    assert w.shape[1] == k and w.stride(1) == 1 and x.stride(1) == 1
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m:
+        _launch(x, x, x, w, out, out, n, k, 0.0, False, False, False, cfg or pick(n, k, "plain"))
+    return out
 
 
 def add_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, w: torch.Tensor,
-                    eps: float, swiglu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton kernel for M <= MAX_ROWS rows; same contract as `add_norm_linear_ref`."""
+                    eps: float, swiglu: bool = False, cfg: tuple[int, int, int] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton kernel; same contract as `add_norm_linear_ref`."""
     m, k = x.shape
-    assert m <= MAX_ROWS, f"add_norm_linear: {m} rows > MAX_ROWS={MAX_ROWS}"
     n = w.shape[0] // 2 if swiglu else w.shape[0]
     assert w.shape[1] == k and w.stride(1) == 1 and x.stride(1) == 1
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(x) if residual is not None else x
     r = residual if residual is not None else x
-    if m == 0:
-        return out, res_out
-    prec = "ieee" if x.dtype == torch.float32 else "tf32"
-    args = (x, r, norm_w, w, out, res_out, m, n, k, x.stride(0), r.stride(0), w.stride(0), out.stride(0),
-            res_out.stride(0), eps)
-    flags = dict(HAS_RES=residual is not None, SWIGLU=swiglu, PREC=prec, BLOCK_M=MAX_ROWS)
-    if interpreting() or not env_flag("SPECBENCH_GEMV_TUNE", True):
-        _add_norm_gemv_kernel[(triton.cdiv(n, 32),)](*args, **flags, BLOCK_N=32, BLOCK_K=128, num_warps=4,
-                                                      num_stages=3)
-    else:
-        _tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags)
+    if m:
+        _launch(x, r, norm_w, w, out, res_out, n, k, eps, True, residual is not None, swiglu,
+                cfg or pick(n, k, "swiglu" if swiglu else "norm"))
     return out, res_out

@@ -1,11 +1,11 @@
 """The op bundle the engine's model calls when the Triton path is on.
 
-`TritonOps(gemv=False)` exposes add_rms_norm, swiglu, qk_norm_rope, k_norm_rope, kv_store and
-add_norm_linear. add_norm_linear runs the add-norm kernel, cuBLAS and the SwiGLU kernel; with `gemv` on it
-fuses residual add + RMSNorm (+ SwiGLU) into one Triton GEMM for up to gemv.MAX_ROWS rows instead: the
-same function either way (tests hold both to the torch reference). The fused GEMV is off by default: on
-the H200 it measured slower than cuBLAS plus the two small kernels (docs/gpu.md); SPECBENCH_GEMV=1 turns
-it on.
+`TritonOps(gemv=False, max_rows=gemv.MAX_ROWS)` exposes add_rms_norm, swiglu, qk_norm_rope, k_norm_rope,
+kv_store, add_norm_linear and linear. add_norm_linear runs the add-norm kernel, cuBLAS and the SwiGLU kernel,
+linear runs cuBLAS; with `gemv` on, inputs of at most `max_rows` rows (decode) take the Triton GEMVs of
+kernels/gemv.py instead: residual add + RMSNorm (+ SwiGLU) fused into the GEMV, and a plain GEMV for the o and
+down projections. The same function either way (tests hold both to the torch reference).
+Switch: `EngineConfig.gemv` (engine string `gemv=0|1`, default from SPECBENCH_GEMV).
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from . import kv_store as _kv_store
 class TritonOps:
     name = "triton"
 
-    def __init__(self, gemv: bool = False) -> None:
+    def __init__(self, gemv: bool = False, max_rows: int = _gemv.MAX_ROWS) -> None:
         self.gemv = gemv
+        self.max_rows = max_rows
 
     add_rms_norm = staticmethod(norm.add_rms_norm)
     rms_norm = staticmethod(norm.rms_norm)
@@ -33,11 +34,16 @@ class TritonOps:
 
     def add_norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor,
                         w: torch.Tensor, eps: float, swiglu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.gemv and x.shape[0] <= _gemv.MAX_ROWS:
+        if self.gemv and x.shape[0] <= self.max_rows:
             return _gemv.add_norm_linear(x, residual, norm_w, w, eps, swiglu)
         h, res = norm.add_rms_norm(x, residual, norm_w, eps)
         y = F.linear(h, w)
         return (activation.swiglu(y) if swiglu else y), res
 
+    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if self.gemv and x.shape[0] <= self.max_rows and x.stride(-1) == 1:
+            return _gemv.linear(x, w)
+        return F.linear(x, w)
+
     def describe(self) -> dict:
-        return {"ops": self.name, "gemv": self.gemv}
+        return {"ops": self.name, "gemv": self.gemv, "gemv_max_rows": self.max_rows}

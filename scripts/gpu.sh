@@ -15,6 +15,7 @@
 #   spec         spec-steps, then spec-sweep (one call: give SWEEP_TIMEOUT room; see docs/gpu.md)
 #   lossless     specbench lossless --margin-tol 0.20 spec off vs DFlash on the Qwen3-4B-shaped pair
 #   sampled      specbench sampled (spec off vs DFlash, with the null arm) on the bundled pair on CUDA
+#   gemv         benchmarks/gemv.py (Triton GEMVs vs cuBLAS per decode shape, config search; GEMV_ARGS)
 #   accept       benchmarks/accept_cost.py at batch 1 and 64 (issue 11: sampling vs greedy accept step)
 #   profile      specbench profile on the pair: spec off/on (synthetic tau 6.5) x eager/graphs (issue 9)
 #   eval         specbench eval gsm8k --limit EVAL_LIMIT (50) spec off vs on on the pair (issue 10; needs the
@@ -104,6 +105,11 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
     --budget-s ${BENCH_BUDGET:-250} "$@" 2>&1 \
     | tee "$W/bench.log"
   r=${PIPESTATUS[0]}; [ "$r" = 0 ] || rc=$r; log "benchmark rc=$r"
+fi
+if [ "$what" = gemv ]; then
+  log "GEMV kernels vs cuBLAS on the decode shapes"
+  timeout $(cap ${GEMV_TIMEOUT:-240}) python3 benchmarks/gemv.py --out "$W/gemv.json" ${GEMV_ARGS:-} 2>&1 | tee "$W/gemv.log"
+  r=${PIPESTATUS[0]}; [ "$r" = 0 ] || rc=$r; log "gemv rc=$r"
 fi
 if [ "$what" = accept ]; then
   log "accept-step cost (greedy vs sampled)"

@@ -98,6 +98,9 @@ def run_all(dev: torch.device, dtypes, norm, activation, rope, kv_store, gemv, t
             y3, res3 = gemv.add_norm_linear(x, None, gw, w, 1e-6, sw)
             _check(f"add_norm_linear no-residual {dt} m={m}", y3, gemv.add_norm_linear_ref(x, None, gw, w, 1e-6, sw)[0], t)
             assert res3 is x
+            yl = gemv.linear(x, w)
+            _check(f"linear {dt} m={m} k={k} n={w.shape[0]}", yl, gemv.linear_ref(x, w), t)
             if m > 1:  # batch invariance: a row's result does not depend on the rows beside it
                 y1, _ = gemv.add_norm_linear(x[:1], r[:1], gw, w, 1e-6, sw)
                 assert torch.equal(y1, y[:1]), f"add_norm_linear {dt} m={m}: row 0 depends on the batch"
+                assert torch.equal(gemv.linear(x[1:2], w), yl[1:2]), f"linear {dt} m={m}: row 1 depends on the batch"

@@ -90,11 +90,12 @@ class Qwen3Layer(nn.Module):
 
     def post_attn(self, attn_out: torch.Tensor, residual: torch.Tensor, ops: Any = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        x = F.linear(attn_out.reshape(attn_out.shape[0], -1), self.o_w)
         if ops is not None:
+            x = ops.linear(attn_out.reshape(attn_out.shape[0], -1), self.o_w)
             act, residual = ops.add_norm_linear(x, residual, self.post_norm, self.gate_up_w, self.cfg.rms_norm_eps,
                                                 swiglu=True)
-            return F.linear(act, self.down_w), residual
+            return ops.linear(act, self.down_w), residual
+        x = F.linear(attn_out.reshape(attn_out.shape[0], -1), self.o_w)
         x, residual = add_rms_norm(x, residual, self.post_norm, self.cfg.rms_norm_eps)
         return F.linear(swiglu(F.linear(x, self.gate_up_w)), self.down_w), residual
 
