@@ -2,17 +2,19 @@
 
 For each context (512, 2048) and batch (1, 8, 16, 32, 64): B requests are prefilled to the context, then
 each variant runs steady-state `engine.step()` calls (warm-up excluded, median reported):
-  fi-graph           the engine's defaults on CUDA: FlashInfer attention, decode CUDA graphs, Triton kernels
-                     (add+RMSNorm, SwiGLU, q/k norm + RoPE + KV store) around cuBLAS GEMMs
+  fi-graph           the engine's defaults on CUDA: FlashInfer attention with the split-K Triton decode kernel,
+                     decode CUDA graphs, Triton kernels (add+RMSNorm, SwiGLU, q/k norm + RoPE + KV store, the
+                     GEMVs where they measured faster than cuBLAS at one row) around cuBLAS GEMMs
   fi-eager           the same kernels and padded shapes, launched without graphs (EngineConfig.eager)
-  fi-graph-gemv      fi-graph with the Triton GEMVs of kernels/gemv.py (EngineConfig.gemv) for steps of at most
-                     gemv.MAX_ROWS rows: add+RMSNorm fused into qkv, add+RMSNorm and SwiGLU into gate/up, plain o, down
+  fi-graph-gemv      FlashInfer's tensor-core decode with the Triton GEMVs of kernels/gemv.py (EngineConfig.gemv)
+                     for steps of at most gemv.MAX_ROWS rows, on the shapes gemv.TUNED gives a config for
   fi-graph-notriton  fi-graph with the torch reference dense ops (no Triton), B <= 16
-  fi-tc-graph        FlashInfer's tensor-core (FA2) decode kernels (EngineConfig.decode_tensor_cores, the default)
+  fi-tc-graph        FlashInfer's tensor-core (FA2) decode kernels (EngineConfig.decode_tensor_cores), no GEMV
+                     (the engine's default before 2026-11-29 afternoon)
   fi-cc-graph        FlashInfer's CUDA-core decode kernel (decode_tensor_cores=False; fi-graph before 2026-11-29)
-  fi-tritondecode-graph  fi-graph with decode attention by the Triton split-K kernel (kernels/decode_attention.py,
-                     EngineConfig.decode_attention="triton"); prefill stays on FlashInfer
-  fi-tritondecode-gemv-graph  both of the above
+  fi-tritondecode-graph  decode attention by the Triton split-K kernel (kernels/decode_attention.py,
+                     EngineConfig.decode_attention="triton"; prefill stays on FlashInfer), no GEMV
+  fi-tritondecode-gemv-graph  split-K Triton decode and the GEMVs (what fi-graph runs with the defaults)
   torch-graph        torch reference attention, piecewise graphs (dense segments captured, attention eager)
   torch-eager        torch reference attention, no graphs
 `wall` is the engine step (host scheduling, sampling and its sync included); `gpu` is the captured step
@@ -41,10 +43,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-VARIANTS = {  # name: (attention backend, capture graphs, ops: "triton" | "gemv" | "torch", max batch)
-    "fi-graph": ("flashinfer", True, "triton", None),
-    "fi-eager": ("flashinfer", False, "triton", None),
-    "fi-graph-gemv": ("flashinfer", True, "gemv", None),
+VARIANTS = {  # name: (attention backend, capture graphs, ops: "engine" | "triton" | "gemv" | "torch", max batch)
+    "fi-graph": ("flashinfer", True, "engine", None),
+    "fi-eager": ("flashinfer", False, "engine", None),
+    "fi-graph-gemv": ("flashinfer-tc", True, "gemv", None),
     "fi-graph-notriton": ("flashinfer", True, "torch", 16),
     "fi-tc-graph": ("flashinfer-tc", True, "triton", None),
     "fi-cc-graph": ("flashinfer-cc", True, "triton", None),
@@ -162,6 +164,7 @@ class Bench:
             self.ops.update(triton=TritonOps(gemv=False), gemv=TritonOps(gemv=True))  # gemv up to gemv.MAX_ROWS
         else:
             self.ops.update(triton=None, gemv=None)
+        self.ops["engine"] = r.model.ops  # the engine's own choice (EngineConfig defaults)
         self.fill_variant = "fi-graph" if cuda else "torch-eager"
         self.batches = batches
         self.graphs: dict[str, object] = {}

@@ -277,12 +277,13 @@ class EngineConfig:
     # FlashInfer decode through its tensor-core (FA2 prefill) kernels instead of the CUDA-core decode kernel
     decode_tensor_cores: bool = True
     # Triton GEMVs (kernels/gemv.py) for the projections of steps of at most gemv.MAX_ROWS rows (decode), with
-    # the residual add + RMSNorm and SwiGLU fused in; cuBLAS above that (default from SPECBENCH_GEMV, else off)
-    gemv: bool = field(default_factory=lambda: _env_bool("SPECBENCH_GEMV", False))
+    # the residual add + RMSNorm fused in, where they measured faster than cuBLAS; cuBLAS elsewhere (default from
+    # SPECBENCH_GEMV, else on)
+    gemv: bool = field(default_factory=lambda: _env_bool("SPECBENCH_GEMV", True))
     # Decode-only steps of the FlashInfer backend: "flashinfer" (its decode wrapper) or "triton" (the split-K
     # kernel of kernels/decode_attention.py, CUDA graphs included); prefill / verify steps stay on FlashInfer
-    # (default from SPECBENCH_DECODE_ATTENTION, else "flashinfer")
-    decode_attention: str = field(default_factory=lambda: os.environ.get("SPECBENCH_DECODE_ATTENTION") or "flashinfer")
+    # (default from SPECBENCH_DECODE_ATTENTION, else "triton": faster in 9 of 10 measured cells, docs/gpu.md)
+    decode_attention: str = field(default_factory=lambda: os.environ.get("SPECBENCH_DECODE_ATTENTION") or "triton")
     seed: int = 0
     spec: SpecConfig = field(default_factory=SpecConfig)
     faults: tuple[str, ...] = ()

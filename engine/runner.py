@@ -62,7 +62,7 @@ def make_backend(name: str, device: torch.device, mcfg: ModelConfig | None = Non
                  triton: bool = True) -> AttentionBackend:
     """decode_attention="triton": the FlashInfer backend runs decode-only steps through the Triton split-K
     kernel (kernels/decode_attention.py) when Triton is enabled (`triton`, SPECBENCH_TRITON), else FlashInfer's
-    decode wrapper, with a warning."""
+    decode wrapper (logged)."""
     if resolve_backend(name, device, dtype) == "flashinfer":
         from .attention.flashinfer import FlashInferAttention  # noqa: PLC0415 - optional dependency
 
@@ -71,7 +71,7 @@ def make_backend(name: str, device: torch.device, mcfg: ModelConfig | None = Non
             from specbench.kernels import triton_enabled  # noqa: PLC0415
 
             if not triton_enabled(device, triton):
-                log.warning("decode_attention='triton' needs Triton enabled (triton switch, SPECBENCH_TRITON); "
+                log.info("decode_attention='triton' needs Triton enabled (triton switch, SPECBENCH_TRITON); "
                             "decode steps use FlashInfer's decode kernel")
                 decode_attention = "flashinfer"
         return FlashInferAttention(device, mcfg.num_attention_heads, mcfg.num_key_value_heads, mcfg.head_dim, dtype,

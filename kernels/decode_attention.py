@@ -15,10 +15,15 @@ Two launches:
   ids. The range is computed on the device from seq_lens, so the grid depends on (B, Hkv, splits) only:
   a CUDA graph captured for a batch bucket replays correctly while lengths change. A program whose range is
   empty writes the neutral partial (max -inf, sum 0; its V partial is neither written nor read).
-- merge: grid (B, Hq): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the splits (M = max m_s).
-With splits == 1 the split kernel normalizes and writes the output itself (no merge launch).
-Partials: one fp32 scratch of B * Hkv * splits * G * (D + 2) floats (`alloc_partials`); a CUDA-graph user
-keeps one per bucket. `num_splits(batch, kv_heads, max_ctx)` picks splits so B x Hkv x splits is about
+- merge: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the splits (M = max m_s), read in split
+  order. By default it runs inside the split kernel: each program, after writing its partial, bumps an int32
+  arrival counter of its (request, KV head) (acq_rel, GPU scope, after a CTA barrier); the program that
+  arrives last merges that head group's splits, writes the output and resets the counter to 0. Which program
+  is last varies, the result does not (fixed split order). `fused_merge=False` (SPECBENCH_DECODE_MERGE=0)
+  launches the separate merge kernel instead, grid (B, Hq): one launch more per layer.
+With splits == 1 the split kernel normalizes and writes the output itself (no merge at all).
+Partials: one fp32 scratch of B * Hkv * splits * G * (D + 2) floats followed by the B * Hkv counters
+(`alloc_partials`, zero-filled; the kernel leaves the counters at 0); a CUDA-graph user keeps one per bucket. `num_splits(batch, kv_heads, max_ctx)` picks splits so B x Hkv x splits is about
 WAVES x the SM count (capped by MAX_SPLITS and by max_ctx / MIN_BLOCK); SPECBENCH_DECODE_SPLITS=N forces N
 (for tuning on the device).
 
@@ -57,8 +62,13 @@ def block_n(splits: int) -> int:
 
 def alloc_partials(batch: int, kv_heads: int, group: int, head_dim: int, splits: int,
                    device: torch.device | str) -> torch.Tensor:
-    """Scratch for the split partials: acc [B, Hkv, S, G, D] then max and sum [B, Hkv, S, G], fp32, flat."""
-    return torch.empty(batch * kv_heads * splits * group * (head_dim + 2), dtype=torch.float32, device=device)
+    """Scratch for the split partials: acc [B, Hkv, S, G, D] then max and sum [B, Hkv, S, G], fp32, flat, then
+    the [B, Hkv] int32 arrival counters of the fused merge (zeros: the same bits in either type)."""
+    return torch.zeros(batch * kv_heads * (splits * group * (head_dim + 2) + 1), dtype=torch.float32, device=device)
+
+
+def fused_merge_default() -> bool:
+    return os.environ.get("SPECBENCH_DECODE_MERGE", "").strip().lower() not in ("0", "separate", "off", "false")
 
 
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
@@ -87,10 +97,40 @@ if triton_importable():
     import triton.language as tl
 
     @triton.jit
-    def _split_kernel(q_ptr, kc_ptr, vc_ptr, lens_ptr, indptr_ptr, pages_ptr, part_ptr, out_ptr,
+    def _merge_head(part_ptr, out_ptr, b, hq, so_b, so_h, NSPLIT, NROWS, HKV: tl.constexpr, G: tl.constexpr,
+                    D: tl.constexpr, DP: tl.constexpr, SP: tl.constexpr, CG: tl.constexpr):
+        """Merge the splits of query head hq of request b (split order fixed) and store its output row."""
+        h = hq // G
+        s = tl.arange(0, SP)
+        d = tl.arange(0, DP)
+        sm = s < NSPLIT
+        dm = d < D
+        r = ((b * HKV + h) * NSPLIT + s) * G + hq % G
+        if CG:  # partials other programs wrote during this launch: read them from L2, never from a stale L1 line
+            m = tl.load(part_ptr + NROWS * D + r, mask=sm, other=float("-inf"), cache_modifier=".cg")
+            ls = tl.load(part_ptr + NROWS * (D + 1) + r, mask=sm, other=0.0, cache_modifier=".cg")
+        else:
+            m = tl.load(part_ptr + NROWS * D + r, mask=sm, other=float("-inf"))
+            ls = tl.load(part_ptr + NROWS * (D + 1) + r, mask=sm, other=0.0)
+        mx = tl.max(m, 0)
+        mx = tl.where(mx == float("-inf"), 0.0, mx)  # every split empty (length 0): weights 0, output 0
+        w = tl.exp2(m - mx)
+        den = tl.sum(w * ls, 0)
+        live = sm & (m > float("-inf"))  # empty splits: weight 0 and no V partial to read
+        if CG:
+            acc = tl.load(part_ptr + r[:, None] * D + d[None, :], mask=live[:, None] & dm[None, :], other=0.0,
+                          cache_modifier=".cg")
+        else:
+            acc = tl.load(part_ptr + r[:, None] * D + d[None, :], mask=live[:, None] & dm[None, :], other=0.0)
+        o = tl.sum(w[:, None] * acc, 0) / tl.where(den > 0, den, 1.0)
+        tl.store(out_ptr + b.to(tl.int64) * so_b + hq * so_h + d, o.to(out_ptr.dtype.element_ty), mask=dm)
+
+    @triton.jit
+    def _split_kernel(q_ptr, kc_ptr, vc_ptr, lens_ptr, indptr_ptr, pages_ptr, part_ptr, out_ptr, cnt_ptr,
                       sq_b, sq_h, so_b, so_h, qk_scale, NSPLIT, NROWS,
                       HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                      PS: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, PREC: tl.constexpr):
+                      PS: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, PREC: tl.constexpr,
+                      FUSED: tl.constexpr, SP: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
@@ -135,28 +175,20 @@ if triton_importable():
             tl.store(part_ptr + r[:, None] * D + d[None, :], acc, mask=(gm[:, None] & dm[None, :]) & (start < end))
             tl.store(part_ptr + NROWS * D + r, m_i, mask=gm)
             tl.store(part_ptr + NROWS * (D + 1) + r, l_i, mask=gm)
+            if FUSED:
+                tl.debug_barrier()  # every thread's partial stores precede the release below
+                arrived = tl.atomic_add(cnt_ptr + b * HKV + h, 1, sem="acq_rel", scope="gpu")
+                if arrived == NSPLIT - 1:  # the last split of this head group: merge it
+                    for gi in tl.static_range(G):
+                        _merge_head(part_ptr, out_ptr, b, h * G + gi, so_b, so_h, NSPLIT, NROWS, HKV, G, D, DP, SP,
+                                    True)
+                    tl.atomic_xchg(cnt_ptr + b * HKV + h, 0, sem="relaxed", scope="gpu")
 
     @triton.jit
     def _merge_kernel(part_ptr, out_ptr, so_b, so_h, NSPLIT, NROWS,
                       HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, SP: tl.constexpr):
-        b = tl.program_id(0)
-        hq = tl.program_id(1)
-        h = hq // G
-        s = tl.arange(0, SP)
-        d = tl.arange(0, DP)
-        sm = s < NSPLIT
-        dm = d < D
-        r = ((b * HKV + h) * NSPLIT + s) * G + hq % G
-        m = tl.load(part_ptr + NROWS * D + r, mask=sm, other=float("-inf"))
-        ls = tl.load(part_ptr + NROWS * (D + 1) + r, mask=sm, other=0.0)
-        mx = tl.max(m, 0)
-        mx = tl.where(mx == float("-inf"), 0.0, mx)  # every split empty (length 0): weights 0, output 0
-        w = tl.exp2(m - mx)
-        den = tl.sum(w * ls, 0)
-        live = sm & (m > float("-inf"))  # empty splits: weight 0 and no V partial to read
-        acc = tl.load(part_ptr + r[:, None] * D + d[None, :], mask=live[:, None] & dm[None, :], other=0.0)
-        o = tl.sum(w[:, None] * acc, 0) / tl.where(den > 0, den, 1.0)
-        tl.store(out_ptr + b.to(tl.int64) * so_b + hq * so_h + d, o.to(out_ptr.dtype.element_ty), mask=dm)
+        _merge_head(part_ptr, out_ptr, tl.program_id(0), tl.program_id(1), so_b, so_h, NSPLIT, NROWS, HKV, G, D, DP,
+                    SP, False)
 
 
 LOG2E = 1.4426950408889634
@@ -165,9 +197,10 @@ LOG2E = 1.4426950408889634
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
                      kv_indptr: torch.Tensor, kv_indices: torch.Tensor, page_size: int, scale: float, splits: int,
                      partials: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                     tile: int | None = None) -> torch.Tensor:
+                     tile: int | None = None, fused_merge: bool | None = None) -> torch.Tensor:
     """Triton kernels; same contract as `decode_attention_ref`. `partials` (from `alloc_partials` with the
-    same B, Hkv, G, D, splits) is reused when given; no host read of any device tensor."""
+    same B, Hkv, G, D, splits) is reused when given; no host read of any device tensor. `fused_merge`: None
+    follows SPECBENCH_DECODE_MERGE (default fused)."""
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
     assert hq % hkv == 0 and k_cache.shape[2] == d and v_cache.shape == k_cache.shape
@@ -181,18 +214,21 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return out
     direct = splits == 1
     nrows = b * hkv * splits * g
+    fused = fused_merge_default() if fused_merge is None else fused_merge
     if direct:
-        part = out  # unused
+        part = cnt = out  # unused
     else:
         part = partials if partials is not None else alloc_partials(b, hkv, g, d, splits, q.device)
-        assert part.dtype == torch.float32 and part.numel() >= nrows * (d + 2), "partials too small"
-    dp = triton.next_power_of_2(d)
+        assert part.dtype == torch.float32 and part.numel() >= nrows * (d + 2) + b * hkv, "partials too small"
+        cnt = part.view(torch.int32)[nrows * (d + 2):]
+    dp, sp = triton.next_power_of_2(d), triton.next_power_of_2(splits)
     _split_kernel[(b, hkv, splits)](
-        q, k_cache, v_cache, seq_lens, kv_indptr, kv_indices, part, out, q.stride(0), q.stride(1), out.stride(0),
+        q, k_cache, v_cache, seq_lens, kv_indptr, kv_indices, part, out, cnt, q.stride(0), q.stride(1), out.stride(0),
         out.stride(1), scale * LOG2E, splits, nrows, HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), D=d, DP=dp,
         PS=page_size, BLOCK_N=tile or block_n(splits), DIRECT=direct,
-        PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2)
-    if not direct:
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", FUSED=fused and not direct, SP=sp, num_warps=4,
+        num_stages=2)
+    if not direct and not fused:
         _merge_kernel[(b, hq)](part, out, out.stride(0), out.stride(1), splits, nrows, HKV=hkv, G=g, D=d, DP=dp,
-                               SP=triton.next_power_of_2(splits), num_warps=4)
+                               SP=sp, num_warps=4)
     return out

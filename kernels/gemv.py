@@ -22,8 +22,8 @@ Numerics: a row's result depends only on that row and the (N, K)-keyed config, n
 or the batch size (batch invariance, tested); it differs from cuBLAS only in the fp32 summation order.
 
 Switch: `EngineConfig.gemv` (engine string `gemv=0`; env SPECBENCH_GEMV) and `MAX_ROWS`: the engine's op
-bundle (kernels/ops.py) uses these kernels for at most `max_rows` rows and cuBLAS + the separate kernels
-above that.
+bundle (kernels/ops.py) uses these kernels for at most `max_rows` rows on shapes where `pick` gives a config
+(TUNED: None where cuBLAS measured faster), and cuBLAS + the separate kernels everywhere else.
 """
 
 from __future__ import annotations
@@ -35,7 +35,9 @@ from . import triton_importable
 from .activation import swiglu_ref
 from .norm import add_rms_norm_ref
 
-MAX_ROWS = 4  # default row limit of the engine's op bundle (kernels/ops.py); the kernels take any M
+# Default row limit of the engine's op bundle (kernels/ops.py); the kernels take any M. One: a row per program
+# reads the weights once per row, which measured slower than cuBLAS from 2 rows on (benchmarks/gemv.py).
+MAX_ROWS = 1
 
 
 def linear_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -50,15 +52,23 @@ def add_norm_linear_ref(x: torch.Tensor, residual: torch.Tensor | None, norm_w: 
 
 
 # (BLOCK_N, BLOCK_K, num_warps). CONFIGS is what the tests sweep and the benchmark (benchmarks/gemv.py) searches;
-# TUNED holds the picks measured on the H200 for the Qwen3-4B shapes, keyed (N, K, kind) with N the output
-# columns (I for SwiGLU) and kind "plain" | "norm" | "swiglu"; other shapes take DEFAULT.
+# TUNED holds the picks measured on the H200 for the Qwen3-4B shapes at one row, keyed (N, K, kind) with N the
+# output columns (I for SwiGLU) and kind "plain" | "norm" | "swiglu"; None = cuBLAS (with the separate kernels)
+# measured faster there, so the op bundle keeps it. Other shapes take DEFAULT.
 CONFIGS = [(bn, bk, nw) for bn in (2, 4, 8, 16) for bk in (256, 512, 1024) for nw in (2, 4, 8)
            if bn * bk // (32 * nw) >= 8]
-DEFAULT = (4, 512, 4)
-TUNED: dict[tuple[int, int, str], tuple[int, int, int]] = {}
+DEFAULT = (2, 1024, 4)
+TUNED: dict[tuple[int, int, str], tuple[int, int, int] | None] = {
+    # 2026-11-29, H200, benchmarks/gemv.py (36 distinct weights per graph), us per call at one row:
+    (6144, 2560, "norm"): (2, 512, 2),  # qkv: 11.9 vs 12.9 (add+RMSNorm kernel + cuBLAS)
+    (2560, 4096, "plain"): (2, 1024, 4),  # o: 7.3 vs 10.6
+    (9728, 2560, "swiglu"): None,  # gate/up: 33.2 vs 30.7 (add+RMSNorm + cuBLAS + SwiGLU kernel): keep cuBLAS
+    (2560, 9728, "plain"): (2, 1024, 4),  # down: 13.8 vs 17.3 (cuBLAS split-K + its reduce kernel)
+}
 
 
-def pick(n: int, k: int, kind: str) -> tuple[int, int, int]:
+def pick(n: int, k: int, kind: str) -> tuple[int, int, int] | None:
+    """The GEMV config for this shape, or None where cuBLAS measured faster."""
     return TUNED.get((n, k, kind), DEFAULT)
 
 
@@ -69,7 +79,7 @@ if triton_importable():
     @triton.jit
     def _gemv_kernel(x_ptr, r_ptr, g_ptr, w_ptr, out_ptr, res_ptr, N, K, sx, sr, sw, so, sres, eps,
                      NORM: tl.constexpr, HAS_RES: tl.constexpr, SWIGLU: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         pid_n = tl.program_id(1)
         dt = out_ptr.dtype.element_ty
@@ -79,10 +89,11 @@ if triton_importable():
         xrow = x_ptr + row * sx
         rrow = r_ptr + row * sr
         inv = 0.0
-        if NORM:
-            ss = tl.zeros([BLOCK_K], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                kk = k0 + rk
+        if NORM:  # row statistics first: NORM_BLOCK covers the row in one step where it fits (no load chain)
+            rs = tl.arange(0, NORM_BLOCK)
+            ss = tl.zeros([NORM_BLOCK], dtype=tl.float32)
+            for k0 in range(0, K, NORM_BLOCK):
+                kk = k0 + rs
                 mk = kk < K
                 h = tl.load(xrow + kk, mask=mk, other=0.0)
                 if HAS_RES:
@@ -118,11 +129,15 @@ if triton_importable():
         tl.store(out_ptr + row * so + rn, y.to(dt), mask=mn)
 
 
+NORM_BLOCK_MAX = 4096  # the row-statistics pass loads up to this many elements at once
+
+
 def _launch(x, r, g, w, out, res, n, k, eps, norm, has_res, swiglu, cfg) -> None:
     bn, bk, nw = cfg
     _gemv_kernel[(x.shape[0], triton.cdiv(n, bn))](
         x, r, g, w, out, res, n, k, x.stride(0), r.stride(0), w.stride(0), out.stride(0), res.stride(0), eps,
-        NORM=norm, HAS_RES=has_res, SWIGLU=swiglu, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=1)
+        NORM=norm, HAS_RES=has_res, SWIGLU=swiglu, BLOCK_N=bn, BLOCK_K=bk,
+        NORM_BLOCK=min(NORM_BLOCK_MAX, triton.next_power_of_2(k)) if norm else 16, num_warps=nw, num_stages=1)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, cfg: tuple[int, int, int] | None = None) -> torch.Tensor:
@@ -132,7 +147,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, cfg: tuple[int, int, int] | None = 
     assert w.shape[1] == k and w.stride(1) == 1 and x.stride(1) == 1
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m:
-        _launch(x, x, x, w, out, out, n, k, 0.0, False, False, False, cfg or pick(n, k, "plain"))
+        _launch(x, x, x, w, out, out, n, k, 0.0, False, False, False, cfg or pick(n, k, "plain") or DEFAULT)
     return out
 
 
@@ -148,5 +163,5 @@ def add_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torc
     r = residual if residual is not None else x
     if m:
         _launch(x, r, norm_w, w, out, res_out, n, k, eps, True, residual is not None, swiglu,
-                cfg or pick(n, k, "swiglu" if swiglu else "norm"))
+                cfg or pick(n, k, "swiglu" if swiglu else "norm") or DEFAULT)
     return out, res_out

@@ -3,8 +3,8 @@
 `TritonOps(gemv=False, max_rows=gemv.MAX_ROWS)` exposes add_rms_norm, swiglu, qk_norm_rope, k_norm_rope,
 kv_store, add_norm_linear and linear. add_norm_linear runs the add-norm kernel, cuBLAS and the SwiGLU kernel,
 linear runs cuBLAS; with `gemv` on, inputs of at most `max_rows` rows (decode) take the Triton GEMVs of
-kernels/gemv.py instead: residual add + RMSNorm (+ SwiGLU) fused into the GEMV, and a plain GEMV for the o and
-down projections. The same function either way (tests hold both to the torch reference).
+kernels/gemv.py instead (on the shapes where `gemv.pick` gives a config: cuBLAS stays where it measured faster):
+residual add + RMSNorm (+ SwiGLU) fused into the GEMV, and a plain GEMV for the o and down projections. The same function either way (tests hold both to the torch reference).
 Switch: `EngineConfig.gemv` (engine string `gemv=0|1`, default from SPECBENCH_GEMV).
 """
 
@@ -34,14 +34,15 @@ class TritonOps:
 
     def add_norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor,
                         w: torch.Tensor, eps: float, swiglu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.gemv and x.shape[0] <= self.max_rows:
+        n = w.shape[0] // 2 if swiglu else w.shape[0]
+        if self.gemv and x.shape[0] <= self.max_rows and _gemv.pick(n, x.shape[1], "swiglu" if swiglu else "norm"):
             return _gemv.add_norm_linear(x, residual, norm_w, w, eps, swiglu)
         h, res = norm.add_rms_norm(x, residual, norm_w, eps)
         y = F.linear(h, w)
         return (activation.swiglu(y) if swiglu else y), res
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if self.gemv and x.shape[0] <= self.max_rows and x.stride(-1) == 1:
+        if self.gemv and x.shape[0] <= self.max_rows and x.stride(-1) == 1 and _gemv.pick(w.shape[0], w.shape[1], "plain"):
             return _gemv.linear(x, w)
         return F.linear(x, w)
 

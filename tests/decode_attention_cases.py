@@ -44,16 +44,25 @@ def make_case(dev: torch.device, dt: torch.dtype, rows: list, hq: int, hkv: int,
 
 
 def check(da, dev: torch.device, dt: torch.dtype, rows: list, hq: int, hkv: int, d: int, ps: int, splits: int,
-          tol: float, seed: int = 0, tile: int | None = None, nan_dummy: bool = False) -> float:
-    """Kernel vs reference on one case; returns the max abs error over the rows it checks."""
+          tol: float, seed: int = 0, tile: int | None = None, nan_dummy: bool = False,
+          fused: bool | None = None) -> float:
+    """Kernel vs reference on one case; returns the max abs error over the rows it checks. `fused`: the merge
+    inside the split kernel (True), the separate merge launch (False), the default (None). A second call on the
+    same scratch must give the same bits and leave the fused merge's arrival counters at 0."""
     q, kc, vc, lens, ptr, idx = make_case(dev, dt, rows, hq, hkv, d, ps, seed, nan_dummy=nan_dummy)
     scale = d ** -0.5
     ref = da.decode_attention_ref(q, kc, vc, lens, ptr, idx, ps, scale)
     part = None
+    ncnt = len(rows) * hkv
     if splits > 1:  # stale scratch must not matter: every program writes its partial
-        part = da.alloc_partials(len(rows), hkv, hq // hkv, d, splits, dev).fill_(float("nan"))
-    out = da.decode_attention(q, kc, vc, lens, ptr, idx, ps, scale, splits, part, tile=tile)
-    what = f"rows={rows if len(rows) < 8 else len(rows)} hq={hq} hkv={hkv} d={d} ps={ps} splits={splits} {dt}"
+        part = da.alloc_partials(len(rows), hkv, hq // hkv, d, splits, dev)
+        part[:-ncnt].fill_(float("nan"))
+    out = da.decode_attention(q, kc, vc, lens, ptr, idx, ps, scale, splits, part, tile=tile, fused_merge=fused)
+    what = f"rows={rows if len(rows) < 8 else len(rows)} hq={hq} hkv={hkv} d={d} ps={ps} splits={splits} {dt} {fused=}"
+    if part is not None:
+        assert bool((part.view(torch.int32)[-ncnt:] == 0).all()), f"{what}: arrival counters not reset"
+        again = da.decode_attention(q, kc, vc, lens, ptr, idx, ps, scale, splits, part, tile=tile, fused_merge=fused)
+        assert torch.equal(again, out) or bool(torch.isnan(out).any()), f"{what}: a second launch differs"
     assert out.shape == q.shape and out.dtype == q.dtype, what
     keep = [i for i, r in enumerate(rows) if not (nan_dummy and r == "dummy")]
     o, r = out[keep].float(), ref[keep].float()

@@ -80,7 +80,8 @@ SCRIPT = PRELUDE + textwrap.dedent('''
         ([31, 32, 33], 8, 2, 32, 16, 2, 32),  # tile and page boundaries
     ]
     for i, (rows, hq, hkv, d, ps, splits, tile) in enumerate(fixed):
-        worst = max(worst, check(da, cpu, f32, rows, hq, hkv, d, ps, splits, 1e-4, seed=i, tile=tile))
+        for fused in (True, False):  # the merge inside the split kernel, and the separate merge launch
+            worst = max(worst, check(da, cpu, f32, rows, hq, hkv, d, ps, splits, 1e-4, seed=i, tile=tile, fused=fused))
     # NaN on the dummy page: the padding row's output is its own business, the real rows stay exact
     worst = max(worst, check(da, cpu, f32, [40, "dummy", 7], 4, 2, 32, 4, 4, 1e-4, seed=9, nan_dummy=True))
     rng = random.Random(5)
@@ -157,8 +158,16 @@ def test_decode_attention_switch(monkeypatch):
     from specbench.harness import engines
     from specbench.harness.adapters import local
 
-    assert EngineConfig(model="m").decode_attention == "flashinfer"  # FlashInfer stays the default
-    assert EngineConfig(model="m", decode_attention="triton").decode_attention == "triton"
+    monkeypatch.delenv("SPECBENCH_DECODE_ATTENTION", raising=False)
+    assert EngineConfig(model="m").decode_attention == "triton"  # the split-K kernel is the default
+    assert EngineConfig(model="m", decode_attention="flashinfer").decode_attention == "flashinfer"
+    monkeypatch.setenv("SPECBENCH_DECODE_ATTENTION", "flashinfer")  # the environment's default
+    assert EngineConfig(model="m").decode_attention == "flashinfer"
+    monkeypatch.setenv("SPECBENCH_GEMV", "0")
+    assert EngineConfig(model="m").gemv is False and EngineConfig(model="m", gemv=True).gemv
+    monkeypatch.delenv("SPECBENCH_GEMV")
+    assert EngineConfig(model="m").gemv is True
+    assert engines.parse_engine("local,gemv=0").options["gemv"] == "0"
     with pytest.raises(ConfigError, match=r"decode_attention='xformers' is invalid: expected flashinfer or triton"):
         EngineConfig(model="m", decode_attention="xformers")
     with pytest.raises(engines.EngineStringError, match=r"decode_attention='fa3' is invalid: expected one of "

@@ -72,8 +72,10 @@ def test_decode_attention_qwen3_4b(batch, ctx):
     rng = random.Random(batch * 7919 + ctx)
     rows = [ctx] + [rng.randint(1, ctx) for _ in range(batch - 1)]
     for splits in sorted({da.num_splits(batch, 8, 1 << 20, sms), 1, da.MAX_SPLITS}):
-        err = check(da, torch.device("cuda"), torch.bfloat16, rows, 32, 8, 128, 16, splits, tol=2e-2, seed=splits)
-        print(f"decode attention B={batch} ctx={ctx} splits={splits}: max abs err {err:.3g}")
+        for fused in (True, False):  # merge in the split kernel (default) / the separate merge launch
+            err = check(da, torch.device("cuda"), torch.bfloat16, rows, 32, 8, 128, 16, splits, tol=2e-2, seed=splits,
+                        fused=fused)
+            print(f"decode attention B={batch} ctx={ctx} splits={splits} fused={fused}: max abs err {err:.3g}")
 
 
 def test_decode_attention_cuda_graph_replay():
