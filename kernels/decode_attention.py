@@ -15,12 +15,14 @@ Two launches:
   ids. The range is computed on the device from seq_lens, so the grid depends on (B, Hkv, splits) only:
   a CUDA graph captured for a batch bucket replays correctly while lengths change. A program whose range is
   empty writes the neutral partial (max -inf, sum 0; its V partial is neither written nor read).
-- merge: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the splits (M = max m_s), read in split
-  order. By default it runs inside the split kernel: each program, after writing its partial, bumps an int32
-  arrival counter of its (request, KV head) (acq_rel, GPU scope, after a CTA barrier); the program that
-  arrives last merges that head group's splits, writes the output and resets the counter to 0. Which program
-  is last varies, the result does not (fixed split order). `fused_merge=False` (SPECBENCH_DECODE_MERGE=0)
-  launches the separate merge kernel instead, grid (B, Hq): one launch more per layer.
+- merge: grid (B, Hq): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the splits (M = max m_s),
+  read in split order. `fused_merge=True` (SPECBENCH_DECODE_MERGE=fused) runs it inside the split kernel
+  instead: each program, after writing its partial, bumps an int32 arrival counter of its (request, KV head)
+  (acq_rel, GPU scope, after a CTA barrier); the program that arrives last merges that head group's splits,
+  writes the output and resets the counter to 0 (which program is last varies, the result does not). It saves
+  a launch per layer but measured slower on the H200 (split kernel 417 us a step at batch 1 against 131 + 90
+  us for split + merge: the last program's serial merge of its 4 heads sits on the critical path), so it is
+  off by default.
 With splits == 1 the split kernel normalizes and writes the output itself (no merge at all).
 Partials: one fp32 scratch of B * Hkv * splits * G * (D + 2) floats followed by the B * Hkv counters
 (`alloc_partials`, zero-filled; the kernel leaves the counters at 0); a CUDA-graph user keeps one per bucket. `num_splits(batch, kv_heads, max_ctx)` picks splits so B x Hkv x splits is about
@@ -68,7 +70,7 @@ def alloc_partials(batch: int, kv_heads: int, group: int, head_dim: int, splits:
 
 
 def fused_merge_default() -> bool:
-    return os.environ.get("SPECBENCH_DECODE_MERGE", "").strip().lower() not in ("0", "separate", "off", "false")
+    return os.environ.get("SPECBENCH_DECODE_MERGE", "").strip().lower() in ("fused", "1", "on", "true")
 
 
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
@@ -200,7 +202,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      tile: int | None = None, fused_merge: bool | None = None) -> torch.Tensor:
     """Triton kernels; same contract as `decode_attention_ref`. `partials` (from `alloc_partials` with the
     same B, Hkv, G, D, splits) is reused when given; no host read of any device tensor. `fused_merge`: None
-    follows SPECBENCH_DECODE_MERGE (default fused)."""
+    follows SPECBENCH_DECODE_MERGE (default: the separate merge launch)."""
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
     assert hq % hkv == 0 and k_cache.shape[2] == d and v_cache.shape == k_cache.shape
