@@ -16,7 +16,8 @@
 # 4. the reports (markdown + PNG) under OUT/report, the markdown appended to $GITHUB_STEP_SUMMARY;
 #    result records under OUT/results for the artifact upload;
 # 5. on CUDA, the fast-path benchmarks at small size (benchmarks/decode.py --quick on the 4B-shaped target:
-#    tensor-core vs split-K Triton decode against the dense floor; benchmarks/accept_cost.py: the greedy and
+#    FlashInfer tensor-core vs split-K Triton decode vs the engine default (split-K + GEMVs) against the dense
+#    floor; benchmarks/accept_cost.py: the greedy and
 #    sampled accept steps), their tables in the summary (NIGHTLY_SKIP_BENCH=1 skips them).
 # Exit status: 1 when any gate fails or the sweep fails, after everything has run and been written.
 #
@@ -108,7 +109,7 @@ if [[ "$DEVICE" == cuda* && "${NIGHTLY_SKIP_BENCH:-0}" != 1 ]]; then
     step "$name" bash -c '"$@" > "$0.log" 2>&1; rc=$?; grep -v "^{" "$0.log" | grep -E "^[|#A-Za-z0-9 -]" > "$0.txt"; tail -n 1 "$0.log" > "$0.json"; exit $rc' "$out" "$@"
   }
   bench "bench: decode (quick)" "$REPORTS/decode" "$PY" benchmarks/decode.py --model "$T" --quick --no-hf \
-    --variants fi-tc-graph,fi-tritondecode-graph
+    --variants fi-tc-graph,fi-tritondecode-graph,fi-graph
   bench "bench: accept step" "$REPORTS/accept" "$PY" benchmarks/accept_cost.py --device cuda --batches 1,64
 fi
 
