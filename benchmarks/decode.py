@@ -155,9 +155,11 @@ class Bench:
             assert r.backend.name == "flashinfer", "flashinfer did not load"
             fb = r.backend
             self.backends["flashinfer-cc"] = make_backend("flashinfer", r.device, self.engine.mcfg, fb.dtype, fb.max_pages,
-                                                          r.model.ops, decode_tensor_cores=False)
+                                                          r.model.ops, decode_tensor_cores=False,
+                                                          decode_attention="flashinfer")
             self.backends["flashinfer-tc"] = make_backend("flashinfer", r.device, self.engine.mcfg, fb.dtype, fb.max_pages,
-                                                          r.model.ops, decode_tensor_cores=True)
+                                                          r.model.ops, decode_tensor_cores=True,
+                                                          decode_attention="flashinfer")
             self.backends["flashinfer-tritondecode"] = make_backend(
                 "flashinfer", r.device, self.engine.mcfg, fb.dtype, fb.max_pages, r.model.ops,
                 decode_tensor_cores=fb.decode_tensor_cores, decode_attention="triton")

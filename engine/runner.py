@@ -58,11 +58,11 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype | None =
 
 
 def make_backend(name: str, device: torch.device, mcfg: ModelConfig | None = None, dtype: torch.dtype | None = None,
-                 max_pages: int = 0, ops=None, decode_tensor_cores: bool = False, decode_attention: str = "flashinfer",
+                 max_pages: int = 0, ops=None, decode_tensor_cores: bool = True, decode_attention: str = "triton",
                  triton: bool = True) -> AttentionBackend:
-    """decode_attention="triton": the FlashInfer backend runs decode-only steps through the Triton split-K
-    kernel (kernels/decode_attention.py) when Triton is enabled (`triton`, SPECBENCH_TRITON), else FlashInfer's
-    decode wrapper (logged)."""
+    """Defaults as EngineConfig's. decode_attention="triton": the FlashInfer backend runs decode-only steps
+    through the Triton split-K kernel (kernels/decode_attention.py) when Triton is enabled (`triton`,
+    SPECBENCH_TRITON), else FlashInfer's decode wrapper (logged)."""
     if resolve_backend(name, device, dtype) == "flashinfer":
         from .attention.flashinfer import FlashInferAttention  # noqa: PLC0415 - optional dependency
 
