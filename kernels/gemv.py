@@ -74,12 +74,14 @@ TUNED: dict[tuple[int, int, str], tuple[int, int, int] | None] = {
 KINDS = ("plain", "norm", "swiglu")
 
 
+def enabled_kinds() -> tuple[str, ...]:
+    """The kinds SPECBENCH_GEMV_KINDS allows (a comma list of plain / norm / swiglu; default all)."""
+    raw = os.environ.get("SPECBENCH_GEMV_KINDS", "").strip()
+    return tuple(x.strip() for x in raw.split(",") if x.strip() in KINDS) if raw else KINDS
+
+
 def pick(n: int, k: int, kind: str) -> tuple[int, int, int] | None:
-    """The GEMV config for this shape, or None where cuBLAS measured faster or SPECBENCH_GEMV_KINDS (a comma list
-    of plain / norm / swiglu; default all) leaves this kind out."""
-    kinds = os.environ.get("SPECBENCH_GEMV_KINDS", "").strip()
-    if kinds and kind not in [x.strip() for x in kinds.split(",")]:
-        return None
+    """The GEMV config for this shape, or None where cuBLAS measured faster."""
     return TUNED.get((n, k, kind), DEFAULT)
 
 

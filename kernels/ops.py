@@ -24,6 +24,16 @@ class TritonOps:
     def __init__(self, gemv: bool = False, max_rows: int = _gemv.MAX_ROWS) -> None:
         self.gemv = gemv
         self.max_rows = max_rows
+        self.kinds = _gemv.enabled_kinds()  # SPECBENCH_GEMV_KINDS, read once
+        self._cfg: dict[tuple[int, int, str], bool] = {}
+
+    def _use(self, rows: int, n: int, k: int, kind: str) -> bool:
+        if not self.gemv or rows > self.max_rows:
+            return False
+        key = (n, k, kind)
+        if key not in self._cfg:
+            self._cfg[key] = kind in self.kinds and _gemv.pick(n, k, kind) is not None
+        return self._cfg[key]
 
     add_rms_norm = staticmethod(norm.add_rms_norm)
     rms_norm = staticmethod(norm.rms_norm)
@@ -34,17 +44,16 @@ class TritonOps:
 
     def add_norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor,
                         w: torch.Tensor, eps: float, swiglu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        n = w.shape[0] // 2 if swiglu else w.shape[0]
-        if self.gemv and x.shape[0] <= self.max_rows and _gemv.pick(n, x.shape[1], "swiglu" if swiglu else "norm"):
+        if self._use(x.shape[0], w.shape[0] // 2 if swiglu else w.shape[0], x.shape[1], "swiglu" if swiglu else "norm"):
             return _gemv.add_norm_linear(x, residual, norm_w, w, eps, swiglu)
         h, res = norm.add_rms_norm(x, residual, norm_w, eps)
         y = F.linear(h, w)
         return (activation.swiglu(y) if swiglu else y), res
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if self.gemv and x.shape[0] <= self.max_rows and x.stride(-1) == 1 and _gemv.pick(w.shape[0], w.shape[1], "plain"):
+        if x.stride(-1) == 1 and self._use(x.shape[0], w.shape[0], w.shape[1], "plain"):
             return _gemv.linear(x, w)
         return F.linear(x, w)
 
     def describe(self) -> dict:
-        return {"ops": self.name, "gemv": self.gemv, "gemv_max_rows": self.max_rows}
+        return {"ops": self.name, "gemv": self.gemv, "gemv_max_rows": self.max_rows, "gemv_kinds": list(self.kinds)}

@@ -148,3 +148,25 @@ def test_decode_benchmark_logic_on_cpu(rand_model):
     text = mod.render({"gpu": "cpu", "copy_bw_tb_s": 0.1, "weight_bytes": 10**9, "rows": [row], "hf_peer": None,
                        "profile_b1": None})
     assert "torch-eager" in text and "2.000" in text
+
+
+def test_gemv_routing(monkeypatch):
+    """The op bundle takes the GEMVs only with the switch on, at most max_rows rows, for kinds
+    SPECBENCH_GEMV_KINDS allows and shapes whose TUNED entry is not None (cuBLAS measured faster there)."""
+    from specbench.kernels import gemv
+    from specbench.kernels.ops import TritonOps
+
+    monkeypatch.setitem(gemv.TUNED, (96, 64, "plain"), None)
+    monkeypatch.setitem(gemv.TUNED, (48, 64, "plain"), (2, 256, 2))
+    monkeypatch.delenv("SPECBENCH_GEMV_KINDS", raising=False)
+    on = TritonOps(gemv=True, max_rows=1)
+    assert on.kinds == gemv.KINDS
+    assert on._use(1, 48, 64, "plain") and on._use(1, 7, 64, "norm")  # tuned config / untuned shape: DEFAULT
+    assert not on._use(1, 96, 64, "plain"), "TUNED None keeps cuBLAS"
+    assert not on._use(2, 48, 64, "plain"), "more rows than max_rows"
+    assert not TritonOps(gemv=False)._use(1, 48, 64, "plain")
+    monkeypatch.setenv("SPECBENCH_GEMV_KINDS", "norm, swiglu,bogus")
+    some = TritonOps(gemv=True)
+    assert some.kinds == ("norm", "swiglu") and not some._use(1, 48, 64, "plain") and some._use(1, 7, 64, "norm")
+    x, w = torch.randn(2, 64), torch.randn(96, 64)
+    assert torch.equal(some.linear(x, w), torch.nn.functional.linear(x, w))  # routed to cuBLAS / torch
