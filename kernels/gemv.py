@@ -15,8 +15,8 @@ output columns of ONE row: it streams those weight rows once in BLOCK_K chunks i
 fp32 accumulator (multiply-adds, no tensor cores: one row has nothing to share) and reduces it at the end.
 The grid is (rows, column blocks) with the row fastest, so the programs of a batch's rows run side by side
 and read each weight tile from L2 after the first. The add-norm variant recomputes its row's statistics
-(the row is a few KB, read from L2) and the programs of column block 0 write their row's residual sum; with SwiGLU a program owns
-both the gate and the up rows of its columns.
+(the row is a few KB, read from L2) and the programs of column block 0 write their row's residual sum;
+with SwiGLU a program owns both the gate and the up rows of its columns.
 
 Numerics: a row's result depends only on that row and the (N, K)-keyed config, never on the rows beside it
 or the batch size (batch invariance, tested); it differs from cuBLAS only in the fp32 summation order.
