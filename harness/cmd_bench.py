@@ -38,7 +38,8 @@ def bench_decode(
 ) -> None:
     """Decode step time on the GPU vs the dense (cuBLAS graph) and bandwidth floors; table, then JSON.
 
-    Variants: FlashInfer vs torch attention, CUDA graphs vs eager, fused GEMV and Triton kernels on/off.
+    Variants: FlashInfer (tensor-core, CUDA-core) vs split-K Triton decode vs torch attention, CUDA graphs vs
+    eager, the one-row GEMVs and the Triton kernels on/off (benchmarks/decode.py lists them).
     Needs a CUDA GPU with flashinfer-python and triton (see docs/gpu.md).
     """
     try:
