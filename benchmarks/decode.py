@@ -43,6 +43,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from specbench.harness.cmd_bench import emit_document
+
 VARIANTS = {  # name: (attention backend, capture graphs, ops: "engine" | "triton" | "gemv" | "torch", max batch)
     "fi-graph": ("flashinfer", True, "engine", None),
     "fi-eager": ("flashinfer", False, "engine", None),
@@ -377,10 +379,7 @@ def main(argv: list[str] | None = None) -> dict:
     res = run(a.model, batches, contexts, hf=not a.no_hf, variants=tuple(a.variants.split(",")), workdir=a.workdir,
               budget_s=a.budget_s, out=a.out)
     print(render(res))
-    doc = json.dumps(res, default=str)
-    if a.out:
-        Path(a.out).write_text(doc + "\n")
-    print(doc)
+    emit_document(res, a.out)
     return res
 
 

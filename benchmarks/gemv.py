@@ -17,11 +17,12 @@ Usage: python benchmarks/gemv.py [--rows 1,2,4,8] [--reps 15] [--configs all|tun
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import torch
+
+from specbench.harness.cmd_bench import emit_document
 
 SHAPES = {  # name: (kind, N, K, distinct copies)
     "qkv": ("norm", 6144, 2560, 36),
@@ -136,11 +137,7 @@ def main() -> None:
     print("TUNED = {" + ", ".join(f"({v['N']}, {v['K']}, {v['kind']!r}): {tuple(v['best'])}"
                                   for v in res["shapes"].values()) + "}")
     res["seconds"] = round(time.time() - t0, 1)
-    doc = json.dumps(res)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(doc + "\n")
-    print(doc)
+    emit_document(res, a.out)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,8 @@ from pathlib import Path
 
 import torch
 
+from specbench.harness.cmd_bench import emit_document
+
 TAUS = (2.0, 3.5, 5.0, 6.5)
 VERIFY = ("verify-graph", "verify-eager", "verify-plain")
 DRAFT = ("draft-graph", "draft-eager", "draft-plain", "draft-serial", "draft-serial-graph")
@@ -439,10 +441,7 @@ def main(argv: list[str] | None = None) -> dict:
         res["sweep"] = sweep_table(run_dir, taus, res["steps"]) if run_dir else {"error": "no run directory"}
     res["targets"] = targets(res)
     print(render(res))
-    doc = json.dumps(res, default=str)
-    if a.out:
-        Path(a.out).write_text(doc + "\n")
-    print(doc)
+    emit_document(res, a.out)
     return res
 
 

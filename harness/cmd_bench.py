@@ -3,15 +3,26 @@
 Contract: thin. The benchmark lives in the source tree's benchmarks/ folder (it is a script, not part of the
 installed package); this command loads it from the checkout the package was installed from (an editable
 install) and exits 2 with a clear message where that folder is absent. Exit 2 also on a bad option value.
+`emit_document` is the benchmarks' shared output contract (their JSON document as the last stdout line).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 from types import ModuleType
 
 import typer
+
+
+def emit_document(res: dict, out: str | Path | None = None) -> str:
+    """Print a benchmark's JSON document as the last stdout line; with `out`, also write it there."""
+    doc = json.dumps(res, default=str)
+    if out:
+        Path(out).write_text(doc + "\n")
+    print(doc)
+    return doc
 
 
 def load_benchmark(name: str = "decode") -> ModuleType:
