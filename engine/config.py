@@ -15,10 +15,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-
-def _env_bool(name: str, default: bool) -> bool:
-    v = os.environ.get(name, "").strip().lower()
-    return default if v == "" else v not in ("0", "false", "off", "no")
+from specbench.kernels import env_flag
 
 
 class ConfigError(ValueError):
@@ -279,7 +276,7 @@ class EngineConfig:
     # Triton GEMVs (kernels/gemv.py) for the projections of steps of at most gemv.MAX_ROWS rows (decode), with
     # the residual add + RMSNorm fused in, where they measured faster than cuBLAS; cuBLAS elsewhere (default from
     # SPECBENCH_GEMV, else on)
-    gemv: bool = field(default_factory=lambda: _env_bool("SPECBENCH_GEMV", True))
+    gemv: bool = field(default_factory=lambda: env_flag("SPECBENCH_GEMV", True))
     # Decode-only steps of the FlashInfer backend: "flashinfer" (its decode wrapper) or "triton" (the split-K
     # kernel of kernels/decode_attention.py, CUDA graphs included); prefill / verify steps stay on FlashInfer
     # (default from SPECBENCH_DECODE_ATTENTION, else "triton": faster in 9 of 10 measured cells, docs/gpu.md)
