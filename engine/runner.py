@@ -72,7 +72,7 @@ def make_backend(name: str, device: torch.device, mcfg: ModelConfig | None = Non
 
             if not triton_enabled(device, triton):
                 log.info("decode_attention='triton' needs Triton enabled (triton switch, SPECBENCH_TRITON); "
-                            "decode steps use FlashInfer's decode kernel")
+                         "decode steps use FlashInfer's decode kernel")
                 decode_attention = "flashinfer"
         return FlashInferAttention(device, mcfg.num_attention_heads, mcfg.num_key_value_heads, mcfg.head_dim, dtype,
                                    max_pages, store_op=ops.kv_store if ops is not None else None,

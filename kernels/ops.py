@@ -3,8 +3,9 @@
 `TritonOps(gemv=False, max_rows=gemv.MAX_ROWS)` exposes add_rms_norm, swiglu, qk_norm_rope, k_norm_rope,
 kv_store, add_norm_linear and linear. add_norm_linear runs the add-norm kernel, cuBLAS and the SwiGLU kernel,
 linear runs cuBLAS; with `gemv` on, inputs of at most `max_rows` rows (decode) take the Triton GEMVs of
-kernels/gemv.py instead (on the shapes where `gemv.pick` gives a config: cuBLAS stays where it measured faster):
-residual add + RMSNorm (+ SwiGLU) fused into the GEMV, and a plain GEMV for the o and down projections. The same function either way (tests hold both to the torch reference).
+kernels/gemv.py instead (on the shapes where `gemv.pick` gives a config: cuBLAS stays where it measured
+faster): residual add + RMSNorm (+ SwiGLU) fused into the GEMV, and a plain GEMV for the o and down
+projections. The same function either way (tests hold both to the torch reference).
 Switch: `EngineConfig.gemv` (engine string `gemv=0|1`, default from SPECBENCH_GEMV).
 """
 
@@ -25,15 +26,17 @@ class TritonOps:
         self.gemv = gemv
         self.max_rows = max_rows
         self.kinds = _gemv.enabled_kinds()  # SPECBENCH_GEMV_KINDS, read once
-        self._cfg: dict[tuple[int, int, str], bool] = {}
+        self._cfgs: dict[tuple[int, int, str], tuple[int, int, int] | None] = {}
 
-    def _use(self, rows: int, n: int, k: int, kind: str) -> bool:
+    def gemv_config(self, rows: int, n: int, k: int, kind: str) -> tuple[int, int, int] | None:
+        """The GEMV config for this call, or None for cuBLAS (switch off, too many rows, kind left out by
+        SPECBENCH_GEMV_KINDS, or TUNED None for the shape); decided once per shape."""
         if not self.gemv or rows > self.max_rows:
-            return False
+            return None
         key = (n, k, kind)
-        if key not in self._cfg:
-            self._cfg[key] = kind in self.kinds and _gemv.pick(n, k, kind) is not None
-        return self._cfg[key]
+        if key not in self._cfgs:
+            self._cfgs[key] = _gemv.pick(n, k, kind) if kind in self.kinds else None
+        return self._cfgs[key]
 
     add_rms_norm = staticmethod(norm.add_rms_norm)
     rms_norm = staticmethod(norm.rms_norm)
@@ -44,15 +47,18 @@ class TritonOps:
 
     def add_norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor,
                         w: torch.Tensor, eps: float, swiglu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._use(x.shape[0], w.shape[0] // 2 if swiglu else w.shape[0], x.shape[1], "swiglu" if swiglu else "norm"):
-            return _gemv.add_norm_linear(x, residual, norm_w, w, eps, swiglu)
+        cfg = self.gemv_config(x.shape[0], w.shape[0] // 2 if swiglu else w.shape[0], x.shape[1],
+                               "swiglu" if swiglu else "norm")
+        if cfg is not None:
+            return _gemv.add_norm_linear(x, residual, norm_w, w, eps, swiglu, cfg)
         h, res = norm.add_rms_norm(x, residual, norm_w, eps)
         y = F.linear(h, w)
         return (activation.swiglu(y) if swiglu else y), res
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if x.stride(-1) == 1 and self._use(x.shape[0], w.shape[0], w.shape[1], "plain"):
-            return _gemv.linear(x, w)
+        cfg = self.gemv_config(x.shape[0], w.shape[0], w.shape[1], "plain") if x.stride(-1) == 1 else None
+        if cfg is not None:
+            return _gemv.linear(x, w, cfg)
         return F.linear(x, w)
 
     def describe(self) -> dict:

@@ -161,12 +161,14 @@ def test_gemv_routing(monkeypatch):
     monkeypatch.delenv("SPECBENCH_GEMV_KINDS", raising=False)
     on = TritonOps(gemv=True, max_rows=1)
     assert on.kinds == gemv.KINDS
-    assert on._use(1, 48, 64, "plain") and on._use(1, 7, 64, "norm")  # tuned config / untuned shape: DEFAULT
-    assert not on._use(1, 96, 64, "plain"), "TUNED None keeps cuBLAS"
-    assert not on._use(2, 48, 64, "plain"), "more rows than max_rows"
-    assert not TritonOps(gemv=False)._use(1, 48, 64, "plain")
+    assert on.gemv_config(1, 48, 64, "plain") == (2, 256, 2)  # the tuned config
+    assert on.gemv_config(1, 7, 64, "norm") == gemv.DEFAULT  # an untuned shape
+    assert on.gemv_config(1, 96, 64, "plain") is None, "TUNED None keeps cuBLAS"
+    assert on.gemv_config(2, 48, 64, "plain") is None, "more rows than max_rows"
+    assert TritonOps(gemv=False).gemv_config(1, 48, 64, "plain") is None
     monkeypatch.setenv("SPECBENCH_GEMV_KINDS", "norm, swiglu,bogus")
     some = TritonOps(gemv=True)
-    assert some.kinds == ("norm", "swiglu") and not some._use(1, 48, 64, "plain") and some._use(1, 7, 64, "norm")
+    assert some.kinds == ("norm", "swiglu") and some.gemv_config(1, 48, 64, "plain") is None
+    assert some.gemv_config(1, 7, 64, "norm") == gemv.DEFAULT
     x, w = torch.randn(2, 64), torch.randn(96, 64)
     assert torch.equal(some.linear(x, w), torch.nn.functional.linear(x, w))  # routed to cuBLAS / torch
