@@ -16,7 +16,7 @@ repeat. For scale, `lm_head` times the verify step's LM-head matmul
 ([B (K + 1), hidden] x [hidden, V], the dtype of the logits): a lower bound of the verify forward.
 Prints a table, then one JSON document as the last line.
 
-Usage: python benchmarks/accept_cost.py [--device cuda] [--k 15] [--vocab 151936] [--batches 1,64]
+Usage: python -m specbench.benchmarks.accept_cost [--device cuda] [--k 15] [--vocab 151936] [--batches 1,64]
 """
 
 from __future__ import annotations

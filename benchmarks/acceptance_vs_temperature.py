@@ -8,7 +8,7 @@ tokens), mean accepted length token-weighted (1 + accepted / drafts) and request
 request's own), per-position rate (position i accepted / drafts) and generation wall time.
 Prints a table, then one JSON document as the last line.
 
-Usage: python benchmarks/acceptance_vs_temperature.py [--target DIR --draft DIR] [--temps 0,0.5,1.0]
+Usage: python -m specbench.benchmarks.acceptance_vs_temperature [--target DIR --draft DIR] [--temps 0,0.5,1.0]
 """
 
 from __future__ import annotations

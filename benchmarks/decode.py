@@ -26,7 +26,7 @@ replayed back-to-back (the device time of the step alone). Floors:
 Peer: HF transformers eager `generate` on the same checkpoint, batch 1, 128 new tokens.
 Prints a table, then one JSON document as the last line.
 
-Usage: python benchmarks/decode.py [--model DIR] [--batches 1,8,16,32,64] [--contexts 512,2048]
+Usage: python -m specbench.benchmarks.decode [--model DIR] [--batches 1,8,16,32,64] [--contexts 512,2048]
        [--out FILE] [--no-hf] [--quick]     (also `specbench bench-decode`)
 """
 
@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specbench.harness.cmd_bench import emit_document
+from specbench.harness.benchdoc import emit_document
 
 VARIANTS = {  # name: (attention backend, capture graphs, ops: "engine" | "triton" | "gemv" | "torch", max batch)
     "fi-graph": ("flashinfer", True, "engine", None),

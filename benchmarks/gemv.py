@@ -11,7 +11,7 @@ K 2560), down (plain, 2560 x 9728), lm_head (plain, 151936 x 2560, information o
 Prints a table, the TUNED dict for kernels/gemv.py (best config per shape at 1 row), then one JSON document
 as the last line.
 
-Usage: python benchmarks/gemv.py [--rows 1,2,4,8] [--reps 15] [--configs all|tuned] [--out FILE]
+Usage: python -m specbench.benchmarks.gemv [--rows 1,2,4,8] [--reps 15] [--configs all|tuned] [--out FILE]
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from specbench.harness.cmd_bench import emit_document
+from specbench.harness.benchdoc import emit_document
 
 SHAPES = {  # name: (kind, N, K, distinct copies)
     "qkv": ("norm", 6144, 2560, 36),

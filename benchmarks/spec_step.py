@@ -25,7 +25,7 @@ tau 6.5 spec on >= 4 x spec off (sweep, concurrency 1).
 The pair is built with `python -m specbench fixtures --shape qwen3-4b --out DIR --device cuda` unless
 DIR/target and DIR/draft exist. Prints tables, then one JSON document as the last line.
 
-Usage: python benchmarks/spec_step.py [--part steps|sweep|all] [--workdir DIR] [--batches 1,8,16,32,64]
+Usage: python -m specbench.benchmarks.spec_step [--part steps|sweep|all] [--workdir DIR] [--batches 1,8,16,32,64]
        [--context 512] [--taus 2,3.5,5,6.5] [--steps-json FILE] [--levels 1,8,16,32,64] [--rounds 3]
        [--prompts-per-level 4] [--max-tokens 128] [--dataset random] [--num-pages 2048] [--budget-s S]
        [--sweep-timeout-s S] [--out FILE]     (scripts/gpu.sh spec-steps | spec-sweep)
@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from specbench.harness.cmd_bench import emit_document
+from specbench.harness.benchdoc import emit_document
 
 TAUS = (2.0, 3.5, 5.0, 6.5)
 VERIFY = ("verify-graph", "verify-eager", "verify-plain")

@@ -76,7 +76,7 @@ if [ "$what" = spec-tests ]; then
 fi
 if [ "$what" = spec-steps ] || [ "$what" = spec ]; then
   log "spec step benchmark"
-  timeout $(cap ${SPEC_TIMEOUT:-420}) python3 benchmarks/spec_step.py --part steps --workdir "$SPEC_WORKDIR" \
+  timeout $(cap ${SPEC_TIMEOUT:-420}) python3 -m specbench.benchmarks.spec_step --part steps --workdir "$SPEC_WORKDIR" \
     --out "$W/spec_steps.json" --budget-s ${SPEC_BUDGET:-300} "$@" 2>&1 | tee "$W/spec_steps.log"
   r=${PIPESTATUS[0]}; [ "$r" = 0 ] || rc=$r
   [ -f "$W/spec_steps.json" ] && cp "$W/spec_steps.json" /tmp/spec_steps.json
@@ -85,7 +85,7 @@ fi
 if [ "$what" = spec-sweep ] || [ "$what" = spec ]; then
   steps=${STEPS_JSON:-/tmp/spec_steps.json}
   log "spec sweep (steps from $steps)"
-  timeout $(cap $(( ${SWEEP_TIMEOUT:-420} + 150 ))) python3 benchmarks/spec_step.py --part sweep --workdir "$SPEC_WORKDIR" \
+  timeout $(cap $(( ${SWEEP_TIMEOUT:-420} + 150 ))) python3 -m specbench.benchmarks.spec_step --part sweep --workdir "$SPEC_WORKDIR" \
     $( [ -f "$steps" ] && echo --steps-json "$steps" ) --levels ${SWEEP_LEVELS:-1,8,16,32,64} --taus ${SWEEP_TAUS:-2,3.5,5,6.5} \
     --rounds ${SWEEP_ROUNDS:-2} --prompts-per-level ${SWEEP_PPL:-4} --max-tokens ${SWEEP_MAX_TOKENS:-128} \
     --sweep-timeout-s $(cap ${SWEEP_TIMEOUT:-420}) --sweep-out "$W/results" --report "$W/spec_sweep.md" \
@@ -101,19 +101,19 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   log "benchmark"
-  timeout $(cap ${BENCH_TIMEOUT:-330}) python3 benchmarks/decode.py --workdir /tmp/q3-4b --out "$W/bench.json" \
+  timeout $(cap ${BENCH_TIMEOUT:-330}) python3 -m specbench.benchmarks.decode --workdir /tmp/q3-4b --out "$W/bench.json" \
     --budget-s ${BENCH_BUDGET:-250} "$@" 2>&1 \
     | tee "$W/bench.log"
   r=${PIPESTATUS[0]}; [ "$r" = 0 ] || rc=$r; log "benchmark rc=$r"
 fi
 if [ "$what" = gemv ]; then
   log "GEMV kernels vs cuBLAS on the decode shapes"
-  timeout $(cap ${GEMV_TIMEOUT:-240}) python3 benchmarks/gemv.py --out "$W/gemv.json" ${GEMV_ARGS:-} 2>&1 | tee "$W/gemv.log"
+  timeout $(cap ${GEMV_TIMEOUT:-240}) python3 -m specbench.benchmarks.gemv --out "$W/gemv.json" ${GEMV_ARGS:-} 2>&1 | tee "$W/gemv.log"
   r=${PIPESTATUS[0]}; [ "$r" = 0 ] || rc=$r; log "gemv rc=$r"
 fi
 if [ "$what" = accept ]; then
   log "accept-step cost (greedy vs sampled)"
-  timeout $(cap ${ACCEPT_TIMEOUT:-120}) python3 benchmarks/accept_cost.py --device cuda --batches ${ACCEPT_BATCHES:-1,64} ${ACCEPT_ARGS:-} \
+  timeout $(cap ${ACCEPT_TIMEOUT:-120}) python3 -m specbench.benchmarks.accept_cost --device cuda --batches ${ACCEPT_BATCHES:-1,64} ${ACCEPT_ARGS:-} \
     2>&1 | tee "$W/accept_cost.log"
   r=${PIPESTATUS[0]}; [ "$r" = 0 ] || rc=$r; log "accept rc=$r"
 fi

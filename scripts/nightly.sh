@@ -108,9 +108,9 @@ if [[ "$DEVICE" == cuda* && "${NIGHTLY_SKIP_BENCH:-0}" != 1 ]]; then
     local name=$1 out=$2; shift 2
     step "$name" bash -c '"$@" > "$0.log" 2>&1; rc=$?; grep -v "^{" "$0.log" | grep -E "^[|#A-Za-z0-9 -]" > "$0.txt"; tail -n 1 "$0.log" > "$0.json"; exit $rc' "$out" "$@"
   }
-  bench "bench: decode (quick)" "$REPORTS/decode" "$PY" benchmarks/decode.py --model "$T" --quick --no-hf \
+  bench "bench: decode (quick)" "$REPORTS/decode" "$PY" -m specbench.benchmarks.decode --model "$T" --quick --no-hf \
     --variants fi-tc-graph,fi-tritondecode-graph,fi-graph
-  bench "bench: accept step" "$REPORTS/accept" "$PY" benchmarks/accept_cost.py --device cuda --batches 1,64
+  bench "bench: accept step" "$REPORTS/accept" "$PY" -m specbench.benchmarks.accept_cost --device cuda --batches 1,64
 fi
 
 # job summary: the verdicts, then every markdown report (plots are in the artifact)

@@ -257,7 +257,7 @@ def test_openai_failures_recorded_not_raised():
 def _generate_cli():
     import typer
 
-    from specbench.harness.cmd_generate import generate
+    from specbench.cli.generate import generate
 
     app = typer.Typer()
     app.command()(generate)

@@ -4,7 +4,7 @@ import pytest
 from typer.testing import CliRunner
 
 from specbench import __version__
-from specbench.harness import cli
+from specbench.cli import app as cli
 
 cli._register()
 runner = CliRunner()

@@ -154,7 +154,7 @@ def test_serve_argv_and_roots(tmp_path: Path) -> None:
 
 
 def test_cli_arms(tmp_path: Path) -> None:
-    from specbench.harness.cmd_eval import _arms
+    from specbench.cli.eval import _arms
     from specbench.harness.engines import EngineStringError
 
     base, cand = _arms(None, f"local:{tmp_path},draft={tmp_path},spec=dflash")
@@ -175,7 +175,7 @@ def test_missing_lm_eval_exits_2() -> None:
     """With lm-eval not found the command says how to install it and exits 2."""
     code = ("import importlib.util, sys; real = importlib.util.find_spec\n"
             "importlib.util.find_spec = lambda n, *a: None if n == 'lm_eval' else real(n, *a)\n"
-            "from specbench.harness.cli import main; sys.argv = ['specbench', 'eval', '--limit', '1']; main()")
+            "from specbench.cli.app import main; sys.argv = ['specbench', 'eval', '--limit', '1']; main()")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr
     assert "pip install 'specbench[eval]'" in r.stderr

@@ -14,10 +14,10 @@ from safetensors import safe_open
 from typer import Typer
 from typer.testing import CliRunner
 
+from specbench.cli.fixtures import fixtures
 from specbench.engine.config import ModelConfig
 from specbench.engine.models.dflash import DFlashDraftModel
 from specbench.engine.models.qwen3 import Qwen3ForCausalLM
-from specbench.harness.cmd_fixtures import fixtures
 from specbench.harness.fixtures import (
     FixturesMissing,
     TinySettings,
@@ -46,7 +46,8 @@ def _names(d: Path) -> dict[str, tuple[int, ...]]:
 
 def test_bundled_pair_is_in_the_installed_package() -> None:
     root = resources.files("specbench.harness") / "data" / "fixtures" / "tiny"
-    assert Path(str(root / "target")) == TARGET and Path(str(root / "draft")) == DRAFT
+    # resolve(): the package is reached through the specbench/<pkg> links (pyproject.toml, [tool.mypy])
+    assert Path(str(root / "target")).resolve() == TARGET and Path(str(root / "draft")).resolve() == DRAFT
     assert ensure_bundled() == (TARGET, DRAFT)
     info = read_build_info(TARGET.parent)
     assert info["seed"] == 0 and info["acceptance"]["mean_accept_len"] >= 2.0

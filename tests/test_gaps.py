@@ -15,7 +15,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from specbench.harness.cmd_gaps import gaps
+from specbench.cli.gaps import gaps
 from specbench.suites.gaps import (
     Classifier,
     GapsError,
@@ -345,7 +345,7 @@ def test_command_module_imports_lazily() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, specbench.harness.cmd_gaps; "
+    code = ("import sys, specbench.cli.gaps; "
             "print(any(m.startswith(('matplotlib', 'specbench.suites')) for m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

@@ -132,7 +132,7 @@ def test_triton_kernels_under_interpreter(rand_model):
 
 def test_decode_benchmark_logic_on_cpu(rand_model):
     """The benchmark's engine driving (fill, variant switch, timed steps, abort) and its table, on CPU."""
-    from specbench.harness.cmd_bench import load_benchmark
+    from specbench.cli.bench import load_benchmark
 
     mod = load_benchmark("decode")
     bench = mod.Bench(rand_model, max_batch=4, device="cpu")

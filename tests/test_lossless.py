@@ -7,7 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from specbench.harness import cli
+from specbench.cli import app as cli
 from specbench.suites.lossless.checks import (
     SpecStats,
     check_acceptance,

@@ -19,7 +19,7 @@ def test_profile_writes_trace_with_phase_ranges(tmp_path, tiny_target, tiny_draf
 
 
 def test_profile_cli_bad_spec_exits_2():
-    from specbench.harness import cli
+    from specbench.cli import app as cli
 
     cli._register()
     r = CliRunner().invoke(cli.app, ["profile", "--spec", "maybe"])

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from specbench.harness.cli import _register, app
+from specbench.cli.app import _register, app
 from specbench.suites.report import render_markdown, summarize, write_report
 
 # output tok/s per (arm, level, round): B is 1.5x A in every round; A#2 is A within +-2%

@@ -262,7 +262,7 @@ def test_gate_catches_each_sampling_fault(selftest_ci, fault):
 def _cli(args: list[str]):
     from typer.testing import CliRunner
 
-    from specbench.harness.cli import _register, app
+    from specbench.cli.app import _register, app
 
     _register()
     return CliRunner().invoke(app, ["sampled", *args])

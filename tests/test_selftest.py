@@ -6,7 +6,7 @@ import json
 
 from typer.testing import CliRunner
 
-from specbench.harness import cli
+from specbench.cli import app as cli
 from specbench.suites.lossless.selftest import SAMPLING_FAULTS, greedy_faults
 
 cli._register()

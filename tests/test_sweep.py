@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from specbench.cli.app import _register, app
 from specbench.harness import engines
 from specbench.harness.adapters.base import EngineAdapter, GenRequest, GenResult
-from specbench.harness.cli import _register, app
 from specbench.suites.sweep import (
     Arm,
     SweepConfig,

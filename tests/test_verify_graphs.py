@@ -394,7 +394,7 @@ def test_spec_step_benchmark_logic_on_cpu(tiny_target, tiny_draft, tmp_path):
     `specbench sweep` subprocess), the joined table, the targets and the JSON last line."""
     import json
 
-    from specbench.harness.cmd_bench import load_benchmark
+    from specbench.cli.bench import load_benchmark
 
     mod = load_benchmark("spec_step")
     out = tmp_path / "spec.json"

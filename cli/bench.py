@@ -1,40 +1,21 @@
 """`specbench bench-decode`: the decode benchmark (benchmarks/decode.py) from the CLI.
 
-Contract: thin. The benchmark lives in the source tree's benchmarks/ folder (it is a script, not part of the
-installed package); this command loads it from the checkout the package was installed from (an editable
-install) and exits 2 with a clear message where that folder is absent. Exit 2 also on a bad option value.
-`emit_document` is the benchmarks' shared output contract (their JSON document as the last stdout line).
+Contract: thin. The benchmark is the importable module `specbench.benchmarks.decode` (also runnable as
+`python -m specbench.benchmarks.decode`); this command parses options and calls it. Exit 2 on a bad option
+value. The JSON-last-line contract is harness/benchdoc.py.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import json
-from pathlib import Path
+import importlib
 from types import ModuleType
 
 import typer
 
 
-def emit_document(res: dict, out: str | Path | None = None) -> str:
-    """Print a benchmark's JSON document as the last stdout line; with `out`, also write it there."""
-    doc = json.dumps(res, default=str)
-    if out:
-        Path(out).write_text(doc + "\n")
-    print(doc)
-    return doc
-
-
 def load_benchmark(name: str = "decode") -> ModuleType:
-    """benchmarks/<name>.py of the checkout this package runs from."""
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: benchmarks run from a source checkout (pip install -e .)")
-    spec = importlib.util.spec_from_file_location(f"specbench_benchmarks_{name}", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """The benchmark module `specbench.benchmarks.<name>` (benchmarks/<name>.py)."""
+    return importlib.import_module(f"specbench.benchmarks.{name}")
 
 
 def bench_decode(
@@ -53,11 +34,7 @@ def bench_decode(
     eager, the one-row GEMVs and the Triton kernels on/off (benchmarks/decode.py lists them).
     Needs a CUDA GPU with flashinfer-python and triton (see docs/gpu.md).
     """
-    try:
-        mod = load_benchmark("decode")
-    except FileNotFoundError as e:
-        typer.echo(f"specbench bench-decode: {e}", err=True)
-        raise typer.Exit(2) from None
+    mod = load_benchmark("decode")
     argv = ["--batches", batches, "--contexts", contexts]
     for flag, val in (("--model", model), ("--variants", variants), ("--workdir", workdir), ("--out", out)):
         if val:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import typer
 
-from .engines import EngineSpec, EngineStringError, default_engines, parse_engine
+from specbench.harness.engines import EngineSpec, EngineStringError, default_engines, parse_engine
 
 
 def _spec_off(cand: EngineSpec) -> EngineSpec:

@@ -1,4 +1,4 @@
-"""`specbench gaps TRACE`: the CLI face of specbench.suites.gaps (registered by harness/cli.py).
+"""`specbench gaps TRACE`: the CLI face of specbench.suites.gaps (registered by cli/app.py).
 
 Contract: parses options, calls the suite, prints. Exit code 0 on success, 2 on bad input (an
 unreadable or unknown trace, a bad --rules file or --phase-filter regex), with one message on stderr

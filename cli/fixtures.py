@@ -40,7 +40,7 @@ def fixtures(
     if not (device == "cpu" or device.startswith("cuda")):
         typer.echo(f"error: --device={device!r} is invalid: expected cpu or cuda[:N]", err=True)
         raise typer.Exit(2)
-    from .fixtures import build_qwen3_4b_shape, build_tiny_pair
+    from specbench.harness.fixtures import build_qwen3_4b_shape, build_tiny_pair
 
     if shape == "tiny":
         tdir, ddir = build_tiny_pair(out, seed=seed, log=typer.echo)

@@ -16,19 +16,19 @@ from specbench import __version__
 
 # name -> "module:function". Each function's docstring is its --help text.
 COMMANDS: dict[str, str] = {
-    "fixtures": "specbench.harness.cmd_fixtures:fixtures",
-    "generate": "specbench.harness.cmd_generate:generate",
-    "serve": "specbench.harness.cmd_serve:serve",
-    "demo": "specbench.harness.cmd_demo:demo",
-    "gaps": "specbench.harness.cmd_gaps:gaps",
-    "eval": "specbench.harness.cmd_eval:eval_cmd",
-    "profile": "specbench.harness.cmd_profile:profile",
-    "sweep": "specbench.harness.cmd_sweep:sweep",
-    "report": "specbench.harness.cmd_report:report",
-    "lossless": "specbench.harness.cmd_lossless:lossless",
-    "selftest": "specbench.harness.cmd_selftest:selftest",
-    "sampled": "specbench.harness.cmd_sampled:sampled",
-    "bench-decode": "specbench.harness.cmd_bench:bench_decode",
+    "fixtures": "specbench.cli.fixtures:fixtures",
+    "generate": "specbench.cli.generate:generate",
+    "serve": "specbench.cli.serve:serve",
+    "demo": "specbench.cli.demo:demo",
+    "gaps": "specbench.cli.gaps:gaps",
+    "eval": "specbench.cli.eval:eval_cmd",
+    "profile": "specbench.cli.profile:profile",
+    "sweep": "specbench.cli.sweep:sweep",
+    "report": "specbench.cli.report:report",
+    "lossless": "specbench.cli.lossless:lossless",
+    "selftest": "specbench.cli.selftest:selftest",
+    "sampled": "specbench.cli.sampled:sampled",
+    "bench-decode": "specbench.cli.bench:bench_decode",
 }
 
 app = typer.Typer(name="specbench", no_args_is_help=True, add_completion=False,
