@@ -302,9 +302,9 @@ def run_sweep(cmd: list[str], timeout_s: float | None) -> tuple[str | None, str]
 def sweep_table(run_dir: str, taus: tuple[float, ...], steps: dict | None) -> dict:
     """Per level and arm: tok/s, measured speedup vs spec off (median paired ratio), measured tau and the
     ideal speedup from the step timings at batch = level."""
-    from specbench.suites.report import load_run
+    from specbench.suites.report import load_run_summary
 
-    s = load_run(run_dir)
+    s = load_run_summary(run_dir)
     by_batch = {r["batch"]: r for r in (steps or {}).get("rows", [])}
     levels = []
     for lv in s.levels:

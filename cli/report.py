@@ -20,12 +20,12 @@ def report(
     plots: bool = typer.Option(True, "--plots/--no-plots", help="Write the PNG plots."),
 ) -> None:
     """Render sweep runs: A/B tables (tok/s, speedup with noise floor, latency, acceptance) and plots."""
-    from specbench.suites.report import ReportError, load_run, render_markdown, write_report
+    from specbench.suites.report import ReportError, load_run_summary, render_markdown, write_report
 
     if fmt != "markdown":
         raise typer.BadParameter(f"{fmt!r} is invalid: expected markdown", param_hint="--format")
     try:
-        summaries = [load_run(r) for r in runs]
+        summaries = [load_run_summary(r) for r in runs]
     except ReportError as e:
         raise typer.BadParameter(str(e), param_hint="RUNS") from None
     if out == "-":

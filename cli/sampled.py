@@ -62,7 +62,7 @@ def sampled(
         share_gpu,
     )
     from specbench.suites.sampled import report as rep
-    from specbench.suites.sampled.gate import DEFAULT_CONFIGS, GateOptions, SampledError, parse_configs
+    from specbench.suites.sampled.gate import DEFAULT_CONFIGS, SampledError, SampledGateOptions, parse_configs
     from specbench.suites.sampled.selftest import SELFTEST_CONFIGS, SELFTEST_OPTIONS, SELFTEST_SPEC
 
     bad = usage_errors("sampled")
@@ -71,8 +71,8 @@ def sampled(
         given = {"num_prompts": num_prompts, "positions": positions, "samples": samples, "prompt_chars": prompt_chars,
                  "prompt_set": prompt_set}
         dflt_opts = SELFTEST_OPTIONS if selftest else {}
-        sized = {k: v if v is not None else dflt_opts.get(k, getattr(GateOptions, k)) for k, v in given.items()}
-        opts = GateOptions(**sized, permutations=permutations, q=q, null=null, seed=seed, concurrency=concurrency,
+        sized = {k: v if v is not None else dflt_opts.get(k, getattr(SampledGateOptions, k)) for k, v in given.items()}
+        opts = SampledGateOptions(**sized, permutations=permutations, q=q, null=null, seed=seed, concurrency=concurrency,
                            refine=refine)
         cfgs = parse_configs(configs or SELFTEST_CONFIGS) if (configs or selftest) else list(DEFAULT_CONFIGS)
         need_default = baseline is None or candidate is None

@@ -42,7 +42,7 @@ def selftest(
         parse_engine,
         share_gpu,
     )
-    from specbench.suites.lossless.greedy import GateOptions
+    from specbench.suites.lossless.greedy import GreedyGateOptions
     from specbench.suites.lossless.report import render_selftest
     from specbench.suites.lossless.selftest import greedy_faults, run_selftest
 
@@ -77,7 +77,7 @@ def selftest(
     async def main():
         try:
             return await run_selftest(make, baseline, repeat=repeat, num_prompts=num_prompts, max_tokens=max_tokens,
-                                      opts=GateOptions(margin_tol=margin_tol), faults=names,
+                                      opts=GreedyGateOptions(margin_tol=margin_tol), faults=names,
                                       expect_accept_len=expect_accept_len, log=log)
         finally:
             await baseline.aclose()

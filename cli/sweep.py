@@ -118,9 +118,9 @@ def sweep(
         typer.echo(f"warning: {len(failed)} requests failed (first: {failed[0].get('error')}); they count as "
                    "failed, not in any latency or throughput figure", err=True)
     if report:
-        from specbench.suites.report import load_run, write_report
+        from specbench.suites.report import load_run_summary, write_report
 
-        s = load_run(outcome.run_dir)  # from the stored records: the report is a function of them
+        s = load_run_summary(outcome.run_dir)  # from the stored records: the report is a function of them
         paths = write_report([s], report)
         typer.echo(f"report: {paths[0]}")
         if outcome.complete:

@@ -281,7 +281,7 @@ class LoadedRun:
         return sorted(p.stem for p in self.path.glob("*.jsonl"))
 
 
-def load_run(run: str | Path, results: str | Path | None = None) -> LoadedRun:
+def load_stored_run(run: str | Path, results: str | Path | None = None) -> LoadedRun:
     p = Path(run)
     if not (p / "run.json").is_file():
         p = results_dir(results) / str(run)

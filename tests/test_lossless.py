@@ -9,12 +9,12 @@ from typer.testing import CliRunner
 
 from specbench.cli import app as cli
 from specbench.suites.lossless.checks import (
-    SpecStats,
+    AcceptanceEvidence,
+    acceptance_evidence,
     check_acceptance,
     check_after_stop,
     check_counters,
     check_kv_idle,
-    spec_stats,
 )
 from specbench.suites.lossless.concurrent import staggered
 
@@ -84,21 +84,21 @@ def test_bad_input_exits_2(args, msg):
 
 
 def test_counter_invariants():
-    ok = SpecStats("counters", num_drafts=10, num_draft_tokens=28, num_accepted_tokens=12, accepted_per_pos=[6, 4, 2])
+    ok = AcceptanceEvidence("counters", num_drafts=10, num_draft_tokens=28, num_accepted_tokens=12, accepted_per_pos=[6, 4, 2])
     assert check_counters(ok, k=3).ok  # 28 <= 3 x 10: truncated spans near max_tokens draft fewer
-    assert not check_counters(SpecStats("counters", 10, 30, 12, [6, 4, 3]), k=3).ok  # sum != accepted
-    assert not check_counters(SpecStats("counters", 10, 30, 12, [4, 6, 2]), k=3).ok  # increasing
-    assert not check_counters(SpecStats("counters", 10, 31, 12, [6, 4, 2]), k=3).ok  # > K x drafts
-    assert check_counters(SpecStats("none"), 3).skipped
+    assert not check_counters(AcceptanceEvidence("counters", 10, 30, 12, [6, 4, 3]), k=3).ok  # sum != accepted
+    assert not check_counters(AcceptanceEvidence("counters", 10, 30, 12, [4, 6, 2]), k=3).ok  # increasing
+    assert not check_counters(AcceptanceEvidence("counters", 10, 31, 12, [6, 4, 2]), k=3).ok  # > K x drafts
+    assert check_counters(AcceptanceEvidence("none"), 3).skipped
 
 
 def test_speculation_alarm_and_acceptance():
-    assert SpecStats("counters", 0, 0, 0).describe().startswith("NOT SPECULATING: zero drafts")
-    st = SpecStats("counters", 100, 400, 2, [2])
+    assert AcceptanceEvidence("counters", 0, 0, 0).describe().startswith("NOT SPECULATING: zero drafts")
+    st = AcceptanceEvidence("counters", 100, 400, 2, [2])
     assert st.speculating is False and "NOT SPECULATING" in st.describe()
-    assert SpecStats("counters", 100, 400, 200, [100, 60, 40]).speculating
-    assert SpecStats("none").speculating is None
-    good = SpecStats("counters", 100, 400, 200, [100, 60, 40])  # 3.0
+    assert AcceptanceEvidence("counters", 100, 400, 200, [100, 60, 40]).speculating
+    assert AcceptanceEvidence("none").speculating is None
+    good = AcceptanceEvidence("counters", 100, 400, 200, [100, 60, 40])  # 3.0
     assert check_acceptance(good, 3.1).ok and not check_acceptance(good, 3.5).ok
 
 
@@ -120,7 +120,7 @@ def test_spec_stats_prefers_per_request():
 
     rs = [GenResult("a", True, spec={"num_drafts": 2, "num_draft_tokens": 6, "num_accepted_tokens": 3,
                                      "accepted_per_pos": [2, 1]})]
-    st = spec_stats(rs, {"num_drafts": 99, "num_draft_tokens": 99, "num_accepted_tokens": 0})
+    st = acceptance_evidence(rs, {"num_drafts": 99, "num_draft_tokens": 99, "num_accepted_tokens": 0})
     assert st.source == "per-request" and st.mean_accept_len == 2.5
 
 

@@ -8,7 +8,7 @@ import pytest
 from lossless_fakes import FakeAdapter, dist
 
 from specbench.harness.adapters.base import GenRequest
-from specbench.suites.lossless.greedy import GateOptions, Prompt, check_output, run_greedy
+from specbench.suites.lossless.greedy import GreedyGateOptions, Prompt, check_output, run_greedy
 from specbench.suites.lossless.regret import (
     BENIGN,
     FAIL_NO_DIST,
@@ -89,10 +89,10 @@ def alt_at(length: int, picks: dict[int, int] | None = None) -> int:
     return (nxt + 1) % 32
 
 
-def run_check(base: FakeAdapter, cand: FakeAdapter, opts: GateOptions | None = None):
+def run_check(base: FakeAdapter, cand: FakeAdapter, opts: GreedyGateOptions | None = None):
     async def go():
         res = (await cand.generate([GenRequest(prompt=PROMPT.ids, max_tokens=T)]))[0]
-        return await check_output(base, PROMPT, res, T, opts or GateOptions(), cand)
+        return await check_output(base, PROMPT, res, T, opts or GreedyGateOptions(), cand)
     return asyncio.run(go())
 
 
@@ -156,14 +156,14 @@ def test_max_divergences_budget():
     for n in (4, 6, 8):
         picks[n] = alt_at(n, picks)
     gaps = dict.fromkeys((4, 6, 8), 0.01)
-    pc = run_check(FakeAdapter(gaps), FakeAdapter(gaps, picks=picks), GateOptions(max_divergences=2))
+    pc = run_check(FakeAdapter(gaps), FakeAdapter(gaps, picks=picks), GreedyGateOptions(max_divergences=2))
     assert pc.status == "flip" and not pc.complete and len(pc.divergences) == 2
     assert "unchecked" in pc.reason and pc.tokens_compared == 4
 
 
 def test_outside_topk_scored_exactly_by_baseline():
     cand = FakeAdapter(picks={4: 0 if alt_at(4) != 0 else 1})
-    pc = run_check(FakeAdapter(), cand, GateOptions(top_k=2))
+    pc = run_check(FakeAdapter(), cand, GreedyGateOptions(top_k=2))
     d = pc.divergences[0]
     assert pc.status == "fail" and d.judgement.kind == FAIL_OUTSIDE
     assert d.judgement.lower_bound == pytest.approx(3.0) and d.judgement.regret is not None
@@ -185,7 +185,7 @@ def test_rescore_reports_unsupported():
 
 
 def test_run_greedy_verdict_and_counters():
-    run = asyncio.run(run_greedy(FakeAdapter(), FakeAdapter(), [PROMPT, Prompt("q", [1, 2])], 8, GateOptions()))
+    run = asyncio.run(run_greedy(FakeAdapter(), FakeAdapter(), [PROMPT, Prompt("q", [1, 2])], 8, GreedyGateOptions()))
     assert run.verdict == "PASS" and run.stats.source == "per-request" and run.stats.mean_accept_len == 2.5
     names = {c.name: c for c in run.checks}
     assert names["counters"].ok and names["kv-leak"].skipped

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from specbench.harness.adapters import GenResult
-from specbench.harness.results import RequestRecord, list_runs, load_run, open_run, read_jsonl
+from specbench.harness.results import RequestRecord, list_runs, load_stored_run, open_run, read_jsonl
 
 
 def _result(i: int) -> GenResult:
@@ -32,7 +32,7 @@ def test_complete_run_and_readers(tmp_path):
             assert len(read_jsonl(run.path / "requests.jsonl")) == i + 1
         run.write("samples", {"id": "q0", "answer": "42"})
         run.update(summary={"ok": 3})
-    lr = load_run(run.run_id, results=tmp_path)
+    lr = load_stored_run(run.run_id, results=tmp_path)
     assert lr.status == "complete" and lr.meta["suite_version"] == "2" and lr.meta["summary"] == {"ok": 3}
     prov = lr.meta["provenance"]
     assert prov["git"]["sha"] and "torch" in prov["packages"] and prov["device"]["cpu_count"] >= 1
@@ -49,7 +49,7 @@ def test_interrupted_run_keeps_records(tmp_path, exc):
     with pytest.raises(exc), open_run("unit", results=tmp_path) as run:
         run.add_request(RequestRecord(run_id=run.run_id, arm="a", idx=0, rid="r0", ok=True))
         raise exc("stop here")
-    lr = load_run(run.path)
+    lr = load_stored_run(run.path)
     assert lr.status == "incomplete" and "stop here" in lr.meta["error"] and lr.meta["ended"]
     assert len(lr.requests) == 1 and lr.meta["provenance"]["counts"] == {"requests": 1}
 
@@ -60,7 +60,7 @@ def test_env_override_torn_line_and_stale_run(tmp_path, monkeypatch):
         run.write("requests", {"idx": 0})
     with open(run.path / "requests.jsonl", "a") as fh:
         fh.write('{"idx": 1, "trunc')  # a writer killed mid-line
-    assert [r["idx"] for r in load_run(run.run_id).records()] == [0]
+    assert [r["idx"] for r in load_stored_run(run.run_id).records()] == [0]
     dead = tmp_path / "dead-run"
     dead.mkdir()
     meta = json.loads((run.path / "run.json").read_text())
@@ -97,7 +97,7 @@ def test_signal_marks_run_incomplete(tmp_path, sig):
     finally:
         if p.poll() is None:
             p.kill()
-    lr = load_run(tmp_path / "sig")
+    lr = load_stored_run(tmp_path / "sig")
     assert lr.status == "incomplete" and "interrupted" in lr.meta["error"]
     idx = [r["idx"] for r in lr.records()]
     assert idx[:3] == [0, 1, 2] and idx == list(range(len(idx)))

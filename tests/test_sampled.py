@@ -19,8 +19,8 @@ from specbench.suites.sampled import stats
 from specbench.suites.sampled.gate import (
     DEFAULT_CONFIGS,
     END,
-    GateOptions,
     SampledError,
+    SampledGateOptions,
     SamplingConfig,
     parse_configs,
     verdict_of,
@@ -106,9 +106,9 @@ def test_parse_configs_and_options():
         with pytest.raises(SampledError):
             parse_configs(bad)
     with pytest.raises(SampledError, match="--positions"):
-        GateOptions(positions=0)
+        SampledGateOptions(positions=0)
     with pytest.raises(SampledError, match="--q"):
-        GateOptions(q=1.5)
+        SampledGateOptions(q=1.5)
 
 
 def test_seeds_are_distinct_disjoint_and_fit_32_bits():
@@ -180,21 +180,21 @@ def test_gate_end_to_end_on_a_fake_engine():
     from specbench.suites.sampled.gate import run_gate
 
     cfgs = parse_configs("t=1")
-    res = run_gate(FakeEngine(), FakeEngine(text_only=True), GateOptions(**FAKE_OPTS, null=True), cfgs)
+    res = run_gate(FakeEngine(), FakeEngine(text_only=True), SampledGateOptions(**FAKE_OPTS, null=True), cfgs)
     assert res.verdict == "PASS", res.summary()
     assert [len(c.cells) for c in res.comparisons] == [6, 6]  # 2 prompts x 1 config x 3 positions, each
     assert res.spec["num_drafts"] > 0 and res.spec["mean_accept_len"] == pytest.approx(1.3)
     md = report.render(res)
     assert "Sampled equivalence gate: PASS" in md and "## null" in md
-    bad = run_gate(FakeEngine(), FakeEngine(bias=0.2), GateOptions(**FAKE_OPTS), cfgs)
+    bad = run_gate(FakeEngine(), FakeEngine(bias=0.2), SampledGateOptions(**FAKE_OPTS), cfgs)
     assert bad.verdict == "FAIL"
     assert {(c.position) for c in bad.comparisons[0].rejected} <= {1, 2}  # position 0 is untouched
     assert len(bad.comparisons[0].rejected) >= 3 and "Rejected cells" in report.render(bad)
-    assert run_gate(FakeEngine(), FakeEngine(counters=(0, 0)), GateOptions(**FAKE_OPTS), cfgs).verdict == \
+    assert run_gate(FakeEngine(), FakeEngine(counters=(0, 0)), SampledGateOptions(**FAKE_OPTS), cfgs).verdict == \
         "NOT SPECULATING"
-    assert run_gate(FakeEngine(), FakeEngine(counters=None), GateOptions(**FAKE_OPTS), cfgs).verdict == \
+    assert run_gate(FakeEngine(), FakeEngine(counters=None), SampledGateOptions(**FAKE_OPTS), cfgs).verdict == \
         "PASS (speculation unverified)"
-    inc = run_gate(FakeEngine(), FakeEngine(fail_every=50), GateOptions(**FAKE_OPTS), cfgs)
+    inc = run_gate(FakeEngine(), FakeEngine(fail_every=50), SampledGateOptions(**FAKE_OPTS), cfgs)
     assert inc.verdict == "INCOMPLETE" and inc.failed
 
 
@@ -222,14 +222,14 @@ def selftest_ci(tiny_pair):
     from specbench.suites.sampled.selftest import run_selftest
 
     base = LocalAdapter.from_dirs(tiny_pair[0], spec="off", name="baseline")
-    opts, cfgs = GateOptions(**CI_OPTS, null=True), parse_configs(CI_CONFIGS)
+    opts, cfgs = SampledGateOptions(**CI_OPTS, null=True), parse_configs(CI_CONFIGS)
     try:
         prompts = make_prompts(base, opts)
         samples = collect(base, prompts, cfgs, opts, "baseline", 0)
         rows, results = run_selftest(base, lambda f: _candidate(tiny_pair, "ngram", f), opts, cfgs, prompts,
                                      baseline_samples=samples)
         drows, dres = run_selftest(base, lambda f: _candidate(tiny_pair, "dflash", f),
-                                   GateOptions(**CI_OPTS, null=False), cfgs, prompts,
+                                   SampledGateOptions(**CI_OPTS, null=False), cfgs, prompts,
                                    cases=("clean", "resample_from_p"), baseline_samples=samples)
     finally:
         base.close()
@@ -304,7 +304,7 @@ def test_selftest_full_size(tiny_pair, request):
     base = LocalAdapter.from_dirs(tiny_pair[0], spec="off", name="baseline")
     try:
         rows, results = run_selftest(base, lambda f: _candidate(tiny_pair, SELFTEST_SPEC, f),
-                                     GateOptions(**SELFTEST_OPTIONS, null=True), parse_configs(SELFTEST_CONFIGS))
+                                     SampledGateOptions(**SELFTEST_OPTIONS, null=True), parse_configs(SELFTEST_CONFIGS))
     finally:
         base.close()
     assert all(r["ok"] for r in rows), rows

@@ -205,21 +205,21 @@ def fake_builder(adapters: dict[str, FakeAdapter]):
 
 
 def test_interrupted_sweep_keeps_records(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from specbench.harness.results import load_run
+    from specbench.harness.results import load_stored_run
 
     fakes = {"A": FakeAdapter("A", gap=0.002), "B": FakeAdapter("B", gap=0.002, interrupt_at=12)}
     monkeypatch.setattr(engines, "build_adapter", fake_builder(fakes))
     cfg = SweepConfig(levels=(1, 2), num_prompts=4, max_tokens=4, rounds=3, warmup=0)
     out = run_sweep(cfg, ["openai:http://a,name=A", "openai:http://b,name=B"], out_dir=tmp_path, progress=False)
     assert out.complete is False and out.run_dir is not None
-    run = load_run(out.run_dir)
+    run = load_stored_run(out.run_dir)
     assert run.status == "incomplete" and "interrupted" in (run.meta.get("error") or "")
     reqs, cells = run.records("requests"), run.records("cells")
     assert len(reqs) >= 11 and len(cells) >= 2  # everything finished before Ctrl-C is on disk
     assert fakes["A"].calls < 2 * 3 * 4 * 2  # and the sweep stopped
-    from specbench.suites.report import load_run as load_summary
+    from specbench.suites.report import load_run_summary
 
-    s = load_summary(out.run_dir)
+    s = load_run_summary(out.run_dir)
     assert not s.complete and s.get("A", 1.0) is not None
 
 
@@ -228,7 +228,7 @@ def test_local_and_openai_sweeps_agree(tiny_pair, tmp_path: Path) -> None:
     reached through the openai adapter. Same prompts (as token ids), greedy: same tokens, same acceptance."""
     from specbench.engine import EngineConfig, LLMEngine, SpecConfig
     from specbench.harness.server import ServerThread, make_app
-    from specbench.suites.report import load_run
+    from specbench.suites.report import load_run_summary
 
     target, draft = tiny_pair
     eng = LLMEngine(EngineConfig(model=target, draft=draft, spec=SpecConfig(method="dflash"), num_pages=256))
@@ -241,7 +241,7 @@ def test_local_and_openai_sweeps_agree(tiny_pair, tmp_path: Path) -> None:
     finally:
         loop.close()
     assert out.complete
-    s = load_run(out.run_dir)
+    s = load_run_summary(out.run_dir)
     reqs = [r for r in out.records if r["kind"] == "request"]
     assert reqs and all(r["ok"] for r in reqs)
     by = {(r["arm"], r["meta"]["level"], r["item_id"]): r for r in reqs}

@@ -10,8 +10,8 @@
 See docs/lossless.md.
 """
 
-from .greedy import GateOptions, GateRun, LosslessError, Prompt, PromptCheck, check_output, run_greedy
+from .greedy import GateRun, GreedyGateOptions, LosslessError, Prompt, PromptCheck, check_output, run_greedy
 from .regret import MARGIN_TOL, PickJudgement, first_divergence, judge_pick
 
-__all__ = ["MARGIN_TOL", "GateOptions", "GateRun", "LosslessError", "PickJudgement", "Prompt", "PromptCheck",
+__all__ = ["MARGIN_TOL", "GreedyGateOptions", "GateRun", "LosslessError", "PickJudgement", "Prompt", "PromptCheck",
            "check_output", "first_divergence", "judge_pick", "run_greedy"]

@@ -2,7 +2,7 @@
 
 Contract: each check is a pure function of what a run observed (results, a counters delta, a health
 snapshot) and returns a `Check` (name, ok, detail); none raises on bad engine output. The speculation
-check returns a `SpecStats` whose `speculating` is False when the engine never drafted or its mean
+check returns an `AcceptanceEvidence` whose `speculating` is False when the engine never drafted or its mean
 accepted length is within `min_accept_len` of 1.0: a lossless pass on such an engine proves nothing and
 the verdict says "NOT SPECULATING", never a plain PASS.
 
@@ -41,7 +41,7 @@ class Check:
 
 
 @dataclass
-class SpecStats:
+class AcceptanceEvidence:
     """Speculation during one run, from per-request stats (preferred) or a counters delta."""
 
     source: str  # "per-request" | "counters" | "none"
@@ -87,12 +87,12 @@ class SpecStats:
         return d
 
 
-def spec_stats(results: Iterable[GenResult], delta: dict | None,
-               min_accept_len: float = MIN_ACCEPT_LEN) -> SpecStats:
+def acceptance_evidence(results: Iterable[GenResult], delta: dict | None,
+               min_accept_len: float = MIN_ACCEPT_LEN) -> AcceptanceEvidence:
     """Per-request spec dicts when every ok result has one, else the counters delta, else unknown."""
     rs = [r for r in results if r.ok]
     if rs and all(r.spec for r in rs):
-        st = SpecStats("per-request", min_accept_len=min_accept_len)
+        st = AcceptanceEvidence("per-request", min_accept_len=min_accept_len)
         for r in rs:
             sp = r.spec or {}
             st.num_drafts += int(sp.get("num_drafts") or 0)
@@ -103,17 +103,17 @@ def spec_stats(results: Iterable[GenResult], delta: dict | None,
                                                          _pad(pp, len(st.accepted_per_pos)), strict=True)]
         return st
     if delta and delta.get("num_drafts") is not None:
-        return SpecStats("counters", int(delta.get("num_drafts") or 0), int(delta.get("num_draft_tokens") or 0),
+        return AcceptanceEvidence("counters", int(delta.get("num_drafts") or 0), int(delta.get("num_draft_tokens") or 0),
                          int(delta.get("num_accepted_tokens") or 0), list(delta.get("accepted_per_pos") or []),
                          min_accept_len)
-    return SpecStats("none", min_accept_len=min_accept_len)
+    return AcceptanceEvidence("none", min_accept_len=min_accept_len)
 
 
 def _pad(xs: list[int], n: int) -> list[int]:
     return xs + [0] * max(0, n - len(xs))
 
 
-def check_counters(stats: SpecStats, k: int | None = None) -> Check:
+def check_counters(stats: AcceptanceEvidence, k: int | None = None) -> Check:
     name = "counters"
     if not stats.known:
         return Check(name, True, "no spec counters exposed", skipped=True)
@@ -152,13 +152,13 @@ def check_after_stop(results: Sequence[GenResult], eos_ids: set[int], ignore_eos
     return Check(name, not bad, "; ".join(bad[:5]) or f"no token after an EOS in {len(results)} outputs")
 
 
-def check_speculating(stats: SpecStats) -> Check:
+def check_speculating(stats: AcceptanceEvidence) -> Check:
     if not stats.known:
         return Check("speculating", True, stats.describe(), skipped=True)
     return Check("speculating", bool(stats.speculating), stats.describe())
 
 
-def check_acceptance(stats: SpecStats, reference: float | None, rel_tol: float = 0.10) -> Check:
+def check_acceptance(stats: AcceptanceEvidence, reference: float | None, rel_tol: float = 0.10) -> Check:
     """Mean accepted length must not fall more than rel_tol below a reference (a clean run, a record)."""
     name = "acceptance"
     m = stats.mean_accept_len

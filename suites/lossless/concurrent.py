@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from specbench.harness.adapters.base import EngineAdapter
 
-from .greedy import GateOptions, GateRun, Prompt, run_greedy
+from .greedy import GateRun, GreedyGateOptions, Prompt, run_greedy
 
 
 def staggered(max_tokens: int, n: int) -> list[int]:
@@ -32,7 +32,7 @@ def staggered(max_tokens: int, n: int) -> list[int]:
 
 
 async def run_concurrent(baseline: EngineAdapter, candidate: EngineAdapter, prompts: Sequence[Prompt],
-                         max_tokens: int, opts: GateOptions, name: str = "concurrent") -> GateRun:
+                         max_tokens: int, opts: GreedyGateOptions, name: str = "concurrent") -> GateRun:
     mts = staggered(max_tokens, len(prompts))
     run = await run_greedy(baseline, candidate, prompts, max_tokens, opts, concurrency=None, name=name,
                            max_tokens_each=mts, baseline_concurrency=1)

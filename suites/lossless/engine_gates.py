@@ -28,11 +28,11 @@ from pathlib import Path
 
 from specbench.harness.adapters.base import EngineAdapter, GenRequest, GenResult, counters_delta
 
-from .checks import Check, SpecStats
+from .checks import AcceptanceEvidence, Check
 from .greedy import (
     Divergence,
-    GateOptions,
     GateRun,
+    GreedyGateOptions,
     Prompt,
     PromptCheck,
     baseline_for,
@@ -45,7 +45,7 @@ from .regret import first_divergence, judge_pick, merged_dist
 
 
 async def short_then_long(baseline: EngineAdapter, candidate: EngineAdapter, prompts: Sequence[Prompt],
-                          max_tokens: int, opts: GateOptions) -> GateRun:
+                          max_tokens: int, opts: GreedyGateOptions) -> GateRun:
     ps = list(prompts[:3]) or list(prompts)
     shorts = [3, 4, 2][: len(ps)]
     seq = [Prompt(f"{p.pid}-short{m}", p.ids, p.text) for p, m in zip(ps, shorts, strict=False)]
@@ -76,11 +76,11 @@ def _ids_of_len(seed: list[int], n: int) -> list[int]:
 
 
 async def headroom(baseline: EngineAdapter, candidate: EngineAdapter, prompts: Sequence[Prompt],
-                   max_tokens: int, opts: GateOptions) -> GateRun:
+                   max_tokens: int, opts: GreedyGateOptions) -> GateRun:
     t0 = time.perf_counter()
     geo = geometry(candidate)
     if geo is None:
-        return GateRun("headroom", [], SpecStats("none"),
+        return GateRun("headroom", [], AcceptanceEvidence("none"),
                        [Check("headroom", True, "engine geometry unknown (not a local engine)", skipped=True)],
                        require_spec=False)
     max_pos, usable = geo
@@ -116,7 +116,7 @@ async def headroom(baseline: EngineAdapter, candidate: EngineAdapter, prompts: S
 
 
 async def mixed(baseline: EngineAdapter, candidate: EngineAdapter, prompts: Sequence[Prompt],
-                max_tokens: int, opts: GateOptions) -> GateRun:
+                max_tokens: int, opts: GreedyGateOptions) -> GateRun:
     t0 = time.perf_counter()
     ps = list(prompts[:4])
     kinds = ["greedy" if i % 2 == 0 else "logprobs" for i in range(len(ps))]
@@ -174,7 +174,7 @@ def _inside_run(res: GenResult) -> bool:
 
 
 async def stop_in_run(baseline: EngineAdapter, candidate: EngineAdapter, prompts: Sequence[Prompt],
-                      max_tokens: int, opts: GateOptions) -> GateRun:
+                      max_tokens: int, opts: GreedyGateOptions) -> GateRun:
     t0 = time.perf_counter()
     cases: list[tuple[Prompt, str]] = []
     for p in prompts[:3]:

@@ -31,7 +31,15 @@ from dataclasses import asdict, dataclass, field
 
 from specbench.harness.adapters.base import EngineAdapter, GenRequest, GenResult, counters_delta
 
-from .checks import Check, SpecStats, check_after_stop, check_counters, check_kv_idle, eos_ids_of, spec_stats
+from .checks import (
+    AcceptanceEvidence,
+    Check,
+    acceptance_evidence,
+    check_after_stop,
+    check_counters,
+    check_kv_idle,
+    eos_ids_of,
+)
 from .regret import MARGIN_TOL, TOP_K, PickJudgement, first_divergence, judge_pick, merged_dist
 
 
@@ -40,7 +48,7 @@ class LosslessError(ValueError):
 
 
 @dataclass(frozen=True)
-class GateOptions:
+class GreedyGateOptions:
     margin_tol: float = MARGIN_TOL
     top_k: int = TOP_K
     max_divergences: int = 8
@@ -125,7 +133,7 @@ class GateRun:
 
     name: str
     prompts: list[PromptCheck]
-    stats: SpecStats
+    stats: AcceptanceEvidence
     checks: list[Check] = field(default_factory=list)
     wall_s: float = 0.0
     notes: list[str] = field(default_factory=list)
@@ -197,7 +205,7 @@ async def _rescore(candidate: EngineAdapter | None, ids: list[int], pick: int, b
 
 
 async def check_output(baseline: EngineAdapter, prompt: Prompt, cand: GenResult, max_tokens: int,
-                       opts: GateOptions, candidate: EngineAdapter | None = None,
+                       opts: GreedyGateOptions, candidate: EngineAdapter | None = None,
                        first_base: GenResult | None = None) -> PromptCheck:
     """Judge one candidate output against baselines, re-anchoring after each benign flip."""
     pc = PromptCheck(prompt.pid, len(prompt.ids), max_tokens, spec=cand.spec)
@@ -295,10 +303,10 @@ async def health(adapter: EngineAdapter, settle_s: float = 2.0) -> dict | None:
 
 
 async def finish_run(name: str, candidate: EngineAdapter, baseline: EngineAdapter, prompts: list[PromptCheck],
-                     results: Sequence[GenResult], delta: dict | None, opts: GateOptions, t0: float,
+                     results: Sequence[GenResult], delta: dict | None, opts: GreedyGateOptions, t0: float,
                      k: int | None = None) -> GateRun:
     """Spec statistics and the run checks (counters, after-EOS, KV idle) around one gate's requests."""
-    stats = spec_stats(results, delta, opts.min_accept_len)
+    stats = acceptance_evidence(results, delta, opts.min_accept_len)
     eos = eos_ids_of(candidate.describe()) or eos_ids_of(baseline.describe())
     checks = [check_counters(stats, k), check_after_stop(results, eos), check_kv_idle(await health(candidate))]
     return GateRun(name, prompts, stats, checks, time.perf_counter() - t0, results=list(results))
@@ -311,7 +319,7 @@ def engine_k(adapter: EngineAdapter) -> int | None:
 
 
 async def run_greedy(baseline: EngineAdapter, candidate: EngineAdapter, prompts: Sequence[Prompt], max_tokens: int,
-                     opts: GateOptions, concurrency: int | None = 1, name: str = "greedy",
+                     opts: GreedyGateOptions, concurrency: int | None = 1, name: str = "greedy",
                      max_tokens_each: Sequence[int] | None = None, baseline_concurrency: int | None = None,
                      on_prompt: Callable[[PromptCheck], None] | None = None) -> GateRun:
     """Candidate generations (`concurrency` at a time), then each checked against its own baselines."""

@@ -26,10 +26,10 @@ from dataclasses import asdict, dataclass, field
 
 from specbench.harness.adapters.base import EngineAdapter, GenRequest, GenResult, ScoreResult
 
-from .checks import SpecStats, check_acceptance
+from .checks import AcceptanceEvidence, check_acceptance
 from .concurrent import run_concurrent
 from .engine_gates import GATES
-from .greedy import GateOptions, GateRun, Prompt, run_greedy, tokenize_prompts
+from .greedy import GateRun, GreedyGateOptions, Prompt, run_greedy, tokenize_prompts
 from .prompts import load_prompts
 
 SAMPLING_FAULTS = frozenset({"biased_accept", "resample_from_p", "reused_uniform"})
@@ -163,12 +163,12 @@ def _why(g: GateRun) -> str:
 
 
 async def run_engine(label: str, faults: tuple[str, ...], description: str, baseline: EngineAdapter,
-                     candidate: EngineAdapter, prompts: list[Prompt], max_tokens: int, opts: GateOptions,
+                     candidate: EngineAdapter, prompts: list[Prompt], max_tokens: int, opts: GreedyGateOptions,
                      reference_accept: float | None) -> EngineRow:
     """All gates on one fresh candidate engine; short-then-long first, while nothing has been captured."""
     t0 = time.perf_counter()
     row = EngineRow(label, faults, description)
-    stats: SpecStats | None = None
+    stats: AcceptanceEvidence | None = None
     main: list[GateRun] = []
     runs: dict[str, Callable] = {
         "short-then-long": GATES["short-then-long"],
@@ -227,13 +227,13 @@ def _num(x: float | None) -> str:
 
 async def run_selftest(make_candidate: Callable[[tuple[str, ...]], EngineAdapter], baseline: EngineAdapter,
                        repeat: int = 5, num_prompts: int = 6, max_tokens: int = 48, dataset: str = "gsm8k",
-                       opts: GateOptions | None = None, faults: list[str] | None = None,
+                       opts: GreedyGateOptions | None = None, faults: list[str] | None = None,
                        expect_accept_len: float | None = None,
                        log: Callable[[str], None] | None = None) -> SelftestOutcome:
     if repeat < 1:
         raise ValueError(f"--repeat {repeat} is invalid: expected an integer >= 1")
     say = log or (lambda s: None)
-    opts = opts or GateOptions()
+    opts = opts or GreedyGateOptions()
     known = greedy_faults()
     names = faults if faults is not None else list(known)
     unknown = [f for f in names if f not in known]

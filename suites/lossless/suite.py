@@ -27,7 +27,7 @@ from specbench.harness.adapters.base import EngineAdapter
 from .checks import check_acceptance
 from .concurrent import run_concurrent
 from .engine_gates import GATES
-from .greedy import GateOptions, GateRun, LosslessError, PromptCheck, run_greedy, tokenize_prompts
+from .greedy import GateRun, GreedyGateOptions, LosslessError, PromptCheck, run_greedy, tokenize_prompts
 from .prompts import load_prompts
 
 SUITE_VERSION = "1"
@@ -61,8 +61,8 @@ class LosslessConfig:
             raise LosslessError(f"top_k={self.top_k} is invalid: engines return at most 20 logprobs")
 
     @property
-    def gate_options(self) -> GateOptions:
-        return GateOptions(self.margin_tol, self.top_k, self.max_divergences, self.rescore, self.min_accept_len)
+    def gate_options(self) -> GreedyGateOptions:
+        return GreedyGateOptions(self.margin_tol, self.top_k, self.max_divergences, self.rescore, self.min_accept_len)
 
 
 @dataclass

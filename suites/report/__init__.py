@@ -1,6 +1,6 @@
 """`specbench report`: markdown A/B tables and PNG plots from stored sweep runs.
 
-Pipeline: `load_run(dir)` (records + the run's own record) -> `summarize` (summarize.py: per level
+Pipeline: `load_run_summary(dir)` (records + the run's own record) -> `summarize` (summarize.py: per level
 and arm figures, paired speedups, the noise floor) -> `render_markdown` (markdown.py) + the PNGs of
 plots.py. `write_report(run_dirs, out)` writes OUT.md and OUT-<plot>.png beside it (linked relatively)
 and returns the paths. Reports are pure functions of the records: rendering twice gives the same text.
@@ -14,7 +14,7 @@ from .markdown import render_comparison, render_run
 from .plots import PLOTS
 from .summarize import ArmLevel, RunSummary, summarize
 
-__all__ = ["ArmLevel", "ReportError", "RunSummary", "load_records", "load_run", "run_meta", "render_markdown", "summarize", "write_report"]
+__all__ = ["ArmLevel", "ReportError", "RunSummary", "load_records", "load_run_summary", "run_meta", "render_markdown", "summarize", "write_report"]
 
 
 class ReportError(ValueError):
@@ -26,7 +26,7 @@ def load_records(run_dir: str | Path) -> tuple[list[dict], dict]:
     from specbench.harness import results
 
     try:
-        run = results.load_run(run_dir)
+        run = results.load_stored_run(run_dir)
     except FileNotFoundError as e:
         raise ReportError(f"run directory {str(run_dir)!r}: {e}") from None
     records = [{"kind": kind, **r} for src, kind in (("sweep", "sweep"), ("requests", "request"), ("cells", "cell"))
@@ -46,7 +46,7 @@ def run_meta(meta: dict, status: str) -> dict:
             "started": meta.get("started"), "git_sha": sha, "device": device}
 
 
-def load_run(run_dir: str | Path) -> RunSummary:
+def load_run_summary(run_dir: str | Path) -> RunSummary:
     records, meta = load_records(run_dir)
     return summarize(records, run_id=str(meta.get("run_id") or Path(run_dir).name), run_meta=meta)
 

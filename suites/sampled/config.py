@@ -1,6 +1,6 @@
-"""Options of the sampled gate: sampling configs, `GateOptions`, and the bad-input error.
+"""Options of the sampled gate: sampling configs, `SampledGateOptions`, and the bad-input error.
 
-Contract: `parse_configs` and `GateOptions` validate everything a user can type and raise `SampledError`
+Contract: `parse_configs` and `SampledGateOptions` validate everything a user can type and raise `SampledError`
 (a ValueError; the CLI turns it into exit code 2) naming the option, the value and what is accepted.
 """
 
@@ -57,7 +57,7 @@ def parse_configs(text: str) -> list[SamplingConfig]:
 
 
 @dataclass(frozen=True)
-class GateOptions:
+class SampledGateOptions:
     num_prompts: int = 8
     positions: int = 32
     samples: int = 256

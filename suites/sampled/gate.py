@@ -33,7 +33,14 @@ import numpy as np
 from specbench.harness.adapters.base import EngineAdapter, GenRequest, counters_delta
 
 from . import stats
-from .config import DEFAULT_CONFIGS, PROMPT_SETS, GateOptions, SampledError, SamplingConfig, parse_configs
+from .config import (
+    DEFAULT_CONFIGS,
+    PROMPT_SETS,
+    SampledError,
+    SampledGateOptions,
+    SamplingConfig,
+    parse_configs,
+)
 from .prompts import echo_prompts, load_prompts, make_prompts
 
 END = -1
@@ -63,7 +70,7 @@ class Samples:
 
 
 def collect(adapter: EngineAdapter, prompts: Sequence[tuple[str, str]], configs: Sequence[SamplingConfig],
-            opts: GateOptions, arm: str, arm_index: int) -> Samples:
+            opts: SampledGateOptions, arm: str, arm_index: int) -> Samples:
     cells = len(prompts) * len(configs)
     if seed_of(opts.seed + 1, 0, 0, 0, cells, opts.samples) > SEED_LIMIT:
         raise SampledError(f"--seed {opts.seed} with {cells} prompt x config cells of {opts.samples} samples does not "
@@ -139,7 +146,7 @@ class Comparison:
 
 
 def compare(name: str, a: Samples, b: Samples, prompts: Sequence[tuple[str, str]],
-            configs: Sequence[SamplingConfig], opts: GateOptions) -> Comparison:
+            configs: Sequence[SamplingConfig], opts: SampledGateOptions) -> Comparison:
     t0 = time.perf_counter()
     perms: dict[tuple[int, int], stats.Permuter] = {}
     cells: list[Cell] = []
@@ -241,7 +248,7 @@ def verdict_of(comparisons: Sequence[Comparison], spec: dict | None, failed: Seq
     return "PASS"
 
 
-def run_gate(baseline: EngineAdapter, candidate: EngineAdapter, opts: GateOptions,
+def run_gate(baseline: EngineAdapter, candidate: EngineAdapter, opts: SampledGateOptions,
              configs: Sequence[SamplingConfig] = DEFAULT_CONFIGS, prompts: Sequence[tuple[str, str]] | None = None,
              baseline_samples: Samples | None = None, log: Callable[[str], None] | None = None,
              on_samples: Callable[[Samples], None] | None = None) -> GateResult:
@@ -294,6 +301,6 @@ def _add_counters(a: dict | None, b: dict | None) -> dict | None:
     return out
 
 
-__all__ = ["DEFAULT_CONFIGS", "END", "PROMPT_SETS", "Cell", "Comparison", "GateOptions", "GateResult", "SampledError",
+__all__ = ["DEFAULT_CONFIGS", "END", "PROMPT_SETS", "Cell", "Comparison", "SampledGateOptions", "GateResult", "SampledError",
            "Samples", "SamplingConfig", "collect", "compare", "echo_prompts", "load_prompts", "make_prompts",
            "parse_configs", "run_gate", "seed_of", "spec_summary", "verdict_of"]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from specbench.harness.adapters.base import EngineAdapter, GenRequest
 
-from .config import GateOptions, SampledError
+from .config import SampledError, SampledGateOptions
 
 
 def load_prompts(n: int, max_chars: int = 400) -> list[tuple[str, str]]:
@@ -48,6 +48,6 @@ def echo_prompts(baseline: EngineAdapter, prompts: Sequence[tuple[str, str]],
     return [(f"{pid}-echo", f"{text}{r.text}\n\n{text}") for (pid, text), r in zip(prompts, res, strict=True)]
 
 
-def make_prompts(baseline: EngineAdapter, opts: GateOptions) -> list[tuple[str, str]]:
+def make_prompts(baseline: EngineAdapter, opts: SampledGateOptions) -> list[tuple[str, str]]:
     rows = load_prompts(opts.num_prompts, opts.prompt_chars)
     return echo_prompts(baseline, rows) if opts.prompt_set == "echo" else rows

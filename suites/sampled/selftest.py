@@ -16,9 +16,9 @@ from specbench.harness.adapters.base import EngineAdapter
 
 from .gate import (
     DEFAULT_CONFIGS,
-    GateOptions,
     GateResult,
     SampledError,
+    SampledGateOptions,
     Samples,
     SamplingConfig,
     collect,
@@ -48,7 +48,7 @@ def _row(case: str, res: GateResult, seconds: float) -> dict:
             "mean_accept_len": (res.spec or {}).get("mean_accept_len", 0.0), "seconds": seconds}
 
 
-def run_selftest(baseline: EngineAdapter, make_candidate: Callable[[str | None], EngineAdapter], opts: GateOptions,
+def run_selftest(baseline: EngineAdapter, make_candidate: Callable[[str | None], EngineAdapter], opts: SampledGateOptions,
                  configs: Sequence[SamplingConfig] = DEFAULT_CONFIGS, prompts: Sequence[tuple[str, str]] | None = None,
                  cases: Sequence[str] = ("clean", *FAULT_CASES), log: Callable[[str], None] | None = None,
                  on_samples: Callable[[Samples], None] | None = None,
@@ -70,7 +70,7 @@ def run_selftest(baseline: EngineAdapter, make_candidate: Callable[[str | None],
         t = time.perf_counter()
         cand = make_candidate(None if case == "clean" else case)
         try:
-            case_opts = opts if case == "clean" else GateOptions(**{**opts.__dict__, "null": False})
+            case_opts = opts if case == "clean" else SampledGateOptions(**{**opts.__dict__, "null": False})
             res = run_gate(baseline, cand, case_opts, configs, prompts, baseline_samples=base, on_samples=on_samples)
         finally:
             cand.close()

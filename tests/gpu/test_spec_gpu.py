@@ -68,10 +68,10 @@ def _prompts(vocab: int, n: int, seed: int = 11) -> list[list[int]]:
 
 # ---- spec on vs spec off through the regret rule --------------------------------------------------------
 def _gate(baseline, candidate, prompts: list[list[int]], max_tokens: list[int], concurrency: int):
-    from specbench.suites.lossless.greedy import GateOptions, Prompt, run_greedy
+    from specbench.suites.lossless.greedy import GreedyGateOptions, Prompt, run_greedy
 
     ps = [Prompt(f"p{i}", ids) for i, ids in enumerate(prompts)]
-    return asyncio.run(run_greedy(baseline, candidate, ps, max(max_tokens), GateOptions(), concurrency=concurrency,
+    return asyncio.run(run_greedy(baseline, candidate, ps, max(max_tokens), GreedyGateOptions(), concurrency=concurrency,
                                   max_tokens_each=max_tokens, baseline_concurrency=1))
 
 
