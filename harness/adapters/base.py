@@ -49,6 +49,7 @@ class GenRequest:
     logprobs: int | None = None  # top-k logprobs per output position (None = off)
     rid: str | None = None
     meta: dict = field(default_factory=dict)  # opaque to adapters; copied into the result
+    prompt_cache: bool | None = None  # reuse a cached prompt prefix (None = the engine's default; gates send False)
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
