@@ -9,6 +9,9 @@ Forms (options are comma-separated key=value after the target):
         weights, labelled, never lossless; eager / verify_graph / draft_graph / triton: the GPU fast-path
         switches, docs/gpu.md)
   openai:<base_url>[,model=M][,stream=0|1][,extras=0|1][,timeout=S][,retries=N][,api_key=K][,name=X]
+        [,tokenizer=<dir>][,dialect=llamacpp|vllm|sglang|specbench|openai][,probe=0|1]
+        (probe: detect the endpoint's dialect and capabilities first, default on; dialect forces one;
+        tokenizer: the model's own tokenizer.json for an endpoint that cannot tokenize)
   hf:<model_dir>[,assistant=<dir>][,lookup=N][,device=...][,dtype=...][,name=X]
 With no engine string at all, `default_engines()` gives the bundled tiny pair: the baseline with
 speculation off and the candidate with speculation on (dflash; ngram while the drafter is absent).
@@ -33,7 +36,7 @@ OPTIONS = {
     "local": ("draft", "spec", "k", "device", "dtype", "num_pages", "faults", "name", "max_model_len", "tau",
               "max_num_seqs", "attention", "eager", "verify_graph", "draft_graph", "triton", "gemv",
               "decode_tensor_cores", "decode_attention", "gpu_memory_utilization"),
-    "openai": ("model", "stream", "extras", "timeout", "retries", "api_key", "name"),
+    "openai": ("model", "stream", "extras", "timeout", "retries", "api_key", "name", "tokenizer", "dialect", "probe"),
     "hf": ("assistant", "lookup", "device", "dtype", "name"),
 }
 SPECS = ("off", "dflash", "ngram")
@@ -42,6 +45,7 @@ DECODE_ATTENTION = ("flashinfer", "triton")  # EngineConfig.decode_attention: Fl
 BOOLS = ("0", "1", "true", "false", "yes", "no", "on", "off")
 SWITCHES = ("eager", "verify_graph", "draft_graph", "triton", "decode_tensor_cores", "gemv")  # local engine switches (EngineConfig fields)
 DTYPES = ("float32", "bfloat16", "float16")
+DIALECTS = ("llamacpp", "vllm", "sglang", "specbench", "openai")  # adapters/dialect.py
 
 
 class EngineStringError(ValueError):
@@ -103,9 +107,13 @@ def parse_engine(raw: str) -> EngineSpec:
         raise _fail(raw, f"base_url {target!r} must start with http:// or https://")
     if kind in ("local", "hf") and target:
         _check_dir(raw, "model", target)
-    for key in ("draft", "assistant"):
+    for key in ("draft", "assistant", "tokenizer"):
         if key in opts:
             _check_dir(raw, key, opts[key])
+    if opts.get("dialect") is not None and opts["dialect"] not in DIALECTS:
+        raise _fail(raw, f"dialect={opts['dialect']!r} is invalid: expected one of {', '.join(DIALECTS)}")
+    if "probe" in opts and opts["probe"] not in BOOLS:
+        raise _fail(raw, f"probe={opts['probe']!r} is invalid: expected 0 or 1")
     if opts.get("spec") is not None and opts["spec"] not in SPECS:
         raise _fail(raw, f"spec={opts['spec']!r} is invalid: expected one of {', '.join(SPECS)}")
     if opts.get("dtype") is not None and opts["dtype"] not in DTYPES:
@@ -235,7 +243,9 @@ def build_adapter(spec: EngineSpec | str, name: str | None = None) -> EngineAdap
 
         return OpenAIAdapter(spec.target, model=o.get("model"), api_key=o.get("api_key"), name=name,
                              stream=spec.opt_bool("stream", True), extras=spec.opt_bool("extras", True),
-                             timeout=float(o.get("timeout", 600)), retries=int(o.get("retries", 3)))
+                             timeout=float(o.get("timeout", 600)), retries=int(o.get("retries", 3)),
+                             probe=spec.opt_bool("probe", True), dialect=o.get("dialect"),
+                             tokenizer=o.get("tokenizer"))
     from .adapters.hf import HFAdapter
 
     return HFAdapter(spec.target, assistant=o.get("assistant"), lookup=spec.opt_int("lookup"),

@@ -15,19 +15,30 @@ Contract:
 - One httpx.AsyncClient per event loop (an adapter may be driven by several asyncio.run calls).
 - score() uses echo + logprobs + max_tokens=0 (retried with max_tokens=1 if refused) with token-id
   prompts; spec_counters() scrapes /metrics (prom.py); tokenize() uses vLLM's POST /tokenize.
+- Dialects (dialect.py): with `probe=True` (engine strings: the default) the endpoint is probed once,
+  on first use, and every route follows what it answered: the /tokenize body ({"prompt"} or llama.cpp's
+  {"content"}; an empty list for a non-empty text is never a prompt), llama.cpp's native /completion for
+  text and token-id prompts (ids from `tokens`, logprobs from `completion_probabilities`, per-request
+  draft counts from `timings`), `llamacpp:` counters, explicit top_k / top_p / min_p in every request
+  (llama.cpp would apply top_k 40, min_p 0.05), `cache_prompt` from `GenRequest.prompt_cache`, and
+  scoring by one 1-token generation per position where echo is refused. `tokenizer=DIR` tokenizes
+  locally (round-trip checked) where the endpoint cannot. The record is `describe()["capabilities"]`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
 
-from .base import EngineAdapter, GenRequest, GenResult, ScoreResult, failed
-from .openai_stream import StreamAccumulator, legacy_positions
+from .base import EngineAdapter, GenRequest, GenResult, PosLogprobs, ScoreResult, failed
+from .dialect import Capabilities, LocalTokenizer, probe_endpoint
+from .openai_stream import StreamAccumulator, chat_positions, legacy_positions
 from .prom import spec_counters_from_metrics
 
 
@@ -62,7 +73,8 @@ class OpenAIAdapter(EngineAdapter):
                  stream: bool = True, extras: bool = True, continuous_usage: bool = True, timeout: float = 600.0,
                  connect_timeout: float = 10.0, retries: int = 3, backoff: float = 0.5,
                  max_connections: int = 1024, extra_body: dict | None = None,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 transport: httpx.AsyncBaseTransport | None = None, probe: bool = False,
+                 dialect: str | None = None, tokenizer: str | Path | LocalTokenizer | None = None) -> None:
         super().__init__(name or "openai")
         self.root, self.api = split_url(base_url)
         self.model = model
@@ -76,7 +88,14 @@ class OpenAIAdapter(EngineAdapter):
         self._cli: httpx.AsyncClient | None = None
         self._cli_loop: asyncio.AbstractEventLoop | None = None
         self._tokenize_ok: bool | None = None
+        self._tokenize_body: str | None = None  # "prompt" | "content": the /tokenize body that answered
         self._info: dict | None = None
+        self.probe_enabled = probe or dialect is not None
+        self.forced_dialect = dialect
+        self.local_tokenizer = tokenizer if isinstance(tokenizer, LocalTokenizer) or tokenizer is None \
+            else LocalTokenizer(tokenizer)
+        self.caps: Capabilities | None = None
+        self._probe_lock = threading.Lock()
 
     # ---- plumbing --------------------------------------------------------------------------------
     def _client(self) -> httpx.AsyncClient:
@@ -93,6 +112,71 @@ class OpenAIAdapter(EngineAdapter):
             r.raise_for_status()
             self.model = r.json()["data"][0]["id"]
         return self.model
+
+    # ---- dialect ---------------------------------------------------------------------------------
+    def probe(self) -> Capabilities | None:
+        """Probe the endpoint once (thread-safe, synchronous); None when probing is off."""
+        if not self.probe_enabled:
+            return None
+        with self._probe_lock:
+            if self.caps is None:
+                tr = self.transport if isinstance(self.transport, httpx.BaseTransport) else None
+                with httpx.Client(timeout=httpx.Timeout(60.0, connect=self.timeout.connect), headers=self.headers,
+                                  transport=tr) as c:
+                    self.caps = probe_endpoint(c, self.root, self.api, self.model, extras=self.extras,
+                                               tokenizer=self.local_tokenizer, dialect=self.forced_dialect)
+                if self.model is None:
+                    self.model = self.caps.server.get("model")
+                if self.caps.tokenize in ("prompt", "content"):
+                    self._tokenize_body, self._tokenize_ok = self.caps.tokenize, True
+        return self.caps
+
+    async def _caps(self) -> Capabilities | None:
+        if not self.probe_enabled:
+            return None
+        if self.caps is None:
+            await asyncio.to_thread(self.probe)
+        return self.caps
+
+    async def endpoint_capabilities(self) -> dict | None:
+        caps = await self._caps()
+        return caps.to_dict() if caps is not None else None
+
+    @property
+    def dialect(self) -> str:
+        return self.caps.dialect if self.caps is not None else (self.forced_dialect or "openai")
+
+    def _samplers(self, body: dict, req: GenRequest) -> None:
+        """Explicit sampler settings: a server default (llama.cpp: top_k 40, min_p 0.05) must never apply."""
+        d = self.dialect
+        if d == "llamacpp":
+            body["top_k"] = req.top_k if req.top_k and req.top_k > 0 else 0
+            body["min_p"] = 0.0
+            body["top_p"] = req.top_p
+            if req.prompt_cache is not None:
+                body["cache_prompt"] = bool(req.prompt_cache)
+        elif d in ("vllm", "specbench", "sglang") and self.extras:
+            body["top_k"] = req.top_k if req.top_k and req.top_k > 0 else -1
+            body["min_p"] = 0.0
+
+    def _native(self, req: GenRequest) -> bool:
+        return self.caps is not None and self.caps.generate_route == "/completion" and req.messages is None
+
+    def _native_body(self, req: GenRequest) -> dict:
+        """llama.cpp's own /completion request."""
+        body: dict[str, Any] = {"prompt": req.prompt, "n_predict": req.max_tokens, "temperature": req.temperature,
+                                "stream": self.stream, "return_tokens": True}
+        self._samplers(body, req)
+        if req.seed is not None:
+            body["seed"] = req.seed
+        if req.stop:
+            body["stop"] = list(req.stop)
+        if req.ignore_eos:
+            body["ignore_eos"] = True
+        if req.logprobs is not None:
+            body["n_probs"] = req.logprobs
+        body.update(self.extra_body)
+        return body
 
     def _body(self, req: GenRequest, model: str) -> dict:
         body: dict[str, Any] = {"model": model, "max_tokens": req.max_tokens, "temperature": req.temperature,
@@ -118,10 +202,11 @@ class OpenAIAdapter(EngineAdapter):
                 body["logprobs"], body["top_logprobs"] = True, req.logprobs
             else:
                 body["logprobs"] = req.logprobs
-        if self.extras:
+        if self.extras and self.dialect != "llamacpp":
             body["return_token_ids"] = True
             if req.logprobs is not None:
                 body["return_tokens_as_token_ids"] = True
+        self._samplers(body, req)
         body.update(self.extra_body)
         return body
 
@@ -133,8 +218,12 @@ class OpenAIAdapter(EngineAdapter):
             model = await self._model()
         except Exception as e:
             return failed(req, rid, f"cannot resolve the model from {self.api}/models: {type(e).__name__}: {e}", t0)
-        url = self.api + ("/chat/completions" if req.messages is not None else "/completions")
-        body = self._body(req, model)
+        await self._caps()
+        if self._native(req):
+            url, body = self.root + "/completion", self._native_body(req)
+        else:
+            url = self.api + ("/chat/completions" if req.messages is not None else "/completions")
+            body = self._body(req, model)
         last = ""
         for attempt in range(1, self.retries + 2):
             try:
@@ -146,7 +235,8 @@ class OpenAIAdapter(EngineAdapter):
         return failed(req, rid, f"gave up after {self.retries + 1} attempts: {last}", t0, self.retries + 1)
 
     async def _attempt(self, req: GenRequest, rid: str, url: str, body: dict, attempt: int) -> GenResult:
-        acc = StreamAccumulator(chat=req.messages is not None, top_k=req.logprobs)
+        acc = StreamAccumulator(chat=req.messages is not None, top_k=req.logprobs, native=url.endswith("/completion"),
+                                one_token_per_chunk=self.dialect == "llamacpp")
         res = GenResult(rid=rid, ok=True, t_send=time.perf_counter(), wall_send=time.time(), attempts=attempt,
                         meta=dict(req.meta))
         started = False
@@ -189,6 +279,11 @@ class OpenAIAdapter(EngineAdapter):
 
     # ---- the rest of the contract ----------------------------------------------------------------
     async def score(self, prompt_ids: list[int], continuation_ids: list[int], top_k: int = 1) -> ScoreResult | None:
+        caps = await self._caps()
+        if caps is not None and not caps.prompt_logprobs:
+            if caps.scoring == "generation":
+                return await self._score_by_generation(prompt_ids, continuation_ids, top_k)
+            return None
         ids = list(prompt_ids) + list(continuation_ids)
         n, m = len(prompt_ids), len(continuation_ids)
         body: dict[str, Any] = {"model": await self._model(), "prompt": ids, "max_tokens": 0, "echo": True,
@@ -201,12 +296,35 @@ class OpenAIAdapter(EngineAdapter):
             r = await cli.post(self.api + "/completions", json={**body, "max_tokens": 1})
         if r.status_code != 200:
             return None
-        pos = legacy_positions(r.json()["choices"][0].get("logprobs"), top_k)
+        lp = r.json()["choices"][0].get("logprobs")
+        chat = isinstance(lp, dict) and isinstance(lp.get("content"), list)
+        pos = chat_positions(lp, top_k) if chat else legacy_positions(lp, top_k)
         if len(pos) < n + m:
             return None
         out = pos[n:n + m]
         for p, t in zip(out, continuation_ids, strict=True):
             p.token_id = t if p.token_id is None else p.token_id
+        return ScoreResult(out)
+
+    async def _score_by_generation(self, prompt_ids: list[int], continuation_ids: list[int], top_k: int,
+                                   max_positions: int = 16) -> ScoreResult | None:
+        """Teacher-forced logprobs without echo: one 1-token greedy generation per position, whose first
+        token always comes from a plain forward pass (never a draft), so its top-k is real. The pick's
+        logprob is known when it is inside that top-k, else None."""
+        if len(continuation_ids) > max_positions:
+            return None
+        out: list[PosLogprobs] = []
+        for j, t in enumerate(continuation_ids):
+            req = GenRequest(prompt=list(prompt_ids) + list(continuation_ids[:j]), max_tokens=1, temperature=0.0,
+                             logprobs=max(top_k, 1), prompt_cache=False)
+            res = await self.generate_one(req)
+            lps = res.logprobs or []
+            if not res.ok or not lps or (lps[0].logprob is None and not lps[0].top):
+                return None
+            top = dict(lps[0].top)
+            if lps[0].token_id is not None and lps[0].logprob is not None:
+                top.setdefault(lps[0].token_id, lps[0].logprob)
+            out.append(PosLogprobs(token_id=t, logprob=top.get(t), top=top))
         return ScoreResult(out)
 
     async def spec_counters(self) -> dict | None:
@@ -219,17 +337,41 @@ class OpenAIAdapter(EngineAdapter):
         return spec_counters_from_metrics(r.text, self.model)
 
     async def tokenize(self, text: str) -> list[int] | None:
-        if self._tokenize_ok is False:
+        """Token ids of `text` by the endpoint's /tokenize (the body that answers with tokens), else the local
+        tokenizer; None when neither can. An empty list for a non-empty text is never returned."""
+        await self._caps()
+        if self.caps is not None and self.caps.tokenize == "local":
+            return self.local_tokenizer.tokenize(text) if self.local_tokenizer is not None else None
+        if self._tokenize_ok is not False:
+            for name in [self._tokenize_body] if self._tokenize_body else ["prompt", "content"]:
+                toks = await self._tokenize_with(name, text)
+                if toks is None:
+                    continue
+                if toks or not text:
+                    self._tokenize_body, self._tokenize_ok = name, True
+                    return toks
+                if self._tokenize_body == name:  # the working body gave nothing for this text
+                    break
+            if self._tokenize_body is None:
+                self._tokenize_ok = False
+        if self.local_tokenizer is not None:
+            return self.local_tokenizer.tokenize(text)
+        return None
+
+    async def _tokenize_with(self, name: str, text: str) -> list[int] | None:
+        body = {"model": await self._model(), "prompt": text, "add_special_tokens": False} if name == "prompt" \
+            else {"content": text, "add_special": False}
+        try:
+            r = await self._client().post(self.root + "/tokenize", json=body)
+            toks = r.json().get("tokens") if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
             return None
-        body = {"model": await self._model(), "prompt": text, "add_special_tokens": False}
-        r = await self._client().post(self.root + "/tokenize", json=body)
-        if r.status_code != 200 or not isinstance(r.json().get("tokens"), list):
-            self._tokenize_ok = False
-            return None
-        self._tokenize_ok = True
-        return list(r.json()["tokens"])
+        if isinstance(toks, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
+            return list(toks)
+        return None
 
     def describe(self) -> dict:
+        caps = self.probe()
         if self._info is None:
             info: dict[str, Any] = {}
             try:
@@ -242,11 +384,18 @@ class OpenAIAdapter(EngineAdapter):
                     info["version"] = v.json().get("version") if v.status_code == 200 else None
             except (httpx.HTTPError, ValueError) as e:
                 info["error"] = f"{type(e).__name__}: {e}"
+            if caps is not None and info.get("version") is None:
+                info["version"] = caps.server.get("version")
             self._info = info
-        return {"name": self.name, "kind": self.kind, "version": self._info.get("version"), "model": self.model,
-                "config": {"base_url": self.root, "stream": self.stream, "extras": self.extras,
-                           "timeout": self.timeout.read, "retries": self.retries},
-                "server": self._info}
+        d = {"name": self.name, "kind": self.kind, "version": self._info.get("version"), "model": self.model,
+             "config": {"base_url": self.root, "stream": self.stream, "extras": self.extras,
+                        "timeout": self.timeout.read, "retries": self.retries,
+                        "tokenizer": self.local_tokenizer.path if self.local_tokenizer is not None else None},
+             "server": self._info}
+        if caps is not None:
+            d["dialect"] = caps.dialect
+            d["capabilities"] = caps.to_dict()
+        return d
 
     async def aclose(self) -> None:
         if self._cli is not None and self._cli_loop is asyncio.get_running_loop():

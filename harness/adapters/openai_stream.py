@@ -10,7 +10,17 @@ supports, recorded as `token_count_method`:
                    (largest remainder, so the counts sum to the server's total): an estimate;
   "chunks"       - one token per chunk (no usage at all): a lower bound under speculation.
 A chunk counts (gets a time) when it carries text or tokens; usage-only and role-only events do not.
-Logprob token strings of the form "token_id:<id>" (return_tokens_as_token_ids) become ids.
+"usage" is used only while every content chunk carries a running usage (continuous usage stats): a
+server that sends usage on the final event alone (llama.cpp) must not have every token credited to that
+event ([0, ..., 0, 55]); its chunks fall back to "proportional".
+Logprob token strings of the form "token_id:<id>" (return_tokens_as_token_ids) become ids; chat-shaped
+entries with an integer `id` (llama.cpp) give ids directly. A position reported with logprob 0.0 and an
+empty top list while top-k was asked for (llama.cpp's placeholder for a token accepted from a draft) is
+stored as missing (logprob None, no top-k); with `one_token_per_chunk` (llama.cpp streams one token per
+event) a content chunk whose logprobs are null gets one missing position, so positions stay aligned.
+`native=True` reads llama.cpp's own /completion events instead: `content`, `tokens` (ids),
+`completion_probabilities`, and on the final event (`stop: true`) `stop_type`, `tokens_predicted`,
+`tokens_evaluated` and `timings` (per-request draft counts, dialect.llamacpp_spec).
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .base import GenResult, PosLogprobs
+from .dialect import entry_position, llamacpp_spec
 
 
 def token_id(s: str | None) -> int | None:
@@ -55,16 +66,8 @@ def legacy_positions(lp: dict | None, k: int | None = None) -> list[PosLogprobs]
 
 
 def chat_positions(lp: dict | None, k: int | None = None) -> list[PosLogprobs]:
-    out = []
-    for e in (lp or {}).get("content") or []:
-        alts = (e.get("top_logprobs") or [])[: k if k is not None else None]
-        ids = {token_id(a.get("token")): a.get("logprob") for a in alts}
-        as_ids = all(k is not None for k in ids)
-        out.append(PosLogprobs(token_id=token_id(e.get("token")), logprob=e.get("logprob"),
-                               top={k: v for k, v in ids.items() if k is not None} if as_ids else {},
-                               token=e.get("token"),
-                               top_text=None if as_ids else {a.get("token"): a.get("logprob") for a in alts}))
-    return out
+    """Chat-shaped logprobs {content: [{id?, token, logprob, top_logprobs}]} -> positions (fake ones missing)."""
+    return [entry_position(e, k, requested=k is not None) for e in (lp or {}).get("content") or []]
 
 
 @dataclass
@@ -85,8 +88,14 @@ class StreamAccumulator:
     finish_reason: str | None = None
     spec: dict | None = None
     error: str | None = None
+    native: bool = False  # llama.cpp's /completion events
+    one_token_per_chunk: bool = False  # the server streams exactly one token per event (llama.cpp)
+    usage_continuous: bool = True  # every content chunk so far carried a running usage
 
     def feed(self, obj: dict, t: float) -> None:
+        if self.native:
+            self._feed_native(obj, t)
+            return
         if "error" in obj:
             err = obj["error"]
             self.error = err.get("message", str(err)) if isinstance(err, dict) else str(err)
@@ -106,13 +115,19 @@ class StreamAccumulator:
                 self.ids += list(ch["token_ids"])
                 n, method = len(ch["token_ids"]), "token_ids"
             lp = ch.get("logprobs")
-            pos = chat_positions(lp, self.top_k) if self.chat else legacy_positions(lp, self.top_k)
-            if ch.get("logprobs") is not None:
+            chat_shaped = isinstance(lp, dict) and isinstance(lp.get("content"), list)
+            pos = chat_positions(lp, self.top_k) if (self.chat or chat_shaped) else legacy_positions(lp, self.top_k)
+            if lp is not None:
                 self.have_lps = True
                 self.positions += pos
                 if n is None:
                     n, method = len(pos), "logprobs"
-            if n is None and usage and usage.get("completion_tokens") is not None:
+            elif self.top_k is not None and self.one_token_per_chunk and text:
+                self.have_lps = True
+                self.positions.append(PosLogprobs(token_id=None, logprob=None, top={}))  # missing, kept aligned
+            if (text or n) and not (usage and usage.get("completion_tokens") is not None):
+                self.usage_continuous = False
+            if n is None and self.usage_continuous and usage and usage.get("completion_tokens") is not None:
                 n, method = usage["completion_tokens"] - self.running_tokens, "usage"
             if ch.get("finish_reason"):
                 self.finish_reason = ch["finish_reason"]
@@ -129,6 +144,42 @@ class StreamAccumulator:
             self.usage = usage
             if usage.get("completion_tokens") is not None:
                 self.running_tokens = usage["completion_tokens"]
+
+    def _feed_native(self, obj: dict, t: float) -> None:
+        """One llama.cpp /completion event (streamed partial, or the whole non-streamed answer)."""
+        if "error" in obj:
+            err = obj["error"]
+            self.error = err.get("message", str(err)) if isinstance(err, dict) else str(err)
+            return
+        text = obj.get("content") or ""
+        toks = obj.get("tokens")
+        n: int | None = None
+        if isinstance(toks, list) and toks:
+            self.have_ids = True
+            self.ids += [int(x) for x in toks]
+            n = len(toks)
+        cp = obj.get("completion_probabilities")
+        if self.top_k is not None:
+            if isinstance(cp, list):
+                self.have_lps = True
+                self.positions += [entry_position(e, self.top_k) for e in cp]
+            elif n:  # streamed token without probabilities: a token accepted from a draft
+                self.have_lps = True
+                self.positions += [PosLogprobs(token_id=i, logprob=None, top={}) for i in toks]  # type: ignore[union-attr]
+        if text or n:
+            self.texts.append(text)
+            self.times.append(t)
+            self.counts.append(n)
+            self.chars.append(len(text))
+            if n is not None:
+                self.methods.add("token_ids")
+        if obj.get("stop"):
+            st = obj.get("stop_type")
+            self.finish_reason = "stop" if st in ("eos", "word") else ("length" if st == "limit" else st)
+            self.usage = {"prompt_tokens": obj.get("tokens_evaluated"), "completion_tokens": obj.get("tokens_predicted")}
+            sp = llamacpp_spec(obj.get("timings"))
+            if sp is not None:
+                self.spec = sp
 
     def finish(self, res: GenResult) -> GenResult:
         res.text = "".join(self.texts)

@@ -7,6 +7,10 @@ when that label is present and matches anything) and SGLang's accept-length gaug
   vllm:spec_decode_num_drafts_total, vllm:spec_decode_num_draft_tokens_total,
   vllm:spec_decode_num_accepted_tokens_total, vllm:spec_decode_num_accepted_tokens_per_pos_total{position}
   sglang:spec_accept_length (and any other sglang:spec_* gauge, kept under "gauges").
+llama.cpp publishes the same four counters under its own prefix (`llamacpp:spec_decode_...`; its
+num_drafts counts verification steps, like vLLM's); they are read the same way. The result carries
+`prefix` ("vllm:" or "llamacpp:") so records say where the numbers came from. A text with counters of
+both prefixes (a proxy in front of two engines) is refused (None): the two cannot be summed.
 It returns None when the text has none of them.
 """
 
@@ -18,10 +22,20 @@ import re
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)(\s+\S+)?$")
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"')
 
+PREFIXES = ("vllm:", "llamacpp:")
 VLLM = "vllm:spec_decode_"
-COUNTERS = {"num_drafts": VLLM + "num_drafts_total", "num_draft_tokens": VLLM + "num_draft_tokens_total",
-            "num_accepted_tokens": VLLM + "num_accepted_tokens_total"}
-PER_POS = VLLM + "num_accepted_tokens_per_pos_total"
+SUFFIXES = {"num_drafts": "spec_decode_num_drafts_total", "num_draft_tokens": "spec_decode_num_draft_tokens_total",
+            "num_accepted_tokens": "spec_decode_num_accepted_tokens_total"}
+PER_POS_SUFFIX = "spec_decode_num_accepted_tokens_per_pos_total"
+COUNTERS = {k: "vllm:" + v for k, v in SUFFIXES.items()}
+PER_POS = "vllm:" + PER_POS_SUFFIX
+
+
+def _split(name: str) -> tuple[str, str] | None:
+    for p in PREFIXES:
+        if name.startswith(p):
+            return p, name[len(p):]
+    return None
 
 
 def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
@@ -56,24 +70,30 @@ def spec_counters_from_metrics(text: str, model: str | None = None) -> dict | No
     sums: dict[str, float] = {}
     per_pos: dict[int, float] = {}
     gauges: dict[str, float] = {}
+    prefixes: set[str] = set()
     found = False
     for name, labels, value in samples:
-        if name == PER_POS and "position" in labels:
+        sp = _split(name)
+        if sp is not None and sp[1] == PER_POS_SUFFIX and "position" in labels:
             try:
                 pos = int(labels["position"])
             except ValueError:
                 continue
             per_pos[pos] = per_pos.get(pos, 0.0) + value
+            prefixes.add(sp[0])
             found = True
-        elif name in COUNTERS.values():
-            sums[name] = sums.get(name, 0.0) + value
+        elif sp is not None and sp[1] in SUFFIXES.values():
+            sums[sp[1]] = sums.get(sp[1], 0.0) + value
+            prefixes.add(sp[0])
             found = True
         elif name.startswith("sglang:spec_"):
             gauges[name] = value
             found = True
-    if not found:
+    if not found or len(prefixes) > 1:
         return None
-    out: dict = {k: (_num(sums[n]) if n in sums else None) for k, n in COUNTERS.items()}
+    out: dict = {k: (_num(sums[n]) if n in sums else None) for k, n in SUFFIXES.items()}
+    if prefixes:
+        out["prefix"] = next(iter(prefixes))
     n = max(per_pos) + 1 if per_pos else 0
     out["accepted_per_pos"] = [_num(per_pos.get(i, 0.0)) for i in range(n)]
     if gauges:
