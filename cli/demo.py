@@ -29,12 +29,13 @@ def demo(
 ) -> None:
     """Run the main job on the bundled tiny pair: generate, the lossless gate, a short sweep."""
     from specbench.engine import LLM, SamplingParams
+    from specbench.harness.datasets import gsm8k_prompt
     from specbench.harness.fixtures import bundled_pair
 
     target, draft = bundled_pair()
     typer.echo(f"bundled pair: target={target}\n              draft={draft}")
-    prompt = ("Question: Natalia sold clips to 48 of her friends in April, and then she sold half as many "
-              "clips in May. How many clips did Natalia sell altogether in April and May?\nAnswer:")
+    prompt = gsm8k_prompt("Natalia sold clips to 48 of her friends in April, and then she sold half as many "
+                          "clips in May. How many clips did Natalia sell altogether in April and May?")
     sp = SamplingParams(max_tokens=64)
     for spec in ("off", "auto"):
         llm = LLM(str(target), draft=str(draft), spec=spec)

@@ -16,33 +16,7 @@ from pathlib import Path
 
 import typer
 
-from specbench.harness.engines import EngineSpec, EngineStringError, default_engines, parse_engine
-
-
-def _spec_off(cand: EngineSpec) -> EngineSpec:
-    opts = {k: v for k, v in cand.options.items() if k not in ("draft", "spec", "k", "name")}
-    opts["spec"] = "off"
-    head = f"local:{cand.target}" if cand.target else "local"
-    raw = ",".join([head, *(f"{k}={v}" for k, v in opts.items())])
-    return EngineSpec("local", cand.target, {**opts, "name": "baseline"}, raw)
-
-
-def _arms(baseline: str | None, candidate: str | None) -> tuple[EngineSpec, EngineSpec]:
-    if baseline is None and candidate is None:
-        try:
-            return default_engines()
-        except (ImportError, FileNotFoundError) as e:
-            raise EngineStringError(f"the bundled tiny pair is not available ({e}); pass --baseline and "
-                                    "--candidate engine strings") from e
-    if candidate is None:
-        raise EngineStringError("--baseline without --candidate: pass the engine to compare against it")
-    cand = parse_engine(candidate)
-    if baseline is not None:
-        return parse_engine(baseline), cand
-    if cand.kind != "local":
-        raise EngineStringError(f"--candidate {candidate!r} is not local, so there is no spec-off twin to "
-                                "default to: pass --baseline too")
-    return _spec_off(cand), cand
+from specbench.harness.engines import EngineStringError, baseline_and_candidate
 
 
 def eval_cmd(
@@ -83,7 +57,7 @@ def eval_cmd(
             raise TaskError(f"--task {task!r}: expected bundled task names among {', '.join(known)}")
         if tokenizer_backend not in runner.BACKENDS:
             raise TaskError(f"--tokenizer-backend {tokenizer_backend!r}: expected one of {', '.join(runner.BACKENDS)}")
-        base, cand = _arms(baseline, candidate)
+        base, cand = baseline_and_candidate(baseline, candidate)
     except (TaskError, EngineStringError) as e:
         typer.echo(f"specbench eval: {e}", err=True)
         raise typer.Exit(2) from None

@@ -20,24 +20,6 @@ import typer
 from specbench.harness.errors import usage_errors
 
 
-def _engines(baseline: str | None, candidate: str | None):
-    from specbench.harness.engines import EngineSpec, EngineStringError, default_engines, parse_engine
-
-    if baseline is None and candidate is None:
-        return default_engines()
-    if candidate is None:
-        raise EngineStringError("--baseline without --candidate: give the engine under test with --candidate")
-    cand = parse_engine(candidate)
-    if baseline is not None:
-        return parse_engine(baseline), cand
-    if cand.kind != "local":
-        raise EngineStringError(f"--candidate {candidate!r} is remote: give its speculation-off twin with --baseline")
-    opts = {k: v for k, v in cand.options.items() if k not in ("draft", "spec", "k", "faults", "name")}
-    opts.update(spec="off", name="baseline")
-    raw = f"local:{cand.target}" + "".join(f",{k}={v}" for k, v in opts.items())
-    return EngineSpec("local", cand.target, opts, raw), cand
-
-
 def lossless(
     margin_tol: float = typer.Option(0.20, "--margin-tol", min=0.0, help="Benign-flip margin in nats: regret <= this is a tie flip."),
     baseline: str | None = typer.Option(None, "--baseline", help="Engine string of the reference (speculation off). Default: the bundled pair, spec off."),
@@ -61,7 +43,7 @@ def lossless(
 
     At each divergence the candidate's pick is scored under the baseline's top-20 distribution: regret = logp(top1) - logp(pick). Regret <= --margin-tol is a benign tie flip and the gate re-anchors (a fresh baseline from prompt + candidate tokens) to judge every later divergence too; larger, or a pick outside the top-20, is a FAIL. Speculation that never happened is reported as NOT SPECULATING, not PASS. Exit 1 on FAIL or NOT SPECULATING, 2 on bad input.
     """
-    from specbench.harness.engines import EngineStringError, build_adapter, share_gpu
+    from specbench.harness.engines import EngineStringError, baseline_and_candidate, build_adapter, share_gpu
     from specbench.harness.results import open_run
     from specbench.suites.lossless.prompts import DATASETS
     from specbench.suites.lossless.report import render_console, render_markdown
@@ -76,7 +58,7 @@ def lossless(
                              max_divergences=max_divergences, rescore=rescore, concurrency=concurrency,
                              concurrent=concurrent, engine_gates=engine_gates, min_accept_len=min_accept_len,
                              expect_accept_len=expect_accept_len)
-        bspec, cspec = share_gpu(list(_engines(baseline, candidate)))
+        bspec, cspec = share_gpu(list(baseline_and_candidate(baseline, candidate)))
         base = build_adapter(bspec, name="baseline")
         cand = build_adapter(cspec, name="candidate")
     except (EngineStringError, LosslessError, ValueError, FileNotFoundError) as e:

@@ -30,7 +30,9 @@ def profile(
     Writes OUT/trace.json (Kineto) and OUT/gaps.md + OUT/gaps.png, and prints the gaps table with phases
     (schedule, draft, verify|forward, accept, commit). Local engines only.
     """
-    from specbench.engine import ConfigError, EngineConfig, SpecConfig
+    from specbench.engine import ConfigError
+    from specbench.harness.adapters.base import UnsupportedCapability
+    from specbench.harness.adapters.local import LocalAdapter
     from specbench.harness.engines import EngineStringError, bundled, parse_engine
     from specbench.suites import gaps as g
     from specbench.suites.gaps.profile import phase_host_times, run_profile
@@ -46,13 +48,15 @@ def profile(
             target, draft = es.target or bundled()[0], es.options.get("draft")
         else:
             target, draft = bundled()
-        method = ("dflash" if draft else "ngram") if spec == "on" else None
-        cfg = EngineConfig(model=target, draft=draft if method == "dflash" else None, device=device,
-                           dtype=dtype or ("bfloat16" if device.startswith("cuda") else "float32"),
-                           eager=eager, attention_backend=attention,
-                           spec=SpecConfig(method=method, synthetic_tau=synthetic_tau))
-        res = run_profile(cfg, out, steps=steps, batch=batch, max_tokens=max_tokens)
-    except (EngineStringError, ConfigError, ValueError) as e:
+        adapter = LocalAdapter.from_dirs(target, draft=draft, spec=spec, device=device,
+                                         dtype=dtype or ("bfloat16" if device.startswith("cuda") else "float32"),
+                                         synthetic_tau=synthetic_tau, eager=eager, attention_backend=attention,
+                                         trace_ranges=True)
+        try:
+            res = run_profile(adapter, out, steps=steps, batch=batch, max_tokens=max_tokens)
+        finally:
+            adapter.close()
+    except (EngineStringError, ConfigError, UnsupportedCapability, ValueError) as e:
         typer.echo(f"specbench profile: {e}", err=True)
         raise typer.Exit(2) from None
     typer.echo(f"profiled {res.steps} steps, {res.tokens} tokens in {res.seconds:.3f} s; trace {res.trace}")

@@ -1,8 +1,9 @@
 """`specbench sampled`: the sampled (T > 0) equivalence gate, spec off vs spec on, for any engine.
 
 Contract: builds the baseline and candidate adapters from engine strings (default: the bundled tiny
-pair, spec off vs spec on), runs suites/sampled (gate.py) and prints the verdict, or with --selftest runs
-the gate against the local candidate with each sampling fault injected and the clean engine
+pair, spec off vs spec on; a local candidate alone gets its spec-off twin as the baseline), runs
+suites/sampled (gate.py) and prints the verdict, or with --selftest runs the gate against the clean local
+candidate and, through its "faults" capability, each sampling fault armed on a fresh engine
 (selftest.py). Records go to the results store (run.json, cells.jsonl, samples.jsonl) unless
 --no-record; --report writes markdown; --json prints the summary as one JSON document on the last line.
 Exit codes: 0 PASS (also "PASS (speculation unverified)"), 1 FAIL / NOT SPECULATING / NO DRAFT ACCEPTED /
@@ -12,17 +13,23 @@ INCOMPLETE / a self-test case that did not behave, 2 bad input (engine string, o
 from __future__ import annotations
 
 import json
+from contextlib import AbstractContextManager
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import typer
 
 from specbench.harness.errors import usage_errors
 
+if TYPE_CHECKING:
+    from specbench.harness.results import Run
+
 
 def sampled(
     baseline: str | None = typer.Option(None, "--baseline", help="Engine string, speculation off. "
-                                        "Default: the bundled tiny pair, spec off."),
+                                        "Default: the local candidate's spec-off twin (the bundled tiny pair, "
+                                        "spec off, without --candidate)."),
     candidate: str | None = typer.Option(None, "--candidate", help="Engine string, speculation on. "
                                          "Default: the bundled tiny pair, spec on (--selftest: the bundled target with the n-gram proposer)."),
     num_prompts: int | None = typer.Option(None, "--num-prompts", min=1, help="gsm8k test prompts "
@@ -53,9 +60,11 @@ def sampled(
     record: bool = typer.Option(True, "--record/--no-record", help="Write records to the results store."),
 ) -> None:
     """Sampled equivalence gate: per-position token distributions, spec off vs on, permutation test + BH."""
+    from specbench.harness.adapters.base import UnsupportedCapability
     from specbench.harness.engines import (
         EngineSpec,
         EngineStringError,
+        baseline_and_candidate,
         build_adapter,
         default_engines,
         parse_engine,
@@ -71,18 +80,18 @@ def sampled(
         given = {"num_prompts": num_prompts, "positions": positions, "samples": samples, "prompt_chars": prompt_chars,
                  "prompt_set": prompt_set}
         dflt_opts = SELFTEST_OPTIONS if selftest else {}
-        sized = {k: v if v is not None else dflt_opts.get(k, getattr(SampledGateOptions, k)) for k, v in given.items()}
-        opts = SampledGateOptions(**sized, permutations=permutations, q=q, null=null, seed=seed, concurrency=concurrency,
-                           refine=refine)
+        sized: dict[str, Any] = {k: v if v is not None else dflt_opts.get(k, getattr(SampledGateOptions, k)) for k, v in given.items()}
+        opts = SampledGateOptions(**sized, permutations=permutations, q=q, null=null, seed=seed,
+                                  concurrency=concurrency, refine=refine)
         cfgs = parse_configs(configs or SELFTEST_CONFIGS) if (configs or selftest) else list(DEFAULT_CONFIGS)
-        need_default = baseline is None or candidate is None
-        dflt = default_engines() if need_default else None
-        bspec = parse_engine(baseline) if baseline else dflt[0]  # type: ignore[index]
-        cspec = parse_engine(candidate) if candidate else dflt[1]  # type: ignore[index]
-        if selftest and not candidate and bspec.kind == "local":
+        if selftest and not candidate:
+            bspec = parse_engine(baseline) if baseline else default_engines()[0]
             # the baseline's target with the proposer under which every sampling fault acts (selftest.py)
-            cspec = EngineSpec("local", bspec.target, {"spec": SELFTEST_SPEC, "name": "candidate"},
-                               f"local:{bspec.target},spec={SELFTEST_SPEC}")
+            cspec = (EngineSpec("local", bspec.target, {"spec": SELFTEST_SPEC, "name": "candidate"},
+                                f"local:{bspec.target},spec={SELFTEST_SPEC}")
+                     if bspec.kind == "local" else default_engines()[1])
+        else:
+            bspec, cspec = baseline_and_candidate(baseline, candidate)
         if selftest and (cspec.kind != "local" or "faults" in cspec.options):
             raise SampledError("--selftest needs a local candidate without faults= (it injects them itself)")
         bspec, cspec = share_gpu([bspec, cspec])
@@ -102,13 +111,16 @@ def sampled(
         raise bad(str(e)) from None
     try:
         with _recorder(record, results, opts, cfgs, base) as rec:
+            try:
+                cand = build_adapter(cspec, name="candidate")
+            except (EngineStringError, ValueError, FileNotFoundError) as e:
+                raise bad(str(e)) from None
             if selftest:
-                code = _selftest(base, cspec, opts, cfgs, rec, log, json_out, report)
-            else:
                 try:
-                    cand = build_adapter(cspec, name="candidate")
-                except (EngineStringError, ValueError, FileNotFoundError) as e:
+                    code = _selftest(base, cand, opts, cfgs, rec, log, json_out, report)
+                except (SampledError, UnsupportedCapability) as e:
                     raise bad(str(e)) from None
+            else:
                 from specbench.suites.sampled.gate import run_gate
 
                 try:
@@ -129,19 +141,11 @@ def sampled(
     raise typer.Exit(code)
 
 
-def _selftest(base, cspec, opts, cfgs, rec, log, json_out: bool, report: Path | None) -> int:
-    from specbench.harness.engines import EngineSpec, build_adapter
+def _selftest(base, cand, opts, cfgs, rec, log, json_out: bool, report: Path | None) -> int:
     from specbench.suites.sampled import report as rep
     from specbench.suites.sampled.selftest import run_selftest
 
-    def make(fault: str | None):
-        o = dict(cspec.options)
-        if fault:
-            o["faults"] = fault
-        o["name"] = f"candidate-{fault or 'clean'}"
-        return build_adapter(EngineSpec(cspec.kind, cspec.target, o, cspec.raw + (f",faults={fault}" if fault else "")))
-
-    rows, results = run_selftest(base, make, opts, cfgs, log=log, on_samples=rec.samples)
+    rows, results = run_selftest(base, cand, opts, cfgs, log=log, on_samples=rec.samples)
     for case, res in results.items():
         rec.result(res, case)
     o = {**opts.__dict__, "configs": [c.name for c in cfgs]}
@@ -203,7 +207,7 @@ class _Rec:
 class _recorder:
     def __init__(self, record: bool, results: Path | None, opts, cfgs, base) -> None:
         self.record, self.results, self.opts, self.cfgs, self.base = record, results, opts, cfgs, base
-        self._cm = None
+        self._cm: AbstractContextManager[Run] | None = None
 
     def __enter__(self) -> _Rec:
         if not self.record:

@@ -1,8 +1,9 @@
 """`specbench selftest`: inject every named engine fault, prove some lossless gate catches it.
 
-Contract: builds the reference engine from --candidate (a local engine string; default the bundled pair
-with speculation on) once per fault (`faults=<name>` appended) and once per clean repetition, plus one
-speculation-off baseline of the same model, and calls specbench.suites.lossless.selftest.run_selftest.
+Contract: builds the clean candidate from --candidate (a local engine string; default the bundled pair
+with speculation on; faults= dropped) and its speculation-off twin as the baseline, and calls
+specbench.suites.lossless.selftest.run_selftest, which arms each fault on a fresh engine through the
+candidate's "faults" capability.
 Prints the fault -> gates matrix (one JSON document with --json), writes the markdown with --report.
 Exit codes: 0 every fault caught and the clean engine passed every gate in every repetition; 1 a fault
 was missed or the clean engine raised an alarm; 2 bad input.
@@ -34,6 +35,7 @@ def selftest(
 
     Each greedy fault of the reference engine (KV offset in verify, skipped rollback, wrong bonus token, accept off by one, draft context misaligned, causal mask leak, stale buffer replay, tokens past a stop) is injected into a fresh engine and every gate runs against it; the clean engine runs the same gates --repeat times. Exit 1 if a fault is missed or the clean engine fails a gate.
     """
+    from specbench.harness.adapters.base import UnsupportedCapability
     from specbench.harness.engines import (
         EngineSpec,
         EngineStringError,
@@ -41,50 +43,46 @@ def selftest(
         default_engines,
         parse_engine,
         share_gpu,
+        spec_off_twin,
     )
     from specbench.suites.lossless.greedy import GreedyGateOptions
     from specbench.suites.lossless.report import render_selftest
-    from specbench.suites.lossless.selftest import greedy_faults, run_selftest
+    from specbench.suites.lossless.selftest import run_selftest
 
     bad = usage_errors("selftest")
 
     try:
         names = [f.strip() for f in faults.split(",") if f.strip()] if faults else None
-        unknown = [f for f in names or [] if f not in greedy_faults()]
-        if unknown:
-            raise ValueError(f"--faults {','.join(unknown)} unknown: expected any of {', '.join(greedy_faults())}")
-        base_spec, cand_spec = default_engines() if candidate is None else (None, parse_engine(candidate))
-        if cand_spec.kind != "local":
-            raise EngineStringError(f"--candidate {candidate!r}: the self-test injects faults into the local "
-                                    "reference engine; give a local engine string")
-        if base_spec is None:
-            opts = {k: v for k, v in cand_spec.options.items() if k in ("device", "dtype", "num_pages")}
-            base_spec = EngineSpec("local", cand_spec.target, {**opts, "spec": "off"}, f"local:{cand_spec.target},spec=off")
+        if candidate is None:
+            base_spec, cand_spec = default_engines()
+        else:
+            cand_spec = parse_engine(candidate)
+            if cand_spec.kind != "local":
+                raise EngineStringError(f"--candidate {candidate!r}: the self-test injects faults into the local "
+                                        "reference engine; give a local engine string")
+            base_spec = spec_off_twin(cand_spec)
+        clean = {k: v for k, v in cand_spec.options.items() if k != "faults"}
+        cand_spec = EngineSpec(cand_spec.kind, cand_spec.target, clean, cand_spec.raw)
         base_spec, cand_spec = share_gpu([base_spec, cand_spec])
         baseline = build_adapter(base_spec, name="baseline")
+        cand = build_adapter(cand_spec, name="candidate")
     except (EngineStringError, ValueError, FileNotFoundError) as e:
         raise bad(str(e)) from None
-
-    def make(fs: tuple[str, ...]):
-        opts = {k: v for k, v in cand_spec.options.items() if k != "faults"}
-        if fs:
-            opts["faults"] = "+".join(fs)
-        opts["name"] = "candidate" + (f"[{'+'.join(fs)}]" if fs else "")
-        return build_adapter(EngineSpec("local", cand_spec.target, opts, cand_spec.raw))
 
     log = (lambda s: typer.echo(s, err=True)) if json_out else typer.echo
 
     async def main():
         try:
-            return await run_selftest(make, baseline, repeat=repeat, num_prompts=num_prompts, max_tokens=max_tokens,
+            return await run_selftest(cand, baseline, repeat=repeat, num_prompts=num_prompts, max_tokens=max_tokens,
                                       opts=GreedyGateOptions(margin_tol=margin_tol), faults=names,
                                       expect_accept_len=expect_accept_len, log=log)
         finally:
             await baseline.aclose()
+            await cand.aclose()
 
     try:
         out = asyncio.run(main())
-    except ValueError as e:
+    except (ValueError, UnsupportedCapability) as e:
         raise bad(str(e)) from None
     md = render_selftest(out)
     if report is not None:

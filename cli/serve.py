@@ -30,8 +30,9 @@ def serve(
     from specbench.engine import ConfigError, EngineConfig, LLMEngine, SpecConfig
     from specbench.harness.engines import EngineStringError, bundled
     from specbench.harness.server import serve as run_server
+    from specbench.harness.spec_method import SPEC_METHODS, engine_method, spec_method
 
-    if spec is not None and spec not in ("dflash", "ngram", "off"):
+    if spec is not None and spec not in SPEC_METHODS:
         typer.echo(f"specbench serve: --spec={spec!r} is invalid: expected dflash, ngram or off", err=True)
         raise typer.Exit(2)
     if model is None:
@@ -41,11 +42,11 @@ def serve(
             typer.echo(f"specbench serve: {e}", err=True)
             raise typer.Exit(2) from None
         draft = draft or (bdraft if spec in (None, "dflash") else None)
-    method = spec or ("dflash" if draft else "off")
+    method = spec_method(spec, draft)
     try:
         cfg = EngineConfig(model=model, draft=draft if method == "dflash" else None, device=device, dtype=dtype,
                            max_model_len=max_model_len, num_pages=num_pages,
-                           spec=SpecConfig(method=None if method == "off" else method, num_speculative_tokens=k))
+                           spec=SpecConfig(method=engine_method(method), num_speculative_tokens=k))
         engine = LLMEngine(cfg)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         typer.echo(f"specbench serve: {e}", err=True)

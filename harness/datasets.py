@@ -1,6 +1,7 @@
 """The bundled prompt sets, read once for every suite: (prompt id, prompt text) in file order.
 
-gsm8k: the test split in lm-eval's "Question: ...\\nAnswer:" form (what the bundled tiny pair was trained on);
+gsm8k: the test split in lm-eval's "Question: ...\\nAnswer:" form (`gsm8k_prompt`, the one home of that
+format: the bundled tiny pair was trained on it and every suite prompts with it);
 spec_bench / mt_bench: each question's first turn; sharegpt: each conversation's first human turn;
 humaneval: each task's prompt. Sources and licenses: harness/data/SOURCES.md.
 """
@@ -13,6 +14,11 @@ from importlib import resources
 from pathlib import Path
 
 BUNDLED = ("gsm8k", "spec_bench", "mt_bench", "sharegpt", "humaneval")
+
+
+def gsm8k_prompt(question: str) -> str:
+    """lm-eval's zero-shot gsm8k prompt for one question."""
+    return f"Question: {question}\nAnswer:"
 
 
 def data_dir() -> Path:
@@ -38,7 +44,7 @@ def bundled_prompts(dataset: str) -> list[tuple[str, str]]:
     """Every prompt of a bundled data set as (id, text), in file order."""
     d = data_dir()
     if dataset == "gsm8k":
-        return [(f"gsm8k-{i}", f"Question: {r['question']}\nAnswer:") for i, r in enumerate(_jsonl(d / "gsm8k" / "test.jsonl"))]
+        return [(f"gsm8k-{i}", gsm8k_prompt(r["question"])) for i, r in enumerate(_jsonl(d / "gsm8k" / "test.jsonl"))]
     if dataset in ("spec_bench", "mt_bench"):
         return [(f"{dataset}-{r.get('question_id', i)}", r["turns"][0])
                 for i, r in enumerate(_jsonl(d / dataset / "question.jsonl")) if r.get("turns")]

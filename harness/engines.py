@@ -15,6 +15,10 @@ Forms (options are comma-separated key=value after the target):
   hf:<model_dir>[,assistant=<dir>][,lookup=N][,device=...][,dtype=...][,name=X]
 With no engine string at all, `default_engines()` gives the bundled tiny pair: the baseline with
 speculation off and the candidate with speculation on (dflash; ngram while the drafter is absent).
+`spec_off_twin(spec)` is the one builder of a local engine's speculation-off twin (the reference a
+candidate is judged against); `baseline_and_candidate` is how every command turns its --baseline and
+--candidate options into the two arms. Which method a local engine runs is `spec_method`
+(spec_method.py).
 Contract: `parse_engine` never touches the network or loads weights; it checks the form, the option
 names and values, and that local directories exist, raising `EngineStringError` (a ValueError) whose
 message names the bad part and lists the accepted forms. The CLI turns it into exit code 2.
@@ -26,6 +30,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from .spec_method import SPEC_METHODS, spec_method
 
 if TYPE_CHECKING:
     from .adapters.base import EngineAdapter
@@ -39,7 +45,7 @@ OPTIONS = {
     "openai": ("model", "stream", "extras", "timeout", "retries", "api_key", "name", "tokenizer", "dialect", "probe"),
     "hf": ("assistant", "lookup", "device", "dtype", "name"),
 }
-SPECS = ("off", "dflash", "ngram")
+SPECS = SPEC_METHODS
 ATTENTION = ("auto", "torch", "flashinfer")
 DECODE_ATTENTION = ("flashinfer", "triton")  # EngineConfig.decode_attention: FlashInfer's decode steps
 BOOLS = ("0", "1", "true", "false", "yes", "no", "on", "off")
@@ -164,16 +170,53 @@ def bundled() -> tuple[str, str | None]:
     return str(target), (str(draft) if draft and (Path(draft) / "config.json").is_file() else None)
 
 
+# Options of a local engine that belong to its speculation or to the arm, not to the engine under it:
+# the spec-off twin drops them (a twin is clean and carries its own label).
+TWIN_DROPS = ("draft", "spec", "k", "tau", "faults", "name")
+
+
+def spec_off_twin(spec: EngineSpec, name: str = "baseline") -> EngineSpec:
+    """The same local engine with speculation off: every engine option kept (device, dtype, pages, backends,
+    switches), speculation, faults and the label dropped, spec=off, labelled `name`. The raw string is
+    the engine string without the label."""
+    if spec.kind != "local":
+        raise EngineStringError(f"engine string {spec.raw!r} is {spec.kind}: only a local engine has a "
+                                "speculation-off twin to build; name the baseline explicitly")
+    opts = {k: v for k, v in spec.options.items() if k not in TWIN_DROPS}
+    opts["spec"] = "off"
+    head = f"local:{spec.target}" if spec.target else "local"
+    raw = ",".join([head, *(f"{k}={v}" for k, v in opts.items())])
+    return EngineSpec("local", spec.target, {**opts, "name": name}, raw)
+
+
 def default_engines() -> tuple[EngineSpec, EngineSpec]:
     """(baseline, candidate) on the bundled pair: spec off vs spec on."""
     target, draft = bundled()
-    base = EngineSpec("local", target, {"spec": "off", "name": "baseline"}, f"local:{target},spec=off")
-    if draft:
-        cand = EngineSpec("local", target, {"draft": draft, "spec": "dflash", "name": "candidate"},
-                          f"local:{target},draft={draft},spec=dflash")
-    else:
-        cand = EngineSpec("local", target, {"spec": "ngram", "name": "candidate"}, f"local:{target},spec=ngram")
-    return base, cand
+    method = spec_method("on", draft)
+    opts = {"draft": draft, "spec": method} if draft else {"spec": method}
+    raw = f"local:{target}" + "".join(f",{k}={v}" for k, v in opts.items())
+    cand = EngineSpec("local", target, {**opts, "name": "candidate"}, raw)
+    return spec_off_twin(cand), cand
+
+
+def baseline_and_candidate(baseline: str | None, candidate: str | None) -> tuple[EngineSpec, EngineSpec]:
+    """The two arms of a command from its --baseline / --candidate: neither = the bundled pair (spec off vs
+    on); a candidate alone = that candidate and its spec-off twin (local engines only); both = as given."""
+    if baseline is None and candidate is None:
+        try:
+            return default_engines()
+        except (ImportError, FileNotFoundError) as e:
+            raise EngineStringError(f"the bundled tiny pair is not available ({e}); pass --baseline and "
+                                    "--candidate engine strings") from e
+    if candidate is None:
+        raise EngineStringError("--baseline without --candidate: give the engine under test with --candidate")
+    cand = parse_engine(candidate)
+    if baseline is not None:
+        return parse_engine(baseline), cand
+    if cand.kind != "local":
+        raise EngineStringError(f"--candidate {candidate!r} is remote, so there is no speculation-off twin to "
+                                "default to: give one with --baseline")
+    return spec_off_twin(cand), cand
 
 
 def share_gpu(specs: list[EngineSpec], utilization: float = 0.85) -> list[EngineSpec]:
@@ -212,7 +255,7 @@ def build_adapter(spec: EngineSpec | str, name: str | None = None) -> EngineAdap
         if not target:
             target, bdraft = bundled()
             draft = draft or bdraft
-        method = o.get("spec") or ("dflash" if draft else "off")
+        method = spec_method(o.get("spec"), draft)
         if method == "dflash" and not draft:
             raise EngineStringError(f"engine string {spec.raw!r}: spec=dflash needs draft=<dir> "
                                     "(the bundled drafter is not built yet; use spec=ngram)")

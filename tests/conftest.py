@@ -37,6 +37,8 @@ def gsm8k_prompts():
     import json
     from importlib import resources
 
+    from specbench.harness.datasets import gsm8k_prompt
+
     path = resources.files("specbench.harness") / "data" / "gsm8k" / "test.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines()[:16]]
-    return [f"Question: {r['question'][:400]}\nAnswer:" for r in rows]
+    return [gsm8k_prompt(r["question"][:400]) for r in rows]

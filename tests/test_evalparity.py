@@ -154,16 +154,15 @@ def test_serve_argv_and_roots(tmp_path: Path) -> None:
 
 
 def test_cli_arms(tmp_path: Path) -> None:
-    from specbench.cli.eval import _arms
-    from specbench.harness.engines import EngineStringError
+    from specbench.harness.engines import EngineStringError, baseline_and_candidate
 
-    base, cand = _arms(None, f"local:{tmp_path},draft={tmp_path},spec=dflash")
+    base, cand = baseline_and_candidate(None, f"local:{tmp_path},draft={tmp_path},spec=dflash")
     assert base.options == {"spec": "off", "name": "baseline"} and base.target == str(tmp_path)
     assert parse_engine(base.raw).options == {"spec": "off"}
     with pytest.raises(EngineStringError, match="--baseline"):
-        _arms(None, "openai:http://127.0.0.1:9/v1")
+        baseline_and_candidate(None, "openai:http://127.0.0.1:9/v1")
     with pytest.raises(EngineStringError, match="--candidate"):
-        _arms("openai:http://127.0.0.1:9/v1", None)
+        baseline_and_candidate("openai:http://127.0.0.1:9/v1", None)
 
 
 def _cli(*args: str, env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:

@@ -226,9 +226,9 @@ def selftest_ci(tiny_pair):
     try:
         prompts = make_prompts(base, opts)
         samples = collect(base, prompts, cfgs, opts, "baseline", 0)
-        rows, results = run_selftest(base, lambda f: _candidate(tiny_pair, "ngram", f), opts, cfgs, prompts,
+        rows, results = run_selftest(base, _candidate(tiny_pair, "ngram"), opts, cfgs, prompts,
                                      baseline_samples=samples)
-        drows, dres = run_selftest(base, lambda f: _candidate(tiny_pair, "dflash", f),
+        drows, dres = run_selftest(base, _candidate(tiny_pair, "dflash"),
                                    SampledGateOptions(**CI_OPTS, null=False), cfgs, prompts,
                                    cases=("clean", "resample_from_p"), baseline_samples=samples)
     finally:
@@ -303,7 +303,7 @@ def test_selftest_full_size(tiny_pair, request):
 
     base = LocalAdapter.from_dirs(tiny_pair[0], spec="off", name="baseline")
     try:
-        rows, results = run_selftest(base, lambda f: _candidate(tiny_pair, SELFTEST_SPEC, f),
+        rows, results = run_selftest(base, _candidate(tiny_pair, SELFTEST_SPEC),
                                      SampledGateOptions(**SELFTEST_OPTIONS, null=True), parse_configs(SELFTEST_CONFIGS))
     finally:
         base.close()

@@ -18,6 +18,16 @@ Contract:
   (or None); `tokenize` returns token ids (or None); `describe` returns provenance.
 - All async methods are bound to no particular event loop; the `*_sync` wrappers run one in a fresh
   loop and must not be called from inside a running loop.
+
+Capabilities (what only some engines can do; `capabilities` lists the ones an adapter offers, and every
+other one raises `UnsupportedCapability` naming the capability and the adapter):
+- "faults": `armable_faults()` is the engine's catalogue of named faults (name -> what it breaks);
+  `with_faults(faults)` builds a fresh engine like this one with those faults armed (none: a fresh
+  clean engine). The self-tests prove the gates catch each fault.
+- "decode_window": `decode_window(prompts, max_tokens, warmup)` hands out a `DecodeWindow`, exclusive
+  synchronous stepping of an in-process engine whose requests are all past prefill, so a profiler can be
+  wrapped around a known number of decode steps.
+The local adapter offers both; remote (openai) and transformers (hf) adapters decline.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ import inspect
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -147,10 +158,48 @@ def failed(req: GenRequest, rid: str, error: str, t_send: float, attempts: int =
                      wall_send=time.time(), attempts=attempts, meta=dict(req.meta))
 
 
+FAULTS = "faults"
+DECODE_WINDOW = "decode_window"
+CAPABILITIES = (FAULTS, DECODE_WINDOW)
+
+
+class UnsupportedCapability(NotImplementedError):
+    """An adapter declined a capability. The message names the capability, the adapter and who offers it."""
+
+    def __init__(self, adapter: EngineAdapter, capability: str, why: str | None = None) -> None:
+        self.capability, self.adapter_kind, self.adapter_name = capability, adapter.kind, adapter.name
+        why = why or ("it needs the reference engine in this process, which only the local adapter has: "
+                      "use a local:<model_dir> engine string")
+        super().__init__(f"the {adapter.kind} adapter {adapter.name!r} does not offer the {capability!r} "
+                         f"capability: {why}")
+
+
+class DecodeWindow(ABC):
+    """Exclusive, synchronous stepping of an in-process engine; every request in it is past prefill.
+
+    Nothing else steps the engine while the window is open, so what a profiler records around `step()`
+    calls is exactly those steps. `phase_ranges` says whether each step opens the named phase ranges
+    (schedule, draft, verify or forward, accept, commit) that `specbench gaps --phases` reads back.
+    """
+
+    device: str = "cpu"
+    phase_ranges: bool = False
+
+    @abstractmethod
+    def step(self) -> int:
+        """Run one engine step; returns the number of output tokens it emitted."""
+
+    @property
+    @abstractmethod
+    def busy(self) -> bool:
+        """Whether any request of the window is unfinished."""
+
+
 class EngineAdapter(ABC):
     """Uniform access to one engine. Subclasses implement `generate_one` and what they can of the rest."""
 
     kind: str = "base"
+    capabilities: frozenset[str] = frozenset()  # which of CAPABILITIES this adapter offers
 
     def __init__(self, name: str | None = None) -> None:
         self.name = name or self.kind
@@ -227,6 +276,22 @@ class EngineAdapter(ABC):
             return await coro
 
         return asyncio.run(_main())
+
+    # ---- capabilities (module docstring); the defaults decline -------------------------------------
+    def armable_faults(self) -> dict[str, str]:
+        """The engine's named faults: name -> what it breaks."""
+        raise UnsupportedCapability(self, FAULTS)
+
+    def with_faults(self, faults: Sequence[str], name: str | None = None) -> EngineAdapter:
+        """A fresh engine like this one with `faults` armed (empty: clean); named `name`, else
+        `<this name>[<fault>+...]`. Works on a closed adapter too; the caller closes the new one."""
+        raise UnsupportedCapability(self, FAULTS)
+
+    def decode_window(self, prompts: Sequence[str], max_tokens: int,
+                      warmup: int = 0) -> AbstractContextManager[DecodeWindow]:
+        """Admit `prompts` (greedy, ignore_eos, `max_tokens` each), step them past prefill and `warmup` more
+        steps, then hand out the window; on exit whatever is unfinished is aborted."""
+        raise UnsupportedCapability(self, DECODE_WINDOW)
 
     def score_sync(self, prompt_ids: list[int], continuation_ids: list[int], top_k: int = 1) -> ScoreResult | None:
         return self.run(self.score(prompt_ids, continuation_ids, top_k))

@@ -65,9 +65,14 @@ class HFAdapter(EngineAdapter):
         self.model_dir, self.assistant_dir, self.lookup = str(model_dir), assistant, lookup
         self.device, self.dtype = device, dtype
         dt = {_dtype_kw(): getattr(torch, dtype)}
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, **dt).to(device).eval()
-        self.assistant = (AutoModelForCausalLM.from_pretrained(assistant, **dt).to(device).eval()
-                          if assistant else None)
+
+        def load(path: str) -> Any:
+            # Any: transformers' stubs type the decorated `.to` as taking the model, not a device
+            model: Any = AutoModelForCausalLM.from_pretrained(path, **dt)
+            return model.to(device).eval()
+
+        self.model = load(self.model_dir)
+        self.assistant = load(assistant) if assistant else None
         self.tokenizer = Tokenizer(self.model_dir)
         self._lock = threading.Lock()
 

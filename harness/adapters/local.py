@@ -6,18 +6,34 @@ time of its tokens (`RequestOutput.token_times`), so chunk_tokens is exact (toke
 "engine"). Spec on and spec off are two adapters (two engines), never one engine toggled. A request
 the engine refuses (ConfigError / AdmissionError) is a failed result, not an exception. Cancelling a
 request's task aborts it in the engine, freeing its KV.
+Capabilities (base.py): "faults" (the engine's fault catalogue; `with_faults` builds a fresh engine from
+this one's config with `EngineConfig.faults` set) and "decode_window" (the loop thread is held off while
+the caller steps the engine itself; phase ranges are on when the engine was built with `trace_ranges`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from specbench.engine import ConfigError, EngineConfig, LLMEngine, SamplingParams, SpecConfig
 from specbench.engine.scheduler import AdmissionError
 
-from .base import EngineAdapter, GenRequest, GenResult, PosLogprobs, ScoreResult, failed
+from ..spec_method import engine_method, spec_method
+from .base import (
+    DECODE_WINDOW,
+    FAULTS,
+    DecodeWindow,
+    EngineAdapter,
+    GenRequest,
+    GenResult,
+    PosLogprobs,
+    ScoreResult,
+    failed,
+)
 from .loop import EngineFailure, EngineLoop
 
 
@@ -33,8 +49,23 @@ def engine_version() -> str:
     return __version__
 
 
+class _LocalDecodeWindow(DecodeWindow):
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.device = engine.cfg.device
+        self.phase_ranges = bool(engine.cfg.trace_ranges)
+
+    def step(self) -> int:
+        return sum(len(o.new_ids) for o in self.engine.step())
+
+    @property
+    def busy(self) -> bool:
+        return self.engine.has_unfinished()
+
+
 class LocalAdapter(EngineAdapter):
     kind = "local"
+    capabilities = frozenset({FAULTS, DECODE_WINDOW})
 
     def __init__(self, engine: LLMEngine, name: str | None = None, max_pending: int | None = None) -> None:
         super().__init__(name or ("local-spec" if engine.spec_on else "local"))
@@ -45,14 +76,13 @@ class LocalAdapter(EngineAdapter):
     def from_dirs(cls, model: str, draft: str | None = None, spec: str | None = None, k: int | None = None,
                   device: str = "cpu", dtype: str = "float32", name: str | None = None,
                   synthetic_tau: float | None = None, **engine_kw: Any) -> LocalAdapter:
-        """spec: "dflash" | "ngram" | "off"/None; None with a draft means dflash. synthetic_tau: draw
-        acceptance for speed curves on random weights (labelled in describe(); never for lossless)."""
-        method = None if spec in (None, "off") else spec
-        if spec is None and draft:
-            method = "dflash"
+        """spec: resolved by `spec_method` (harness/spec_method.py). synthetic_tau: draw acceptance for
+        speed curves on random weights (labelled in describe(); never for lossless)."""
+        method = spec_method(spec, draft)
         cfg = EngineConfig(model=str(model), draft=str(draft) if draft and method == "dflash" else None,
                            device=device, dtype=dtype,
-                           spec=SpecConfig(method=method, num_speculative_tokens=k, synthetic_tau=synthetic_tau),
+                           spec=SpecConfig(method=engine_method(method), num_speculative_tokens=k,
+                                           synthetic_tau=synthetic_tau),
                            **engine_kw)
         return cls(LLMEngine(cfg), name=name)
 
@@ -146,6 +176,35 @@ class LocalAdapter(EngineAdapter):
 
     async def tokenize(self, text: str) -> list[int] | None:
         return self.engine.tokenizer.encode(text)
+
+    def armable_faults(self) -> dict[str, str]:
+        from specbench.engine.faults import FAULTS as CATALOGUE
+
+        return dict(CATALOGUE)
+
+    def with_faults(self, faults: Sequence[str], name: str | None = None) -> LocalAdapter:
+        faults = tuple(faults)
+        label = name or (f"{self.name}[{'+'.join(faults)}]" if faults else self.name)
+        return LocalAdapter(LLMEngine(self.engine.cfg.with_(faults=faults)), name=label,
+                            max_pending=self.loop.max_pending)
+
+    @contextlib.contextmanager
+    def decode_window(self, prompts: Sequence[str], max_tokens: int, warmup: int = 0) -> Iterator[DecodeWindow]:
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        with self.loop.exclusive() as eng:
+            rids = [f"prof-{i}" for i in range(len(prompts))]
+            try:
+                for rid, p in zip(rids, prompts, strict=True):
+                    eng.add_request(p, params, rid=rid)
+                sched = eng.scheduler
+                while sched.waiting or any(r.in_prefill for r in sched.running):
+                    eng.step()
+                for _ in range(warmup):
+                    eng.step()
+                yield _LocalDecodeWindow(eng)
+            finally:
+                for rid in rids:  # aborting a finished request is a no-op
+                    eng.abort(rid)
 
     def describe(self) -> dict:
         d = self.engine.describe()

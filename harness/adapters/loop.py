@@ -12,14 +12,19 @@ Contract:
   flight, aborts them, and the loop keeps serving.
 - `abort(rid)` frees the request's KV (a disconnecting client, a cancelled task); aborting a finished or
   unknown request is a no-op. `close()` stops the thread.
+- `exclusive()` hands the engine to the caller for synchronous stepping (a profiler window): the loop
+  thread finishes its current step and then steps nothing until the block ends; it is refused while
+  requests are in flight, and `submit` is refused while it is held, so no consumer's delta is stolen.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import threading
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +51,8 @@ class EngineLoop:
         self.idle_wait = idle_wait
         self._subs: dict[str, _Sub] = {}
         self._lock = threading.Lock()
+        self._step_lock = threading.Lock()  # held by the loop thread around each step, or by `exclusive`
+        self._held = False
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._ids = itertools.count()
@@ -74,6 +81,9 @@ class EngineLoop:
         q: asyncio.Queue = queue if queue is not None else asyncio.Queue()
         rid = rid or self.new_rid()
         with self._lock:
+            if self._held:
+                raise EngineFailure("the engine is held for synchronous stepping (a profiler window); "
+                                    "submit after it is released")
             if self.max_pending is not None and len(self._subs) >= self.max_pending:
                 raise Overloaded(f"the server has {len(self._subs)} requests in flight "
                                  f"(limit {self.max_pending}); retry later")
@@ -98,6 +108,21 @@ class EngineLoop:
             except Exception:  # aborting must never raise into a disconnect handler
                 pass
 
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[Any]:
+        """The engine, stepped by nobody else until the block ends (see the module docstring)."""
+        with self._lock:
+            if self._subs:
+                raise EngineFailure(f"{len(self._subs)} requests are in flight: the engine can be held for "
+                                    "synchronous stepping only when idle")
+            self._held = True
+        try:
+            with self._step_lock:
+                yield self.engine
+        finally:
+            with self._lock:
+                self._held = False
+
     def close(self, timeout: float = 5.0) -> None:
         self._stop.set()
         self._wake.set()
@@ -113,16 +138,21 @@ class EngineLoop:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            if not self.engine.has_unfinished():
+            failed = False
+            with self._step_lock:
+                busy = self.engine.has_unfinished()
+                try:
+                    outs = self.engine.step() if busy else []
+                except Exception as e:
+                    self.last_error = "".join(traceback.format_exception_only(type(e), e)).strip()
+                    self._fail_all(EngineFailure(f"engine step failed: {self.last_error}"))
+                    failed = True
+            if failed:
+                self._stop.wait(0.01)  # never spin hot on an engine that keeps failing
+                continue
+            if not busy:
                 self._wake.wait(self.idle_wait)
                 self._wake.clear()
-                continue
-            try:
-                outs = self.engine.step()
-            except Exception as e:
-                self.last_error = "".join(traceback.format_exception_only(type(e), e)).strip()
-                self._fail_all(EngineFailure(f"engine step failed: {self.last_error}"))
-                self._stop.wait(0.01)  # never spin hot on an engine that keeps failing
                 continue
             for out in outs:
                 with self._lock:

@@ -1,11 +1,12 @@
-"""`specbench profile`: run the reference engine's decode under the PyTorch profiler and attribute gaps.
+"""`specbench profile`: an engine's decode steps under the PyTorch profiler, for `gaps` to attribute.
 
-Contract: builds a local engine with phase ranges on (`EngineConfig.trace_ranges`), starts `batch`
-requests (gsm8k prompts, ignore_eos), runs until every request is past prefill plus `warmup` steps,
-then records `steps` engine steps under torch.profiler (CPU + CUDA activities when CUDA is present) and
-writes a Kineto chrome trace. The caller runs `gaps` on it (phases: schedule, draft, verify|forward,
-accept, commit). On a CPU-only run the trace has no GPU activity, which the report says.
-Local engines only: the profiler must run in the engine's process.
+Contract: `run_profile(adapter, ...)` needs the adapter's "decode_window" capability (the engine in this
+process, stepped by the caller; harness/adapters/base.py): `batch` requests (gsm8k prompts, greedy,
+ignore_eos) are stepped past prefill plus `warmup` steps, then `steps` engine steps are recorded under
+torch.profiler (CPU + CUDA activities when the engine is on CUDA) and written as a Kineto chrome trace.
+The engine must open its phase ranges (schedule, draft, verify|forward, accept, commit); the caller runs
+`gaps` on the trace. On a CPU-only run the trace has no GPU activity, which the report says. An adapter
+without the capability (a remote endpoint, transformers) raises `UnsupportedCapability`.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
 import torch
+
+from specbench.harness.adapters.base import EngineAdapter
+from specbench.harness.datasets import bundled_prompts
 
 
 @dataclass
@@ -29,42 +32,31 @@ class ProfileResult:
 
 
 def gsm8k_prompts(n: int) -> list[str]:
-    path = resources.files("specbench.harness") / "data" / "gsm8k" / "test.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines()[:n]]
-    return [f"Question: {r['question']}\nAnswer:" for r in rows]
+    return [text for _, text in bundled_prompts("gsm8k")[:n]]
 
 
-def run_profile(engine_cfg, out_dir: Path, steps: int = 20, batch: int = 1, warmup: int = 3,
+def run_profile(adapter: EngineAdapter, out_dir: Path, steps: int = 20, batch: int = 1, warmup: int = 3,
                 max_tokens: int = 128) -> ProfileResult:
-    from specbench.engine import LLMEngine, SamplingParams
-
-    eng = LLMEngine(engine_cfg.with_(trace_ranges=True))
-    prompts = gsm8k_prompts(batch)
-    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        eng.add_request(p, sp, rid=f"prof-{i}")
-    while eng.scheduler.waiting or any(r.in_prefill for r in eng.scheduler.running):
-        eng.step()
-    for _ in range(warmup):
-        eng.step()
-    cuda = torch.cuda.is_available() and engine_cfg.device.startswith("cuda")
-    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-    tokens = 0
-    t0 = time.perf_counter()
-    with torch.profiler.profile(activities=acts) as prof:
-        for _ in range(steps):
-            if not eng.has_unfinished():
-                break
-            tokens += sum(len(o.new_ids) for o in eng.step())
-        if cuda:
-            torch.cuda.synchronize()
-    secs = time.perf_counter() - t0
+    with adapter.decode_window(gsm8k_prompts(batch), max_tokens, warmup=warmup) as window:
+        if not window.phase_ranges:
+            raise ValueError(f"{adapter.name}: the engine opens no phase ranges, so the trace would carry no "
+                             "phases: build it with them on (local engine: trace_ranges=True)")
+        cuda = torch.cuda.is_available() and window.device.startswith("cuda")
+        acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+        tokens = 0
+        t0 = time.perf_counter()
+        with torch.profiler.profile(activities=acts) as prof:
+            for _ in range(steps):
+                if not window.busy:
+                    break
+                tokens += window.step()
+            if cuda:
+                torch.cuda.synchronize()
+        secs = time.perf_counter() - t0
     out_dir.mkdir(parents=True, exist_ok=True)
     trace = out_dir / "trace.json"
     prof.export_chrome_trace(str(trace))
-    for r in list(eng.scheduler.running):
-        eng.abort(r.rid)
-    return ProfileResult(trace, steps, secs, tokens, eng.describe())
+    return ProfileResult(trace, steps, secs, tokens, adapter.describe())
 
 
 PHASES = ("schedule", "draft", "verify", "forward", "accept", "commit")

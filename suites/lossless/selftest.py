@@ -1,16 +1,17 @@
 """`specbench selftest`: proof that the lossless gates have teeth, and no false alarms.
 
 Contract:
-- Every greedy fault the engine names (engine/faults.py `FAULTS`, minus the speculative-sampling faults,
-  which belong to the sampled-equivalence gate) is injected into a fresh local candidate engine through
-  the adapter's engine string (`faults=<name>`), and every gate runs against it: short-then-long (first,
+- Every greedy fault the candidate's engine names (its "faults" capability, `armable_faults()`, minus the
+  speculative-sampling faults, which belong to the sampled-equivalence gate's self-test) is armed on a
+  fresh engine like the candidate (`with_faults`), and every gate runs against it: short-then-long (first,
   on the fresh engine), greedy, concurrent, mixed, stop-in-run, headroom, and an acceptance-regression
   gate (mean accepted length on the greedy gate's prompts vs the clean engine's; `draft_ctx_misaligned`
   leaves the tokens lossless, because verify corrects them, and only acceptance shows it), and
   fp32-strict (fp32 candidates only: any divergence of the greedy or concurrent gate costing more than
   0.01 nat; in fp32 on one machine spec on/off differ only by accumulation order). A gate "catches" a
   fault when its verdict is neither PASS nor n/a. Every fault must be caught by at least one gate.
-- The clean engine runs the same gates `repeat` times, each on a fresh engine; every verdict must be
+- The given candidate is clean run 1 (closed afterwards, as is every engine armed from it); the clean
+  engine runs the same gates `repeat` times in all, each on a fresh engine; every verdict must be
   PASS (a NOT SPECULATING verdict on the clean engine is a failure too: the bundled drafter speculates).
   Clean run 1 sets the reference acceptance (or `expect_accept_len` when given).
 - The baseline (speculation off, the same model) is one engine for the whole self-test, wrapped in a
@@ -26,13 +27,14 @@ from dataclasses import asdict, dataclass, field
 
 from specbench.harness.adapters.base import EngineAdapter, GenRequest, GenResult, ScoreResult
 
+from ..sampled.selftest import FAULT_CASES
 from .checks import AcceptanceEvidence, check_acceptance
 from .concurrent import run_concurrent
 from .engine_gates import GATES
 from .greedy import GateRun, GreedyGateOptions, Prompt, run_greedy, tokenize_prompts
 from .prompts import load_prompts
 
-SAMPLING_FAULTS = frozenset({"biased_accept", "resample_from_p", "reused_uniform"})
+SAMPLING_FAULTS = frozenset(FAULT_CASES)  # caught by the sampled gate's self-test, not by greedy gates
 GATE_NAMES = ("short-then-long", "greedy", "concurrent", "mixed", "stop-in-run", "headroom", "acceptance",
               "fp32-strict")
 # Same engine, same weights, fp32 on one machine: spec on and off differ only by accumulation order
@@ -41,11 +43,9 @@ GATE_NAMES = ("short-then-long", "greedy", "concurrent", "mixed", "stop-in-run",
 STRICT_FP32_TOL = 0.01
 
 
-def greedy_faults() -> dict[str, str]:
-    # Names and descriptions only: the faults are injected through the adapter's engine string.
-    from specbench.engine.faults import FAULTS
-
-    return {k: v for k, v in FAULTS.items() if k not in SAMPLING_FAULTS}
+def greedy_faults(candidate: EngineAdapter) -> dict[str, str]:
+    """The candidate engine's armable faults that a greedy gate must catch: name -> what it breaks."""
+    return {k: v for k, v in candidate.armable_faults().items() if k not in SAMPLING_FAULTS}
 
 
 class CachedAdapter(EngineAdapter):
@@ -225,7 +225,7 @@ def _num(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
-async def run_selftest(make_candidate: Callable[[tuple[str, ...]], EngineAdapter], baseline: EngineAdapter,
+async def run_selftest(candidate: EngineAdapter, baseline: EngineAdapter,
                        repeat: int = 5, num_prompts: int = 6, max_tokens: int = 48, dataset: str = "gsm8k",
                        opts: GreedyGateOptions | None = None, faults: list[str] | None = None,
                        expect_accept_len: float | None = None,
@@ -234,20 +234,19 @@ async def run_selftest(make_candidate: Callable[[tuple[str, ...]], EngineAdapter
         raise ValueError(f"--repeat {repeat} is invalid: expected an integer >= 1")
     say = log or (lambda s: None)
     opts = opts or GreedyGateOptions()
-    known = greedy_faults()
+    known = greedy_faults(candidate)
     names = faults if faults is not None else list(known)
     unknown = [f for f in names if f not in known]
     if unknown:
-        raise ValueError(f"--faults {unknown} unknown: expected any of {', '.join(known)}")
+        raise ValueError(f"--faults {','.join(unknown)} unknown: expected any of {', '.join(known)}")
     t0 = time.perf_counter()
     base = CachedAdapter(baseline)
-    probe = make_candidate(())
-    prompts, _ = await tokenize_prompts(base, probe, load_prompts(dataset, num_prompts))
-    engine = probe.describe()
+    prompts, _ = await tokenize_prompts(base, candidate, load_prompts(dataset, num_prompts))
+    engine = candidate.describe()
     out = SelftestOutcome(engine, [], [], num_prompts, max_tokens, opts.margin_tol, expect_accept_len)
 
     async def one(label: str, fs: tuple[str, ...], desc: str, cand: EngineAdapter | None = None) -> EngineRow:
-        cand = cand or make_candidate(fs)
+        cand = cand or candidate.with_faults(fs)
         try:
             row = await run_engine(label, fs, desc, base, cand, prompts, max_tokens, opts, out.reference_accept)
         finally:
@@ -255,7 +254,7 @@ async def run_selftest(make_candidate: Callable[[tuple[str, ...]], EngineAdapter
         say(f"[selftest] {label}: caught by {', '.join(row.caught_by) or 'nothing'} ({row.wall_s:.1f} s)")
         return row
 
-    first = await one("clean #1", (), "no fault", probe)
+    first = await one("clean #1", (), "no fault", candidate)
     out.clean.append(first)
     if out.reference_accept is None:
         out.reference_accept = first.accept_len

@@ -8,27 +8,18 @@ greedy request per prompt through the adapter, so it works for any engine); `mak
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
-from importlib import resources
-from pathlib import Path
 
 from specbench.harness.adapters.base import EngineAdapter, GenRequest
+from specbench.harness.datasets import bundled_prompts
 
 from .config import SampledError, SampledGateOptions
 
 
 def load_prompts(n: int, max_chars: int = 400) -> list[tuple[str, str]]:
-    """The first n gsm8k test questions in the 'Question: ...\\nAnswer:' form the tiny pair was trained on."""
-    path = Path(str(resources.files("specbench.harness") / "data" / "gsm8k" / "test.jsonl"))
-    rows = []
-    with open(path, encoding="utf-8") as fh:
-        for i, line in enumerate(fh):
-            if len(rows) >= n:
-                break
-            text = f"Question: {json.loads(line)['question']}\nAnswer:"
-            rows.append((f"gsm8k-{i}", text if len(text) <= max_chars else text[-max_chars:]))
-    return rows
+    """The first n gsm8k test questions in the form the tiny pair was trained on (`gsm8k_prompt`)."""
+    rows = bundled_prompts("gsm8k")[:n]
+    return [(pid, text if len(text) <= max_chars else text[-max_chars:]) for pid, text in rows]
 
 
 def echo_prompts(baseline: EngineAdapter, prompts: Sequence[tuple[str, str]],

@@ -1,10 +1,11 @@
 """The sampled gate's self-test: the gate must catch every sampling fault and pass the clean engine.
 
-Contract: `run_selftest(baseline, make_candidate, opts, ...)` draws the baseline samples once, then runs
-the gate against a clean candidate and one candidate per fault in `FAULT_CASES` (the local engine's
-named faults, injected through the adapter's engine string, never a back door). A fault is caught when
-the verdict is FAIL (some cell rejected); NOT SPECULATING does not count. The clean case must PASS.
-Returns one row per case plus the per-case `GateResult`s.
+Contract: `run_selftest(baseline, candidate, opts, ...)` draws the baseline samples once, then runs the
+gate against the clean candidate and, per fault in `FAULT_CASES`, a fresh engine like it with that fault
+armed (the candidate's "faults" capability, `with_faults`; an adapter without it raises
+`UnsupportedCapability`). A fault is caught when the verdict is FAIL (some cell rejected); NOT
+SPECULATING does not count. The clean case must PASS. The candidate and every engine armed from it are
+closed here. Returns one row per case plus the per-case `GateResult`s.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from .gate import (
     run_gate,
 )
 
-FAULT_CASES = ("biased_accept", "resample_from_p", "reused_uniform")
+FAULT_CASES = ("biased_accept", "resample_from_p", "reused_uniform")  # the engine's speculative-sampling faults
 # Calibrated on the bundled tiny pair (docs/sampled.md "Self-test"). The default candidate is the target
 # with the n-gram proposer on echo prompts: its accept ratios p(d)/1 lie strictly inside (0, 1), where all
 # three faults act; the bundled DFlash drafter's ratios are near 0 or >= 1, where reused_uniform is inert.
@@ -48,7 +49,7 @@ def _row(case: str, res: GateResult, seconds: float) -> dict:
             "mean_accept_len": (res.spec or {}).get("mean_accept_len", 0.0), "seconds": seconds}
 
 
-def run_selftest(baseline: EngineAdapter, make_candidate: Callable[[str | None], EngineAdapter], opts: SampledGateOptions,
+def run_selftest(baseline: EngineAdapter, candidate: EngineAdapter, opts: SampledGateOptions,
                  configs: Sequence[SamplingConfig] = DEFAULT_CONFIGS, prompts: Sequence[tuple[str, str]] | None = None,
                  cases: Sequence[str] = ("clean", *FAULT_CASES), log: Callable[[str], None] | None = None,
                  on_samples: Callable[[Samples], None] | None = None,
@@ -57,27 +58,40 @@ def run_selftest(baseline: EngineAdapter, make_candidate: Callable[[str | None],
     if "reused_uniform" in cases and opts.positions < 4:
         raise SampledError(f"--positions {opts.positions} is too few for the self-test: reused_uniform acts only "
                            "from the second draft of a verify step, which needs positions >= 4")
-    prompts = list(prompts) if prompts is not None else make_prompts(baseline, opts)
-    t0 = time.perf_counter()
-    base = baseline_samples
-    if base is None:
-        base = collect(baseline, prompts, configs, opts, "baseline", 0)
-        if on_samples:
-            on_samples(base)
-        say(f"baseline samples: {base.seconds:.1f} s")
-    rows, results = [], {}
-    for case in cases:
-        t = time.perf_counter()
-        cand = make_candidate(None if case == "clean" else case)
-        try:
-            case_opts = opts if case == "clean" else SampledGateOptions(**{**opts.__dict__, "null": False})
-            res = run_gate(baseline, cand, case_opts, configs, prompts, baseline_samples=base, on_samples=on_samples)
-        finally:
-            cand.close()
-        rows.append(_row(case, res, time.perf_counter() - t))
-        results[case] = res
-        say(f"{case}: {res.verdict} ({rows[-1]['rejected']} of {rows[-1]['testable']} cells rejected, "
-            f"{rows[-1]['seconds']:.1f} s)")
+    open_ = [candidate]  # closed once its case ran or the self-test ended
+    try:
+        missing = [c for c in cases if c != "clean" and c not in candidate.armable_faults()]
+        if missing:
+            raise SampledError(f"{candidate.name}: the engine names no fault {', '.join(missing)} "
+                               f"(it has {', '.join(candidate.armable_faults())})")
+        prompts = list(prompts) if prompts is not None else make_prompts(baseline, opts)
+        t0 = time.perf_counter()
+        base = baseline_samples
+        if base is None:
+            base = collect(baseline, prompts, configs, opts, "baseline", 0)
+            if on_samples:
+                on_samples(base)
+            say(f"baseline samples: {base.seconds:.1f} s")
+        rows, results = [], {}
+        for case in cases:
+            t = time.perf_counter()
+            cand = candidate if case == "clean" else candidate.with_faults((case,))
+            try:
+                case_opts = opts if case == "clean" else SampledGateOptions(**{**opts.__dict__, "null": False})
+                res = run_gate(baseline, cand, case_opts, configs, prompts, baseline_samples=base,
+                               on_samples=on_samples)
+            finally:
+                cand.close()  # a closed adapter can still arm fresh engines (base.py with_faults)
+                if cand is candidate:
+                    open_.clear()
+                del cand  # one armed engine alive at a time besides the candidate
+            rows.append(_row(case, res, time.perf_counter() - t))
+            results[case] = res
+            say(f"{case}: {res.verdict} ({rows[-1]['rejected']} of {rows[-1]['testable']} cells rejected, "
+                f"{rows[-1]['seconds']:.1f} s)")
+    finally:
+        for a in open_:
+            a.close()
     rows_total = time.perf_counter() - t0
     for r in rows:
         r["total_seconds"] = rows_total

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from specbench.harness.adapters.base import EngineAdapter
+from specbench.harness.spec_method import spec_method
 
 from .runner import Arm, SweepConfig, SweepRunner, with_noise_copy
 from .workload import Workload
@@ -56,7 +57,7 @@ def arm_labels(engines: list[Any], given: list[str] | None = None) -> list[str]:
             if o.get("name"):
                 labels.append(o["name"])
             elif e.kind == "local":
-                spec = o.get("spec") or ("dflash" if o.get("draft") else "off")
+                spec = spec_method(o.get("spec"), o.get("draft"))
                 labels.append("spec-off" if spec == "off" else f"spec-{spec}")
             else:
                 labels.append(f"{e.kind}-{i + 1}")
