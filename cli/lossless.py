@@ -6,7 +6,8 @@ opens a results run (records under results/<run-id>/: checks.jsonl per prompt, r
 candidate, gates.jsonl), calls specbench.suites.lossless.suite.run_lossless, prints the per-prompt table
 and the summary (one JSON document with --json), writes the markdown report with --report.
 Exit codes: 0 PASS; 1 FAIL or NOT SPECULATING (a pass that proves nothing is not a pass); 2 bad input
-(an engine string, an option value, an engine that cannot tokenize).
+(an engine string, an option value); 3 CANNOT TEST (the evidence could not be collected: no engine
+tokenizes, no output token ids, no baseline logprobs at a divergence; the missing capability is named).
 """
 
 from __future__ import annotations
@@ -38,10 +39,11 @@ def lossless(
     report: Path | None = typer.Option(None, "--report", help="Write the markdown report here."),
     results: Path | None = typer.Option(None, "--results", help="Results directory (default $SPECBENCH_RESULTS or ./results)."),
     no_record: bool = typer.Option(False, "--no-record", help="Do not write a results run."),
+    tokenizer: Path | None = typer.Option(None, "--tokenizer", help="The model's tokenizer directory (tokenizer.json), used locally, round-trip checked, for an openai endpoint that cannot tokenize."),
 ) -> None:
     """Is speculation lossless? Greedy spec-on vs spec-off, every divergence judged by its regret.
 
-    At each divergence the candidate's pick is scored under the baseline's top-20 distribution: regret = logp(top1) - logp(pick). Regret <= --margin-tol is a benign tie flip and the gate re-anchors (a fresh baseline from prompt + candidate tokens) to judge every later divergence too; larger, or a pick outside the top-20, is a FAIL. Speculation that never happened is reported as NOT SPECULATING, not PASS. Exit 1 on FAIL or NOT SPECULATING, 2 on bad input.
+    At each divergence the candidate's pick is scored under the baseline's top-20 distribution: regret = logp(top1) - logp(pick). Regret <= --margin-tol is a benign tie flip and the gate re-anchors (a fresh baseline from prompt + candidate tokens) to judge every later divergence too; larger, or a pick outside the top-20, is a FAIL. Speculation that never happened is reported as NOT SPECULATING, not PASS. Exit 1 on FAIL or NOT SPECULATING, 2 on bad input, 3 on CANNOT TEST (a capability the gate needs is missing; it is named).
     """
     from specbench.harness.engines import EngineStringError, baseline_and_candidate, build_adapter, share_gpu
     from specbench.harness.results import open_run
@@ -58,7 +60,9 @@ def lossless(
                              max_divergences=max_divergences, rescore=rescore, concurrency=concurrency,
                              concurrent=concurrent, engine_gates=engine_gates, min_accept_len=min_accept_len,
                              expect_accept_len=expect_accept_len)
-        bspec, cspec = share_gpu(list(baseline_and_candidate(baseline, candidate)))
+        from specbench.harness.adapters.dialect import with_tokenizer
+
+        bspec, cspec = share_gpu(with_tokenizer(list(baseline_and_candidate(baseline, candidate)), tokenizer))
         base = build_adapter(bspec, name="baseline")
         cand = build_adapter(cspec, name="candidate")
     except (EngineStringError, LosslessError, ValueError, FileNotFoundError) as e:
@@ -93,4 +97,4 @@ def lossless(
         if report is not None:
             typer.echo(f"report: {report}")
     if not out.ok:
-        raise typer.Exit(1)
+        raise typer.Exit(out.exit_code)

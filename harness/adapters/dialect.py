@@ -84,9 +84,7 @@ class Capabilities:
             out.append("teacher-forced scoring")
         if not self.spec_counters:
             out.append("spec counters")
-        if self.speculated_logprobs == "missing":
-            out.append("logprobs of speculated tokens")
-        return out
+        return out  # speculated_logprobs == "missing" is a dialect fact: positions are flagged where it bites
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -467,3 +465,19 @@ def _probe_echo(client: httpx.Client, api: str, model: str | None, ids: list[int
 
 def finite(x: float | None) -> bool:
     return x is not None and not math.isnan(x)
+
+
+def with_tokenizer(specs: list, tokenizer: str | Path | None) -> list:
+    """`--tokenizer DIR` on a command: every openai engine spec without a tokenizer= of its own gets it
+    (local and hf engines tokenize in process). Checks that DIR has a usable tokenizer.json."""
+    if tokenizer is None:
+        return list(specs)
+    LocalTokenizer(tokenizer)  # raises TokenizerError (a ValueError) naming what is wrong
+    from specbench.harness.engines import EngineSpec
+
+    out = []
+    for s in specs:
+        if s.kind == "openai" and "tokenizer" not in s.options:
+            s = EngineSpec(s.kind, s.target, {**s.options, "tokenizer": str(tokenizer)}, s.raw + f",tokenizer={tokenizer}")
+        out.append(s)
+    return out

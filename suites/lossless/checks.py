@@ -89,9 +89,11 @@ class AcceptanceEvidence:
 
 def acceptance_evidence(results: Iterable[GenResult], delta: dict | None,
                min_accept_len: float = MIN_ACCEPT_LEN) -> AcceptanceEvidence:
-    """Per-request spec dicts when every ok result has one, else the counters delta, else unknown."""
+    """Per-request spec dicts when every ok result has one with a verify-step count (`num_drafts`), else the
+    counters delta, else unknown. (llama.cpp's per-request `timings` give draft tokens but no steps, so its
+    evidence comes from the `llamacpp:` counters.)"""
     rs = [r for r in results if r.ok]
-    if rs and all(r.spec for r in rs):
+    if rs and all(r.spec and r.spec.get("num_drafts") is not None for r in rs):
         st = AcceptanceEvidence("per-request", min_accept_len=min_accept_len)
         for r in rs:
             sp = r.spec or {}

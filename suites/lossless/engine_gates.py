@@ -39,9 +39,11 @@ from .greedy import (
     check_output,
     engine_k,
     finish_run,
+    position_dist,
+    recover_dist,
     run_greedy,
 )
-from .regret import first_divergence, judge_pick, merged_dist
+from .regret import first_divergence, judge_pick
 
 
 async def short_then_long(baseline: EngineAdapter, candidate: EngineAdapter, prompts: Sequence[Prompt],
@@ -89,7 +91,8 @@ async def headroom(baseline: EngineAdapter, candidate: EngineAdapter, prompts: S
     seed = prompts[0].ids
     fit = Prompt("headroom-fit", _ids_of_len(seed, usable - m))
     before = await candidate.spec_counters()
-    res_fit = (await candidate.generate([GenRequest(prompt=fit.ids, max_tokens=m)], concurrency=1))[0]
+    res_fit = (await candidate.generate([GenRequest(prompt=fit.ids, max_tokens=m, prompt_cache=False)],
+                                        concurrency=1))[0]
     pc = await check_output(baseline, fit, res_fit, m, opts, candidate if opts.rescore else None)
     checks: list[Check] = []
     results: list[GenResult] = [res_fit]
@@ -123,7 +126,7 @@ async def mixed(baseline: EngineAdapter, candidate: EngineAdapter, prompts: Sequ
     if len(ps) == 1:
         ps, kinds = ps * 2, ["greedy", "logprobs"]
     reqs = [GenRequest(prompt=p.ids, max_tokens=max_tokens, logprobs=5 if k == "logprobs" else None,
-                       rid=f"mixed-{k}-{i}") for i, (p, k) in enumerate(zip(ps, kinds, strict=True))]
+                       rid=f"mixed-{k}-{i}", prompt_cache=False) for i, (p, k) in enumerate(zip(ps, kinds, strict=True))]
     before = await candidate.spec_counters()
     res = await candidate.generate(reqs, concurrency=None)
     delta = counters_delta(before, await candidate.spec_counters())
@@ -182,7 +185,8 @@ async def stop_in_run(baseline: EngineAdapter, candidate: EngineAdapter, prompts
         if full.ok and full.text:
             cases += [(p, s) for s in pick_stops(full.text)]
     before = await candidate.spec_counters()
-    reqs = [GenRequest(prompt=p.ids, max_tokens=max_tokens, stop=(s,), rid=f"stop-{i}") for i, (p, s) in enumerate(cases)]
+    reqs = [GenRequest(prompt=p.ids, max_tokens=max_tokens, stop=(s,), rid=f"stop-{i}", prompt_cache=False)
+            for i, (p, s) in enumerate(cases)]
     res = await candidate.generate(reqs, concurrency=1)
     delta = counters_delta(before, await candidate.spec_counters())
     pcs: list[PromptCheck] = []
@@ -191,7 +195,12 @@ async def stop_in_run(baseline: EngineAdapter, candidate: EngineAdapter, prompts
         b = await baseline_for(baseline, p.ids, [], max_tokens, opts.top_k, stop=(s,))
         pc = PromptCheck(f"{p.pid}-stop{s!r}", len(p.ids), max_tokens, spec=r.spec)
         pcs.append(pc)
-        if not r.ok or not b.ok or r.output_ids is None or b.output_ids is None:
+        if r.ok and b.ok and (r.output_ids is None or b.output_ids is None):
+            side = "candidate" if r.output_ids is None else "baseline"
+            pc.status, pc.missing = "untestable", f"output token ids ({side})"
+            pc.reason = f"CANNOT TEST: the {side} reports no output token ids"
+            continue
+        if not r.ok or not b.ok:
             pc.status, pc.reason = "error", f"request failed: {r.error or b.error}"
             continue
         inside += _inside_run(r)
@@ -210,8 +219,13 @@ async def stop_in_run(baseline: EngineAdapter, candidate: EngineAdapter, prompts
             pc.divergences.append(Divergence(i, "early_stop", None, bid[i], 0))
             pc.status, pc.reason = "fail", f"the candidate stopped {len(bid) - len(cid)} token(s) before the baseline"
         else:
-            lp = (b.logprobs or [])[i] if i < len(b.logprobs or []) else None
-            j = judge_pick(cid[i], merged_dist(lp.top, lp.token_id, lp.logprob) if lp else {}, opts.margin_tol)
+            dist = position_dist(b.logprobs, i)
+            if not dist:
+                dist, _, note = await recover_dist(baseline, list(p.ids) + cid[:i], cid[i], opts.top_k)
+                if not dist:
+                    pc.status, pc.missing, pc.reason = "untestable", "baseline logprobs at the divergence", note
+                    continue
+            j = judge_pick(cid[i], dist, opts.margin_tol)
             pc.divergences.append(Divergence(i, "token", cid[i], bid[i], 0, j))
             pc.status, pc.tokens_compared, pc.complete = ("flip" if j.ok else "fail"), i + 1, False
             pc.reason = "benign flip before the stop: the stop was not exercised" if j.ok else j.describe()

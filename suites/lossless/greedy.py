@@ -19,7 +19,16 @@ Contract:
   where it can, reported beside the lower bound.
 - `run_greedy` runs a prompt set through both engines and returns a `GateRun` with per-prompt checks,
   speculation statistics and the run checks (checks.py); `GateRun.verdict` is PASS, FAIL,
-  NOT SPECULATING, or "PASS (speculation unverified)" when the engine exposes no counters.
+  NOT SPECULATING, "PASS (speculation unverified)" when the engine exposes no counters, or CANNOT TEST.
+- No verdict without evidence (harness/verdicts.py): a prompt whose outputs cannot be compared for want
+  of a capability (no output token ids; no usable baseline logprobs at a divergence) is "untestable",
+  with the capability named in `missing`; a gate with an untestable prompt, or with no prompt or no token
+  compared at all, is CANNOT TEST unless something FAILed. Logprobs the baseline reported as missing or
+  fake at a divergence (llama.cpp: tokens accepted from a draft carry none) are never used as a
+  distribution: the baseline is asked again for one token from the same prefix (its first token always
+  comes from a plain forward pass), then teacher-forced scoring where it has it; the divergence records
+  which (`dist_source`). Every gate request sends prompt_cache=False, so a server's prompt cache cannot
+  turn one of two identical requests into a different computation.
 """
 
 from __future__ import annotations
@@ -29,7 +38,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
-from specbench.harness.adapters.base import EngineAdapter, GenRequest, GenResult, counters_delta
+from specbench.harness.adapters.base import EngineAdapter, GenRequest, GenResult, PosLogprobs, counters_delta
+from specbench.harness.verdicts import CANNOT_TEST, CannotTest
 
 from .checks import (
     AcceptanceEvidence,
@@ -72,6 +82,7 @@ class Divergence:
     anchor: int  # the candidate prefix length the judging baseline was generated from
     judgement: PickJudgement | None = None
     rescore: dict | None = None
+    dist_source: str = "generation"  # the baseline distribution: "generation" | "regenerated" | "teacher-forced"
 
     @property
     def ok(self) -> bool:
@@ -97,7 +108,7 @@ class PromptCheck:
     pid: str
     prompt_len: int
     max_tokens: int
-    status: str = "identical"  # identical | flip | fail | error
+    status: str = "identical"  # identical | flip | fail | error | untestable
     candidate_tokens: int = 0
     tokens_compared: int = 0
     reanchors: int = 0
@@ -105,10 +116,15 @@ class PromptCheck:
     reason: str = ""
     divergences: list[Divergence] = field(default_factory=list)
     spec: dict | None = None
+    missing: str | None = None  # untestable: the capability that was missing
 
     @property
     def ok(self) -> bool:
         return self.status in ("identical", "flip")
+
+    @property
+    def untestable(self) -> bool:
+        return self.status == "untestable"
 
     @property
     def first_divergence(self) -> int | None:
@@ -151,9 +167,25 @@ class GateRun:
         return all(p.ok for p in self.prompts) and not self.failed_checks
 
     @property
+    def failed(self) -> bool:
+        return any(not p.ok and not p.untestable for p in self.prompts) or bool(self.failed_checks)
+
+    @property
+    def missing(self) -> list[str]:
+        """Why the gate cannot reach a verdict (empty when it can): the capabilities, or no evidence at all."""
+        out = sorted({p.missing or "?" for p in self.prompts if p.untestable})
+        if not self.prompts:
+            out.append("no prompt was tested")
+        elif not out and not sum(p.tokens_compared for p in self.prompts):
+            out.append("no token was compared (every output empty)")
+        return out
+
+    @property
     def verdict(self) -> str:
-        if not self.ok:
+        if self.failed:
             return "FAIL"
+        if self.missing:
+            return CANNOT_TEST
         if not self.require_spec:
             return "PASS"
         if self.stats.speculating is None:
@@ -162,7 +194,7 @@ class GateRun:
 
     def to_dict(self) -> dict:
         return {"name": self.name, "verdict": self.verdict, "ok": self.ok, "wall_s": self.wall_s,
-                "require_spec": self.require_spec,
+                "require_spec": self.require_spec, "missing": self.missing,
                 "stats": self.stats.to_dict(), "checks": [c.to_dict() for c in self.checks],
                 "notes": list(self.notes), "prompts": [p.to_dict() for p in self.prompts]}
 
@@ -174,7 +206,33 @@ async def _one(adapter: EngineAdapter, req: GenRequest) -> GenResult:
 async def baseline_for(baseline: EngineAdapter, prompt_ids: list[int], prefix: list[int], max_tokens: int,
                        top_k: int, stop: tuple[str, ...] = ()) -> GenResult:
     return await _one(baseline, GenRequest(prompt=list(prompt_ids) + list(prefix), max_tokens=max_tokens,
-                                           temperature=0.0, logprobs=top_k, stop=stop))
+                                           temperature=0.0, logprobs=top_k, stop=stop, prompt_cache=False))
+
+
+def position_dist(lps: Sequence[PosLogprobs] | None, i: int) -> dict[int, float]:
+    """The reported distribution at output position i; {} where it is missing or fake (no logprob, no top-k)."""
+    if lps is None or i >= len(lps):
+        return {}
+    p = lps[i]
+    if p.logprob is None and not p.top:
+        return {}
+    return merged_dist(p.top, p.token_id, p.logprob)
+
+
+async def recover_dist(baseline: EngineAdapter, ids_before: list[int], pick: int, top_k: int) -> tuple[dict, str, str]:
+    """A real baseline distribution at the position after `ids_before` when the generation's was missing:
+    one fresh greedy token from that prefix (position 0 of a generation comes from a plain forward pass,
+    never from a draft), else teacher-forced scoring. Returns (dist, source, note); dist {} if neither."""
+    one = await baseline_for(baseline, ids_before, [], 1, top_k)
+    d = position_dist(one.logprobs, 0) if one.ok else {}
+    if d:
+        return d, "regenerated", "baseline logprobs missing at this position in its generation: re-generated one " \
+            "token from the same prefix for them"
+    got, note = await _score(baseline, ids_before, pick, top_k)
+    if got is not None and got["dist"]:
+        return got["dist"], "teacher-forced", "baseline logprobs missing at this position: teacher-forced scoring"
+    return {}, "none", f"baseline logprobs missing at this position; a one-token re-generation gave none and " \
+        f"teacher-forced scoring: {note}"
 
 
 async def _score(adapter: EngineAdapter | None, ids: list[int], pick: int, top_k: int) -> tuple[dict | None, str]:
@@ -213,16 +271,25 @@ async def check_output(baseline: EngineAdapter, prompt: Prompt, cand: GenResult,
         pc.status, pc.reason, pc.complete = "error", f"candidate request failed: {cand.error}", False
         return pc
     if cand.output_ids is None:
-        pc.status, pc.reason, pc.complete = "error", "the candidate reports no output token ids", False
+        pc.status, pc.complete, pc.missing = "untestable", False, "output token ids (candidate)"
+        pc.reason = "CANNOT TEST: the candidate reports no output token ids (re-tokenized text is no substitute)"
+        return pc
+    if cand.text and not cand.output_ids:
+        pc.status, pc.complete, pc.missing = "untestable", False, "output token ids (candidate)"
+        pc.reason = f"CANNOT TEST: the candidate returned text ({cand.text[:30]!r}) but an empty token list"
         return pc
     out = list(cand.output_ids)
     pc.candidate_tokens = len(out)
     anchor = 0
     base = first_base or await baseline_for(baseline, prompt.ids, [], max_tokens, opts.top_k)
     while True:
-        if not base.ok or base.output_ids is None:
+        if base.ok and (base.output_ids is None or (base.text and not base.output_ids)):
+            pc.status, pc.complete, pc.missing = "untestable", False, "output token ids (baseline)"
+            pc.reason = f"CANNOT TEST: the baseline reports no output token ids (anchor {anchor})"
+            return pc
+        if not base.ok:
             pc.status, pc.complete = "error", False
-            pc.reason = f"baseline request failed (anchor {anchor}): {base.error or 'no output token ids'}"
+            pc.reason = f"baseline request failed (anchor {anchor}): {base.error}"
             return pc
         rest, bids = out[anchor:], list(base.output_ids)
         i = first_divergence(rest, bids)
@@ -241,15 +308,24 @@ async def check_output(baseline: EngineAdapter, prompt: Prompt, cand: GenResult,
             pc.status, pc.reason = "fail", pc.divergences[-1].describe() + f" (finish_reason={why})"
             return pc
         pick, bt = rest[i], bids[i]
-        lps = base.logprobs or []
-        dist = merged_dist(lps[i].top, lps[i].token_id, lps[i].logprob) if i < len(lps) else {}
+        dist = position_dist(base.logprobs, i)
         ids_before = list(prompt.ids) + out[:pos]
+        source, note = "generation", ""
+        if not dist:
+            dist, source, note = await recover_dist(baseline, ids_before, pick, opts.top_k)
+            if not dist:
+                pc.divergences.append(Divergence(pos, "token", pick, bt, anchor, None, dist_source="none"))
+                pc.status, pc.complete, pc.missing = "untestable", False, "baseline logprobs at the divergence"
+                pc.reason = f"CANNOT TEST at position {pos} (pick {pick} vs baseline {bt}): {note}"
+                return pc
         j = judge_pick(pick, dist, opts.margin_tol)
         if j.kind == "outside_topk":
             got, _ = await _score(baseline, ids_before, pick, opts.top_k)
             if got is not None and got["pick_logprob"] is not None:
                 j = judge_pick(pick, dist, opts.margin_tol, exact_pick_logprob=got["pick_logprob"])
-        d = Divergence(pos, "token", pick, bt, anchor, j)
+        d = Divergence(pos, "token", pick, bt, anchor, j, dist_source=source)
+        if note and not pc.reason:
+            pc.reason = note
         if opts.rescore:
             d.rescore = await _rescore(candidate, ids_before, pick, bt, opts.top_k)
         pc.divergences.append(d)
@@ -272,21 +348,30 @@ async def check_output(baseline: EngineAdapter, prompt: Prompt, cand: GenResult,
 
 async def tokenize_prompts(baseline: EngineAdapter, candidate: EngineAdapter,
                            texts: Sequence[tuple[str, str]]) -> tuple[list[Prompt], list[str]]:
-    """Token ids from the baseline's tokenizer (else the candidate's); notes when the two disagree."""
+    """Token ids from the baseline's tokenizer (else the candidate's); notes when the two disagree.
+
+    An empty token list for a non-empty text is an error, never a prompt. Raises CannotTest("tokenize")
+    when neither engine gives ids for a prompt."""
     notes: list[str] = []
     prompts: list[Prompt] = []
     for pid, text in texts:
-        ids = await baseline.tokenize(text)
-        cids = await candidate.tokenize(text)
+        ids = _usable(await baseline.tokenize(text), text)
+        cids = _usable(await candidate.tokenize(text), text)
         if ids is None:
             ids = cids
         elif cids is not None and cids != ids and not notes:
             notes.append("the engines tokenize differently; both get the baseline's token ids")
         if ids is None:
-            raise LosslessError("neither engine can tokenize (no /tokenize): the lossless gate needs token ids "
-                                "to re-anchor; give a baseline that tokenizes")
+            raise CannotTest("tokenize", "neither engine gives token ids for the prompts (no /tokenize, or an "
+                             "empty token list for a non-empty text); the gate needs the same ids on both sides "
+                             "and for re-anchoring: give --tokenizer DIR (the model's tokenizer.json) or a "
+                             "baseline that tokenizes")
         prompts.append(Prompt(pid, list(ids), text))
     return prompts, notes
+
+
+def _usable(ids: list[int] | None, text: str) -> list[int] | None:
+    return None if ids is None or (text and not ids) else list(ids)
 
 
 async def health(adapter: EngineAdapter, settle_s: float = 2.0) -> dict | None:
@@ -327,7 +412,7 @@ async def run_greedy(baseline: EngineAdapter, candidate: EngineAdapter, prompts:
         raise LosslessError("the prompt set is empty")
     t0 = time.perf_counter()
     mts = list(max_tokens_each) if max_tokens_each is not None else [max_tokens] * len(prompts)
-    reqs = [GenRequest(prompt=list(p.ids), max_tokens=m, temperature=0.0, rid=f"{name}-{p.pid}")
+    reqs = [GenRequest(prompt=list(p.ids), max_tokens=m, temperature=0.0, rid=f"{name}-{p.pid}", prompt_cache=False)
             for p, m in zip(prompts, mts, strict=True)]
     before = await candidate.spec_counters()
     cands = await candidate.generate(reqs, concurrency=concurrency)

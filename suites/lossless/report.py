@@ -3,7 +3,8 @@
 Contract: `render_markdown(outcome)` -> a report with the verdict first, the engines and settings, one
 summary row per gate, the run checks, the per-prompt table of every gate (status, first divergence,
 regret, tokens compared, re-anchors, accepted length) and every divergence with its baseline regret and
-the candidate's re-scored regret. `render_console(outcome)` is the short form the CLI prints.
+the candidate's re-scored regret, the engines' capability records (docs/adapters.md) and every check
+that could not run with its reason. `render_console(outcome)` is the short form the CLI prints.
 `render_selftest(st)` renders the fault -> gates matrix and the clean repetitions. Nothing here runs an
 engine or reads files.
 """
@@ -38,24 +39,27 @@ def _engine_line(d: dict) -> str:
 
 def _status(p: PromptCheck) -> str:
     s = {"identical": "PASS (identical)", "flip": "PASS (benign flips)", "fail": "**FAIL**",
-         "error": "**ERROR**"}[p.status]
+         "error": "**ERROR**", "untestable": "**CANNOT TEST**"}[p.status]
     return s + ("" if p.complete or not p.ok else " (partial)")
 
 
 def _accept(p: PromptCheck) -> str:
     sp = p.spec or {}
-    return _f(sp.get("mean_accept_len"), 2) if sp.get("num_drafts") else ("1.00" if sp else "-")
+    if "num_drafts" not in sp:  # no per-request verify steps (llama.cpp reports draft tokens only)
+        return f"{sp['num_accepted_tokens']}/{sp['num_draft_tokens']} drafts acc." if sp.get("num_draft_tokens") else "-"
+    return _f(sp.get("mean_accept_len"), 2) if sp.get("num_drafts") else "1.00"
 
 
 def gate_summary_rows(gates: list[GateRun]) -> list[str]:
-    rows = ["| gate | verdict | requests | identical | benign flips | failed | tokens compared | re-anchors "
-            "| drafts | mean accepted length | wall s |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = ["| gate | verdict | requests | identical | benign flips | failed | cannot test | tokens compared "
+            "| re-anchors | drafts | mean accepted length | wall s |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for g in gates:
         ps = g.prompts
         rows.append(f"| {g.name} | {'**' + g.verdict + '**' if g.verdict != 'PASS' else g.verdict} | {len(ps)} "
                     f"| {sum(p.status == 'identical' for p in ps)} | {sum(p.status == 'flip' for p in ps)} "
-                    f"| {sum(not p.ok for p in ps)} | {sum(p.tokens_compared for p in ps)} "
+                    f"| {sum(not p.ok and not p.untestable for p in ps)} | {sum(p.untestable for p in ps)} "
+                    f"| {sum(p.tokens_compared for p in ps)} "
                     f"| {sum(p.reanchors for p in ps)} | {g.stats.num_drafts if g.stats.known else '-'} "
                     f"| {_f(g.stats.mean_accept_len, 2)} | {g.wall_s:.1f} |")
     return rows
@@ -83,11 +87,15 @@ def divergence_rows(gates: list[GateRun]) -> list[str]:
                 rsc = _f(rs.get("regret")) if rs.get("status") == "ok" else (rs.get("status") or "-")
                 if rs.get("status") == "ok":
                     rsc += " (agrees with pick)" if rs.get("agrees_with_pick") else f" (prefill top1 {rs.get('top1')})"
-                if j is None:
+                if j is None and d.kind == "token":
+                    reg, verdict = "-", "**CANNOT TEST** (no baseline logprobs here)"
+                elif j is None:
                     reg, verdict = "-", "**FAIL** " + d.kind
                 else:
                     reg = _f(j.regret) if j.regret is not None else f">= {_f(j.lower_bound)}"
                     verdict = "benign" if j.ok else f"**FAIL** ({j.kind})"
+                    if d.dist_source != "generation":
+                        reg += f" ({d.dist_source})"
                 top1 = j.top1 if j else d.baseline_token
                 rows.append(f"| {g.name} | {_cell(p.pid)} | {d.position} | {d.pick} | {top1} | {reg} | {rsc} "
                             f"| {verdict} |")
@@ -106,6 +114,43 @@ def check_rows(gates: list[GateRun]) -> list[str]:
     return rows
 
 
+CAPS = (("dialect", "dialect"), ("server", "version / build"), ("tokenize", "tokenize"),
+        ("token_id_prompts", "token-id prompts"), ("generate_route", "generation route"),
+        ("output_ids", "output ids"), ("logprobs", "logprobs shape"), ("top_logprobs", "top-k depth"),
+        ("prompt_logprobs", "prompt logprobs (echo)"), ("scoring", "teacher-forced scoring"),
+        ("usage", "streamed usage"), ("metrics_prefix", "counter prefix"), ("spec_counters", "spec counters"),
+        ("per_request_spec", "per-request draft counts"), ("prompt_cache", "prompt-cache control"),
+        ("sampler_defaults", "server sampler defaults"), ("speculated_logprobs", "logprobs of speculated tokens"))
+
+
+def _cap_value(key: str, v: object) -> str:
+    if key == "server" and isinstance(v, dict):
+        return str(v.get("version") or v.get("build") or "-")
+    if v is None:
+        return "-"
+    if isinstance(v, dict):
+        return ", ".join(f"{k} {x}" for k, x in v.items())
+    return str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def capability_rows(engines: dict[str, dict]) -> list[str]:
+    """The engines' capability records side by side (only engines that were probed have one)."""
+    arms = [(a, d["capabilities"]) for a, d in engines.items()
+            if isinstance(d, dict) and isinstance(d.get("capabilities"), dict)]
+    if not arms:
+        return []
+    rows = ["| capability | " + " | ".join(a for a, _ in arms) + " |", "|---|" + "---|" * len(arms)]
+    for key, label in CAPS:
+        rows.append(f"| {label} | " + " | ".join(_cell(_cap_value(key, c.get(key))) for _, c in arms) + " |")
+    rows.append("| missing | " + " | ".join(_cell(", ".join(c.get("missing") or []) or "none") for _, c in arms) + " |")
+    return rows
+
+
+def not_run_lines(out: LosslessOutcome) -> list[str]:
+    lines = out.checks_not_run()
+    return [f"- {_cell(x)}" for x in lines] if lines else ["- none: every check ran"]
+
+
 def render_markdown(out: LosslessOutcome) -> str:
     cfg = out.config
     lines = [f"# Lossless gate: {out.verdict}", ""]
@@ -119,7 +164,12 @@ def render_markdown(out: LosslessOutcome) -> str:
               f"{'on' if cfg.get('rescore') else 'off'}",
               f"- run id: {f'`{out.run_id}`' if out.run_id else 'not recorded'}, wall {out.wall_s:.1f} s"]
     lines += [f"- note: {n}" for n in out.notes]
-    lines += ["", "## Gates", ""] + gate_summary_rows(out.gates)
+    caps = capability_rows(out.engines)
+    if caps:
+        lines += ["", "## Endpoint capabilities", ""] + caps
+    lines += ["", "## Checks that could not run", ""] + not_run_lines(out)
+    lines += ["", "## Gates", ""] + (gate_summary_rows(out.gates) if out.gates else
+                                     [f"No gate ran: CANNOT TEST ({out.cannot_test})."])
     for g in out.gates:
         lines += ["", f"## {g.name}: {g.verdict}", ""]
         lines += [f"_{n}_" for n in g.notes] + ([""] if g.notes else [])
@@ -130,7 +180,8 @@ def render_markdown(out: LosslessOutcome) -> str:
     lines += ["", "Verdicts: PASS = every token identical or a benign tie flip, speculation observed; "
               "NOT SPECULATING = lossless but the engine never drafted (or accepted ~nothing), which proves "
               "nothing; FAIL = a pick above the margin, outside the baseline top-k, a length mismatch, a failed "
-              "request or a failed run check. See docs/lossless.md.", ""]
+              "request or a failed run check; CANNOT TEST = the evidence a verdict needs could not be collected "
+              "(a capability missing, or nothing to compare), never a pass. See docs/lossless.md.", ""]
     return "\n".join(lines)
 
 
@@ -142,8 +193,12 @@ def render_console(out: LosslessOutcome) -> str:
     bad = [f"  {g.name}/{c.name}: {c.detail}" for g in out.gates for c in g.failed_checks]
     if bad:
         lines += ["failed checks:"] + bad
+    nr = out.checks_not_run()
+    if nr:
+        lines += ["could not run:"] + [f"  {x}" for x in nr]
     s = out.summary()
-    lines.append(f"VERDICT: {out.verdict}  ({s['prompts']} prompts, {s['failed_prompts']} failed, {s['flips']} benign "
+    why = f" [missing: {'; '.join(out.missing)}]" if out.missing and out.verdict.startswith("CANNOT") else ""
+    lines.append(f"VERDICT: {out.verdict}{why}  ({s['prompts']} prompts, {s['failed_prompts']} failed, {s['flips']} benign "
                  f"flips, mean accepted length {_f(s['mean_accept_len'], 2)}, {out.wall_s:.1f} s)")
     return "\n".join(lines)
 

@@ -8,9 +8,14 @@ Contract:
 - With a results `Run`, every per-prompt check is written as it completes ("checks" records), every
   candidate request at the end of its gate ("requests", arm "candidate"), and one "gates" record per gate;
   the run record's summary gets the verdict. Reports are pure functions of the outcome (report.py).
-- Verdict: FAIL if any gate fails; else NOT SPECULATING if the greedy gate saw no speculation (zero drafts
-  or a mean accepted length <= min_accept_len); else PASS ("PASS (speculation unverified)" when the
-  candidate exposes no spec counters). `expect_accept_len` adds an acceptance-regression check to the
+- Verdict: FAIL if any gate fails; else CANNOT TEST if any gate could not collect its evidence (or the
+  prompts could not be tokenized at all: then no gate runs), naming what was missing; else NOT
+  SPECULATING if the greedy gate saw no speculation (zero drafts or a mean accepted length <=
+  min_accept_len); else PASS ("PASS (speculation unverified)" when the candidate exposes no spec
+  counters). `exit_code` maps it (harness/verdicts.py: 0 PASS, 1 FAIL / NOT SPECULATING, 3 CANNOT TEST).
+- `checks_not_run()` lists, per gate, every check that could not run and why (skipped run checks,
+  re-scoring the candidate could not do, untestable prompts, the engines' missing capabilities); the
+  reports print it beside the verdict. `expect_accept_len` adds an acceptance-regression check to the
   greedy gate (10% tolerance on the accepted-length excess over 1).
 """
 
@@ -23,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from specbench.harness.adapters.base import EngineAdapter
+from specbench.harness.verdicts import CANNOT_TEST, CannotTest, exit_code
 
 from .checks import check_acceptance
 from .concurrent import run_concurrent
@@ -73,23 +79,58 @@ class LosslessOutcome:
     notes: list[str] = field(default_factory=list)
     run_id: str | None = None
     wall_s: float = 0.0
+    cannot_test: str | None = None  # why no gate could run at all (e.g. nothing tokenizes)
 
     @property
     def verdict(self) -> str:
         if any(g.verdict in ("FAIL", "ERROR") for g in self.gates):
             return "FAIL"
-        return self.gates[0].verdict if self.gates else "FAIL"
+        if self.cannot_test or not self.gates or any(g.verdict == CANNOT_TEST for g in self.gates):
+            return CANNOT_TEST
+        return self.gates[0].verdict
 
     @property
     def ok(self) -> bool:
         """Exit status 0? Only a plain PASS (or PASS with speculation unverified) is ok."""
         return self.verdict.startswith("PASS")
 
+    @property
+    def exit_code(self) -> int:
+        return exit_code(self.verdict)
+
+    @property
+    def missing(self) -> list[str]:
+        out = [self.cannot_test] if self.cannot_test else []
+        if not self.gates and not out:
+            out.append("no gate ran")
+        return out + [f"{g.name}: {m}" for g in self.gates for m in g.missing]
+
+    def checks_not_run(self) -> list[str]:
+        """Every check that could not run, and why (for the reports)."""
+        out = list(self.missing)
+        for g in self.gates:
+            out += [f"{g.name}: {c.name} check skipped: {c.detail}" for c in g.checks if c.skipped]
+            if g.require_spec and g.stats.speculating is None:
+                out.append(f"{g.name}: speculation check: {g.stats.describe()}")
+            rs = sorted({str((d.rescore or {}).get("status")) for p in g.prompts for d in p.divergences
+                         if d.rescore and d.rescore.get("status") != "ok"})
+            out += [f"{g.name}: candidate re-scoring: {r}" for r in rs]
+            srcs = sorted({d.dist_source for p in g.prompts for d in p.divergences if d.dist_source != "generation"})
+            out += [f"{g.name}: baseline distribution at some divergence from {x} (its generation's logprobs were "
+                    "missing there)" for x in srcs if x != "none"]
+        for arm, d in self.engines.items():
+            caps = d.get("capabilities") if isinstance(d, dict) else None
+            if isinstance(caps, dict) and caps.get("missing"):
+                out.append(f"{arm} ({caps.get('dialect')}) lacks: {', '.join(caps['missing'])}")
+        return out
+
     def summary(self) -> dict:
         g0 = self.gates[0] if self.gates else None
-        return {"verdict": self.verdict, "gates": {g.name: g.verdict for g in self.gates},
+        return {"verdict": self.verdict, "missing": self.missing, "checks_not_run": self.checks_not_run(),
+                "gates": {g.name: g.verdict for g in self.gates},
                 "prompts": len(g0.prompts) if g0 else 0,
-                "failed_prompts": sum(not p.ok for g in self.gates for p in g.prompts),
+                "failed_prompts": sum(not p.ok and not p.untestable for g in self.gates for p in g.prompts),
+                "untestable_prompts": sum(p.untestable for g in self.gates for p in g.prompts),
                 "flips": sum(len(p.divergences) for g in self.gates for p in g.prompts if p.ok),
                 "mean_accept_len": g0.stats.mean_accept_len if g0 else None, "wall_s": self.wall_s}
 
@@ -128,11 +169,21 @@ async def run_lossless(baseline: EngineAdapter, candidate: EngineAdapter, cfg: L
     say = log or (lambda s: None)
     opts = cfg.gate_options
     texts = load_prompts(cfg.dataset, cfg.num_prompts, cfg.max_prompt_chars)
-    prompts, notes = await tokenize_prompts(baseline, candidate, texts)
-    out = LosslessOutcome([], {"baseline": baseline.describe(), "candidate": candidate.describe()},
-                          asdict(cfg), notes)
+    engines = {"baseline": baseline.describe(), "candidate": candidate.describe()}  # with the capability records
+    try:
+        prompts, notes = await tokenize_prompts(baseline, candidate, texts)
+    except CannotTest as e:
+        out = LosslessOutcome([], engines, asdict(cfg), [str(e)], cannot_test=f"{e.capability}: {e.detail}")
+        out.run_id = run.run_id if run is not None else None
+        out.wall_s = time.perf_counter() - t0
+        say(f"[lossless] CANNOT TEST: {e}")
+        if run is not None:
+            run.update(summary=out.summary(), engines=engines)
+        return out
+    out = LosslessOutcome([], engines, asdict(cfg), notes)
     if run is not None:
         out.run_id = run.run_id
+        run.update(engines=engines)
     rec = recorded_acceptance(out.engines["candidate"])
     if rec is not None:
         out.notes.append(f"the fixture's BUILD.json records a mean accepted length of {rec:.2f} (offline replay on "
