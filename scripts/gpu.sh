@@ -20,6 +20,13 @@
 #   profile      specbench profile on the pair: spec off/on (synthetic tau 6.5) x eager/graphs (issue 9)
 #   eval         specbench eval gsm8k --limit EVAL_LIMIT (50) spec off vs on on the pair (issue 10; needs the
 #                server and lm-eval wheels in .whl-eval/, see docs/gpu.md)
+#   vllm         vllm-gates, then vllm-speed (issue 28, docs/vllm.md; needs vLLM importable: VLLM_SITE, default
+#                /tmp/site-vllm from ../shared/device/vllm/stage.sh, and with no .whl/ the staged /tmp/site-sb)
+#   vllm-gates   scripts/vllm_suite.py --part gates: vLLM spec off vs DFlash on the tiny pairs (lossless, concurrent,
+#                engine gates, sampled), vs its n-gram proposer on the 4B-shaped pair, prefix-cache triage
+#   vllm-speed   scripts/vllm_suite.py --part speed: one sweep, vLLM and `specbench serve` (off, n-gram) side by side
+#                (VLLM_SWEEP_LEVELS, VLLM_SWEEP_ROUNDS, VLLM_SWEEP_PPL, VLLM_SWEEP_TOKENS, VLLM_SWEEP_DATASET);
+#                servers outlive a call (own sessions) for the next; VLLM_STOP=1 stops them at the end
 # Knobs: TEST_TIMEOUT, BENCH_TIMEOUT, BENCH_BUDGET (decode); SPEC_TIMEOUT, SPEC_BUDGET (steps), SWEEP_TIMEOUT
 # (the sweep is interrupted like Ctrl-C at it: records kept), SWEEP_LEVELS, SWEEP_TAUS, SWEEP_ROUNDS, SWEEP_PPL,
 # SWEEP_MAX_TOKENS, SPEC_WORKDIR (the Qwen3-4B-shaped pair; built there when absent).
@@ -39,11 +46,16 @@ pack() { tar czf "$OUT/results.tgz.part" --exclude='trace.json' --exclude='*.saf
 export PYTHONUNBUFFERED=1 FLASHINFER_WORKSPACE_BASE=/tmp/fi-base TRITON_CACHE_DIR=/tmp/triton-cache
 log() { echo "[gpu.sh $(date +%H:%M:%S)] $*" | tee -a "$OUT/gpu.log"; }
 
+if ! ls .whl/*.whl >/dev/null 2>&1 && [ -d "${SB_SITE:-/tmp/site-sb}" ]; then  # vLLM stage: FlashInfer 0.5.3 in site-sb
+  log "no .whl/: the bundled engine uses the staged ${SB_SITE:-/tmp/site-sb} (+ ${VLLM_SITE:-/tmp/site-vllm} for its server deps)"
+  export PYTHONPATH=${SB_SITE:-/tmp/site-sb}:${VLLM_SITE:-/tmp/site-vllm}${PYTHONPATH:+:$PYTHONPATH}
+else
 log "install wheels"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   $(ls .whl-eval/*.whl 2>/dev/null) \
   || { log "wheel install failed"; exit 1; }
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2 || { log "project install failed"; exit 1; }
 if [ -f .cache/fi_so.tgz ]; then  # compiled FlashInfer modules from an earlier call: FlashInfer loads AOT ones as-is
   mkdir -p /tmp/fi-so && tar xzf .cache/fi_so.tgz -C /tmp/fi-so
@@ -152,6 +164,15 @@ if [ "$what" = eval ]; then
     --candidate "local:$SPEC_WORKDIR/target,draft=$SPEC_WORKDIR/draft,spec=dflash,device=cuda,dtype=bfloat16" \
     --concurrency ${EVAL_CONCURRENCY:-8} --results "$W/eval-results" --report "$W/eval-h200.md" 2>&1 | tee "$W/eval.log"
   r=${PIPESTATUS[0]}; [ "$r" = 0 ] || rc=$r; log "eval rc=$r"
+fi
+if [ "$what" = vllm ] || [ "$what" = vllm-gates ] || [ "$what" = vllm-speed ]; then  # issue 28 (docs/vllm.md)
+  pair "$SPEC_WORKDIR"
+  part=${what#vllm-}; [ "$what" = vllm ] && part=all
+  log "vLLM suites (--part $part)"
+  SUITE_DEADLINE=$(( $(left) - 30 )) timeout $(cap $(( $(left) - 20 ))) python3 scripts/vllm_suite.py --part $part \
+    --out "$W/vllm" $( [ "${VLLM_STOP:-0}" = 1 ] && echo --stop ) 2>&1 | tee "$W/vllm-$part.log"
+  r=${PIPESTATUS[0]}; [ "$r" = 0 ] || rc=$r; log "vllm $part rc=$r"
+  cp "$W/vllm/summary-$part.json" "$OUT/" 2>/dev/null
 fi
 pack
 done

@@ -1,0 +1,590 @@
+#!/usr/bin/env python3
+"""vLLM as a subject (issue 28): start vLLM and bundled-engine servers, run specbench's suites against them, stop them.
+
+Run by `scripts/gpu.sh vllm|vllm-gates|vllm-speed` on a GPU machine where vLLM is importable from VLLM_SITE
+(default /tmp/site-vllm, ../shared/device/vllm/stage.sh) and the bundled engine's FlashInfer from SB_SITE
+(default /tmp/site-sb). A user with `pip install vllm==0.26.0` sets VLLM_SITE= (empty: vLLM from the
+interpreter's own site-packages) and SB_SITE= (docs/vllm.md).
+
+Parts (--part):
+  gates  vLLM spec off vs DFlash on the tiny trained pairs (tiny = the bundled fixture, its drafter taps the
+         target's last layer; tiny-l12 = the same target with a drafter tapping layers 1 and 2, which vLLM and
+         the bundled engine read the same way): lossless (+ --concurrent, --engine-gates), sampled (+ --null);
+         vLLM spec off vs its n-gram proposer on the Qwen3-4B-shaped pair: lossless (+ --concurrent);
+         prefix-cache triage on vLLM spec off (the same greedy requests cold, then hitting the cache, and with a
+         per-request cache_salt); the bundled engine's acceptance on both tiny pairs (in process, CPU).
+  speed  one `specbench sweep` over vLLM off / n-gram and the bundled engine (`specbench serve`) off / n-gram on
+         the same GPU and pair, arms interleaved, noise floor, then the summary (ratios per concurrency).
+  all    gates, then speed.
+Servers are started in their own process sessions and recorded in STATE (/tmp/vllm-suite/servers.json), so a
+later call on the same machine reuses the healthy ones; --stop stops them all at the end.
+Everything lands under --out: servers.json (version, argv, start-up times, memory, log excerpts), one file per
+suite run (JSON, markdown), logs/, and summary.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FIX = ROOT / "harness" / "data" / "fixtures"
+STATE = Path(os.environ.get("VLLM_SUITE_STATE", "/tmp/vllm-suite/servers.json"))
+VLLM_SITE = os.environ.get("VLLM_SITE", "/tmp/site-vllm")
+SB_SITE = os.environ.get("SB_SITE", "/tmp/site-sb")
+PAIR4B = Path(os.environ.get("SPEC_WORKDIR", "/tmp/q3-4b-pair"))
+GiB = 1 << 30
+T0 = time.time()
+DEADLINE = float(os.environ.get("SUITE_DEADLINE", "540"))
+
+
+def left() -> float:
+    return DEADLINE - (time.time() - T0)
+
+
+def log(msg: str) -> None:
+    print(f"[vllm_suite {time.strftime('%H:%M:%S')} +{time.time() - T0:5.0f}s] {msg}", flush=True)
+
+
+def env_for(kind: str) -> dict:
+    env = os.environ.copy()
+    env.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
+               HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    if kind == "vllm":  # vLLM alone on its path: the bundled engine's FlashInfer 0.5.3 breaks its warm-up
+        env["PYTHONPATH"] = VLLM_SITE
+        env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
+        env["VLLM_SERVER_DEV_MODE"] = "1"  # /reset_prefix_cache for the triage
+    else:
+        env["PYTHONPATH"] = ":".join(p for p in (SB_SITE, VLLM_SITE) if p)
+    if not env["PYTHONPATH"]:
+        env.pop("PYTHONPATH")
+    return env
+
+
+# ---- servers ---------------------------------------------------------------------------------------------
+
+def vllm_argv(model: Path, name: str, port: int, max_len: int, kv_gib: float, spec: dict | None) -> list[str]:
+    a = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model), "--served-model-name", name,
+         "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", str(max_len),
+         # explicit KV bytes: no memory profiling, so servers can start side by side on one GPU
+         "--gpu-memory-utilization", "0.05", "--kv-cache-memory-bytes", str(int(kv_gib * GiB)),
+         "--max-num-seqs", "128", "--seed", "0"]
+    if spec:
+        a += ["--speculative-config", json.dumps(spec)]
+    return a
+
+
+def sb_argv(model: Path, name: str, port: int, spec: str, k: int | None, pages: int) -> list[str]:
+    a = [sys.executable, "-m", "specbench", "serve", "--model", str(model), "--served-model-name", name,
+         "--port", str(port), "--device", "cuda", "--dtype", "bfloat16", "--spec", spec, "--num-pages", str(pages),
+         "--max-model-len", "4096", "--max-pending", "1024"]
+    if k:
+        a += ["--k", str(k)]
+    return a
+
+
+NGRAM_K, NGRAM_MIN, NGRAM_MAX = 4, 1, 4  # the bundled engine's n-gram defaults (engine/config.py SpecConfig)
+
+
+def servers() -> dict[str, dict]:
+    t, t12 = FIX / "tiny", FIX / "tiny-l12"
+    ng = {"method": "ngram", "num_speculative_tokens": NGRAM_K, "prompt_lookup_min": NGRAM_MIN,
+          "prompt_lookup_max": NGRAM_MAX}
+    return {
+        "vllm-tiny-off": dict(kind="vllm", port=8101, argv=vllm_argv(t / "target", "tiny", 8101, 1536, 2, None)),
+        "vllm-tiny-l12": dict(kind="vllm", port=8102, argv=vllm_argv(t / "target", "tiny", 8102, 1536, 2, {
+            "method": "dflash", "model": str(t12 / "draft"), "num_speculative_tokens": 7})),
+        "vllm-tiny-l13": dict(kind="vllm", port=8107, argv=vllm_argv(t / "target", "tiny", 8107, 1536, 2, {
+            "method": "dflash", "model": str(t / "draft"), "num_speculative_tokens": 7})),
+        "vllm-4b-off": dict(kind="vllm", port=8103, argv=vllm_argv(PAIR4B / "target", "q3", 8103, 4096, 14, None)),
+        "vllm-4b-ngram": dict(kind="vllm", port=8104, argv=vllm_argv(PAIR4B / "target", "q3", 8104, 4096, 14, ng)),
+        "sb-4b-off": dict(kind="sb", port=8105, argv=sb_argv(PAIR4B / "target", "q3", 8105, "off", None, 5000)),
+        "sb-4b-ngram": dict(kind="sb", port=8106, argv=sb_argv(PAIR4B / "target", "q3", 8106, "ngram", NGRAM_K, 5000)),
+    }
+
+
+def load_state() -> dict:
+    try:
+        return json.loads(STATE.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def save_state(st: dict) -> None:
+    STATE.parent.mkdir(parents=True, exist_ok=True)
+    tmp = STATE.with_suffix(".tmp")
+    tmp.write_text(json.dumps(st, indent=1, default=str))
+    tmp.replace(STATE)
+
+
+_state_lock = threading.Lock()
+
+
+def update_state(name: str, **kw) -> None:
+    with _state_lock:
+        st = load_state()
+        st.setdefault(name, {}).update(kw)
+        save_state(st)
+
+
+def http(url: str, body: dict | None = None, timeout: float = 5.0) -> tuple[int, str]:
+    req = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"}, method="GET" if body is None else "POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read().decode("utf-8", "replace")
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode("utf-8", "replace")
+    except Exception as e:  # noqa: BLE001 - connection refused, timeout: not up
+        return 0, repr(e)
+
+
+def healthy(port: int) -> bool:
+    return http(f"http://127.0.0.1:{port}/health", timeout=3)[0] == 200
+
+
+def alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+        return True
+    except OSError:
+        return False
+
+
+def start(name: str, logs: Path) -> None:
+    spec = servers()[name]
+    st = load_state().get(name, {})
+    if alive(st.get("pid")) and healthy(spec["port"]):
+        log(f"{name}: reusing pid {st['pid']} on :{spec['port']}")
+        update_state(name, reused=True)
+        return
+    logs.mkdir(parents=True, exist_ok=True)
+    fh = open(logs / f"{name}.log", "ab")
+    p = subprocess.Popen(spec["argv"], env=env_for(spec["kind"]), stdout=fh, stderr=subprocess.STDOUT,
+                         stdin=subprocess.DEVNULL, start_new_session=True, cwd=str(ROOT))
+    update_state(name, pid=p.pid, port=spec["port"], kind=spec["kind"], argv=spec["argv"], t_launch=time.time(),
+                 t_healthy=None, reused=False, log=str(logs / f"{name}.log"))
+    log(f"{name}: launched pid {p.pid} on :{spec['port']}: {shlex.join(spec['argv'][1:])}")
+
+
+def wait(names: list[str], timeout: float) -> dict[str, bool]:
+    end = time.time() + timeout
+    ok: dict[str, bool] = {}
+    while time.time() < end and len(ok) < len(names):
+        st = load_state()
+        for n in names:
+            if n in ok:
+                continue
+            s = st.get(n, {})
+            if healthy(s.get("port", 0)):
+                ok[n] = True
+                if s.get("t_healthy") is None:
+                    dt = time.time() - s["t_launch"]
+                    update_state(n, t_healthy=time.time(), startup_s=round(dt, 1))
+                    log(f"{n}: healthy after {dt:.0f}s")
+            elif not alive(s.get("pid")):
+                ok[n] = False
+                log(f"{n}: DIED before healthy; log tail:\n" + tail(s.get("log"), 40))
+        time.sleep(1.0)
+    for n in names:
+        if n not in ok:
+            ok[n] = False
+            log(f"{n}: not healthy within {timeout:.0f}s; log tail:\n" + tail(load_state().get(n, {}).get("log"), 30))
+    return ok
+
+
+def tail(path: str | None, n: int) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-n:])
+    except (OSError, TypeError):
+        return "(no log)"
+
+
+def stop_all() -> None:
+    st = load_state()
+    for n, s in st.items():
+        pid = s.get("pid")
+        if alive(pid):
+            try:
+                os.killpg(pid, signal.SIGTERM)  # its own session: the API server and its engine core
+            except OSError:
+                pass
+    time.sleep(5)
+    for n, s in st.items():
+        pid = s.get("pid")
+        if alive(pid):
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        update_state(n, stopped_at=time.time())
+    log("servers stopped")
+
+
+def warm(name: str, prompt: str = "Question: what is 2 + 3?\nAnswer:", n: int = 1, max_tokens: int = 16) -> float:
+    """One completion (n in parallel): the bundled engine compiles FlashInfer kernels on first use."""
+    port = load_state()[name]["port"]
+    t = time.time()
+    ths = [threading.Thread(target=http, args=(f"http://127.0.0.1:{port}/v1/completions",
+                                               {"model": "q3", "prompt": prompt + " " * i, "max_tokens": max_tokens,
+                                                "temperature": 0}, 600)) for i in range(n)]
+    for th in ths:
+        th.start()
+    for th in ths:
+        th.join()
+    return round(time.time() - t, 1)
+
+
+LOG_KEYS = re.compile(r"(Model loading took|torch\.compile takes|Compiling a graph|Available KV cache memory|"
+                      r"GPU KV cache size|Maximum concurrency|Graph capturing finished|init engine|"
+                      r"Using .*[Aa]ttention|attention backend|FlashAttention|Loading drafter|speculative|"
+                      r"aux|Starting vLLM|non-default args|memory: KV pool|Error|error|Traceback)")
+
+
+def describe_servers(names: list[str]) -> dict:
+    """Version, argv, start-up time, memory (per process session from nvidia-smi) and log excerpts."""
+    st = load_state()
+    mem_by_pid: dict[int, int] = {}
+    try:
+        q = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                           capture_output=True, text=True, timeout=20).stdout
+        for line in q.strip().splitlines():
+            pid, mib = (x.strip() for x in line.split(","))
+            mem_by_pid[int(pid)] = int(mib)
+    except Exception as e:  # noqa: BLE001
+        log(f"nvidia-smi per-process memory unavailable: {e!r}")
+    out = {}
+    for n in names:
+        s = dict(st.get(n, {}))
+        sess = s.get("pid")
+        mib = 0
+        for pid, m in mem_by_pid.items():
+            try:
+                if os.getsid(pid) == sess:
+                    mib += m
+            except OSError:
+                pass
+        s["gpu_mib"] = mib or None
+        text = ""
+        try:
+            text = Path(s["log"]).read_text(errors="replace")
+        except (OSError, KeyError):
+            pass
+        s["log_excerpt"] = [ln[-300:] for ln in text.splitlines() if LOG_KEYS.search(ln)][:60]
+        out[n] = s
+    return out
+
+
+def versions() -> dict:
+    v = {}
+    code = ("import json, torch, transformers\n"
+            "d = {'torch': torch.__version__, 'transformers': transformers.__version__, "
+            "'cuda': torch.version.cuda, 'gpu': torch.cuda.get_device_name(0)}\n"
+            "try:\n import vllm; d['vllm'] = vllm.__version__\nexcept Exception as e: d['vllm'] = repr(e)\n"
+            "try:\n import flashinfer; d['flashinfer'] = flashinfer.__version__\nexcept Exception as e: d['flashinfer'] = repr(e)\n"
+            "print(json.dumps(d))")
+    for kind in ("vllm", "sb"):
+        r = subprocess.run([sys.executable, "-c", code], env=env_for(kind), capture_output=True, text=True, timeout=120)
+        try:
+            v[kind] = json.loads(r.stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            v[kind] = {"error": (r.stderr or r.stdout)[-2000:]}
+    try:
+        v["commit"] = subprocess.run(["git", "log", "-1", "--format=%H %cI %s"], cwd=ROOT, capture_output=True,
+                                     text=True, timeout=10).stdout.strip()
+    except Exception:  # noqa: BLE001
+        v["commit"] = None
+    v["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                                 capture_output=True, text=True).stdout.strip()
+    return v
+
+
+# ---- suites ----------------------------------------------------------------------------------------------
+
+def sb_cli(args: list[str], out: Path, tag: str, timeout: float, json_last: bool = True) -> dict:
+    """Run `python -m specbench ARGS` with a timeout; keep stdout/stderr; parse the last JSON line."""
+    timeout = max(10.0, min(timeout, left() - 15))
+    cmd = [sys.executable, "-m", "specbench", *args]
+    log(f"{tag}: specbench {shlex.join(args)} (timeout {timeout:.0f}s)")
+    t = time.time()
+    try:
+        r = subprocess.run(cmd, env=env_for("sb"), capture_output=True, text=True, timeout=timeout, cwd=str(ROOT))
+        rc, so, se = r.returncode, r.stdout, r.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, so, se = "timeout", (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), \
+            (e.stderr or b"").decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+    wall = round(time.time() - t, 1)
+    (out / f"{tag}.stdout").write_text(so or "")
+    (out / f"{tag}.stderr").write_text(se or "")
+    doc = None
+    if json_last:
+        for line in reversed((so or "").strip().splitlines()):
+            if line.startswith("{"):
+                try:
+                    doc = json.loads(line)
+                    break
+                except ValueError:
+                    pass
+    if doc is not None:
+        (out / f"{tag}.json").write_text(json.dumps(doc, indent=1, default=str))
+    log(f"{tag}: rc={rc} in {wall}s" + ("" if rc == 0 else "\n" + "\n".join((se or so or "").splitlines()[-25:])))
+    return {"tag": tag, "argv": args, "rc": rc, "wall_s": wall, "json": f"{tag}.json" if doc else None,
+            "verdict": verdict_of(doc)}
+
+
+def verdict_of(doc: dict | None):
+    if not isinstance(doc, dict):
+        return None
+    for k in ("verdict", "status", "ok"):
+        if k in doc:
+            return doc[k]
+    return None
+
+
+def url(name: str) -> str:
+    return f"openai:http://127.0.0.1:{servers()[name]['port']}/v1"
+
+
+def gates(out: Path, logs: Path, record: list) -> None:
+    tiny = ["vllm-tiny-off", "vllm-tiny-l12", "vllm-tiny-l13"]
+    big = ["vllm-4b-off", "vllm-4b-ngram"]
+    for n in tiny + big:
+        start(n, logs)
+    # the bundled engine's acceptance on both tiny pairs, in process on CPU, while vLLM starts
+    t = FIX / "tiny"
+    bundled: list[dict] = []
+
+    def cpu_ref() -> None:
+        for tag, draft in (("bundled-tiny-l13", t / "draft"), ("bundled-tiny-l12", FIX / "tiny-l12" / "draft")):
+            bundled.append(sb_cli(["lossless", "--margin-tol", "0.20", "--candidate",
+                                   f"local:{t / 'target'},draft={draft},device=cpu", "--num-prompts", "16",
+                                   "--max-tokens", "64", "--json", "--no-record", "--report", str(out / f"{tag}.md")],
+                                  out, tag, 200))
+    th = threading.Thread(target=cpu_ref)
+    th.start()
+    up = wait(tiny + big, min(330, left() - 60))
+    record.append({"servers_up": up})
+    if up.get("vllm-tiny-off") and up.get("vllm-tiny-l12"):
+        record.append(sb_cli(["lossless", "--margin-tol", "0.20", "--baseline", url("vllm-tiny-off"), "--candidate",
+                              url("vllm-tiny-l12"), "--num-prompts", "16", "--max-tokens", "64", "--concurrent",
+                              "--engine-gates", "--json", "--no-record", "--report", str(out / "lossless-tiny-l12.md")],
+                             out, "lossless-tiny-l12", 150))
+    if up.get("vllm-tiny-off") and up.get("vllm-tiny-l13"):
+        record.append(sb_cli(["lossless", "--margin-tol", "0.20", "--baseline", url("vllm-tiny-off"), "--candidate",
+                              url("vllm-tiny-l13"), "--num-prompts", "16", "--max-tokens", "64", "--json", "--no-record",
+                              "--report", str(out / "lossless-tiny-l13.md")], out, "lossless-tiny-l13", 90))
+    if up.get("vllm-4b-off") and up.get("vllm-4b-ngram"):
+        record.append(sb_cli(["lossless", "--margin-tol", "0.20", "--baseline", url("vllm-4b-off"), "--candidate",
+                              url("vllm-4b-ngram"), "--dataset", "humaneval", "--num-prompts", "16", "--max-tokens",
+                              "128", "--concurrent", "--json", "--no-record", "--report",
+                              str(out / "lossless-4b-ngram.md")], out, "lossless-4b-ngram", 150))
+    if up.get("vllm-tiny-off") and up.get("vllm-tiny-l12"):
+        record.append(sb_cli(["sampled", "--baseline", url("vllm-tiny-off"), "--candidate", url("vllm-tiny-l12"),
+                              "--num-prompts", "4", "--samples", "256", "--null", "--json", "--no-record",
+                              "--report", str(out / "sampled-tiny-l12.md")], out, "sampled-tiny-l12", 200))
+    if up.get("vllm-4b-off"):
+        record.append(triage_prefix_cache(out, "vllm-4b-off", "q3"))
+    if up.get("vllm-tiny-off"):
+        record.append(triage_prefix_cache(out, "vllm-tiny-off", "tiny"))
+    th.join(timeout=max(1, left() - 20))
+    record.extend(bundled)
+
+
+def triage_prefix_cache(out: Path, name: str, model: str) -> dict:
+    """The same greedy requests, four ways, through specbench's own adapter: cold with salt A, cold with salt B
+    (never shares blocks with A), then twice with no salt (the second hits the cache the first filled). A
+    divergence in the fourth but not the second is the prefix cache; its regret (baseline top-20 at the first
+    divergence) says whether it is a tie flip."""
+    tag = f"prefix-cache-{name}"
+    if left() < 40:
+        return {"tag": tag, "skipped": "deadline"}
+    code = r'''
+import asyncio, json, sys
+from specbench.harness.adapters.base import GenRequest
+from specbench.harness.adapters.openai_api import OpenAIAdapter
+from specbench.suites.lossless.prompts import load_prompts
+url, model = sys.argv[1], sys.argv[2]
+prompts = [text for _pid, text in load_prompts("gsm8k", 16)]
+def run(salt):
+    ad = OpenAIAdapter(url, model=model, extra_body={"cache_salt": salt} if salt else None)
+    reqs = [GenRequest(prompt=p, max_tokens=64, temperature=0.0, logprobs=5, ignore_eos=True) for p in prompts]
+    res = ad.generate_sync(reqs, concurrency=1)
+    ad.close()
+    return res
+arms = {"cold_a": run("salt-a"), "cold_b": run("salt-b"), "fill": run(None), "hit": run(None)}
+def first_div(a, b):
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None
+rows = []
+for i in range(len(prompts)):
+    ids = {k: (v[i].output_ids or []) for k, v in arms.items()}
+    row = {"prompt": i, "ok": all(v[i].ok for v in arms.values()),
+           "cold_a_vs_cold_b": first_div(ids["cold_a"], ids["cold_b"]),
+           "fill_vs_hit": first_div(ids["fill"], ids["hit"]), "cold_a_vs_fill": first_div(ids["cold_a"], ids["fill"])}
+    d = row["fill_vs_hit"]
+    lp = arms["fill"][i].logprobs
+    if d is not None and lp and d < len(lp):
+        top = lp[d].top
+        pick = ids["hit"][d]
+        best = max(top.values()) if top else None
+        row["regret_hit_pick_under_fill"] = None if best is None or pick not in top else round(best - top[pick], 4)
+        row["fill_top2_margin"] = None if len(top) < 2 else round(sorted(top.values())[-1] - sorted(top.values())[-2], 4)
+    rows.append(row)
+n = len(rows)
+summ = {k: sum(r[k] is not None for r in rows) for k in ("cold_a_vs_cold_b", "fill_vs_hit", "cold_a_vs_fill")}
+regs = [r["regret_hit_pick_under_fill"] for r in rows if r.get("regret_hit_pick_under_fill") is not None]
+print(json.dumps({"prompts": n, "diverging": summ, "max_regret": max(regs) if regs else None,
+                  "regrets": regs, "rows": rows, "errors": [v[i].error for v in arms.values() for i in range(n) if not v[i].ok][:5]}))
+'''
+    port = servers()[name]["port"]
+    t = time.time()
+    try:
+        r = subprocess.run([sys.executable, "-c", code, f"http://127.0.0.1:{port}/v1", model], env=env_for("sb"),
+                           capture_output=True, text=True, timeout=max(10, min(120, left() - 15)), cwd=str(ROOT))
+        so, se, rc = r.stdout, r.stderr, r.returncode
+    except subprocess.TimeoutExpired:
+        so, se, rc = "", "timeout", "timeout"
+    (out / f"{tag}.stderr").write_text(se or "")
+    doc = None
+    for line in reversed((so or "").strip().splitlines()):
+        if line.startswith("{"):
+            doc = json.loads(line)
+            break
+    if doc:
+        (out / f"{tag}.json").write_text(json.dumps(doc, indent=1))
+        log(f"{tag}: diverging {doc['diverging']} of {doc['prompts']}, max regret {doc['max_regret']}")
+    else:
+        log(f"{tag}: rc={rc}\n{(se or '')[-2000:]}")
+    return {"tag": tag, "rc": rc, "wall_s": round(time.time() - t, 1), "json": f"{tag}.json" if doc else None,
+            "diverging": doc and doc["diverging"], "max_regret": doc and doc["max_regret"]}
+
+
+def speed(out: Path, logs: Path, record: list) -> None:
+    big = ["vllm-4b-off", "vllm-4b-ngram"]
+    for n in big:
+        start(n, logs)
+    # the bundled servers one after the other: the first compiles FlashInfer's kernels (~70 s), the second reuses them
+    warm_s = {}
+    for n in ("sb-4b-off", "sb-4b-ngram"):
+        start(n, logs)
+        ok = wait([n], min(240, left() - 60)).get(n)
+        if ok:
+            warm_s[n] = {"first_completion_s": warm(n), "burst64_s": warm(n, n=64, max_tokens=32)}
+            update_state(n, warm=warm_s[n])
+            log(f"{n}: warm-up {warm_s[n]}")
+    for n in ("vllm-tiny-off", "vllm-tiny-l12", "vllm-tiny-l13"):  # idle, but out of the way of the timings
+        s = load_state().get(n, {})
+        if alive(s.get("pid")):
+            try:
+                os.killpg(s["pid"], signal.SIGTERM)
+            except OSError:
+                pass
+    up = wait(big, min(300, left() - 60))
+    up.update({n: healthy(servers()[n]["port"]) for n in ("sb-4b-off", "sb-4b-ngram")})
+    record.append({"speed_servers_up": up, "warm": warm_s})
+    arms = [n for n in ("vllm-4b-off", "sb-4b-off", "vllm-4b-ngram", "sb-4b-ngram") if up.get(n)]
+    if len(arms) < 2:
+        log(f"speed: too few servers up ({up})")
+        return
+    budget = left() - 60
+    levels = os.environ.get("VLLM_SWEEP_LEVELS", "1,8,16,32,64")
+    args = ["sweep", "--concurrency", levels, "--arms", ";".join(f"{url(a)},name={a}" for a in arms),
+            "--labels", ",".join(arms), "--baseline", arms[0], "--dataset", os.environ.get("VLLM_SWEEP_DATASET", "spec_bench"),
+            "--prompts-per-level", os.environ.get("VLLM_SWEEP_PPL", "2"), "--max-tokens",
+            os.environ.get("VLLM_SWEEP_TOKENS", "128"), "--ignore-eos", "--rounds", os.environ.get("VLLM_SWEEP_ROUNDS", "3"),
+            "--out", str(out / "sweep"), "--report", str(out / "sweep.md"), "--no-progress"]
+    log(f"sweep: specbench {shlex.join(args)} (interrupted at {budget:.0f}s, records kept)")
+    t = time.time()
+    with open(out / "sweep.stdout", "w") as fo, open(out / "sweep.stderr", "w") as fe:
+        p = subprocess.Popen([sys.executable, "-m", "specbench", *args], env=env_for("sb"), stdout=fo, stderr=fe,
+                             cwd=str(ROOT))
+        try:
+            rc = p.wait(timeout=max(10, budget))
+        except subprocess.TimeoutExpired:
+            p.send_signal(signal.SIGINT)  # like Ctrl-C: the run is marked incomplete, every record kept
+            try:
+                rc = p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                rc = "killed"
+    log(f"sweep: rc={rc} in {time.time() - t:.0f}s\n" + tail(str(out / "sweep.stdout"), 30) + "\n" +
+        tail(str(out / "sweep.stderr"), 10))
+    record.append({"tag": "sweep", "argv": args, "rc": rc, "wall_s": round(time.time() - t, 1)})
+    try:
+        record.append({"tag": "sweep-summary", **summarize_sweep(out / "sweep", out)})
+    except Exception as e:  # noqa: BLE001 - the raw records came back anyway
+        log(f"sweep summary failed: {e!r}")
+
+
+def summarize_sweep(sweep_dir: Path, out: Path) -> dict:
+    from specbench.suites.report import load_run_summary
+
+    runs = sorted(p for p in sweep_dir.iterdir() if p.is_dir())
+    s = load_run_summary(runs[-1])
+    rows = []
+    for lv in s.levels:
+        row = {"level": lv, "noise": s.noise.get(lv)}
+        for arm in [a["label"] for a in s.arms]:
+            c = s.cells.get((arm, lv))
+            if c is None:
+                continue
+            vals = [v for v in c.tok_s.values() if v is not None]
+            row[arm] = {"tok_s_rounds": c.tok_s, "tok_s_median": sorted(vals)[len(vals) // 2] if vals else None,
+                        "stats": c.stats, "acceptance": c.acceptance, "speedup_vs_baseline": s.speedups.get((arm, lv))}
+        for a, b in (("sb-4b-off", "vllm-4b-off"), ("sb-4b-ngram", "vllm-4b-ngram")):
+            if a in row and b in row:
+                ra, rb = row[a]["tok_s_rounds"], row[b]["tok_s_rounds"]
+                per = [ra[k] / rb[k] for k in ra if k in rb and ra[k] and rb[k]]
+                row[f"{a}/{b}"] = {"per_round": per, "median": sorted(per)[len(per) // 2] if per else None,
+                                   "min": min(per) if per else None, "max": max(per) if per else None}
+        rows.append(row)
+    doc = {"run_id": s.run_id, "complete": s.complete, "baseline": s.baseline, "noise_arm": s.noise_arm,
+           "arms": s.arms, "levels": rows, "meta": s.meta}
+    (out / "sweep-summary.json").write_text(json.dumps(doc, indent=1, default=str))
+    return {"json": "sweep-summary.json", "complete": s.complete}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--part", choices=("gates", "speed", "all"), default="all")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--stop", action="store_true", help="stop every server at the end")
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    logs = out / "logs"
+    record: list = []
+    summary = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "part": a.part, "deadline_s": DEADLINE}
+    try:
+        summary["versions"] = versions()
+        log(f"versions: {json.dumps(summary['versions'])}")
+        if a.part in ("gates", "all"):
+            gates(out, logs, record)
+        if a.part in ("speed", "all") and left() > 120:
+            speed(out, logs, record)
+    finally:
+        summary["runs"] = record
+        summary["servers"] = describe_servers(list(servers()))
+        if a.stop:
+            stop_all()
+        summary["wall_s"] = round(time.time() - T0, 1)
+        (out / f"summary-{a.part}.json").write_text(json.dumps(summary, indent=1, default=str))
+        log(f"summary: {out / f'summary-{a.part}.json'}")
+
+
+if __name__ == "__main__":
+    main()
