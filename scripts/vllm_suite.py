@@ -357,49 +357,95 @@ def url(name: str) -> str:
     return f"openai:http://127.0.0.1:{servers()[name]['port']}/v1"
 
 
-def gates(out: Path, logs: Path, record: list) -> None:
-    tiny = ["vllm-tiny-off", "vllm-tiny-l12", "vllm-tiny-l13"]
-    big = ["vllm-4b-off", "vllm-4b-ngram"]
-    for n in tiny + big:
-        start(n, logs)
-    # the bundled engine's acceptance on both tiny pairs, in process on CPU, while vLLM starts
-    t = FIX / "tiny"
-    bundled: list[dict] = []
+TINY = ["vllm-tiny-off", "vllm-tiny-l12", "vllm-tiny-l13"]
+BIG = ["vllm-4b-off", "vllm-4b-ngram"]
+SB = ["sb-4b-off", "sb-4b-ngram"]
 
-    def cpu_ref() -> None:
+
+def gate_jobs(out: Path) -> list[tuple[str, list[str], float, list[str]]]:
+    """(tag, servers it needs, a timeout, specbench args), in priority order."""
+    L = ["lossless", "--margin-tol", "0.20"]
+    return [
+        ("lossless-tiny-l12", ["vllm-tiny-off", "vllm-tiny-l12"], 150, L + [
+            "--baseline", url("vllm-tiny-off"), "--candidate", url("vllm-tiny-l12"), "--num-prompts", "16",
+            "--max-tokens", "64", "--concurrent", "--engine-gates", "--json", "--no-record",
+            "--report", str(out / "lossless-tiny-l12.md")]),
+        ("lossless-4b-ngram", BIG, 150, L + [
+            "--baseline", url("vllm-4b-off"), "--candidate", url("vllm-4b-ngram"), "--dataset", "humaneval",
+            "--num-prompts", "16", "--max-tokens", "128", "--concurrent", "--json", "--no-record",
+            "--report", str(out / "lossless-4b-ngram.md")]),
+        ("sampled-tiny-l12", ["vllm-tiny-off", "vllm-tiny-l12"], 200, [
+            "sampled", "--baseline", url("vllm-tiny-off"), "--candidate", url("vllm-tiny-l12"), "--num-prompts", "4",
+            "--samples", "256", "--null", "--json", "--no-record", "--report", str(out / "sampled-tiny-l12.md")]),
+        ("lossless-tiny-l13", ["vllm-tiny-off", "vllm-tiny-l13"], 90, L + [
+            "--baseline", url("vllm-tiny-off"), "--candidate", url("vllm-tiny-l13"), "--num-prompts", "16",
+            "--max-tokens", "64", "--json", "--no-record", "--report", str(out / "lossless-tiny-l13.md")]),
+        ("prefix-cache-vllm-4b-off", ["vllm-4b-off"], 120, ["q3"]),
+        ("prefix-cache-vllm-tiny-off", ["vllm-tiny-off"], 60, ["tiny"]),
+    ]
+
+
+def run_gates(out: Path, record: list, reserve: float) -> None:
+    """Every gate job whose output is not there yet, while more than `reserve` seconds are left."""
+    for tag, need, tmo, args in gate_jobs(out):
+        if (out / f"{tag}.json").exists():
+            continue
+        if left() - reserve < min(tmo, 60):
+            record.append({"tag": tag, "skipped": f"deadline ({left():.0f}s left, {reserve:.0f}s reserved)"})
+            log(f"{tag}: skipped (deadline)")
+            continue
+        if not all(healthy(servers()[n]["port"]) for n in need):
+            record.append({"tag": tag, "skipped": f"servers not healthy: {need}"})
+            log(f"{tag}: skipped (servers {need} not healthy)")
+            continue
+        if tag.startswith("prefix-cache-"):
+            record.append(triage_prefix_cache(out, need[0], args[0]))
+        else:
+            record.append(sb_cli(args, out, tag, min(tmo, left() - reserve)))
+
+
+def bring_up_sb(logs: Path) -> dict:
+    """The bundled servers one after the other: the first compiles FlashInfer's kernels (~70 s, item 5 of the
+    issue: healthy is not ready), the second reuses them. Idempotent: a warmed, healthy server is kept."""
+    warm_s = {}
+    for n in SB:
+        s = load_state().get(n, {})
+        if s.get("warm") and alive(s.get("pid")) and healthy(servers()[n]["port"]):
+            warm_s[n] = s["warm"]
+            continue
+        start(n, logs)
+        if wait([n], min(240, max(10, left() - 60))).get(n):
+            w = {"first_completion_s": warm(n), "burst64_s": warm(n, n=64, max_tokens=32)}
+            w["ready_after_launch_s"] = round(time.time() - load_state()[n]["t_launch"], 1)
+            update_state(n, warm=w)
+            warm_s[n] = w
+            log(f"{n}: warm-up {w}")
+    return warm_s
+
+
+def gates(out: Path, logs: Path, record: list) -> None:
+    for n in TINY + BIG:
+        start(n, logs)
+    t = FIX / "tiny"
+    side: list[dict] = []
+
+    def cpu_ref() -> None:  # the bundled engine's acceptance on both tiny pairs, in process on CPU
         for tag, draft in (("bundled-tiny-l13", t / "draft"), ("bundled-tiny-l12", FIX / "tiny-l12" / "draft")):
-            bundled.append(sb_cli(["lossless", "--margin-tol", "0.20", "--candidate",
-                                   f"local:{t / 'target'},draft={draft},device=cpu", "--num-prompts", "16",
-                                   "--max-tokens", "64", "--json", "--no-record", "--report", str(out / f"{tag}.md")],
-                                  out, tag, 200))
-    th = threading.Thread(target=cpu_ref)
-    th.start()
-    up = wait(tiny + big, min(330, left() - 60))
+            if not (out / f"{tag}.json").exists():
+                side.append(sb_cli(["lossless", "--margin-tol", "0.20", "--candidate",
+                                    f"local:{t / 'target'},draft={draft},device=cpu", "--num-prompts", "16",
+                                    "--max-tokens", "64", "--json", "--no-record", "--report", str(out / f"{tag}.md")],
+                                   out, tag, 200))
+
+    ths = [threading.Thread(target=cpu_ref), threading.Thread(target=lambda: side.append({"warm": bring_up_sb(logs)}))]
+    for th in ths:
+        th.start()
+    up = wait(TINY + BIG, min(330, left() - 60))
     record.append({"servers_up": up})
-    if up.get("vllm-tiny-off") and up.get("vllm-tiny-l12"):
-        record.append(sb_cli(["lossless", "--margin-tol", "0.20", "--baseline", url("vllm-tiny-off"), "--candidate",
-                              url("vllm-tiny-l12"), "--num-prompts", "16", "--max-tokens", "64", "--concurrent",
-                              "--engine-gates", "--json", "--no-record", "--report", str(out / "lossless-tiny-l12.md")],
-                             out, "lossless-tiny-l12", 150))
-    if up.get("vllm-tiny-off") and up.get("vllm-tiny-l13"):
-        record.append(sb_cli(["lossless", "--margin-tol", "0.20", "--baseline", url("vllm-tiny-off"), "--candidate",
-                              url("vllm-tiny-l13"), "--num-prompts", "16", "--max-tokens", "64", "--json", "--no-record",
-                              "--report", str(out / "lossless-tiny-l13.md")], out, "lossless-tiny-l13", 90))
-    if up.get("vllm-4b-off") and up.get("vllm-4b-ngram"):
-        record.append(sb_cli(["lossless", "--margin-tol", "0.20", "--baseline", url("vllm-4b-off"), "--candidate",
-                              url("vllm-4b-ngram"), "--dataset", "humaneval", "--num-prompts", "16", "--max-tokens",
-                              "128", "--concurrent", "--json", "--no-record", "--report",
-                              str(out / "lossless-4b-ngram.md")], out, "lossless-4b-ngram", 150))
-    if up.get("vllm-tiny-off") and up.get("vllm-tiny-l12"):
-        record.append(sb_cli(["sampled", "--baseline", url("vllm-tiny-off"), "--candidate", url("vllm-tiny-l12"),
-                              "--num-prompts", "4", "--samples", "256", "--null", "--json", "--no-record",
-                              "--report", str(out / "sampled-tiny-l12.md")], out, "sampled-tiny-l12", 200))
-    if up.get("vllm-4b-off"):
-        record.append(triage_prefix_cache(out, "vllm-4b-off", "q3"))
-    if up.get("vllm-tiny-off"):
-        record.append(triage_prefix_cache(out, "vllm-tiny-off", "tiny"))
-    th.join(timeout=max(1, left() - 20))
-    record.extend(bundled)
+    run_gates(out, record, reserve=20)
+    for th in ths:
+        th.join(timeout=max(1, left() - 15))
+    record.extend(side)
 
 
 def triage_prefix_cache(out: Path, name: str, model: str) -> dict:
@@ -419,7 +465,7 @@ url, model = sys.argv[1], sys.argv[2]
 prompts = [text for _pid, text in load_prompts("gsm8k", 16)]
 def run(salt):
     ad = OpenAIAdapter(url, model=model, extra_body={"cache_salt": salt} if salt else None)
-    reqs = [GenRequest(prompt=p, max_tokens=64, temperature=0.0, logprobs=5, ignore_eos=True) for p in prompts]
+    reqs = [GenRequest(prompt=p, max_tokens=64, temperature=0.0, logprobs=20, ignore_eos=True) for p in prompts]
     res = ad.generate_sync(reqs, concurrency=1)
     ad.close()
     return res
@@ -474,19 +520,13 @@ print(json.dumps({"prompts": n, "diverging": summ, "max_regret": max(regs) if re
 
 
 def speed(out: Path, logs: Path, record: list) -> None:
-    big = ["vllm-4b-off", "vllm-4b-ngram"]
+    big = BIG
     for n in big:
         start(n, logs)
-    # the bundled servers one after the other: the first compiles FlashInfer's kernels (~70 s), the second reuses them
-    warm_s = {}
-    for n in ("sb-4b-off", "sb-4b-ngram"):
-        start(n, logs)
-        ok = wait([n], min(240, left() - 60)).get(n)
-        if ok:
-            warm_s[n] = {"first_completion_s": warm(n), "burst64_s": warm(n, n=64, max_tokens=32)}
-            update_state(n, warm=warm_s[n])
-            log(f"{n}: warm-up {warm_s[n]}")
-    for n in ("vllm-tiny-off", "vllm-tiny-l12", "vllm-tiny-l13"):  # idle, but out of the way of the timings
+    warm_s = bring_up_sb(logs)
+    sweep_need = float(os.environ.get("VLLM_SWEEP_MIN_S", "260"))
+    run_gates(out, record, reserve=sweep_need)  # what the gates call left undone, if the sweep keeps its time
+    for n in TINY:  # idle, but out of the way of the timings
         s = load_state().get(n, {})
         if alive(s.get("pid")):
             try:
@@ -569,14 +609,18 @@ def main() -> None:
     logs = out / "logs"
     record: list = []
     summary = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "part": a.part, "deadline_s": DEADLINE}
-    try:
+    def ver() -> None:  # two interpreters importing vLLM: beside the start-ups, not before them
         summary["versions"] = versions()
         log(f"versions: {json.dumps(summary['versions'])}")
+    vt = threading.Thread(target=ver, daemon=True)
+    vt.start()
+    try:
         if a.part in ("gates", "all"):
             gates(out, logs, record)
         if a.part in ("speed", "all") and left() > 120:
             speed(out, logs, record)
     finally:
+        vt.join(timeout=30)
         summary["runs"] = record
         summary["servers"] = describe_servers(list(servers()))
         if a.stop:
