@@ -306,8 +306,11 @@ def versions() -> dict:
                                      text=True, timeout=10).stdout.strip()
     except Exception:  # noqa: BLE001
         v["commit"] = None
-    v["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-                                 capture_output=True, text=True).stdout.strip()
+    try:
+        v["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                                      "--format=csv,noheader"], capture_output=True, text=True, timeout=20).stdout.strip()
+    except (OSError, subprocess.SubprocessError) as e:
+        v["driver"] = repr(e)
     return v
 
 
