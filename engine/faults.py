@@ -1,30 +1,269 @@
 """Named faults for the self-test: each reproduces a real bug class of speculative engines.
 
-Faults are off unless listed in `EngineConfig.faults`; the engine checks membership of a frozenset at a
-few fixed points, which costs nothing when the set is empty. `specbench selftest` turns each on and
-proves that some gate fails.
+Contract: an engine holds ONE `Faults` object, `make_faults(EngineConfig.faults)` (unknown names are
+refused), and calls one hook per phase that a fault can break:
+  forward  `on_forward(runner, spans, rows, tap)` runs the target forward with the knobs the armed faults
+           set (K/V slot shift, mask leak, no verify graph) and may rewrite its logits;
+  accept   `accept_rule` is the speculative-sampling rule the batched resolve computes, and
+           `on_accept(spans, results)` rewrites greedy verify results before anything is recorded;
+  commit   `on_commit(spans)` returns the step's `CommitKnobs` (drafter context shift, rollback pages
+           dropped, tokens emitted past a stop).
+With no fault armed it is `NO_FAULTS`, whose hooks are the plain calls and constants, so the switch costs
+nothing when off. The components take generic knobs and never see a fault name; kernels/ know nothing of
+faults. `specbench selftest` arms each fault and proves that some gate fails.
+
+Registry: one `Fault` subclass per name, each overriding the hooks of the phase it breaks; `FAULTS` (name
+-> description) is read by the self-test suites. A new fault is one subclass added to `_REGISTRY`.
 """
 
 from __future__ import annotations
 
-FAULTS: dict[str, str] = {
-    "kv_offset": "verify writes its span's K/V one position late (a one-position KV offset)",
-    "skip_rollback": "pages of the rejected speculative tail are dropped instead of returned to the pool",
-    "wrong_bonus": "the bonus token is taken one position too late in the target's argmax",
-    "accept_off_by_one": "one more draft than matched is accepted",
-    "draft_ctx_misaligned": "the drafter's context rows are appended one position late",
-    "mask_leak": "verify queries see one future key (causal mask leak)",
-    "stale_shape": "a verify buffer captured at a short span is replayed for a longer one",
-    "emit_past_stop": "tokens after a stop token inside an accepted run are emitted",
-    # Sampling faults (speculative sampling)
-    "biased_accept": "sampled drafts are accepted with min(1, q/p) instead of min(1, p/q)",
-    "resample_from_p": "after a rejection the token is resampled from p instead of the residual",
-    "reused_uniform": "one uniform random number is reused across draft positions",
-}
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from .spec.sampling import LOSSLESS, AcceptRule
+
+if TYPE_CHECKING:
+    from .accept_step import SpanResult
+    from .runner import ModelRunner
+    from .scheduler import Span
 
 
-def check_faults(names: tuple[str, ...] | list[str]) -> frozenset[str]:
+@dataclass
+class ForwardKnobs:
+    """How one step's target forward departs from the rule (see ModelRunner.forward)."""
+
+    slot_shift: list[int] | None = None  # per span: K/V written this many slots late
+    mask_leak: list[bool] | None = None  # per span: queries see one key past the causal limit
+    verify_graph: bool = True  # False: a non-decode step runs the plain forward
+
+
+@dataclass(frozen=True)
+class CommitKnobs:
+    """How one step's commit departs from the rule."""
+
+    draft_shift: int = 0  # the drafter's context rows land this many positions late
+    leak_pages: tuple[bool, ...] = ()  # per span: rejected tail pages leave the table but never reach the pool
+    emit_past_stop: bool = False  # tokens after a stop inside an accepted run are emitted too
+
+    def leak(self, i: int) -> bool:
+        return i < len(self.leak_pages) and self.leak_pages[i]
+
+
+NO_COMMIT_KNOBS = CommitKnobs()
+
+
+class Fault:
+    """One named fault: the hooks of the phases it breaks (each default leaves its phase alone)."""
+
+    name: ClassVar[str]
+    description: ClassVar[str]
+
+    def forward(self, spans: list[Span], knobs: ForwardKnobs) -> None:
+        """Set this step's forward knobs."""
+
+    def logits(self, spans: list[Span], logits: torch.Tensor) -> torch.Tensor:
+        return logits
+
+    def rule(self, rule: AcceptRule) -> AcceptRule:
+        return rule
+
+    def accept(self, spans: list[Span], results: list[SpanResult]) -> None:
+        """Rewrite the step's accept results in place."""
+
+    def commit(self, spans: list[Span], knobs: CommitKnobs) -> CommitKnobs:
+        return knobs
+
+
+def _verify(spans: list[Span]) -> list[bool]:
+    return [s.kind == "verify" for s in spans]
+
+
+class KVOffset(Fault):
+    name = "kv_offset"
+    description = "verify writes its span's K/V one position late (a one-position KV offset)"
+
+    def forward(self, spans: list[Span], knobs: ForwardKnobs) -> None:
+        knobs.slot_shift = [int(v) for v in _verify(spans)]
+        knobs.verify_graph = False
+
+
+class SkipRollback(Fault):
+    name = "skip_rollback"
+    description = "pages of the rejected speculative tail are dropped instead of returned to the pool"
+
+    def commit(self, spans: list[Span], knobs: CommitKnobs) -> CommitKnobs:
+        return replace(knobs, leak_pages=tuple(_verify(spans)))
+
+
+class WrongBonus(Fault):
+    name = "wrong_bonus"
+    description = "the bonus token is taken one position too late in the target's argmax"
+
+    def accept(self, spans: list[Span], results: list[SpanResult]) -> None:
+        for r in results:
+            if r.argmax is not None and r.accepted is not None:
+                r.tokens = r.tokens[:-1] + [r.argmax[min(r.accepted + 1, r.drafts)]]
+
+
+class AcceptOffByOne(Fault):
+    name = "accept_off_by_one"
+    description = "one more draft than matched is accepted"
+
+    def accept(self, spans: list[Span], results: list[SpanResult]) -> None:
+        for s, r in zip(spans, results, strict=True):
+            if r.argmax is not None and r.accepted is not None and r.accepted < r.drafts:
+                m = r.accepted + 1
+                r.accepted, r.committed, r.tokens = m, m + 1, list(s.drafts[:m]) + [r.argmax[m]]
+
+
+class DraftCtxMisaligned(Fault):
+    name = "draft_ctx_misaligned"
+    description = "the drafter's context rows are appended one position late"
+
+    def commit(self, spans: list[Span], knobs: CommitKnobs) -> CommitKnobs:
+        return replace(knobs, draft_shift=1)
+
+
+class MaskLeak(Fault):
+    name = "mask_leak"
+    description = "verify queries see one future key (causal mask leak)"
+
+    def forward(self, spans: list[Span], knobs: ForwardKnobs) -> None:
+        knobs.mask_leak = _verify(spans)
+        knobs.verify_graph = False
+
+
+class StaleShape(Fault):
+    """The first row count seen for a batch size is 'captured'; longer replays read stale rows."""
+
+    name = "stale_shape"
+    description = "a verify buffer captured at a short span is replayed for a longer one"
+
+    def __init__(self) -> None:
+        self.captured: dict[int, tuple[int, torch.Tensor]] = {}  # spans in the step -> (rows, buffer)
+
+    def forward(self, spans: list[Span], knobs: ForwardKnobs) -> None:
+        knobs.verify_graph = False
+
+    def logits(self, spans: list[Span], logits: torch.Tensor) -> torch.Tensor:
+        if not any(_verify(spans)):
+            return logits
+        got = self.captured.get(len(spans))
+        if got is None:
+            buf = torch.zeros(4096, logits.shape[1], dtype=logits.dtype, device=logits.device)
+            buf[: logits.shape[0]] = logits
+            self.captured[len(spans)] = (logits.shape[0], buf)
+            return logits
+        rows, buf = got
+        out = logits.clone()
+        if logits.shape[0] > rows:
+            out[rows:] = buf[rows: logits.shape[0]]
+        buf[: min(rows, logits.shape[0])] = logits[:rows]
+        return out
+
+
+class EmitPastStop(Fault):
+    name = "emit_past_stop"
+    description = "tokens after a stop token inside an accepted run are emitted"
+
+    def commit(self, spans: list[Span], knobs: CommitKnobs) -> CommitKnobs:
+        return replace(knobs, emit_past_stop=True)
+
+
+# Sampling faults (speculative sampling): variants of the accept rule, computed by both resolve paths.
+class BiasedAccept(Fault):
+    name = "biased_accept"
+    description = "sampled drafts are accepted with min(1, q/p) instead of min(1, p/q)"
+
+    def rule(self, rule: AcceptRule) -> AcceptRule:
+        return replace(rule, q_over_p=True)
+
+
+class ResampleFromP(Fault):
+    name = "resample_from_p"
+    description = "after a rejection the token is resampled from p instead of the residual"
+
+    def rule(self, rule: AcceptRule) -> AcceptRule:
+        return replace(rule, draw_from_p=True)
+
+
+class ReusedUniform(Fault):
+    name = "reused_uniform"
+    description = "one uniform random number is reused across draft positions"
+
+    def rule(self, rule: AcceptRule) -> AcceptRule:
+        return replace(rule, one_uniform=True)
+
+
+_REGISTRY: tuple[type[Fault], ...] = (KVOffset, SkipRollback, WrongBonus, AcceptOffByOne, DraftCtxMisaligned,
+                                      MaskLeak, StaleShape, EmitPastStop, BiasedAccept, ResampleFromP, ReusedUniform)
+FAULTS: dict[str, str] = {f.name: f.description for f in _REGISTRY}
+# The order armed faults' hooks run in where two touch the same values: one more accepted draft first, then
+# the bonus taken late (as the engine always applied them).
+_HOOK_ORDER = ("accept_off_by_one", "wrong_bonus")
+
+
+class Faults:
+    """The armed faults of one engine (state included: stale_shape keeps its 'captured' buffers)."""
+
+    def __init__(self, names: frozenset[str]) -> None:
+        self.names = names
+        order = [n for n in _HOOK_ORDER if n in names] + [n for n in FAULTS if n in names and n not in _HOOK_ORDER]
+        by_name = {f.name: f for f in _REGISTRY}
+        self._armed = [by_name[n]() for n in order]
+        rule = LOSSLESS
+        for f in self._armed:
+            rule = f.rule(rule)
+        self.accept_rule: AcceptRule = rule
+
+    def on_forward(self, runner: ModelRunner, spans: list[Span], rows: list[int], tap: tuple[int, ...]
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        knobs = ForwardKnobs()
+        for f in self._armed:
+            f.forward(spans, knobs)
+        logits, taps = runner.forward(spans, rows, tap, slot_shift=knobs.slot_shift, mask_leak=knobs.mask_leak,
+                                      verify_graph=knobs.verify_graph)
+        for f in self._armed:
+            logits = f.logits(spans, logits)
+        return logits, taps
+
+    def on_accept(self, spans: list[Span], results: list[SpanResult]) -> None:
+        for f in self._armed:
+            f.accept(spans, results)
+
+    def on_commit(self, spans: list[Span]) -> CommitKnobs:
+        knobs = NO_COMMIT_KNOBS
+        for f in self._armed:
+            knobs = f.commit(spans, knobs)
+        return knobs
+
+
+class _NoFaults(Faults):
+    """Nothing armed: each hook is the phase's plain call."""
+
+    def __init__(self) -> None:
+        super().__init__(frozenset())
+
+    def on_forward(self, runner: ModelRunner, spans: list[Span], rows: list[int], tap: tuple[int, ...]
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return runner.forward(spans, rows, tap)
+
+    def on_accept(self, spans: list[Span], results: list[SpanResult]) -> None:
+        return None
+
+    def on_commit(self, spans: list[Span]) -> CommitKnobs:
+        return NO_COMMIT_KNOBS
+
+
+NO_FAULTS: Faults = _NoFaults()
+
+
+def make_faults(names: tuple[str, ...] | list[str] | frozenset[str]) -> Faults:
+    """The Faults object for these names (NO_FAULTS for none); unknown names raise ValueError."""
     unknown = [n for n in names if n not in FAULTS]
     if unknown:
         raise ValueError(f"faults={unknown!r} unknown: expected any of {', '.join(FAULTS)}")
-    return frozenset(names)
+    return Faults(frozenset(names)) if names else NO_FAULTS

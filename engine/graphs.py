@@ -47,6 +47,8 @@ from .attention.base import AttentionMetadata
 from .piecewise import PiecewiseStack
 
 if TYPE_CHECKING:  # the runner imports this module
+    from torch.cuda import _POOL_HANDLE  # the graph-pool handle's type in torch's stubs
+
     from .runner import ModelRunner
     from .scheduler import Span
 
@@ -74,7 +76,7 @@ class DecodeGraphs:
         # rows 0/1/2: token ids, positions, slots; padding rows keep (0, 0, dummy slot)
         self.io = torch.zeros(3, big, dtype=torch.long, device=dev)
         self.io[2].fill_(runner.dummy_slot)
-        self.pool = None
+        self.pool: _POOL_HANDLE | None = None
         self._graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self._out: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._segs: dict[int, tuple[list[Callable[[], None]], list[Callable[[], None]], dict]] = {}
@@ -268,7 +270,7 @@ class TargetStack(PiecewiseStack):
         assert self.taps is not None
         self.taps[:rows, j * self.hidden:(j + 1) * self.hidden].copy_(hidden)
 
-    def tail(self, x: torch.Tensor, res: torch.Tensor, rows: int) -> None:
+    def tail(self, x: torch.Tensor, res: torch.Tensor | None, rows: int) -> None:
         hidden, _ = self.model.finish(x, res, {}, ())
         last = len(self.layers) - 1
         if last in self.tap:  # HF's hidden_states[-1] is the final-normed output (Qwen3ForCausalLM.finish)

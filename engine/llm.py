@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from .config import EngineConfig, SamplingParams, SpecConfig
 from .engine import LLMEngine, RequestOutput
+from .spec.plan import spec_method
 from .spec.proposer import Proposer
 
 
@@ -15,8 +16,7 @@ class LLM:
                  spec: str | None = "auto", num_speculative_tokens: int | None = None,
                  batched_draft: bool = True, proposer: Proposer | None = None, synthetic_tau: float | None = None,
                  spec_sampling: bool = True, **engine_kw) -> None:
-        method = ("dflash" if draft else None) if spec == "auto" else (None if spec in (None, "off") else spec)
-        spec_cfg = SpecConfig(method=method, num_speculative_tokens=num_speculative_tokens,
+        spec_cfg = SpecConfig(method=spec_method(spec, draft), num_speculative_tokens=num_speculative_tokens,
                               batched_draft=batched_draft, synthetic_tau=synthetic_tau, sampling=spec_sampling)
         self.engine = LLMEngine(EngineConfig(model=str(model), draft=str(draft) if draft else None, device=device,
                                              dtype=dtype, spec=spec_cfg, **engine_kw), proposer=proposer)

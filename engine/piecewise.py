@@ -31,12 +31,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from .attention.base import AttentionBackend
 from .models.qwen3 import Qwen3Layer
 from .rope import RotaryCache
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE  # the graph-pool handle's type in torch's stubs
 
 log = logging.getLogger("specbench.engine")
 
@@ -56,24 +60,23 @@ class PiecewiseStack:
         self.tap = tuple(tap)
         cfg = self.layers[0].cfg
         hq, hkv, d, h = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
-        z = dict(dtype=dtype, device=device)
         self.io = torch.zeros(3, max_rows, dtype=torch.long, device=device)
-        self.q = torch.zeros(max_rows, hq, d, **z)
-        self.k = torch.zeros(max_rows, hkv, d, **z)
-        self.v = torch.zeros(max_rows, hkv, d, **z)
-        self.o = torch.zeros(max_rows, hq, d, **z)
-        self.res = torch.zeros(max_rows, h, **z)
+        self.q = torch.zeros(max_rows, hq, d, dtype=dtype, device=device)
+        self.k = torch.zeros(max_rows, hkv, d, dtype=dtype, device=device)
+        self.v = torch.zeros(max_rows, hkv, d, dtype=dtype, device=device)
+        self.o = torch.zeros(max_rows, hq, d, dtype=dtype, device=device)
+        self.res = torch.zeros(max_rows, h, dtype=dtype, device=device)
         self.shapes: dict[int, int] = {}  # key (row count) -> rows it was captured / first run at
         self._graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self._stored: dict[int, bool] = {}  # row count -> K/V stored by the rope kernel at capture
-        self.pool = None
+        self.pool: _POOL_HANDLE | None = None
         self.capture_bytes = 0  # CUDA memory reserved by the captures (the graph pool), measured around each
 
     # ---- subclass hooks --------------------------------------------------------------------------
     def head(self, ids: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def tail(self, x: torch.Tensor, res: torch.Tensor, rows: int) -> None:
+    def tail(self, x: torch.Tensor, res: torch.Tensor | None, rows: int) -> None:
         raise NotImplementedError
 
     def tap_out(self, layer: int, hidden: torch.Tensor, rows: int) -> None:
@@ -103,6 +106,7 @@ class PiecewiseStack:
         q, k, v, res = self.layers[i].pre_attn(x, res, self.io[1, :rows], self.rope, self.ops, store)
         self.q[:rows].copy_(q)
         if k is not None:
+            assert v is not None  # pre_attn returns k and v together, or neither (stored by the kernel)
             self.k[:rows].copy_(k)
             self.v[:rows].copy_(v)
         self.res[:rows].copy_(res)

@@ -12,9 +12,12 @@ On CUDA, a step whose spans are all single decode tokens (at most the largest bu
 `graphs.DecodeGraphs`, padded to its bucket, captured or eager (`EngineConfig.eager`); any other step
 (verify spans, and prefill chunks with or without them; `EngineConfig.verify_graph`) runs through
 `graphs.VerifyGraphs`, padded to (batch bucket x span) rows, its dense segments captured or eager;
-what fits neither (more rows than the largest bucket holds, fault-injected steps) runs the plain forward. On CPU the plain forward and
-the torch reference ops are all there is, unless a test installs the graph runners with capture=False
-(`use_graph_runner = True`): the same padded bodies, run eagerly.
+what fits neither (more rows than the largest bucket holds, or a step called with `verify_graph=False`)
+runs the plain forward. On CPU the plain forward and the torch reference ops are all there is, unless a
+test installs the graph runners with capture=False (`use_graph_runner = True`): the same padded bodies,
+run eagerly.
+`forward`'s `slot_shift` / `mask_leak` perturb the plain forward (K/V written late, one future key
+visible); only the self-test (engine/faults.py) sets them, with `verify_graph=False`.
 """
 
 from __future__ import annotations
@@ -33,10 +36,6 @@ from .rope import RotaryCache
 from .scheduler import Span
 
 log = logging.getLogger("specbench.engine")
-
-# Faults emulated by the plain forward (slot shift, mask leak, stale replay): their steps never take a graph.
-PLAIN_FAULTS = frozenset({"kv_offset", "mask_leak", "stale_shape"})
-
 
 FLASHINFER_DTYPES = (torch.bfloat16, torch.float16)  # FlashInfer's attention kernels take half precision only
 
@@ -94,12 +93,11 @@ def select_ops(cfg: EngineConfig, device: torch.device):
 class ModelRunner:
     def __init__(self, cfg: EngineConfig, mcfg: ModelConfig, model: Qwen3ForCausalLM, pool: PagePool,
                  device: torch.device, dtype: torch.dtype, draft_cfg: ModelConfig | None = None,
-                 faults: frozenset[str] = frozenset(), spec_span: int = 0) -> None:
+                 spec_span: int = 0) -> None:
         """spec_span: the longest verify span (K + 1) when speculation is on, else 0."""
         self.cfg, self.mcfg, self.model, self.pool = cfg, mcfg, model, pool
         self.spec_span = spec_span
         self.device, self.dtype = device, dtype
-        self.faults = faults
         slots = (pool.num_pages + 1) * pool.page_size  # + the dummy page
         self.dummy_page = pool.num_pages
         self.dummy_slot = pool.num_pages * pool.page_size
@@ -119,18 +117,23 @@ class ModelRunner:
             self.draft_kv = [(torch.zeros(dshape, dtype=dtype, device=device),
                               torch.zeros(dshape, dtype=dtype, device=device))
                              for _ in range(draft_cfg.num_hidden_layers)]
-        self._static_logits: dict[int, tuple[int, torch.Tensor]] = {}  # stale_shape fault only
 
     def metadata(self, spans: list[Span], causal: bool = True, q_lens: list[int] | None = None,
-                 slot_shift: list[int] | None = None) -> tuple[AttentionMetadata, torch.Tensor]:
+                 slot_shift: list[int] | None = None, mask_leak: list[bool] | None = None,
+                 ) -> tuple[AttentionMetadata, torch.Tensor]:
+        """Attention metadata and positions for the spans. slot_shift[i]: span i's K/V land that many slots
+        late (its slots are allocated here); mask_leak[i]: span i's queries see one key past the causal
+        limit (causal metadata only)."""
         q_lens = q_lens or [len(s.tokens) for s in spans]
         slots: list[int] = []
         positions: list[int] = []
         for i, (s, n) in enumerate(zip(spans, q_lens, strict=True)):
             shift = slot_shift[i] if slot_shift else 0
+            if shift:
+                self.pool.ensure(s.req.rid, s.start + shift + n)
             slots += self.pool.slots(s.req.rid, s.start + shift, s.start + shift + n)
             positions += range(s.start, s.start + n)
-        leak = [s.kind == "verify" for s in spans] if "mask_leak" in self.faults and causal else None
+        leak = mask_leak if causal else None
         shifts = slot_shift or [0] * len(spans)
         meta = AttentionMetadata(
             q_lens=q_lens,
@@ -144,28 +147,28 @@ class ModelRunner:
         return meta, torch.tensor(positions, dtype=torch.long, device=self.device)
 
     @torch.inference_mode()
-    def forward(self, spans: list[Span], logit_rows: list[int], tap: tuple[int, ...] = ()
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, spans: list[Span], logit_rows: list[int], tap: tuple[int, ...] = (), *,
+                slot_shift: list[int] | None = None, mask_leak: list[bool] | None = None,
+                verify_graph: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """fp32 logits of `logit_rows` (flat row indices) and the tapped layers' outputs, concatenated.
+        A decode-only step may take the decode graphs, any other step the verify graphs (unless
+        `verify_graph` is False). slot_shift / mask_leak (see `metadata`) act in the plain forward only:
+        the self-test sets them on verify spans alone, with verify_graph=False."""
         if self.use_graph_runner and all(len(s.tokens) == 1 and s.kind == "decode" for s in spans):
             graphs = self.decode_graphs(tuple(tap))
             if graphs.can_run(spans):
                 return graphs.run(spans, logit_rows)
-        elif self.use_graph_runner and self.cfg.verify_graph and not self.faults & PLAIN_FAULTS:
+        elif self.use_graph_runner and self.cfg.verify_graph and verify_graph:
             vg = self.verify_graphs_for(tuple(tap))
             key = vg.key(spans)
             if key is not None:
                 return vg.run(spans, logit_rows, key)
-        shift = None
-        if "kv_offset" in self.faults:
-            shift = [1 if s.kind == "verify" else 0 for s in spans]
-        meta, positions = self.metadata(spans, slot_shift=shift)
+        meta, positions = self.metadata(spans, slot_shift=slot_shift, mask_leak=mask_leak)
         ids = torch.tensor([t for s in spans for t in s.tokens], dtype=torch.long, device=self.device)
         self.backend.plan(meta)
         hidden, taps = self.model(ids, positions, self.backend, self.kv, self.rope, tap)
         rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
         logits = self.model.logits(hidden[rows]).float()
-        if "stale_shape" in self.faults and any(s.kind == "verify" for s in spans):
-            logits = self._replay_stale(len(spans), logits)
         tapped = torch.cat(taps, dim=-1) if taps else None
         return logits, tapped
 
@@ -181,20 +184,5 @@ class ModelRunner:
         vg = self.verify_graphs
         if vg is None or vg.tap != tap or vg.stack.backend is not self.backend or vg.stack.ops is not self.model.ops:
             span = self.spec_span if self.spec_span > 1 else NO_SPEC_SPAN
-            self.verify_graphs = VerifyGraphs(self, tap, (span,), capture=not self.cfg.eager)
-        return self.verify_graphs
-
-    def _replay_stale(self, bucket: int, logits: torch.Tensor) -> torch.Tensor:
-        """Fault: the first row count seen for a batch bucket is 'captured'; longer replays read stale rows."""
-        captured = self._static_logits.get(bucket)
-        if captured is None:
-            buf = torch.zeros(4096, logits.shape[1], dtype=logits.dtype, device=logits.device)
-            buf[: logits.shape[0]] = logits
-            self._static_logits[bucket] = (logits.shape[0], buf)
-            return logits
-        rows, buf = captured
-        out = logits.clone()
-        if logits.shape[0] > rows:
-            out[rows:] = buf[rows: logits.shape[0]]
-        buf[: min(rows, logits.shape[0])] = logits[:rows]
-        return out
+            vg = self.verify_graphs = VerifyGraphs(self, tap, (span,), capture=not self.cfg.eager)
+        return vg

@@ -27,16 +27,15 @@ def sampling_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         x = x.masked_fill(x < kth, float("-inf"))
     probs = torch.softmax(x, dim=-1)  # sums to one: renormalised below only after a mask drops mass
     if p.top_p < 1.0:
-        sp = order = None
+        top: tuple[torch.Tensor, torch.Tensor] | None = None
         if v > TOP_P_CANDIDATES:
             # The nucleus is a prefix of the descending order; when the top candidates of every row already
             # hold top_p of the mass, it lies inside them and a top-k replaces the full sort (same kept set,
             # up to the order of exact ties). One host read decides; otherwise the full sort runs.
             cv, ci = probs.topk(TOP_P_CANDIDATES, dim=-1)
             if bool((cv.sum(-1) >= p.top_p).all()):
-                sp, order = cv, ci
-        if sp is None:
-            sp, order = probs.sort(dim=-1, descending=True)
+                top = cv, ci
+        sp, order = top if top is not None else probs.sort(dim=-1, descending=True)
         drop = (sp.cumsum(-1) - sp) >= p.top_p
         sp = sp.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sp)

@@ -13,10 +13,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .config import EngineConfig
 from .kv_cache import PagePool
 from .request import Phase, Request
+
+if TYPE_CHECKING:  # the plan is host bookkeeping: torch only names the draft probabilities' type
+    import torch
 
 
 class AdmissionError(ValueError):
@@ -30,7 +34,7 @@ class Span:
     start: int  # position of tokens[0]
     kind: str  # "prefill" | "decode" | "verify"
     drafts: list[int] = field(default_factory=list)
-    draft_probs: object = None  # per-draft distributions for speculative sampling
+    draft_probs: torch.Tensor | None = None  # [K, V] draft distributions for speculative sampling (sampled drafts)
 
     @property
     def completes_prefill(self) -> bool:
@@ -44,6 +48,10 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         return sum(len(s.tokens) for s in self.spans)
+
+    @property
+    def has_verify(self) -> bool:
+        return any(s.kind == "verify" for s in self.spans)
 
 
 class Scheduler:

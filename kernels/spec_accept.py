@@ -9,8 +9,10 @@ drafts (possibly 0) whose target rows start at poff[b] and whose uniforms start 
     draft token zeroed) when m_b < k_b and that residual has mass, else over p_m (the bonus row when
     m_b = k_b). Two levels like `engine.sampler.draw_rows`: the chunk from the CDF of CHUNK-wide chunk
     sums, then the token inside that chunk; zero-probability tokens are never drawn.
-Faults (constexpr): biased_accept (ratio q/p), reused_uniform (the first uniform for every test),
-resample_from_p (draw from p_m instead of the residual).
+Rule variants (constexpr switches, all off = the rule above): q_over_p (the ratio test uses q/p),
+one_uniform (every ratio test of a request reads its first uniform), draw_from_p (the emitted token is
+drawn from p_m even after a rejection). Each variant is lossy; they exist so that a caller can check
+that its statistical tests detect a wrong accept rule.
 The ratio uses round-to-nearest division, as torch does, so the accepted counts equal the reference's;
 the drawn token differs only where fp32 rounding of the cumulative sums (added in another order) moves a
 boundary across the uniform: rare. Layout: the ratio tests as one vector; a pass over the row (ROWS chunks
@@ -39,7 +41,7 @@ if triton_importable():
     @triton.jit
     def _spec_accept_kernel(p_ptr, q_ptr, tok_ptr, qrow_ptr, doff_ptr, k_ptr, poff_ptr, u_ptr, out_ptr,
                             sums_ptr, nb, V, sp, sq,
-                            BIASED: tl.constexpr, REUSED: tl.constexpr, RESAMPLE_P: tl.constexpr,
+                            Q_OVER_P: tl.constexpr, ONE_UNIFORM: tl.constexpr, DRAW_FROM_P: tl.constexpr,
                             KMAX: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr,
                             NCHUNK: tl.constexpr):
         b = tl.program_id(0)
@@ -54,12 +56,12 @@ if triton_importable():
         pd = tl.load(p_ptr + (po + ii) * sp + d, mask=live, other=0.0).to(tl.float32)
         qd = tl.load(q_ptr + qr * sq + d, mask=live & (qr >= 0), other=1.0).to(tl.float32)
         qd = tl.maximum(qd, 1e-20)
-        if BIASED:
+        if Q_OVER_P:
             ratio = tl.div_rn(qd, tl.maximum(pd, 1e-20))
         else:
             ratio = tl.div_rn(pd, qd)
         ratio = tl.minimum(ratio, 1.0)
-        if REUSED:
+        if ONE_UNIFORM:
             ui = tl.load(u_ptr + po + ii * 0)
         else:
             ui = tl.load(u_ptr + po + ii, mask=live, other=1.0)
@@ -93,7 +95,7 @@ if triton_importable():
         sum_p = tl.load(sbase + chunks, mask=chunks < nchunk, other=0.0)
         sum_r = tl.load(sbase + NCHUNK + chunks, mask=chunks < nchunk, other=0.0)
         # Draw from the residual when a draft was rejected and the residual has mass, else from p_m.
-        if RESAMPLE_P:
+        if DRAW_FROM_P:
             use_r = m < 0
         else:
             use_r = rejected & (tl.sum(sum_r, 0) > 0.0)
@@ -126,13 +128,14 @@ if triton_importable():
 
 def spec_accept(p: torch.Tensor, q: torch.Tensor | None, tok: torch.Tensor, qrow: torch.Tensor,
                 doff: torch.Tensor, k: torch.Tensor, poff: torch.Tensor, u: torch.Tensor,
-                faults: frozenset[str] | set[str] = frozenset(), *, kmax: int | None = None,
-                out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                *, q_over_p: bool = False, one_uniform: bool = False, draw_from_p: bool = False,
+                kmax: int | None = None, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(m [B], token [B]) int64 on p's device, one launch.
 
     p [Rp, V] target probs (fp32); q [Rq, V] draft-prob rows or None (every draft a point mass);
     tok/qrow [sum k] per draft: its token and its q row (-1: point mass); doff/k/poff [B] per request:
     first draft, draft count, first p row (= first uniform); u [Rp] uniforms. Index tensors int64.
+    q_over_p / one_uniform / draw_from_p: the rule variants of the module docstring (default off).
     kmax: max(k) as a host int (else read from the device: a sync). `out` [2, B] int64, if given,
     receives m and token (one host read of it then gives both)."""
     nb, v = k.shape[0], p.shape[1]
@@ -154,8 +157,7 @@ def spec_accept(p: torch.Tensor, q: torch.Tensor | None, tok: torch.Tensor, qrow
     npow = max(2, triton.next_power_of_2(nchunk))
     sums = torch.empty(nb, 2 * npow, dtype=torch.float32, device=p.device)  # per-chunk sums (scratch)
     _spec_accept_kernel[(nb,)](p, q, tok, qrow, doff, k, poff, u, out, sums, nb, v, p.stride(0), q.stride(0),
-                               BIASED="biased_accept" in faults, REUSED="reused_uniform" in faults,
-                               RESAMPLE_P="resample_from_p" in faults,
+                               Q_OVER_P=q_over_p, ONE_UNIFORM=one_uniform, DRAW_FROM_P=draw_from_p,
                                KMAX=max(2, triton.next_power_of_2(kmax)), CHUNK=chunk, ROWS=rows,
                                NCHUNK=npow, num_warps=8 if chunk * rows >= 4096 else 4)
     return out[0], out[1]

@@ -6,14 +6,15 @@ from __future__ import annotations
 import torch
 
 from specbench.engine.spec import sampling
+from specbench.engine.spec.sampling import AcceptRule
 
-FAULT_SETS = [frozenset(), frozenset({"biased_accept"}), frozenset({"reused_uniform"}),
-              frozenset({"resample_from_p"})]
+# The lossless rule and each variant the self-test's sampling faults use (engine/faults.py).
+RULES = [AcceptRule(), AcceptRule(q_over_p=True), AcceptRule(one_uniform=True), AcceptRule(draw_from_p=True)]
 
 
-def _dist(p: torch.Tensor, q_row: torch.Tensor | None, d: int | None, faults: frozenset[str]) -> torch.Tensor:
+def _dist(p: torch.Tensor, q_row: torch.Tensor | None, d: int | None, rule: AcceptRule) -> torch.Tensor:
     """The distribution the emitted token is drawn from (d None: the bonus row)."""
-    if d is None or "resample_from_p" in faults:
+    if d is None or rule.draw_from_p:
         return p
     res = (p - q_row).clamp_min(0.0) if q_row is not None else p.clone().index_fill_(0, torch.tensor([d]), 0.0)
     return res if res.sum() > 0 else p
@@ -62,17 +63,17 @@ def make_batch(g: torch.Generator, dev: torch.device, v: int, nb: int, kmax: int
 
 def run_cases(dev: torch.device, vocabs=(7, 300, 5000), trials: int = 3, batches=(1, 2, 3, 4, 5, 6),
               kmax: int = 5, k_fixed: int | None = None, min_agree: float = 0.99) -> dict:
-    """Random batches in every mode and fault set through both paths; returns counts (requests, same
+    """Random batches in every mode and accept rule through both paths; returns counts (requests, same
     emitted token, accepted-count histogram)."""
     g = torch.Generator().manual_seed(1234)
     n = same = 0
     hist: dict[int, int] = {}
     for v in vocabs:
         for mode in ("drafted", "point", "mixed", "views"):
-            for faults in FAULT_SETS:
+            for rule in RULES:
                 for t in range(trials):
                     nb = batches[(t + len(mode) + v) % len(batches)]
-                    ms, s_ = check_batch(g, dev, v, nb, kmax, mode, faults, seed=t, k_fixed=k_fixed)
+                    ms, s_ = check_batch(g, dev, v, nb, kmax, mode, rule, seed=t, k_fixed=k_fixed)
                     n, same = n + len(ms), same + s_
                     for m in ms:
                         hist[m] = hist.get(m, 0) + 1
@@ -81,7 +82,7 @@ def run_cases(dev: torch.device, vocabs=(7, 300, 5000), trials: int = 3, batches
 
 
 def check_batch(g: torch.Generator, dev: torch.device, v: int, nb: int, kmax: int, mode: str,
-                faults: frozenset[str], seed: int = 0, k_fixed: int | None = None) -> tuple[list[int], int]:
+                rule: AcceptRule, seed: int = 0, k_fixed: int | None = None) -> tuple[list[int], int]:
     """One batch through both paths; m equal, tokens of positive probability. (the m's, same tokens)."""
     drafts, qs, p = make_batch(g, dev, v, nb, kmax, mode, k_fixed)
 
@@ -90,22 +91,22 @@ def check_batch(g: torch.Generator, dev: torch.device, v: int, nb: int, kmax: in
 
     sampling.USE_KERNEL = False
     try:
-        ref = sampling.accept_sampled_batch(drafts, qs, p, gens(), faults)
+        ref = sampling.accept_sampled_batch(drafts, qs, p, gens(), rule)
     finally:
         sampling.USE_KERNEL = True
-    got = sampling.accept_sampled_batch(drafts, qs, p, gens(), faults)
+    got = sampling.accept_sampled_batch(drafts, qs, p, gens(), rule)
     same, po, ms = 0, 0, []
     for b, ((mr, tr), (mg, tg)) in enumerate(zip(ref, got, strict=True)):
         k = len(drafts[b])
-        ctx = (v, mode, sorted(faults), b, drafts[b])
+        ctx = (v, mode, rule, b, drafts[b])
         assert mg == mr, (ctx, mr, mg)
         assert tg[:-1] == tr[:-1] == drafts[b][:mr], ctx
         row = p[po + mg].cpu()
         if mg < k:
             qrow = qs[b][mg].cpu() if qs[b] is not None else None
-            dist = _dist(row, qrow, drafts[b][mg], faults)
+            dist = _dist(row, qrow, drafts[b][mg], rule)
         else:
-            dist = _dist(row, None, None, faults)
+            dist = _dist(row, None, None, rule)
         assert 0 <= tg[-1] < v and dist[tg[-1]] > 0, (ctx, tg[-1], tr[-1])
         same += tg[-1] == tr[-1]
         ms.append(mg)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from specbench.engine import LLM, SamplingParams
+from specbench.engine.faults import make_faults
 from specbench.engine.sampler import draw_rows, sampling_probs, sampling_probs_rows
 from specbench.engine.spec.sampling import accept_sampled, accept_sampled_batch, emitted_distribution
 
@@ -33,7 +34,7 @@ def _mc_first_token(p, q, faults=frozenset(), n=20000, k=2):
     counts = torch.zeros(v)
     for _ in range(n):
         drafts = [int(torch.multinomial(q[i], 1, generator=g)) for i in range(k)]
-        _, toks = accept_sampled(drafts, q, p, g, frozenset(faults))
+        _, toks = accept_sampled(drafts, q, p, g, make_faults(tuple(faults)).accept_rule)
         counts[toks[0]] += 1
     return counts / n
 
@@ -157,19 +158,21 @@ def test_sampled_single_picks_are_batched_and_follow_p(tiny_target):
     """Spec off, T > 0: every sampled decode pick and prefill completion of a step comes from one batched
     draw (no per-request `select`), is seeded per request, independent of its batch neighbours, and its
     first token follows the transformed distribution of the prompt's last logits."""
-    import specbench.engine.engine as engine_mod
+    import specbench.engine.accept_step as accept_mod
+    import specbench.engine.sampler as sampler_mod
 
+    assert not hasattr(accept_mod, "select")  # the accept phase has no per-request draw to fall back to
     llm = LLM(tiny_target, num_pages=256)
     prompt = "Question: Tom has 3 apples.\nAnswer:"
     calls = []
-    real = engine_mod.select
-    engine_mod.select = lambda *a, **k: calls.append(1) or real(*a, **k)
+    real = sampler_mod.select
+    sampler_mod.select = lambda *a, **k: calls.append(1) or real(*a, **k)
     try:
         sp = [SamplingParams(max_tokens=6, temperature=1.0, seed=s, ignore_eos=True) for s in range(3)]
         together = [o.output_ids for o in llm.generate([prompt] * 3, sp)]
         alone = [llm.generate([prompt], [p])[0].output_ids for p in sp]
     finally:
-        engine_mod.select = real
+        sampler_mod.select = real
     assert calls == [] and together == alone  # batched, seeded, neighbour-independent
     # First-token distribution over many seeds against p = softmax(last prompt logits).
     eng = llm.engine

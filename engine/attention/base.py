@@ -25,7 +25,8 @@ class AttentionMetadata:
     page_tables: list[list[int]]
     page_size: int
     causal: bool = True
-    # Fault injection (selftest): per sequence, let its queries see one future key. None = off.
+    # Per sequence: its queries also see one key past the causal limit (a leaky mask; only the self-test
+    # sets it, and only the torch reference backend computes it). None = off.
     leak: list[bool] | None = None
     extra: dict = field(default_factory=dict)
 
@@ -40,13 +41,17 @@ class AttentionMetadata:
 
 class AttentionBackend:
     name = "base"
+    # The current step's slot of every new token (set by `plan`); read by the fused rope + store kernel
+    # of a backend that `accepts_stored_kv`.
+    slot_mapping: torch.Tensor | None = None
 
     def plan(self, meta: AttentionMetadata) -> None:
         raise NotImplementedError
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
-        """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: [num_slots, Hkv, D]. Returns [T, Hq, D]."""
+        """q: [T, Hq, D]; k, v: [T, Hkv, D], or None when the caller already stored them (a backend that
+        `accepts_stored_kv`); caches: [num_slots, Hkv, D]. Returns [T, Hq, D]."""
         raise NotImplementedError
 
     def prepare_capture(self, meta: AttentionMetadata) -> None:  # pragma: no cover - GPU hook

@@ -17,6 +17,7 @@ reference the cached path is tested against).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -31,6 +32,8 @@ from .qwen3 import Qwen3Layer
 
 
 class DFlashDraftModel(nn.Module):
+    layers: Sequence[Qwen3Layer]
+
     def __init__(self, cfg: ModelConfig, target_hidden: int) -> None:
         super().__init__()
         if not cfg.is_dflash:
@@ -43,7 +46,8 @@ class DFlashDraftModel(nn.Module):
         self.fc_w = nn.Parameter(torch.empty(cfg.hidden_size, n_in), requires_grad=False)
         self.hidden_norm = nn.Parameter(torch.empty(cfg.hidden_size), requires_grad=False)
         self.norm = nn.Parameter(torch.empty(cfg.hidden_size), requires_grad=False)
-        self.layers = nn.ModuleList(Qwen3Layer(cfg) for _ in range(cfg.num_hidden_layers))
+        # An nn.ModuleList (registers the layers); torch's stubs type its items as Module, not Qwen3Layer.
+        self.layers = nn.ModuleList(Qwen3Layer(cfg) for _ in range(cfg.num_hidden_layers))  # type: ignore[assignment]
         self.scale = cfg.head_dim ** -0.5
         dc = cfg.raw.get("dflash_config") or {}
         self.input_embedding_scale = float(dc.get("input_embedding_scale", 1.0))

@@ -17,6 +17,7 @@ the last layer's entry is the final-normed hidden state.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -101,11 +102,14 @@ class Qwen3Layer(nn.Module):
 
 
 class Qwen3ForCausalLM(nn.Module):
+    layers: Sequence[Qwen3Layer]
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
-        self.layers = nn.ModuleList(Qwen3Layer(cfg) for _ in range(cfg.num_hidden_layers))
+        # An nn.ModuleList (registers the layers); torch's stubs type its items as Module, not Qwen3Layer.
+        self.layers = nn.ModuleList(Qwen3Layer(cfg) for _ in range(cfg.num_hidden_layers))  # type: ignore[assignment]
         self.norm = nn.Parameter(torch.empty(cfg.hidden_size), requires_grad=False)
         self.lm_head_w = (self.embed if cfg.tie_word_embeddings
                           else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False))
@@ -136,7 +140,7 @@ class Qwen3ForCausalLM(nn.Module):
                 tap_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Returns (final-normed hidden [T, H], tapped decoder-layer outputs in tap_layers order)."""
         x = F.embedding(input_ids, self.embed)
-        residual = None
+        residual: torch.Tensor | None = None
         taps: dict[int, torch.Tensor] = {}
         ops = self.ops
         for i, layer in enumerate(self.layers):
@@ -153,9 +157,10 @@ class Qwen3ForCausalLM(nn.Module):
         then gets k = v = None); None when the backend stores them."""
         if self.ops is None or not getattr(backend, "accepts_stored_kv", False):
             return None
+        assert backend.slot_mapping is not None, "plan() sets the step's slots before the forward"
         return kv[0], kv[1], backend.slot_mapping
 
-    def finish(self, x: torch.Tensor, residual: torch.Tensor, taps: dict[int, torch.Tensor],
+    def finish(self, x: torch.Tensor, residual: torch.Tensor | None, taps: dict[int, torch.Tensor],
                tap_layers: tuple[int, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Final norm after the last layer, and the taps in tap_layers order."""
         norm = self.ops.add_rms_norm if self.ops is not None else add_rms_norm

@@ -39,44 +39,42 @@ from .proposer import Proposer
 
 class DFlashProposer(Proposer):
     name = "dflash"
+    block: int  # the drafter's block size B: one draft pass writes B scratch slots past the committed length
 
     def __init__(self, k: int, draft: DFlashDraftModel, target: Qwen3ForCausalLM, runner: ModelRunner,
-                 pool: PagePool, batched: bool = True, faults: frozenset[str] = frozenset()) -> None:
+                 pool: PagePool, batched: bool = True) -> None:
         super().__init__(k)
         self.draft, self.target, self.runner, self.pool = draft, target, runner, pool
         self.block = draft.block_size
         self.tap_layers = draft.target_layer_ids
         self.batched = batched
-        self.faults = faults
         self.rope = RotaryCache(draft.cfg, runner.device, runner.dtype,
                                 max_pos=max(draft.cfg.max_position_embeddings, runner.mcfg.max_position_embeddings))
         self.ctx_len: dict[str, int] = {}
         self.graphs: DraftGraphs | None = None  # built at the first draft on the graph path
         self.use_graphs = runner.use_graph_runner and runner.cfg.draft_graph
 
-    @property
-    def headroom(self) -> int:
-        return self.block
-
     def ready(self, req: Request) -> bool:
         return self.ctx_len.get(req.rid, -1) == req.num_computed
 
     # ---- context --------------------------------------------------------------------------------
     @torch.inference_mode()
-    def observe(self, spans, committed, taps, eligible):
+    def observe(self, spans: list[Span], committed: list[int], taps: torch.Tensor | None, eligible: list[bool],
+                ctx_shift: int = 0) -> None:
         if taps is None:
             return
-        rows, positions, slots = [], [], []
-        shift = 1 if "draft_ctx_misaligned" in self.faults else 0
+        rows: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
         off = 0
         for s, c, ok in zip(spans, committed, eligible, strict=True):
             rid = s.req.rid
             if ok and c > 0 and self.ctx_len.get(rid, 0) == s.start:
                 rows += range(off, off + c)
                 positions += range(s.start, s.start + c)
-                if shift:  # the fault writes one row late: keep it a wrong answer, not a crash
-                    self.pool.ensure(rid, s.start + shift + c)
-                slots += self.pool.slots(rid, s.start + shift, s.start + shift + c)
+                if ctx_shift:  # rows written late need their slots: keep it a wrong answer, not a crash
+                    self.pool.ensure(rid, s.start + ctx_shift + c)
+                slots += self.pool.slots(rid, s.start + ctx_shift, s.start + ctx_shift + c)
                 self.ctx_len[rid] = s.start + c
             off += len(s.tokens)
         if not rows:
@@ -134,9 +132,9 @@ class DFlashProposer(Proposer):
         if self.use_graphs or self.graphs is not None:
             g, r = self.graphs, self.runner
             if g is None or g.stack.backend is not r.backend or g.stack.ops is not r.model.ops:
-                self.graphs = DraftGraphs(self, capture=not r.cfg.eager)  # first use, or a swapped backend/op set
-            if self.graphs.can_run(spans):
-                return self.graphs.run(spans)
+                g = self.graphs = DraftGraphs(self, capture=not r.cfg.eager)  # first use, or a swapped backend/op set
+            if g.can_run(spans):
+                return g.run(spans)
         return self.draft_logits_plain(spans)
 
     @torch.inference_mode()

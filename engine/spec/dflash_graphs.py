@@ -49,7 +49,7 @@ class DraftStack(PiecewiseStack):
     def head(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.target.embed) * self.draft.input_embedding_scale
 
-    def tail(self, x: torch.Tensor, res: torch.Tensor, rows: int) -> None:
+    def tail(self, x: torch.Tensor, res: torch.Tensor | None, rows: int) -> None:
         norm = self.ops.add_rms_norm if self.ops is not None else add_rms_norm
         hidden, _ = norm(x, res, self.draft.norm, self.draft.cfg.rms_norm_eps)
         blocks = rows // self.block

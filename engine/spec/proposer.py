@@ -18,15 +18,13 @@ from ..scheduler import Span
 class Proposer:
     name = "base"
     tap_layers: tuple[int, ...] = ()
+    # Positions one draft pass writes past the committed length (a block drafter's scratch); None: none
+    # beyond the verify span. The run's headroom derives from it (spec/plan.py).
+    block: int | None = None
 
     def __init__(self, k: int) -> None:
         self.k = k
         self.generators: dict[str, torch.Generator] = {}  # set by the engine: per-request RNGs
-
-    @property
-    def headroom(self) -> int:
-        """Positions past the committed length a step may touch (verify span or draft block)."""
-        return self.k + 1
 
     def ready(self, req: Request) -> bool:
         return True
@@ -35,8 +33,9 @@ class Proposer:
         raise NotImplementedError
 
     def observe(self, spans: list[Span], committed: list[int], taps: torch.Tensor | None,
-                eligible: list[bool]) -> None:
-        """Called after every target forward with the rows each span committed."""
+                eligible: list[bool], ctx_shift: int = 0) -> None:
+        """Called after every target forward with the rows each span committed. `ctx_shift` > 0 writes a
+        proposer's per-position context that many positions late (only the self-test sets it)."""
 
     def release(self, req: Request) -> None:
         """The request finished or was aborted."""
@@ -63,7 +62,7 @@ class NgramProposer(Proposer):
                         return follow
         return []
 
-    def propose(self, spans, ks):
+    def propose(self, spans: list[Span], ks: list[int]) -> None:
         for s, k in zip(spans, ks, strict=True):
             s.drafts = self.lookup(s.req.all_ids, k)
 
@@ -86,7 +85,7 @@ class OracleProposer(Proposer):
         self.vocab = vocab_size
         self.steps: dict[str, int] = {}
 
-    def propose(self, spans, ks):
+    def propose(self, spans: list[Span], ks: list[int]) -> None:
         for s, k in zip(spans, ks, strict=True):
             req = s.req
             cont = self.cont[tuple(req.prompt_ids)]
@@ -102,5 +101,5 @@ class OracleProposer(Proposer):
                 drafts.append(0)
             s.drafts = drafts[:k]
 
-    def release(self, req):
+    def release(self, req: Request) -> None:
         self.steps.pop(req.rid, None)

@@ -10,9 +10,13 @@ A deterministic proposer (n-gram) is the point mass q = one_hot(d). Each request
 once from its own generator; a whole batch of requests is resolved on the device with one host read
 (the accepted counts and emitted tokens).
 Greedy is the exact limit handled elsewhere (argmax), never a temperature clamp.
+`AcceptRule` names the three steps of the rule that a caller may swap for a lossy variant (the self-test
+does, through engine/faults.py, to prove its gates notice); the default is the rule above.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -25,8 +29,21 @@ from ..sampler import draw_rows, uniforms
 USE_KERNEL = True
 
 
+@dataclass(frozen=True)
+class AcceptRule:
+    """The speculative-sampling rule the resolve computes; every switch off is the lossless rule. The same
+    switches reach the fused kernel (kernels/spec_accept.py), so both paths compute the same variant."""
+
+    q_over_p: bool = False  # accept with min(1, q/p) instead of min(1, p/q)
+    one_uniform: bool = False  # every ratio test of a request reads its first uniform
+    draw_from_p: bool = False  # after a rejection draw from p instead of the residual (p - q)^+
+
+
+LOSSLESS = AcceptRule()
+
+
 def accept_sampled_batch(drafts: list[list[int]], qs: list[torch.Tensor | None], p: torch.Tensor,
-                         gens: list[torch.Generator | None], faults: frozenset[str] = frozenset(),
+                         gens: list[torch.Generator | None], rule: AcceptRule = LOSSLESS,
                          kernel: bool = True) -> list[tuple[int, list[int]]]:
     """Speculative sampling for a batch of requests with one host read.
 
@@ -34,6 +51,7 @@ def accept_sampled_batch(drafts: list[list[int]], qs: list[torch.Tensor | None],
     proposer (point masses); p: target probs [sum_b (k_b + 1), V], request b's k_b + 1 rows in order.
     Each request draws k_b + 1 uniforms from its own generator: k_b for the ratio tests, the last for the
     emitted token (inverse CDF over the residual or the bonus distribution). Returns (m_b, tokens_b).
+    `rule`: the accept rule (default lossless; the self-test's sampling faults pass their variants).
     On CUDA with Triton enabled (and `kernel`, `USE_KERNEL`) the whole resolve is one fused launch
     (kernels/spec_accept.py); otherwise the torch ops below, its reference. Same generators, same draws.
     """
@@ -46,13 +64,15 @@ def accept_sampled_batch(drafts: list[list[int]], qs: list[torch.Tensor | None],
     if nb == 0:
         return []
     if kernel and USE_KERNEL and p.dtype == torch.float32 and triton_enabled(p.device):
-        return _accept_fused(drafts, qs, p, gens, faults, ks)
+        return _accept_fused(drafts, qs, p, gens, rule, ks)
     dev = p.device
     kmax, nk = max(ks), sum(ks)
     q, qrows = _q_rows(drafts, qs, p)
     # Host-built index arrays, one transfer: per draft (p row, token, batch, slot, q row or -1 for a point
     # mass); per request (p offset = offset of its uniforms, first draft, k).
-    prow, toks, bidx, slot, poff, doff = [], [], [], [], [], []
+    prow: list[int] = []
+    slot: list[int] = []
+    toks, bidx, poff, doff = [], [], [], []
     po = do = 0
     for b, d in enumerate(drafts):
         poff.append(po)
@@ -72,8 +92,8 @@ def accept_sampled_batch(drafts: list[list[int]], qs: list[torch.Tensor | None],
         p_d = p[prow_t, tok_t]
         q_d = torch.ones_like(p_d) if q is None else \
             torch.where(qrow_t < 0, 1.0, q[qrow_t.clamp_min(0), tok_t]).clamp_min(1e-20)
-        ratio = q_d / p_d.clamp_min(1e-20) if "biased_accept" in faults else p_d / q_d
-        ua = u[poff_t[b_t]] if "reused_uniform" in faults else u[prow_t]
+        ratio = q_d / p_d.clamp_min(1e-20) if rule.q_over_p else p_d / q_d
+        ua = u[poff_t[b_t]] if rule.one_uniform else u[prow_t]
         ok = torch.zeros(nb, kmax, dtype=torch.long, device=dev)
         ok[b_t, slot_t] = (ua < ratio.clamp(max=1.0)).long()
         m = ok.cumprod(1).sum(1)
@@ -85,7 +105,7 @@ def accept_sampled_batch(drafts: list[list[int]], qs: list[torch.Tensor | None],
         if q is not None:
             qr = qrow_t[qi]
             res = torch.where((qr < 0).unsqueeze(1), res, (rows - q[qr.clamp_min(0)]).clamp_min(0.0))
-        if "resample_from_p" in faults:
+        if rule.draw_from_p:
             res = rows
         use_p = ~rejected | (res.sum(1) <= 0.0)
         dist = torch.where(use_p.unsqueeze(1), rows, res)
@@ -97,7 +117,7 @@ def accept_sampled_batch(drafts: list[list[int]], qs: list[torch.Tensor | None],
 
 
 def _accept_fused(drafts: list[list[int]], qs: list[torch.Tensor | None], p: torch.Tensor,
-                  gens: list[torch.Generator | None], faults: frozenset[str], ks: list[int],
+                  gens: list[torch.Generator | None], rule: AcceptRule, ks: list[int],
                   ) -> list[tuple[int, list[int]]]:
     """accept_sampled_batch through the fused kernel: one HtoD copy of the index arrays, the uniforms,
     one launch, one host read."""
@@ -117,7 +137,8 @@ def _accept_fused(drafts: list[list[int]], qs: list[torch.Tensor | None], p: tor
     u = uniforms([k + 1 for k in ks], gens, dev)
     out = torch.empty(2, nb, dtype=torch.long, device=dev)
     spec_accept(p, q, ix[:nk], ix[nk:2 * nk], ix[2 * nk:2 * nk + nb], ix[2 * nk + nb:2 * nk + 2 * nb],
-                ix[2 * nk + 2 * nb:], u, faults, kmax=max(ks), out=out)
+                ix[2 * nk + 2 * nb:], u, q_over_p=rule.q_over_p, one_uniform=rule.one_uniform,
+                draw_from_p=rule.draw_from_p, kmax=max(ks), out=out)
     mh, th = out.tolist()
     return [(mb, d[:mb] + [tb]) for mb, tb, d in zip(mh, th, drafts, strict=True)]
 
@@ -170,9 +191,9 @@ def _q_rows(drafts: list[list[int]], qs: list[torch.Tensor | None], p: torch.Ten
 
 
 def accept_sampled(drafts: list[int], q: torch.Tensor | None, p: torch.Tensor, gen: torch.Generator | None,
-                   faults: frozenset[str] = frozenset()) -> tuple[int, list[int]]:
+                   rule: AcceptRule = LOSSLESS) -> tuple[int, list[int]]:
     """One request: drafts [k]; q [k, V] draft probs or None (point masses); p [k + 1, V] target probs."""
-    return accept_sampled_batch([list(drafts)], [q], p, [gen], faults)[0]
+    return accept_sampled_batch([list(drafts)], [q], p, [gen], rule)[0]
 
 
 def emitted_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -47,7 +47,7 @@ def test_every_gemv_config(kind):
 @pytest.mark.parametrize("batch", [1, 64])
 def test_spec_accept_kernel_matches_torch_path(batch):
     """The fused speculative-sampling accept (kernels/spec_accept.py) against accept_sampled_batch's torch
-    path at the Qwen3 vocabulary, K=15: drafted q, point masses, mixed, DFlash views, every fault; equal
+    path at the Qwen3 vocabulary, K=15: drafted q, point masses, mixed, DFlash views, every accept rule variant; equal
     accepted counts, emitted tokens equal but for rare fp32 ties (tests/spec_accept_cases.py)."""
     from spec_accept_cases import run_cases
 

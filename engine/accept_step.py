@@ -1,0 +1,145 @@
+"""The accept phase: every span's new tokens, read from the step's logits.
+
+Contract: `AcceptStep.accept(plan, fwd)` returns one `SpanResult` per span, in plan order, and changes no
+KV, request or counter state (prompt logprobs excepted: they are written as their rows go by):
+- prefill: its rows are committed; the chunk that completes the prompt emits the first token;
+- decode: one token, the argmax (greedy) or a draw from the request's transform with its own generator;
+- verify: greedy = the longest draft prefix equal to the target's argmax, then the target's own token
+  (spec/accept.py); sampled = rejection sampling against the draft distribution (spec/sampling.py, with
+  the engine's `Faults.accept_rule`). Either way 1..K+1 tokens.
+Host reads are batched: one argmax transfer serves every greedy span, one speculative-sampling resolve
+every sampled verify span (on CUDA the fused kernel), one inverse-CDF draw every sampled single pick.
+Synthetic acceptance (speed curves on random weights) replaces the greedy accept count; then the armed
+faults may rewrite the results (`Faults.on_accept`), before the commit records anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import SamplingParams
+from .faults import Faults
+from .forward import StepForward
+from .sampler import draw_rows, sampling_probs_rows, topk_logprobs, uniforms
+from .scheduler import Span, StepPlan
+from .spec.accept import accept_greedy
+from .spec.sampling import accept_sampled_batch
+from .spec.synthetic import SyntheticAcceptance
+
+Logprobs = list[tuple[float, dict[int, float]]]
+
+
+@dataclass
+class SpanResult:
+    committed: int  # rows of the span whose KV is kept (start + committed = the new committed length)
+    tokens: list[int]  # new output tokens, in order
+    logprobs: Logprobs | None = None  # per token (chosen logprob, top-k) when the request asked for them
+    drafts: int = 0  # K of a verify span
+    accepted: int | None = None  # accepted drafts of a verify span; None for prefill and decode spans
+    argmax: list[int] | None = None  # a greedy verify span's target argmax per row (what the faults rewrite from)
+
+
+class AcceptStep:
+    def __init__(self, gens: dict[str, torch.Generator], faults: Faults, synthetic: SyntheticAcceptance | None,
+                 kernel: bool) -> None:
+        """gens: each request's generator, by id (shared with the engine); kernel: the fused accept kernel
+        may run (EngineConfig.triton)."""
+        self.gens, self.faults, self.synthetic, self.kernel = gens, faults, synthetic, kernel
+
+    def accept(self, plan: StepPlan, fwd: StepForward) -> list[SpanResult]:
+        spans, logits = plan.spans, fwd.logits
+        # One batched argmax and one host transfer per step serve every greedy span (not one sync each).
+        amax = logits.argmax(-1).tolist() if any(s.req.params.greedy for s in spans) else []
+        sampled = self._resolve_sampled(spans, fwd.rows, logits)  # every sampled verify span, resolved together
+        picks = self._draw_picks(spans, fwd.rows, logits)  # every sampled single pick, drawn together
+        results = [self._span(s, logits[r0:r0 + n], amax[r0:r0 + n], sampled.get(i), picks.get(i))
+                   for i, (s, (r0, n)) in enumerate(zip(spans, fwd.rows, strict=True))]
+        self.faults.on_accept(spans, results)
+        return results
+
+    def _span(self, s: Span, lg: torch.Tensor, am: list[int], sampled: tuple[int, list[int]] | None,
+              pick: int | None) -> SpanResult:
+        """One span's result. `am`: the argmax of each of its logits rows (greedy requests); `sampled`: a
+        sampled verify span's (accepted, tokens); `pick`: a sampled single token; both from the batch."""
+        p = s.req.params
+        if s.kind == "prefill":
+            if p.prompt_logprobs is not None:
+                self._prompt_logprobs(s, lg)
+            if not s.completes_prefill:
+                return SpanResult(len(s.tokens), [])
+            tok = am[-1] if p.greedy else _drawn(pick)
+            return SpanResult(len(s.tokens), [tok], _logprobs(lg[-1:], tok, p))
+        if s.kind == "decode":
+            tok = am[0] if p.greedy else _drawn(pick)
+            return SpanResult(1, [tok], _logprobs(lg[:1], tok, p))
+        k = len(s.drafts)
+        if not p.greedy:
+            assert sampled is not None  # every sampled verify span is resolved with the batch
+            m, toks = sampled
+            return SpanResult(m + 1, toks, None, k, m)
+        m, toks = accept_greedy(list(s.drafts), am)
+        if self.synthetic is not None:  # speed curves only: the accept count is drawn, not matched
+            m = self.synthetic.draw(k)
+            toks = list(s.drafts[:m]) + [am[m]]
+        return SpanResult(m + 1, toks, None, k, m, am)
+
+    def _resolve_sampled(self, spans: list[Span], row_of: list[tuple[int, int]],
+                         logits: torch.Tensor) -> dict[int, tuple[int, list[int]]]:
+        """(accepted drafts, emitted tokens) of every sampled verify span, by span index, resolved together."""
+        idx = [i for i, s in enumerate(spans) if s.kind == "verify" and not s.req.params.greedy]
+        if not idx:
+            return {}
+        rows: list[int] = []
+        params: list[SamplingParams] = []
+        for i in idx:
+            r0, cnt = row_of[i]
+            rows += range(r0, r0 + cnt)
+            params += [spans[i].req.params] * cnt
+        sel = logits if len(rows) == logits.shape[0] else logits[torch.tensor(rows, device=logits.device)]
+        probs = sampling_probs_rows(sel, params)
+        qs = [spans[i].draft_probs for i in idx]
+        res = accept_sampled_batch([list(spans[i].drafts) for i in idx], qs, probs,
+                                   [self.gens[spans[i].req.rid] for i in idx], self.faults.accept_rule,
+                                   kernel=self.kernel)
+        return dict(zip(idx, res, strict=True))
+
+    def _draw_picks(self, spans: list[Span], row_of: list[tuple[int, int]], logits: torch.Tensor) -> dict[int, int]:
+        """The sampled token of every non-greedy decode span and prefill completion, by span index: each
+        request's transform over its last row, an inverse-CDF draw with one uniform from its own generator,
+        all on the device, one host read (instead of a multinomial and a sync per request)."""
+        idx: list[int] = []
+        rows: list[int] = []
+        params: list[SamplingParams] = []
+        for i, s in enumerate(spans):
+            if s.req.params.greedy or not (s.kind == "decode" or (s.kind == "prefill" and s.completes_prefill)):
+                continue
+            r0, cnt = row_of[i]
+            idx.append(i)
+            rows.append(r0 + cnt - 1)
+            params.append(s.req.params)
+        if not idx:
+            return {}
+        probs = sampling_probs_rows(logits[torch.tensor(rows, device=logits.device)], params)
+        u = uniforms([1] * len(idx), [self.gens[spans[i].req.rid] for i in idx], logits.device)
+        return dict(zip(idx, draw_rows(probs, u).tolist(), strict=True))
+
+    @staticmethod
+    def _prompt_logprobs(s: Span, lg: torch.Tensor) -> None:
+        req, k = s.req, s.req.params.prompt_logprobs
+        if s.start == 0:
+            req.prompt_logprobs = [None]
+        targets = [(j, s.start + j + 1) for j in range(len(s.tokens)) if s.start + j + 1 < req.prompt_len]
+        if targets:
+            rows = torch.tensor([j for j, _ in targets], device=lg.device)
+            req.prompt_logprobs += topk_logprobs(lg[rows], [req.prompt_ids[p] for _, p in targets], k or 0)
+
+
+def _drawn(pick: int | None) -> int:
+    assert pick is not None  # every sampled single pick is drawn with the batch (_draw_picks)
+    return pick
+
+
+def _logprobs(rows: torch.Tensor, tok: int, p: SamplingParams) -> Logprobs | None:
+    return topk_logprobs(rows, [tok], p.logprobs) if p.logprobs is not None else None

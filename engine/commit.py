@@ -1,0 +1,70 @@
+"""The commit phase: what a step's accept results change in the KV pool, the drafter, requests and counters.
+
+Contract, per span in plan order: the spec counters record a verify span's (K, accepted); the request's
+committed length becomes start + committed and the pages wholly past it return to the pool (the rollback
+of the rejected speculative tail); the new tokens are appended with stop handling (output.py), so a stop
+inside an accepted run ends the request there; a finished request leaves the scheduler and frees its
+pages. Before that loop the proposer appends the committed rows to its context: after m accepted drafts
+exactly m + 1 rows (anchor + accepted drafts); the bonus token has no features yet and becomes the next
+anchor. The armed faults' knobs for the step come from one `Faults.on_commit` call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .accept_step import SpanResult
+from .faults import Faults
+from .kv_cache import PagePool
+from .metrics import EngineMetrics
+from .output import OutputWriter, RequestOutput
+from .request import Request
+from .scheduler import Scheduler, Span, StepPlan
+from .spec.plan import SpecPlan
+from .spec.proposer import Proposer
+
+
+class CommitStep:
+    def __init__(self, pool: PagePool, scheduler: Scheduler, proposer: Proposer | None, spec: SpecPlan,
+                 metrics: EngineMetrics, output: OutputWriter, faults: Faults,
+                 release: Callable[[Request], None]) -> None:
+        """release: frees a finished request's pages, proposer state and generator (the engine's)."""
+        self.pool, self.scheduler, self.proposer, self.spec = pool, scheduler, proposer, spec
+        self.metrics, self.output, self.faults, self.release = metrics, output, faults, release
+
+    def commit(self, plan: StepPlan, results: list[SpanResult], taps: torch.Tensor | None) -> list[RequestOutput]:
+        """The outputs of the requests that got new tokens or finished this step."""
+        spans = plan.spans
+        knobs = self.faults.on_commit(spans)
+        if self.proposer is not None:
+            self.proposer.observe(spans, [r.committed for r in results], taps,
+                                  [self.spec.can_speculate(s.req.params) for s in spans], ctx_shift=knobs.draft_shift)
+        outs = []
+        for i, (s, r) in enumerate(zip(spans, results, strict=True)):
+            out = self._commit_span(s, r, knobs.leak(i), knobs.emit_past_stop)
+            if out is not None:
+                outs.append(out)
+        self.metrics.num_running = len(self.scheduler.running)
+        self.metrics.num_waiting = len(self.scheduler.waiting)
+        self.metrics.kv_usage = 1.0 - self.pool.num_free / self.pool.num_pages
+        return outs
+
+    def _commit_span(self, s: Span, r: SpanResult, leak: bool, past_stop: bool) -> RequestOutput | None:
+        req = s.req
+        if r.accepted is not None:
+            self.metrics.record_verify(r.drafts, r.accepted)
+            req.spec.record(r.drafts, r.accepted)
+        req.num_computed = s.start + r.committed
+        self.pool.commit(req.rid, req.num_computed, leak=leak)
+        if s.kind == "prefill":
+            self.metrics.prompt_tokens += r.committed
+        if r.tokens:
+            self.output.append(req, r.tokens, r.logprobs, past_stop)
+        out = self.output.build(req, r.tokens) if r.tokens or req.finished else None
+        if req.finished:
+            self.scheduler.finish(req)
+            self.release(req)
+            self.metrics.requests_finished += 1
+        return out

@@ -1,0 +1,121 @@
+"""Output assembly: committed tokens appended with stop handling, detokenization, `RequestOutput`.
+
+Contract: `OutputWriter.append(req, tokens, logprobs)` appends a step's tokens in order and finishes the
+request at the first stop: EOS (unless ignore_eos; the model's, its generation_config's and the
+tokenizer's), a stop token id, a stop string (the text is cut there, or after it with
+include_stop_str_in_output), or max_tokens. Nothing is appended after a finish, so a stop inside an
+accepted run of drafts ends the request there (`past_stop` is the self-test's knob that breaks this).
+`build(req, new)` is the request's snapshot after a step: the text is decoded in full once finished,
+else up to the last complete character (`Tokenizer.decode_prefix_safe`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .config import ModelConfig
+from .metrics import EngineMetrics
+from .request import Request
+from .tokenizer import Tokenizer
+
+
+@dataclass
+class RequestOutput:
+    rid: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    stop_reason: str | int | None
+    new_ids: list[int] = field(default_factory=list)
+    logprobs: list[tuple[float, dict[int, float]]] | None = None
+    prompt_logprobs: list[tuple[float, dict[int, float]] | None] | None = None
+    arrival: float = 0.0
+    token_times: list[float] = field(default_factory=list)
+    spec: dict = field(default_factory=dict)
+
+    @property
+    def ttft(self) -> float | None:
+        return self.token_times[0] - self.arrival if self.token_times else None
+
+
+def eos_ids(mcfg: ModelConfig, model_dir: str, tokenizer: Tokenizer) -> set[int]:
+    """Every id that ends a generation: config.json's, generation_config.json's and the tokenizer's."""
+    ids = set(mcfg.eos_token_id) | _generation_eos(model_dir)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def _generation_eos(model_dir: str) -> set[int]:
+    f = Path(model_dir) / "generation_config.json"
+    if not f.is_file():
+        return set()
+    try:
+        v = json.loads(f.read_text()).get("eos_token_id")
+    except json.JSONDecodeError:
+        return set()
+    return set(v) if isinstance(v, list) else ({v} if isinstance(v, int) else set())
+
+
+class OutputWriter:
+    def __init__(self, tokenizer: Tokenizer, eos: set[int], metrics: EngineMetrics) -> None:
+        self.tokenizer, self.eos, self.metrics = tokenizer, eos, metrics
+
+    def append(self, req: Request, toks: list[int], lps: list | None, past_stop: bool = False) -> None:
+        now = time.perf_counter()
+        p = req.params
+        for i, t in enumerate(toks):
+            if req.finished and not past_stop:
+                break
+            req.output_ids.append(t)
+            req.token_times.append(now)
+            self.metrics.generation_tokens += 1
+            if lps is not None:
+                req.logprobs.append(lps[i])
+            if req.finished:
+                continue
+            if not p.ignore_eos and t in self.eos:
+                req.finish("stop", None)
+            elif t in p.stop_token_ids:
+                req.finish("stop", t)
+            elif p.stop and self._stop_string(req):
+                pass
+            elif len(req.output_ids) >= p.max_tokens:
+                req.finish("length")
+        if not req.finished and len(req.output_ids) >= p.max_tokens:
+            req.finish("length")
+
+    def _stop_string(self, req: Request) -> bool:
+        text = self.tokenizer.decode(req.output_ids)
+        best: tuple[int, str] | None = None
+        for stop in req.params.stop:
+            i = text.find(stop, max(0, req.output_text_len - len(stop)))
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, stop)
+        req.output_text_len = len(text)
+        if best is None:
+            return False
+        i, stop = best
+        req.truncate_text_at = i + (len(stop) if req.params.include_stop_str_in_output else 0)
+        req.finish("stop", stop)
+        return True
+
+    def text_of(self, req: Request) -> str:
+        text = self.tokenizer.decode(req.output_ids)
+        return text[: req.truncate_text_at] if req.truncate_text_at is not None else text
+
+    def build(self, req: Request, new: list[int]) -> RequestOutput:
+        n_new = min(len(new), len(req.output_ids))
+        return RequestOutput(
+            rid=req.rid, prompt_ids=req.prompt_ids, output_ids=list(req.output_ids),
+            text=self.text_of(req) if req.finished else self.tokenizer.decode_prefix_safe(req.output_ids),
+            finished=req.finished, finish_reason=req.finish_reason, stop_reason=req.stop_reason,
+            new_ids=req.output_ids[len(req.output_ids) - n_new:] if n_new else [],
+            logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
+            prompt_logprobs=list(req.prompt_logprobs) if req.params.prompt_logprobs is not None else None,
+            arrival=req.arrival, token_times=list(req.token_times), spec=req.spec.as_dict())
