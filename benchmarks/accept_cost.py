@@ -2,7 +2,7 @@
 
 For batch B, K drafts and vocabulary V, the verify step leaves logits [B, K + 1, V] (bf16 on CUDA, fp32
 on CPU) and, for sampled requests, draft probabilities q [B, K, V]. The engine resolves a step's spans
-together (engine.py `_execute` / `_accept_sampled`):
+together (engine/accept_step.py `AcceptStep.accept`):
   greedy:  one argmax over all B (K + 1) rows, one host read, then `accept_greedy` per request (host)
   sampled: `sampling_probs_rows` (the requests' transforms, fp32) + `accept_sampled_batch` (each
            request's uniforms from its own generator, ratio tests, residual or bonus rows, inverse-CDF
