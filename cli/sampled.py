@@ -7,7 +7,8 @@ candidate and, through its "faults" capability, each sampling fault armed on a f
 (selftest.py). Records go to the results store (run.json, cells.jsonl, samples.jsonl) unless
 --no-record; --report writes markdown; --json prints the summary as one JSON document on the last line.
 Exit codes: 0 PASS (also "PASS (speculation unverified)"), 1 FAIL / NOT SPECULATING / NO DRAFT ACCEPTED /
-INCOMPLETE / a self-test case that did not behave, 2 bad input (engine string, option value).
+INCOMPLETE / a self-test case that did not behave, 2 bad input (engine string, option value), 3 CANNOT
+TEST (no readable samples, or no testable cell: the missing evidence is named, never a pass).
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ def sampled(
     results: Path | None = typer.Option(None, "--results", help="Results directory (default $SPECBENCH_RESULTS "
                                         "or ./results)."),
     record: bool = typer.Option(True, "--record/--no-record", help="Write records to the results store."),
+    tokenizer: Path | None = typer.Option(None, "--tokenizer", help="The model's tokenizer directory (tokenizer.json), "
+                                          "used locally, round-trip checked, for an openai endpoint that cannot tokenize."),
 ) -> None:
     """Sampled equivalence gate: per-position token distributions, spec off vs on, permutation test + BH."""
     from specbench.harness.adapters.base import UnsupportedCapability
@@ -94,7 +97,9 @@ def sampled(
             bspec, cspec = baseline_and_candidate(baseline, candidate)
         if selftest and (cspec.kind != "local" or "faults" in cspec.options):
             raise SampledError("--selftest needs a local candidate without faults= (it injects them itself)")
-        bspec, cspec = share_gpu([bspec, cspec])
+        from specbench.harness.adapters.dialect import with_tokenizer
+
+        bspec, cspec = share_gpu(with_tokenizer([bspec, cspec], tokenizer))
         if selftest and opts.positions < 4:
             raise SampledError(f"--positions {opts.positions} is too few for --selftest: reused_uniform acts only "
                                "from the second draft of a verify step (expected >= 4)")
@@ -135,7 +140,7 @@ def sampled(
                 log(_line(summ))
                 if json_out:
                     typer.echo(json.dumps(summ, default=_jsonable))
-                code = 0 if res.passed else 1
+                code = res.exit_code
     finally:
         base.close()
     raise typer.Exit(code)
@@ -164,7 +169,7 @@ def _selftest(base, cand, opts, cfgs, rec, log, json_out: bool, report: Path | N
 
 
 def _line(s: dict) -> str:
-    parts = [f"sampled gate: {s['verdict']}"]
+    parts = [f"sampled gate: {s['verdict']}" + (f" [missing: {'; '.join(s['missing'])}]" if s.get("missing") else "")]
     for name, c in s["comparisons"].items():
         parts.append(f"{name}: {c['rejected']}/{c['testable']} cells rejected (median MDE lone "
                      f"{c['median_mde_lone']:.3f}, all {c['median_mde_all']:.3f})")

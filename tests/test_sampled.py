@@ -121,12 +121,23 @@ def test_seeds_are_distinct_disjoint_and_fit_32_bits():
 
 
 def test_verdicts():
+    from specbench.suites.sampled.gate import Cell, Comparison, missing_of
+
     spec = {"num_drafts": 10, "num_accepted_tokens": 3}
-    assert verdict_of([], spec, []) == "PASS"
-    assert verdict_of([], None, []) == "PASS (speculation unverified)"
-    assert verdict_of([], {"num_drafts": 0, "num_accepted_tokens": 0}, []) == "NOT SPECULATING"
-    assert verdict_of([], {"num_drafts": 5, "num_accepted_tokens": 0}, []) == "NO DRAFT ACCEPTED"
-    assert verdict_of([], spec, ["r1: boom"]) == "INCOMPLETE"
+    cell = Cell("p", "t1", 1, 8, 8, 3, 0.5, 0.7, 99, 0.1, 0.5, 0.4)
+    ok = [Comparison("spec", ("a", "b"), [cell])]
+    assert verdict_of(ok, spec, []) == "PASS"
+    assert verdict_of(ok, None, []) == "PASS (speculation unverified)"
+    assert verdict_of(ok, {"num_drafts": 0, "num_accepted_tokens": 0}, []) == "NOT SPECULATING"
+    assert verdict_of(ok, {"num_drafts": 5, "num_accepted_tokens": 0}, []) == "NO DRAFT ACCEPTED"
+    assert verdict_of(ok, spec, ["r1: boom"]) == "INCOMPLETE"
+    # no evidence is never a pass: no comparison, no testable cell, unreadable samples
+    assert verdict_of([], spec, []) == "CANNOT TEST"
+    flat = [Comparison("spec", ("a", "b"), [Cell("p", "t1", 0, 8, 8, 1, 0.0, 1.0, 99, 0.0, 1.0, 1.0, testable=False)])]
+    assert missing_of(flat, []) and verdict_of(flat, spec, [], missing_of(flat, [])) == "CANNOT TEST"
+    assert verdict_of(ok, None, [], missing_of(ok, ["r: no token"])) == "CANNOT TEST"
+    rejected = Cell("p", "t1", 2, 8, 8, 3, 5.0, 0.001, 99, 0.9, 0.5, 0.4, rejected=True)
+    assert verdict_of([Comparison("spec", ("a", "b"), [rejected])], spec, [], ["x"]) == "FAIL"  # FAIL wins
     assert END == -1
 
 

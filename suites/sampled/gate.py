@@ -17,6 +17,10 @@ Contract:
   accepted draft -> NO DRAFT ACCEPTED (both fail: the accept path was not exercised); an engine without
   counters -> "PASS (speculation unverified)". Any failed request -> INCOMPLETE. Any rejected cell in the
   main comparison or the null (spec vs spec, disjoint seeds) comparison -> FAIL.
+- No verdict without evidence: a sample the gate cannot read (no output ids and no tokenizer; an empty
+  token list for a non-empty text; no token at all although max_tokens = P with ignore_eos) is
+  "untestable" (`Samples.untestable`, never a row of END), and a comparison with zero testable cells is
+  no comparison: either gives CANNOT TEST, with what was missing in `GateResult.missing`, never PASS.
 - `run_gate` never loads engines; the caller passes adapters (the CLI builds them from engine strings).
   Options live in config.py, prompt sets in prompts.py (re-exported here).
 """
@@ -31,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from specbench.harness.adapters.base import EngineAdapter, GenRequest, counters_delta
+from specbench.harness.verdicts import CANNOT_TEST, exit_code
 
 from . import stats
 from .config import (
@@ -67,6 +72,7 @@ class Samples:
     failed: list[str] = field(default_factory=list)
     seconds: float = 0.0
     spec: dict | None = None  # counters delta over this arm's generation
+    untestable: list[str] = field(default_factory=list)  # samples without readable tokens (and why)
 
 
 def collect(adapter: EngineAdapter, prompts: Sequence[tuple[str, str]], configs: Sequence[SamplingConfig],
@@ -82,7 +88,7 @@ def collect(adapter: EngineAdapter, prompts: Sequence[tuple[str, str]], configs:
                 s = seed_of(opts.seed, arm_index, pi * len(configs) + ci, si, cells, opts.samples)
                 reqs.append(GenRequest(prompt=text, max_tokens=opts.positions, temperature=c.temperature,
                                        top_p=c.top_p, top_k=c.top_k, seed=s, ignore_eos=True,
-                                       rid=f"{arm}-{pid}-{c.name}-{si}"))
+                                       rid=f"{arm}-{pid}-{c.name}-{si}", prompt_cache=False))
                 keys.append((pi, ci))
     before = adapter.spec_counters_sync()
     t0 = time.perf_counter()
@@ -91,23 +97,33 @@ def collect(adapter: EngineAdapter, prompts: Sequence[tuple[str, str]], configs:
     spec = counters_delta(before, adapter.spec_counters_sync())
     rows: dict[tuple[int, int], list[list[int]]] = {}
     failed: list[str] = []
+    untestable: list[str] = []
     retok: dict[str, list[int] | None] = {}
     for key, res in zip(keys, results, strict=True):
+        if not res.ok:
+            failed.append(f"{res.rid}: {res.error}")
+            continue
         out = res.output_ids
-        if res.ok and out is None:
+        how = "output ids"
+        if out is None or (res.text and not out):
             # An engine that reports text only: re-tokenize it. Any fixed function of the output keeps the
             # null hypothesis (equal distributions), so the test stays valid; positions are then those of
             # the re-tokenized text.
             if res.text not in retok:
                 retok[res.text] = adapter.tokenize_sync(res.text)
-            out = retok[res.text]
-        if not res.ok or out is None:
-            failed.append(f"{res.rid}: {res.error or 'the engine reports neither output token ids nor /tokenize'}")
+            out, how = retok[res.text], "re-tokenized text"
+            if out is not None and res.text and not out:
+                out = None  # an empty token list for a non-empty text is no sample
+        if out is None:
+            untestable.append(f"{res.rid}: output token ids (neither reported nor re-tokenizable)")
+            continue
+        if not out:
+            untestable.append(f"{res.rid}: no token returned ({how}; max_tokens {opts.positions}, ignore_eos)")
             continue
         ids = list(out[:opts.positions])
         rows.setdefault(key, []).append(ids + [END] * (opts.positions - len(ids)))
     tokens = {k: np.asarray(v, dtype=np.int64) for k, v in rows.items()}
-    return Samples(arm, tokens, failed, seconds, spec)
+    return Samples(arm, tokens, failed, seconds, spec, untestable)
 
 
 @dataclass
@@ -208,10 +224,16 @@ class GateResult:
     engines: dict[str, dict]
     failed: list[str]
     seconds: dict[str, float]
+    missing: list[str] = field(default_factory=list)  # why the gate could not test (CANNOT TEST)
+    untestable: list[str] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
         return self.verdict.startswith("PASS")
+
+    @property
+    def exit_code(self) -> int:
+        return exit_code(self.verdict)
 
     def summary(self) -> dict:
         comps = {}
@@ -225,7 +247,8 @@ class GateResult:
                 "median_mde_lone": _median([x.mde_lone for x in fin]),
                 "median_mde_all": _median([x.mde_all for x in fin]),
                 "frac_detectable_lone": sum(math.isfinite(x.mde_lone) for x in fin) / max(len(fin), 1)}
-        return {"verdict": self.verdict, "passed": self.passed, "spec": self.spec, "comparisons": comps,
+        return {"verdict": self.verdict, "passed": self.passed, "missing": self.missing,
+                "untestable_samples": len(self.untestable), "spec": self.spec, "comparisons": comps,
                 "options": self.options, "configs": [c["name"] for c in self.configs],
                 "num_prompts": len(self.prompts), "failed": len(self.failed), "seconds": self.seconds}
 
@@ -234,11 +257,28 @@ def _median(xs: list[float]) -> float:
     return float(np.median(xs)) if xs else math.inf
 
 
-def verdict_of(comparisons: Sequence[Comparison], spec: dict | None, failed: Sequence[str]) -> str:
+def missing_of(comparisons: Sequence[Comparison], untestable: Sequence[str]) -> list[str]:
+    """What keeps the gate from a verdict: unreadable samples, or a comparison with no testable cell."""
+    out = []
+    if untestable:
+        out.append(f"{len(untestable)} samples without readable tokens (first: {untestable[0]})")
+    for c in comparisons:
+        if not c.cells:
+            out.append(f"{c.name} comparison: no cell (no sample on one side)")
+        elif not c.testable:
+            out.append(f"{c.name} comparison: 0 of {len(c.cells)} cells testable (every pooled cell holds a single "
+                       "token: nothing to compare)")
+    return out
+
+
+def verdict_of(comparisons: Sequence[Comparison], spec: dict | None, failed: Sequence[str],
+               missing: Sequence[str] = ()) -> str:
     if failed:
         return "INCOMPLETE"
     if any(c.rejected for c in comparisons):
         return "FAIL"
+    if missing or not comparisons:
+        return CANNOT_TEST
     if spec is None:
         return "PASS (speculation unverified)"
     if spec["num_drafts"] == 0:
@@ -272,6 +312,7 @@ def run_gate(baseline: EngineAdapter, candidate: EngineAdapter, opts: SampledGat
     secs["candidate"] = cand.seconds
     comps = [compare("spec", baseline_samples, cand, prompts, configs, opts)]
     failed = baseline_samples.failed + cand.failed
+    untestable = baseline_samples.untestable + cand.untestable
     spec = cand.spec
     if opts.null:
         say(f"null: {n} more candidate generations (disjoint seeds)")
@@ -281,12 +322,15 @@ def run_gate(baseline: EngineAdapter, candidate: EngineAdapter, opts: SampledGat
         secs["null"] = cand2.seconds
         comps.append(compare("null", cand, cand2, prompts, configs, opts))
         failed += cand2.failed
+        untestable += cand2.untestable
         spec = _add_counters(spec, cand2.spec)
     secs["stats"] = sum(c.seconds for c in comps)
     summ = spec_summary(spec)
-    return GateResult(verdict_of(comps, summ, failed), comps, summ, asdict(opts), [asdict(c) for c in configs],
-                      [p for p, _ in prompts], {"baseline": baseline.describe(), "candidate": candidate.describe()},
-                      failed, secs)
+    missing = missing_of(comps, untestable)
+    return GateResult(verdict_of(comps, summ, failed, missing), comps, summ, asdict(opts),
+                      [asdict(c) for c in configs], [p for p, _ in prompts],
+                      {"baseline": baseline.describe(), "candidate": candidate.describe()}, failed, secs, missing,
+                      untestable)
 
 
 def _add_counters(a: dict | None, b: dict | None) -> dict | None:
@@ -302,5 +346,5 @@ def _add_counters(a: dict | None, b: dict | None) -> dict | None:
 
 
 __all__ = ["DEFAULT_CONFIGS", "END", "PROMPT_SETS", "Cell", "Comparison", "SampledGateOptions", "GateResult", "SampledError",
-           "Samples", "SamplingConfig", "collect", "compare", "echo_prompts", "load_prompts", "make_prompts",
+           "Samples", "SamplingConfig", "collect", "compare", "missing_of", "echo_prompts", "load_prompts", "make_prompts",
            "parse_configs", "run_gate", "seed_of", "spec_summary", "verdict_of"]

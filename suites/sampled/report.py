@@ -95,11 +95,28 @@ def render(r: GateResult, title: str = "Sampled equivalence gate") -> str:
              "- time: " + ", ".join(f"{k} {v:.1f} s" for k, v in r.seconds.items()), ""]
     if r.failed:
         lines += [f"**{len(r.failed)} requests failed** (the run is INCOMPLETE); first: `{r.failed[0]}`", ""]
+    if r.missing:
+        lines += ["**CANNOT TEST**: the gate could not collect the evidence a verdict needs:", ""]
+        lines += [f"- {m}" for m in r.missing] + [""]
+    lines += ["## Checks that could not run", ""] + (_not_run(r) or ["- none: every check ran"]) + [""]
     lines += ["## Speculation (candidate, over its generations)", ""] + _spec_lines(r.spec)
     for c in r.comparisons:
         lines += _comparison(c, o["q"])
     lines += [POWER_NOTE, ""]
     return "\n".join(lines)
+
+
+def _not_run(r: GateResult) -> list[str]:
+    out = [f"- {m}" for m in r.missing]
+    if r.spec is None:
+        out.append("- speculation check: the candidate exposes no spec counters (speculation unverified)")
+    for arm, d in r.engines.items():
+        caps = d.get("capabilities") if isinstance(d, dict) else None
+        if isinstance(caps, dict):
+            out.append(f"- {arm}: {caps.get('dialect')} endpoint; output ids via {caps.get('output_ids')}, "
+                       f"tokenize via {caps.get('tokenize')}, counters {caps.get('metrics_prefix')}"
+                       + (f"; lacks {', '.join(caps['missing'])}" if caps.get("missing") else ""))
+    return out
 
 
 def _desc(d: dict) -> str:
