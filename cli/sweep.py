@@ -3,6 +3,10 @@
 Thin: parses and validates options (a bad value exits 2 with the option's name), builds a
 `SweepConfig`, calls `suites.sweep.run_sweep`, prints where the records are and optionally renders the
 report. Ctrl-C keeps every record already written (the run is marked incomplete) and exits 130.
+The acceptance / metrics audit (suites/sweep/audit.py) runs over the records of every complete sweep and
+is printed; with --audit it is a gate: exit 1 when it FAILs, 3 when it CANNOT TEST (an arm with neither
+spec counters nor per-request draft counts), 0 on PASS. Without --audit the sweep is a measurement and
+exits 0 (2 bad usage, 130 interrupted).
 """
 
 from __future__ import annotations
@@ -64,6 +68,10 @@ def sweep(
                             "$SPECBENCH_RESULTS or ./results."),
     report: str = typer.Option(None, "--report", help="Also render the report to this markdown path."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="A progress bar per level."),
+    audit: bool = typer.Option(False, "--audit", help="Make the acceptance / metrics audit a gate: exit 1 on FAIL, "
+                               "3 on CANNOT TEST (the audit is always run and reported)."),
+    tokenizer: str = typer.Option(None, "--tokenizer", help="The model's tokenizer directory (tokenizer.json), used "
+                                  "locally, round-trip checked, for openai arms that cannot tokenize."),
 ) -> None:
     """Sweep load levels across engine arms (interleaved rounds, paired noise floor); record every request."""
     from specbench.harness.engines import EngineStringError
@@ -96,6 +104,15 @@ def sweep(
     if not (temperature >= 0 and math.isfinite(temperature)):
         raise typer.BadParameter(f"{temperature} is invalid: expected a number >= 0", param_hint="--temperature")
     engines = split_arms(arms) if arms else None
+    if tokenizer is not None:
+        from specbench.harness.adapters.dialect import LocalTokenizer, TokenizerError
+
+        try:
+            LocalTokenizer(tokenizer)
+        except TokenizerError as e:
+            raise typer.BadParameter(str(e), param_hint="--tokenizer") from None
+        engines = [e + f",tokenizer={tokenizer}" if e.startswith("openai:") and ",tokenizer=" not in e else e
+                   for e in engines or []] or None
     label_list = [x.strip() for x in labels.split(",")] if labels else None
     cfg = SweepConfig(levels=levels, mode="open" if open_loop else "closed", max_concurrency=cap, dataset=dataset,
                       num_prompts=num_prompts, prompts_per_level=prompts_per_level or 4, max_tokens=max_tokens,
@@ -129,3 +146,14 @@ def sweep(
             typer.echo("\n".join(throughput_table(s)))
     if not outcome.complete:
         raise typer.Exit(130)
+    if outcome.audit is not None:
+        from specbench.harness.verdicts import exit_code
+
+        a = outcome.audit
+        typer.echo(f"acceptance audit: {a['verdict']}" + (f" [missing: {'; '.join(a['missing'])}]" if a["missing"] else "")
+                   + "; " + "; ".join(f"{x['arm']} {x['verdict']}" for x in a["arms"]))
+        for x in a["arms"]:
+            for prob in x["problems"][:5]:
+                typer.echo(f"  {prob}", err=True)
+        if audit:
+            raise typer.Exit(exit_code(a["verdict"]))

@@ -198,7 +198,47 @@ def render_run(s: RunSummary, images: dict[str, str] | None = None) -> list[str]
     if images and "acceptance" in images:
         lines += [f"![acceptance per position]({images['acceptance']})", ""]
     lines += ["### Requests", "", *counts_table(s), ""]
+    lines += audit_section(s) + capability_section(s)
     return lines
+
+
+def audit_section(s: RunSummary) -> list[str]:
+    """The acceptance / metrics audit: which checks ran per arm, which could not and why."""
+    a = s.audit
+    if not a:
+        return []
+    rows = [[f"`{x['arm']}`", x["verdict"] if x["verdict"] == "PASS" else f"**{x['verdict']}**",
+             ", ".join(x["sources"]) or "none", "; ".join(x["checks"]) or "none",
+             "; ".join(x["problems"][:3]) or x.get("missing") or "-"] for x in a["arms"]]
+    out = [f"### Acceptance / metrics audit: {a['verdict']}", "",
+           "Counter invariants per cell (per-position sums = accepted, non-increasing, accepted <= draft tokens "
+           "<= K x drafts) and, where every request carries its own counts, their sums against the counter "
+           "delta. CANNOT TEST = neither counters nor per-request counts: the acceptance figures above are "
+           "unverified.", "",
+           *_table(["arm", "verdict", "evidence", "checks run", "problems / missing"], rows, left=5)]
+    return out + [""]
+
+
+def capability_section(s: RunSummary) -> list[str]:
+    """The endpoint capability records of the arms that have one (openai engines, adapters/dialect.py)."""
+    caps = [(a["label"], (a.get("description") or {}).get("capabilities")) for a in s.arms if not a.get("copy_of")]
+    caps = [(label, c) for label, c in caps if isinstance(c, dict)]
+    if not caps:
+        return []
+    keys = ("dialect", "tokenize", "generate_route", "output_ids", "logprobs", "top_logprobs", "prompt_logprobs",
+            "usage", "metrics_prefix", "per_request_spec", "prompt_cache", "speculated_logprobs", "missing")
+    rows = [[k, *[_cap(c.get(k)) for _, c in caps]] for k in keys]
+    rows.insert(1, ["version / build", *[_cap((c.get("server") or {}).get("version")) for _, c in caps]])
+    return ["### Endpoint capabilities", "", *_table(["capability", *[f"`{label}`" for label, _ in caps]], rows,
+                                                      left=len(caps) + 1), ""]
+
+
+def _cap(v: object) -> str:
+    if v is None:
+        return "—"
+    if isinstance(v, list):
+        return ", ".join(map(str, v)) or "none"
+    return str(v).lower() if isinstance(v, bool) else str(v)
 
 
 def render_comparison(runs: list[RunSummary]) -> list[str]:

@@ -9,7 +9,8 @@ records, see suites/sweep/runner.py). Warm-up records are ignored. For each (arm
 - `acceptance`: per-request counts of all rounds, else the summed counter deltas of its cells.
 Speedups pair each arm with the baseline round by round (`compare.speedup`); the noise floor pairs the
 baseline with its copy (`compare.noise_floor`). A run with missing cells (interrupted) still
-summarizes; `complete` says whether every planned cell is there.
+summarizes; `complete` says whether every planned cell is there. `audit` is the acceptance / metrics
+audit over all the records, warm-up included (suites/sweep/audit.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from specbench.suites.sweep.audit import audit_records
 from specbench.suites.sweep.compare import noise_floor, speedup
 from specbench.suites.sweep.metrics import acceptance, cell_stats
 
@@ -59,6 +61,7 @@ class RunSummary:
     speedups: dict[tuple[str, float], dict | None] = field(default_factory=dict)
     noise: dict[float, dict | None] = field(default_factory=dict)
     complete: bool = True
+    audit: dict | None = None
 
     @property
     def compared_arms(self) -> list[str]:
@@ -114,7 +117,8 @@ def summarize(records: list[dict], run_id: str = "run", run_meta: dict | None = 
     copy = next((a for a in arms if a.get("copy_of")), None)
     baseline = meta.get("baseline") or (copy["copy_of"] if copy else (arms[0]["label"] if arms else None))
     s = RunSummary(run_id=run_id, meta={**(run_meta or {}), **meta}, arms=arms, baseline=baseline,
-                   noise_arm=copy["label"] if copy else None, level_kind=kind, levels=levels)
+                   noise_arm=copy["label"] if copy else None, level_kind=kind, levels=levels,
+                   audit=audit_records(records))
 
     by_cell: dict[tuple[str, float, int], list[dict]] = defaultdict(list)
     for r in reqs:

@@ -7,8 +7,10 @@ Contract:
 - `run_sweep` builds every adapter, tokenizes the prompts once per engine, drops prompts that do not fit
   some engine's context (so all arms run the same ones), refuses (ValueError) an engine that fails a
   one-token probe request, writes a `sweep` meta record (config, arms
-  with their `describe()`, baseline, workload with prompt lengths) and then every request and cell
-  record as it happens. On an interrupt (Ctrl-C) the store is closed incomplete with everything
+  with their `describe()` (for an openai engine that includes its capability record,
+  adapters/dialect.py), baseline, workload with prompt lengths) and then every request and cell
+  record as it happens. When the sweep completes, the acceptance / metrics audit (audit.py) over its
+  records is written as an `audit` record and into the run's summary (`SweepOutcome.audit`). On an interrupt (Ctrl-C) the store is closed incomplete with everything
   measured so far, and KeyboardInterrupt propagates.
 """
 
@@ -23,6 +25,7 @@ from typing import Any
 from specbench.harness.adapters.base import EngineAdapter
 from specbench.harness.spec_method import spec_method
 
+from .audit import audit_records
 from .runner import Arm, SweepConfig, SweepRunner, with_noise_copy
 from .workload import Workload
 
@@ -85,6 +88,7 @@ class SweepOutcome:
     records: list[dict] = field(default_factory=list)
     complete: bool = False
     run_meta: dict = field(default_factory=dict)
+    audit: dict | None = None  # audit.audit_records over the records (with keep_records)
 
 
 def _context_limit(ad: EngineAdapter, max_tokens: int) -> int | None:
@@ -155,6 +159,8 @@ async def _main(cfg: SweepConfig, arms: list[Arm], adapters: dict[str, EngineAda
     from specbench.harness.results import open_run
 
     for label, ad in adapters.items():
+        if callable(getattr(ad, "probe", None)):  # an endpoint's dialect, before its first request
+            await asyncio.to_thread(ad.probe)
         await workload.tokenize(label, ad)
     for a in arms:
         if a.copy_of:
@@ -182,6 +188,11 @@ async def _main(cfg: SweepConfig, arms: list[Arm], adapters: dict[str, EngineAda
         try:
             await runner.run()
             outcome.complete = True
+            if keep:
+                outcome.audit = audit_records(outcome.records)
+                run.write("audit", outcome.audit)
+                run.update(summary={"audit": {"verdict": outcome.audit["verdict"], "missing": outcome.audit["missing"],
+                                              "arms": {a["arm"]: a["verdict"] for a in outcome.audit["arms"]}}})
         except asyncio.CancelledError:  # Ctrl-C under asyncio.run: record it as an interrupt
             raise KeyboardInterrupt from None
         finally:

@@ -8,8 +8,8 @@ Contract:
   than n is cycled; `Workload.repeats` says so.
 - `Workload.tokenize(arm, adapter)` tokenizes every prompt once with that engine's own tokenizer (its
   `tokenize`, e.g. /tokenize) and records the lengths. Requests then carry token ids, so no tokenizer
-  round trip can change a prompt's length between arms; an engine that cannot tokenize gets the text
-  and its lengths come from usage. Copies of an arm (the noise-floor arm) share its ids.
+  round trip can change a prompt's length between arms; an engine that cannot tokenize (or answers an
+  empty token list for a non-empty text) gets the text and its lengths come from usage. Copies of an arm (the noise-floor arm) share its ids.
 - `Workload.keep(max_len)` drops prompts that would not fit an engine's context for EVERY arm at once,
   so all arms always run the same prompts.
 """
@@ -84,7 +84,9 @@ class Workload:
                     ids = await adapter.tokenize(text)
                 except Exception:  # an endpoint without /tokenize: fall back to text + usage
                     return None
-                return list(ids) if ids is not None else None
+                if ids is None or (text and not ids):  # an empty list for a non-empty text is never a prompt
+                    return None
+                return list(ids)
 
         self.ids[arm] = list(await asyncio.gather(*(one(t) for t in self.texts)))
 
