@@ -3,7 +3,8 @@
 Contract: parses options, builds the suite's config, calls specbench.suites.evalparity, prints the
 markdown table (or one JSON document with --json). Exit codes: 0 PARITY, 1 DIFFERENT (with --strict
 also any differing answer) or an arm that could not be evaluated, 2 bad usage (an unknown task, a bad
-engine string) or lm-eval not installed (with the command that installs it), 130 on Ctrl-C; servers it
+engine string) or lm-eval not installed (with the command that installs it), 3 CANNOT TEST (no document
+was compared), 130 on Ctrl-C; servers it
 started are stopped in every case.
 Arms: with neither --baseline nor --candidate, the bundled tiny pair with speculation off vs on; with
 only a local --candidate, the baseline is the same engine with spec=off.
@@ -81,7 +82,9 @@ def eval_cmd(
         typer.echo(md)
         typer.echo(f"results: {path}")
     if pr.verdict != "PARITY":
-        raise typer.Exit(1)
+        from specbench.harness.verdicts import exit_code
+
+        raise typer.Exit(exit_code(pr.verdict) if pr.verdict.startswith("CANNOT") else 1)
     n_differ = sum(len(r.differ) for r in pr.rows)
     if strict and n_differ:
         typer.echo(f"specbench eval: --strict: {n_differ} extracted answers differ between the arms", err=True)

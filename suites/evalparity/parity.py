@@ -11,7 +11,8 @@ Contract (pure functions of the worker's JSON, no lm-eval import):
 - combined_stderr = sqrt(se_baseline^2 + se_candidate^2), the stderr of a difference of two
   independent means. The arms share their questions, so this is conservative (the paired stderr, also
   reported, is usually smaller). Verdict PARITY when |delta| <= combined_stderr, else DIFFERENT. A
-  PARITY row still lists every differing answer; the run's verdict is DIFFERENT if any row is.
+  PARITY row still lists every differing answer; the run's verdict is DIFFERENT if any row is, and
+  CANNOT TEST when no row compared a single document.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from typing import Any
+
+from specbench.harness.verdicts import CANNOT_TEST
 
 PARITY = "PARITY"
 DIFFERENT = "DIFFERENT"
@@ -135,4 +138,10 @@ def compare(base_tasks: dict[str, Any], cand_tasks: dict[str, Any]) -> list[Pari
 
 
 def overall(rows: list[ParityRow]) -> str:
-    return DIFFERENT if any(r.verdict == DIFFERENT for r in rows) else PARITY
+    """DIFFERENT if any row is; CANNOT TEST when no row holds a document (nothing was compared: never
+    PARITY on no evidence, harness/verdicts.py); else PARITY."""
+    if any(r.verdict == DIFFERENT for r in rows):
+        return DIFFERENT
+    if not any(r.n for r in rows):
+        return CANNOT_TEST
+    return PARITY
