@@ -63,7 +63,7 @@ class LLMEngine:
         self.model = Qwen3ForCausalLM.load(cfg.model, self.mcfg, self.dtype, cfg.device)
         self.draft_cfg, self.draft_model = self._load_drafter()
         self.spec = resolve_spec(cfg.spec, self.draft_cfg, proposer)
-        self.spec_on, self.k = self.spec.enabled, self.spec.k
+        self.spec_on, self.k = self.spec.enabled, self.spec.k  # the names adapters and benchmarks read
         max_pos = self.mcfg.max_position_embeddings
         context = min(cfg.max_model_len or max_pos, max_pos)  # positions a request may touch, headroom included
         self.max_model_len = context - self.spec.headroom

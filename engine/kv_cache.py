@@ -101,7 +101,8 @@ class PagePool:
     def commit(self, rid: str, new_length: int, leak: bool = False) -> None:
         """Record `new_length` committed tokens and release pages wholly past it (the rollback).
 
-        `leak=True` is the skip_rollback fault: the pages leave the table but never reach the free list."""
+        `leak=True`: the pages leave the table but never reach the free list (lost; only the self-test's
+        skip_rollback fault asks for it)."""
         e = self._reqs[rid]
         if new_length > len(e.table) * self.page_size:
             raise KVCacheError(f"request {rid!r}: commit of {new_length} tokens past capacity "

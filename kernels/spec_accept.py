@@ -135,7 +135,7 @@ def spec_accept(p: torch.Tensor, q: torch.Tensor | None, tok: torch.Tensor, qrow
     p [Rp, V] target probs (fp32); q [Rq, V] draft-prob rows or None (every draft a point mass);
     tok/qrow [sum k] per draft: its token and its q row (-1: point mass); doff/k/poff [B] per request:
     first draft, draft count, first p row (= first uniform); u [Rp] uniforms. Index tensors int64.
-    q_over_p / one_uniform / draw_from_p: the rule variants of the module docstring (default off).
+    q_over_p / one_uniform / draw_from_p: the rule variants of the module docstring (all off: the rule).
     kmax: max(k) as a host int (else read from the device: a sync). `out` [2, B] int64, if given,
     receives m and token (one host read of it then gives both)."""
     nb, v = k.shape[0], p.shape[1]
