@@ -15,7 +15,9 @@ What each double reproduces (the facts in harness/adapters/dialect.py):
 - vLLM: owned_by "vllm", /version, /tokenize with `{"prompt"}`, return_token_ids per chunk, legacy
   logprobs with "token_id:N" strings, echo + prompt logprobs, continuous usage, `vllm:` counters.
 Knobs remove capabilities: `ids=False` (no output ids on any route), `tokenize=False` (404), `tokenize="empty"`
-(200 `{"tokens": []}` for every body), `model="wrong"` (a different model: the broken pairing).
+(200 `{"tokens": []}` for every body), `model="wrong"` (a different model: the broken pairing). `flip_at=i`
+makes the server emit the runner-up at output position i of every generation longer than i (a flip;
+`gap` is the runner-up's distance from the top token in nat, 3.0 by default: 0.1 makes it a near-tie).
 """
 
 from __future__ import annotations
@@ -36,11 +38,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 V = 32
 
 
-def dist(ids: list[int], model: str = "target") -> dict[int, float]:
+def dist(ids: list[int], model: str = "target", gap: float = 3.0) -> dict[int, float]:
     last = ids[-1] if ids else 0
     nxt = (3 * last + 1) % V if model == "target" else (5 * last + 2) % V
     out = {t: -9.0 for t in range(V)}
-    out[nxt], out[(nxt + 1) % V], out[(nxt + 2) % V] = -0.05, -3.05, -4.0
+    out[nxt], out[(nxt + 1) % V], out[(nxt + 2) % V] = -0.05, -0.05 - gap, -4.0
     return out
 
 
@@ -72,20 +74,32 @@ class FakeServer:
     ids: bool = True
     tokenize: bool | str = True
     metrics: bool = True
+    flip_at: int | None = None
+    gap: float = 3.0
+    tokenizer_json: str | None = None  # tokenize with this tokenizer.json instead of one id per character
     seen: list[dict] = field(default_factory=list)  # request bodies, by route
     counters: dict = field(default_factory=lambda: {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": [0, 0]})
 
     # ---- the model -------------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer_json:
+            from tokenizers import Tokenizer
+
+            return list(Tokenizer.from_file(self.tokenizer_json).encode(text, add_special_tokens=False).ids)
+        return encode(text)
+
     def run(self, prompt: list[int] | str, n: int, temperature: float, top_k: int, seed: int | None,
             n_probs: int) -> tuple[list[int], list[dict | None], dict]:
-        ids = encode(prompt) if isinstance(prompt, str) else list(prompt)
+        ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         rng = np.random.default_rng(seed if seed is not None else 0)
         out: list[int] = []
         probs: list[dict | None] = []
         drafted = accepted = 0
         for i in range(max(n, 1)):
-            d = dist(ids + out, self.model)
+            d = dist(ids + out, self.model, self.gap)
             t = sample(d, temperature, top_k, rng)
+            if self.flip_at == i and n > i:
+                t = sorted(d.items(), key=lambda kv: (-kv[1], kv[0]))[1][0]
             from_draft = self.spec and i % 2 == 1
             if from_draft:
                 drafted += 1
@@ -166,8 +180,8 @@ class FakeServer:
             if srv.tokenize == "empty":
                 return {"tokens": []}
             if llama:
-                return {"tokens": encode(body["content"]) if "content" in body else []}
-            return {"tokens": encode(body.get("prompt") or ""), "count": 0}
+                return {"tokens": srv.encode(body["content"]) if "content" in body else []}
+            return {"tokens": srv.encode(body.get("prompt") or ""), "count": 0}
 
         def samplers(body: dict) -> tuple[float, int]:
             t = float(body.get("temperature", 0.8 if llama else 1.0))
@@ -186,7 +200,7 @@ class FakeServer:
             t, k = samplers(body)
             n_probs = int(body.get("n_probs", 0))
             out, probs, timings = srv.run(prompt, int(body.get("n_predict", 16)), t, k, body.get("seed"), n_probs)
-            n_prompt = len(prompt) if isinstance(prompt, list) else len(encode(prompt))
+            n_prompt = len(prompt) if isinstance(prompt, list) else len(srv.encode(prompt))
             final = {"content": "", "tokens": [], "stop": True, "stop_type": "limit", "tokens_predicted": len(out),
                      "tokens_evaluated": n_prompt, "timings": timings}
             if not body.get("stream"):
@@ -220,7 +234,7 @@ class FakeServer:
             t, k = samplers(body)
             n_probs = int(body.get("logprobs") or 0)
             n = int(body.get("max_tokens", 16))
-            p_ids = prompt if isinstance(prompt, list) else encode(prompt)
+            p_ids = prompt if isinstance(prompt, list) else srv.encode(prompt)
             out, probs, timings = srv.run(prompt, n, t, k, body.get("seed"), n_probs)
             usage = {"prompt_tokens": len(p_ids), "completion_tokens": len(out), "total_tokens": len(p_ids) + len(out)}
             want_ids = body.get("return_token_ids") and srv.ids and not llama
@@ -237,7 +251,7 @@ class FakeServer:
                         "top_logprobs": [{name(a["id"]): a["logprob"] for a in p["top_logprobs"]} for p in ps]}
 
             if body.get("echo"):  # vLLM: prompt logprobs first (position 0 None), then the generated tokens
-                pd = [None] + [dist(p_ids[:i]) for i in range(1, len(p_ids))]
+                pd = [None] + [dist(p_ids[:i], srv.model, srv.gap) for i in range(1, len(p_ids))]
                 ptoks = [f"token_id:{a}" if as_ids else piece(a) for a in p_ids]
                 lp = lp_of(out, probs) or {"tokens": [], "token_logprobs": [], "top_logprobs": []}
                 tops = [None] + [{(f"token_id:{a}" if as_ids else piece(a)): v for a, v in

@@ -427,6 +427,8 @@ def _probe_local_agreement(client: httpx.Client, api: str, model: str | None, id
     assert caps.tokenizer is not None
     caps.tokenizer["endpoint_prompt_tokens"] = n
     caps.tokenizer["local_prompt_tokens"] = len(ids)
+    if n is not None and n == len(ids):
+        caps.tokenizer["agrees_with_endpoint"] = True
     if n is not None and n != len(ids):
         caps.tokenizer["agrees_with_endpoint"] = False
         caps.tokenize = None
