@@ -247,7 +247,8 @@ def probe_endpoint(client: httpx.Client, root: str, api: str, model: str | None,
                 caps.server["build"] = props.get("build_info")
                 caps.server["version"] = props.get("build_info")
                 dgs = props.get("default_generation_settings") or {}
-                dp = dgs.get("params") if isinstance(dgs.get("params"), dict) else dgs
+                params = dgs.get("params")
+                dp = params if isinstance(params, dict) else dgs
                 sd = {k: dp.get(k) for k in ("top_k", "top_p", "min_p", "temperature") if k in dp}
                 caps.sampler_defaults = sd or None
     except httpx.HTTPError as e:
@@ -374,14 +375,14 @@ def _probe_completions(client: httpx.Client, api: str, model: str | None, prompt
         return
     if isinstance(prompt, list) and caps.token_id_prompts is None:
         caps.token_id_prompts = True
-    content = [e for e in events if any((c.get("text") or c.get("token_ids")) for c in e.get("choices") or [])]
+    content = [ev for ev in events if any((c.get("text") or c.get("token_ids")) for c in ev.get("choices") or [])]
     if caps.output_ids is None:
-        if content and all(c.get("token_ids") is not None for e in content for c in e.get("choices") or []):
+        if content and all(c.get("token_ids") is not None for ev in content for c in ev.get("choices") or []):
             caps.output_ids = "token_ids"
     shapes = set()
     depth = 0
-    for e in content:
-        for c in e.get("choices") or []:
+    for ev in content:
+        for c in ev.get("choices") or []:
             lp = c.get("logprobs")
             if isinstance(lp, dict) and isinstance(lp.get("content"), list):
                 shapes.add("chat")
