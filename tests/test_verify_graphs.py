@@ -316,16 +316,19 @@ def test_gpu_plan_refuses_a_pool_too_small_for_one_request(tiny_target, monkeypa
 
 def test_greedy_picks_use_one_batched_host_transfer(tiny_target, tiny_draft, prompts, params, baseline, monkeypatch):
     """Greedy decode, verify and prefill completion read the step's batched argmax: the per-request
-    `select` (one device sync each) is never called for a greedy request."""
-    import specbench.engine.engine as engine_mod
+    `select` (one device sync each) is never called for a greedy request (the accept phase has none to
+    fall back to)."""
+    import specbench.engine.accept_step as accept_mod
+    import specbench.engine.sampler as sampler_mod
 
-    real = engine_mod.select
+    assert not hasattr(accept_mod, "select")
+    real = sampler_mod.select
 
     def guarded(logits, p, gen):
         assert not p.greedy, "a greedy pick took the per-request path"
         return real(logits, p, gen)
 
-    monkeypatch.setattr(engine_mod, "select", guarded)
+    monkeypatch.setattr(sampler_mod, "select", guarded)
     for llm in (LLM(tiny_target, num_pages=256), spec_llm(tiny_target, tiny_draft)):
         assert [o.output_ids for o in llm.generate(prompts[:4], params[:4])] == baseline[:4]
 
