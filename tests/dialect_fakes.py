@@ -300,14 +300,34 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def proxy_app(upstream: str, blocked: tuple[str, ...] = ()) -> FastAPI:
+    """A pass-through to a real server with some routes removed (404): a capability taken away."""
+    import httpx
+
+    app = FastAPI()
+
+    @app.api_route("/{path:path}", methods=["GET", "POST"])
+    async def forward(path: str, request: Request):
+        if "/" + path in blocked:
+            return JSONResponse({"error": {"code": 404, "message": "File Not Found"}}, status_code=404)
+        body = await request.body()
+        async with httpx.AsyncClient(timeout=600) as c:
+            r = await c.request(request.method, f"{upstream}/{path}", content=body,
+                                headers={"content-type": request.headers.get("content-type", "application/json")})
+        return StreamingResponse(iter([r.content]), status_code=r.status_code,
+                                 media_type=r.headers.get("content-type"))
+
+    return app
+
+
 @contextlib.contextmanager
-def serving(fake: FakeServer) -> Iterator[str]:
-    """Run the fake under uvicorn in a thread; yields its base URL (http://127.0.0.1:PORT)."""
+def serving(fake: FakeServer | FastAPI) -> Iterator[str]:
+    """Run the fake (or any ASGI app) under uvicorn in a thread; yields its base URL (http://127.0.0.1:PORT)."""
     import uvicorn
 
     port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(fake.app(), host="127.0.0.1", port=port, log_level="error",
-                                           lifespan="off"))
+    app = fake.app() if isinstance(fake, FakeServer) else fake
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", lifespan="off"))
     th = threading.Thread(target=server.run, daemon=True)
     th.start()
     t_end = time.monotonic() + 10

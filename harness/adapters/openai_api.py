@@ -290,10 +290,9 @@ class OpenAIAdapter(EngineAdapter):
                                 "logprobs": top_k, "temperature": 0.0}
         if self.extras:
             body["return_tokens_as_token_ids"] = True
-        cli = self._client()
-        r = await cli.post(self.api + "/completions", json=body)
+        r = await self._request("POST", self.api + "/completions", json=body)
         if r.status_code == 400 and "max_tokens" in r.text:
-            r = await cli.post(self.api + "/completions", json={**body, "max_tokens": 1})
+            r = await self._request("POST", self.api + "/completions", json={**body, "max_tokens": 1})
         if r.status_code != 200:
             return None
         lp = r.json()["choices"][0].get("logprobs")
@@ -327,9 +326,18 @@ class OpenAIAdapter(EngineAdapter):
             out.append(PosLogprobs(token_id=t, logprob=top.get(t), top=top))
         return ScoreResult(out)
 
+    async def _request(self, method: str, url: str, **kw: Any) -> httpx.Response:
+        """One request, retried once on a transport error before any answer: a server may close an idle
+        keep-alive connection (llama.cpp's after 5 s), and the pooled connection then fails on reuse."""
+        try:
+            return await self._client().request(method, url, **kw)
+        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError, httpx.ConnectError):
+            await asyncio.sleep(self.backoff / 10)
+            return await self._client().request(method, url, **kw)
+
     async def spec_counters(self) -> dict | None:
         try:
-            r = await self._client().get(self.root + "/metrics")
+            r = await self._request("GET", self.root + "/metrics")
         except httpx.HTTPError:
             return None
         if r.status_code != 200:
@@ -362,7 +370,7 @@ class OpenAIAdapter(EngineAdapter):
         body = {"model": await self._model(), "prompt": text, "add_special_tokens": False} if name == "prompt" \
             else {"content": text, "add_special": False}
         try:
-            r = await self._client().post(self.root + "/tokenize", json=body)
+            r = await self._request("POST", self.root + "/tokenize", json=body)
             toks = r.json().get("tokens") if r.status_code == 200 else None
         except (httpx.HTTPError, ValueError, AttributeError):
             return None

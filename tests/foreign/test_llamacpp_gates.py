@@ -1,0 +1,165 @@
+"""Every gate against llama.cpp's llama-server (issue #27): the verdicts, not just the plumbing.
+
+Through the real commands (`specbench lossless / sampled / sweep`), with the session's servers from
+tests/foreign/conftest.py:
+- the greedy regret gate and the concurrent gate pass for draft-model, n-gram and DFlash speculation
+  against speculation off, and speculation is observed through the `llamacpp:` counters;
+- a deliberately broken pairing (the perturbed model as "spec off") fails the regret gate;
+- a capability removed (no output ids: the adapter told not to probe, so it takes /v1/completions,
+  which ignores return_token_ids; no /tokenize: a pass-through proxy that 404s it) gives CANNOT TEST and
+  exit 3, never PASS; the same for the sampled gate with nothing readable;
+- the sampled gate at T > 0 passes for the draft-model pairing;
+- a short sweep c1,4 with --audit writes its report; the audit cross-checks the per-request
+  `timings.draft_n` / `draft_n_accepted` against the `llamacpp:spec_decode_*` counter deltas.
+Dialect findings are kept as regression checks: the capability record the probe writes, and that under
+speculation the tokens of a verify step come back without logprobs (flagged as missing by the adapter).
+Sizes are small (4 prompts x 32 tokens; 1 prompt x 4 positions x 128 samples): the file runs in well under
+a minute once the servers are up.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from dialect_fakes import proxy_app, serving
+from typer.testing import CliRunner
+
+from specbench.harness.adapters.base import GenRequest
+from specbench.harness.adapters.dialect import missing_positions
+from specbench.harness.adapters.openai_api import OpenAIAdapter
+from specbench.harness.verdicts import CANNOT_TEST, EXIT_CANNOT_TEST
+
+LOSSLESS = ("--num-prompts", 4, "--max-tokens", 32, "--concurrent", "--no-record", "--json")
+
+
+@pytest.fixture(scope="module")
+def cli():
+    from specbench.cli.app import _register, app
+
+    _register()
+    runner = CliRunner()
+
+    def run(*args):
+        r = runner.invoke(app, [str(a) for a in args])
+        lines = r.stdout.strip().splitlines()
+        try:
+            doc = json.loads(lines[-1]) if lines else None
+        except ValueError:
+            doc = None
+        return r, doc
+
+    return run
+
+
+def _oa(server, **opts) -> str:
+    return f"openai:{server.base_url}" + "".join(f",{k}={v}" for k, v in opts.items())
+
+
+@pytest.mark.parametrize("kind", ["draft", "ngram", "dflash"])
+def test_lossless_pairs_pass(kind, request, cli, llamacpp_off, llamacpp_notes):
+    cand = request.getfixturevalue(f"llamacpp_{kind}")
+    r, doc = cli("lossless", "--baseline", _oa(llamacpp_off), "--candidate", _oa(cand), *LOSSLESS)
+    assert r.exit_code == 0, r.output[-3000:]
+    assert doc["verdict"] == "PASS" and doc["summary"]["gates"] == {"greedy": "PASS", "concurrent": "PASS"}, \
+        (doc["gates"][0]["stats"], doc["engines"]["candidate"].get("capabilities"))
+    g = doc["gates"][0]
+    assert g["stats"]["source"] == "counters" and g["stats"]["speculating"] is True  # llamacpp: counters
+    assert doc["engines"]["candidate"]["capabilities"]["dialect"] == "llamacpp"
+    llamacpp_notes.append(f"lossless {kind}: PASS, mean accepted length {g['stats']['mean_accept_len']:.2f} "
+                          f"({g['stats']['num_drafts']} verify steps)")
+
+
+def test_broken_pairing_fails_the_regret_gate(cli, llamacpp_wrong, llamacpp_draft):
+    r, doc = cli("lossless", "--baseline", _oa(llamacpp_wrong), "--candidate", _oa(llamacpp_draft), *LOSSLESS)
+    assert r.exit_code == 1, r.output[-3000:]
+    assert doc["verdict"] == "FAIL"
+    kinds = {d["judgement"]["kind"] for g in doc["gates"] for p in g["prompts"] for d in p["divergences"]
+             if d.get("judgement") and not d["judgement"]["ok"]}
+    assert kinds and kinds <= {"regret", "outside_topk"}
+
+
+def test_no_output_ids_is_cannot_test(cli, llamacpp_off, llamacpp_draft):
+    # probe=0: the old generic route (/v1/completions), which ignores return_token_ids
+    r, doc = cli("lossless", "--baseline", _oa(llamacpp_off), "--candidate", _oa(llamacpp_draft, probe=0), *LOSSLESS)
+    assert r.exit_code == EXIT_CANNOT_TEST, r.output[-3000:]
+    assert doc["verdict"] == CANNOT_TEST
+    assert any("output token ids" in m for m in doc["summary"]["missing"])
+
+
+def test_no_tokenize_is_cannot_test(cli, llamacpp_off, llamacpp_draft, tiny_target):
+    with serving(proxy_app(llamacpp_off.base_url, blocked=("/tokenize",))) as b, \
+            serving(proxy_app(llamacpp_draft.base_url, blocked=("/tokenize",))) as c:
+        r, doc = cli("lossless", "--baseline", f"openai:{b}", "--candidate", f"openai:{c}", *LOSSLESS)
+        assert r.exit_code == EXIT_CANNOT_TEST, r.output[-3000:]
+        assert doc["verdict"] == CANNOT_TEST and doc["gates"] == [] and "tokenize" in doc["summary"]["missing"][0]
+        # the model's own tokenizer, round-trip checked and compared with the endpoint's prompt token count
+        r, doc = cli("lossless", "--baseline", f"openai:{b}", "--candidate", f"openai:{c}", "--tokenizer",
+                     tiny_target, "--num-prompts", 2, "--max-tokens", 16, "--no-record", "--json")
+        assert r.exit_code == 0, r.output[-3000:]
+        assert doc["engines"]["baseline"]["capabilities"]["tokenizer"]["agrees_with_endpoint"] is True
+
+
+SAMPLED = ("--num-prompts", 1, "--positions", 4, "--samples", 128, "--configs", "t=1.0;t=0.7,k=20",
+           "--permutations", 199, "--concurrency", 4, "--no-record", "--json")
+
+
+def test_sampled_gate_at_t_gt_0(cli, llamacpp_off, llamacpp_draft):
+    r, doc = cli("sampled", "--baseline", _oa(llamacpp_off), "--candidate", _oa(llamacpp_draft), *SAMPLED)
+    assert r.exit_code == 0, r.output[-3000:]
+    assert doc["verdict"] == "PASS" and doc["comparisons"]["spec"]["testable"] > 0
+    assert doc["spec"]["num_accepted_tokens"] > 0 and doc["spec"]["source"] == "metrics"
+
+
+def test_sampled_without_readable_samples_is_cannot_test(cli, llamacpp_off, llamacpp_draft):
+    with serving(proxy_app(llamacpp_draft.base_url, blocked=("/tokenize",))) as c:
+        r, doc = cli("sampled", "--baseline", _oa(llamacpp_off), "--candidate", f"openai:{c},probe=0", *SAMPLED)
+    assert r.exit_code == EXIT_CANNOT_TEST, r.output[-3000:]
+    assert doc["verdict"] == CANNOT_TEST and doc["missing"]
+
+
+def test_sweep_with_report_and_metrics_audit(cli, llamacpp_off, llamacpp_draft, tmp_path: Path, llamacpp_notes):
+    report = tmp_path / "sweep.md"
+    r, _ = cli("sweep", "--arms", f"{_oa(llamacpp_off, name='spec-off')};{_oa(llamacpp_draft, name='draft')}",
+               "--concurrency", "1,4", "--num-prompts", 4, "--max-tokens", 32, "--rounds", 2, "--warmup", 1,
+               "--no-progress", "--out", tmp_path, "--report", report, "--audit")
+    assert r.exit_code == 0, r.output[-3000:]
+    assert "acceptance audit: PASS" in r.output
+    md = report.read_text()
+    assert "### Acceptance / metrics audit: PASS" in md and "### Endpoint capabilities" in md
+    run_dir = next(p for p in tmp_path.iterdir() if p.is_dir() and p.name.startswith("sweep-"))
+    audit = json.loads((run_dir / "audit.jsonl").read_text().splitlines()[-1])
+    draft = next(a for a in audit["arms"] if a["arm"] == "draft")
+    assert draft["verdict"] == "PASS" and draft["cross_checked"] > 0 and draft["drafts"] > 0
+    assert any(s.startswith("per-request (timings)") for s in draft["sources"])
+    llamacpp_notes.append(f"sweep audit (draft): {draft['drafts']} verify steps, {draft['draft_tokens']} draft "
+                          f"tokens, {draft['accepted']} accepted; per-request sums = llamacpp: counters on "
+                          f"{draft['cross_checked']} cells")
+
+
+def test_dialect_record_regression(llamacpp_off, llamacpp_draft):
+    """What the probe finds in this llama.cpp (commit 0c1e570); a change here is a dialect change."""
+    caps = OpenAIAdapter(llamacpp_draft.base_url, probe=True).probe().to_dict()
+    assert caps["dialect"] == "llamacpp" and "0c1e570" in caps["server"]["build"]
+    assert caps["tokenize"] == "content" and caps["generate_route"] == "/completion"
+    assert caps["output_ids"] == "tokens" and caps["logprobs"] == "native" and caps["top_logprobs"] == 20
+    assert caps["prompt_logprobs"] is False and caps["scoring"] == "generation"  # echo is ignored
+    assert caps["usage"] == "final" and caps["metrics_prefix"] == "llamacpp:"
+    assert caps["per_request_spec"] == "timings" and caps["prompt_cache"] == "cache_prompt"
+    assert caps["sampler_defaults"]["top_k"] == 40 and caps["sampler_defaults"]["min_p"] == pytest.approx(0.05)
+
+
+def test_finding_verify_step_tokens_carry_no_logprobs(llamacpp_off, llamacpp_draft):
+    """Under speculation every token that comes out of a verify step (accepted drafts and the target's own
+    token after them) has no logprobs, streamed or not; the adapter flags those positions as missing."""
+    prompt = "Question: Tom has 3 apples and buys 2 more. How many apples does he have?\nAnswer:"
+    for stream in (True, False):
+        off = OpenAIAdapter(llamacpp_off.base_url, probe=True, stream=stream)
+        on = OpenAIAdapter(llamacpp_draft.base_url, probe=True, stream=stream)
+        req = GenRequest(prompt=off.tokenize_sync(prompt), max_tokens=24, logprobs=5, prompt_cache=False)
+        a, b = off.generate_sync([req])[0], on.generate_sync([req])[0]
+        assert a.ok and b.ok and a.output_ids == b.output_ids
+        assert missing_positions(a.logprobs) == []
+        assert missing_positions(b.logprobs) and 0 not in missing_positions(b.logprobs)
+        assert b.spec["num_draft_tokens"] > 0
