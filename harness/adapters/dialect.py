@@ -12,11 +12,13 @@ Contract:
   recorded as it is.
 - llama.cpp facts used here (vendored source, tools/server): `/tokenize` takes `{"content"}` (a
   `{"prompt"}` body answers HTTP 200 `{"tokens": []}`); `/v1/completions` ignores `return_token_ids` and
-  refuses `echo`; the native `/completion` takes token-id prompts, streams one token per event with
-  `tokens: [id]`, returns `tokens` with `return_tokens: true` when not streaming, logprobs as
-  `completion_probabilities: [{id, token, logprob, top_logprobs: [{id, token, logprob}]}]` for
-  `n_probs > 0`; tokens accepted from a draft carry no logprobs (`0.0` with an empty list, or no entry at
-  all when streaming); `timings.draft_n` / `draft_n_accepted` per request (only when it drafted);
+  `echo` (one logprob position for a whole prompt); the native `/completion` takes token-id prompts,
+  streams one token per event with `tokens: [id]`, returns `tokens` with `return_tokens: true` when not
+  streaming, logprobs as `completion_probabilities: [{id, token, logprob, top_logprobs: [{id, token,
+  logprob}]}]` for `n_probs > 0`; under speculation every token a verify step emits (the accepted drafts
+  and the target's own token after them) carries no logprobs (`0.0` with an empty list, or no entry at
+  all when streaming): only tokens sampled outside a verify step, position 0 at least, have them;
+  `timings.draft_n` / `draft_n_accepted` per request (only when it drafted);
   usage only on the final stream event; `cache_prompt` defaults to on; sampler defaults top_k 40,
   min_p 0.05, top_p 0.95 unless sent; counters under `llamacpp:spec_decode_*`; `/version` is 404.
 - `missing_positions(logprobs)` lists output positions whose logprobs are missing or fake (None logprob
@@ -309,8 +311,9 @@ def probe_endpoint(client: httpx.Client, root: str, api: str, model: str | None,
     _probe_echo(client, api, model, ids, caps, extras)
     if llama:
         caps.speculated_logprobs = "missing"
-        caps.notes.append("tokens accepted from a draft carry no logprobs (0.0 with an empty top list, none when "
-                          "streaming): such positions are flagged, never used as a distribution")
+        caps.notes.append("tokens emitted by a verify step (accepted drafts and the token after them) carry no "
+                          "logprobs (0.0 with an empty top list, none when streaming): such positions are flagged, "
+                          "never used as a distribution")
         if caps.scoring is None and caps.token_id_prompts and caps.logprobs:
             caps.scoring = "generation"
     elif caps.prompt_logprobs:
