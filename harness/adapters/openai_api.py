@@ -96,6 +96,7 @@ class OpenAIAdapter(EngineAdapter):
             else LocalTokenizer(tokenizer)
         self.caps: Capabilities | None = None
         self._probe_lock = threading.Lock()
+        self.counter_errors: list[str] = []  # failed /metrics scrapes (kept for the records)
 
     # ---- plumbing --------------------------------------------------------------------------------
     def _client(self) -> httpx.AsyncClient:
@@ -336,13 +337,25 @@ class OpenAIAdapter(EngineAdapter):
             return await self._client().request(method, url, **kw)
 
     async def spec_counters(self) -> dict | None:
-        try:
-            r = await self._request("GET", self.root + "/metrics")
-        except httpx.HTTPError:
-            return None
-        if r.status_code != 200:
-            return None
-        return spec_counters_from_metrics(r.text, self.model)
+        """The /metrics snapshot; a failed scrape is retried (a lost snapshot would silently turn a gate's
+        speculation evidence into "unverified") and the reasons are kept in `counter_errors`."""
+        for attempt in range(3):
+            try:
+                r = await self._request("GET", self.root + "/metrics")
+            except httpx.HTTPError as e:
+                self.counter_errors.append(f"/metrics: {type(e).__name__}: {e}")
+                if isinstance(e, httpx.ConnectError):  # nothing listens: no counters, at once
+                    return None
+                await asyncio.sleep(self.backoff * (attempt + 1) / 5)
+                continue
+            if r.status_code == 404:
+                return None
+            if r.status_code != 200:
+                self.counter_errors.append(f"/metrics: HTTP {r.status_code}")
+                await asyncio.sleep(self.backoff * (attempt + 1) / 5)
+                continue
+            return spec_counters_from_metrics(r.text, self.model)
+        return None
 
     async def tokenize(self, text: str) -> list[int] | None:
         """Token ids of `text` by the endpoint's /tokenize (the body that answers with tokens), else the local
@@ -403,6 +416,8 @@ class OpenAIAdapter(EngineAdapter):
         if caps is not None:
             d["dialect"] = caps.dialect
             d["capabilities"] = caps.to_dict()
+        if self.counter_errors:
+            d["counter_errors"] = self.counter_errors[-5:]
         return d
 
     async def aclose(self) -> None:
