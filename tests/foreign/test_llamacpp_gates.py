@@ -114,7 +114,9 @@ def test_sampled_gate_at_t_gt_0(cli, llamacpp_off, llamacpp_draft):
 
 def test_sampled_without_readable_samples_is_cannot_test(cli, llamacpp_off, llamacpp_draft):
     with serving(proxy_app(llamacpp_draft.base_url, blocked=("/tokenize",))) as c:
-        r, doc = cli("sampled", "--baseline", _oa(llamacpp_off), "--candidate", f"openai:{c},probe=0", *SAMPLED)
+        r, doc = cli("sampled", "--baseline", _oa(llamacpp_off), "--candidate", f"openai:{c},probe=0",
+                     "--num-prompts", 1, "--positions", 4, "--samples", 16, "--configs", "t=1.0", "--permutations", 19,
+                     "--no-record", "--json")
     assert r.exit_code == EXIT_CANNOT_TEST, r.output[-3000:]
     assert doc["verdict"] == CANNOT_TEST and doc["missing"]
 
