@@ -60,7 +60,8 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2 || 
 if [ -f .cache/fi_so.tgz ]; then  # compiled FlashInfer modules from an earlier call: FlashInfer loads AOT ones as-is
   mkdir -p /tmp/fi-so && tar xzf .cache/fi_so.tgz -C /tmp/fi-so
   for so in $(find /tmp/fi-so -name '*.so'); do
-    n=$(basename "$so" .so); mkdir -p "/tmp/site/flashinfer/data/aot/$n"; cp "$so" "/tmp/site/flashinfer/data/aot/$n/$n.so"
+    d=/tmp/site; [ -d /tmp/site/flashinfer ] || d=${SB_SITE:-/tmp/site-sb}  # the vLLM stage's site-sb
+    n=$(basename "$so" .so); mkdir -p "$d/flashinfer/data/aot/$n"; cp "$so" "$d/flashinfer/data/aot/$n/$n.so"
   done
   log "restored $(find /tmp/fi-so -name '*.so' | wc -l) FlashInfer modules"
 fi

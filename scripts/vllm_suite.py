@@ -573,6 +573,11 @@ def speed(out: Path, logs: Path, record: list) -> None:
         log(f"sweep summary failed: {e!r}")
 
 
+def median(xs: list) -> float | None:
+    xs = sorted(xs)
+    return None if not xs else (xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2)
+
+
 def summarize_sweep(sweep_dir: Path, out: Path) -> dict:
     from specbench.suites.report import load_run_summary
 
@@ -586,13 +591,13 @@ def summarize_sweep(sweep_dir: Path, out: Path) -> dict:
             if c is None:
                 continue
             vals = [v for v in c.tok_s.values() if v is not None]
-            row[arm] = {"tok_s_rounds": c.tok_s, "tok_s_median": sorted(vals)[len(vals) // 2] if vals else None,
+            row[arm] = {"tok_s_rounds": c.tok_s, "tok_s_median": median(vals),
                         "stats": c.stats, "acceptance": c.acceptance, "speedup_vs_baseline": s.speedups.get((arm, lv))}
         for a, b in (("sb-4b-off", "vllm-4b-off"), ("sb-4b-ngram", "vllm-4b-ngram")):
             if a in row and b in row:
                 ra, rb = row[a]["tok_s_rounds"], row[b]["tok_s_rounds"]
                 per = [ra[k] / rb[k] for k in ra if k in rb and ra[k] and rb[k]]
-                row[f"{a}/{b}"] = {"per_round": per, "median": sorted(per)[len(per) // 2] if per else None,
+                row[f"{a}/{b}"] = {"per_round": per, "median": median(per),
                                    "min": min(per) if per else None, "max": max(per) if per else None}
         rows.append(row)
     doc = {"run_id": s.run_id, "complete": s.complete, "baseline": s.baseline, "noise_arm": s.noise_arm,
