@@ -54,3 +54,19 @@ def test_selftest_bad_input():
     assert res.exit_code == 2 and "nope" in res.output
     res = runner.invoke(cli.app, ["selftest", "--candidate", "openai:http://127.0.0.1:9"])
     assert res.exit_code == 2 and "local" in res.output
+
+
+def test_cannot_test_is_never_a_catch_nor_a_clean_pass() -> None:
+    """A gate that could not collect evidence proves nothing: it neither catches a fault nor clears a clean run."""
+    from specbench.suites.lossless.selftest import EngineRow, SelftestOutcome
+
+    untested = EngineRow("kv_offset", ("kv_offset",), "d", verdicts={"greedy": "CANNOT TEST (output ids)"})
+    failed = EngineRow("mask_leak", ("mask_leak",), "d", verdicts={"greedy": "FAIL", "headroom": "n/a"})
+    crashed = EngineRow("stale_shape", ("stale_shape",), "d", verdicts={"concurrent": "ERROR"})
+    assert untested.caught_by == [] and failed.caught_by == ["greedy"] and crashed.caught_by == ["concurrent"]
+    clean_ok = EngineRow("clean", (), "d", verdicts={"greedy": "PASS", "fp32-strict": "n/a"})
+    clean_untested = EngineRow("clean 2", (), "d", verdicts={"greedy": "PASS", "headroom": "CANNOT TEST (geometry)"})
+    out = SelftestOutcome({}, [untested, failed, crashed], [clean_ok], 1, 1, 0.2, None)
+    assert out.missed == ["kv_offset"] and not out.false_alarms and not out.ok
+    out = SelftestOutcome({}, [failed], [clean_ok, clean_untested], 1, 1, 0.2, None)
+    assert out.false_alarms == ["clean 2: headroom"] and not out.ok

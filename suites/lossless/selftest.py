@@ -9,7 +9,7 @@ Contract:
   leaves the tokens lossless, because verify corrects them, and only acceptance shows it), and
   fp32-strict (fp32 candidates only: any divergence of the greedy or concurrent gate costing more than
   0.01 nat; in fp32 on one machine spec on/off differ only by accumulation order). A gate "catches" a
-  fault when its verdict is neither PASS nor n/a. Every fault must be caught by at least one gate.
+  fault when it fails (exit 1: FAIL, ERROR, NOT SPECULATING); CANNOT TEST is not a catch. Every fault must be caught by at least one gate.
 - The given candidate is clean run 1 (closed afterwards, as is every engine armed from it); the clean
   engine runs the same gates `repeat` times in all, each on a fresh engine; every verdict must be
   PASS (a NOT SPECULATING verdict on the clean engine is a failure too: the bundled drafter speculates).
@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from specbench.harness.adapters.base import EngineAdapter, GenRequest, GenResult, ScoreResult
+from specbench.harness.verdicts import EXIT_FAIL, PASS, exit_code
 
 from ..sampled.selftest import FAULT_CASES
 from .checks import AcceptanceEvidence, check_acceptance
@@ -98,7 +99,13 @@ class EngineRow:
     wall_s: float = 0.0
 
     def caught(self, gate: str) -> bool:
-        return self.verdicts.get(gate, "PASS") not in ("PASS", "n/a")
+        """The gate failed (FAIL, ERROR, NOT SPECULATING, ...: exit 1). CANNOT TEST is no catch: a gate that
+        could not collect evidence proved nothing about the fault."""
+        v = self.verdicts.get(gate, PASS)
+        return v != "n/a" and exit_code(v) == EXIT_FAIL
+
+    def not_pass(self, gate: str) -> bool:
+        return self.verdicts.get(gate, PASS) not in (PASS, "n/a")
 
     def why(self, gate: str) -> str:
         return self.reasons.get(gate, "")
@@ -126,7 +133,13 @@ class SelftestOutcome:
 
     @property
     def false_alarms(self) -> list[str]:
-        return [f"{r.label}: {', '.join(r.caught_by)}" for r in self.clean if r.caught_by]
+        # On a clean engine every gate must PASS: a CANNOT TEST there is an alarm too (that gate went untested).
+        out = []
+        for r in self.clean:
+            bad = [g for g in self.gate_names if r.not_pass(g)]
+            if bad:
+                out.append(f"{r.label}: {', '.join(bad)}")
+        return out
 
     @property
     def ok(self) -> bool:
