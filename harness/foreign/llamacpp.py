@@ -143,6 +143,8 @@ def fetch_sdist(root: Path | None = None) -> Path:
     path = dest / PIN["sdist"]
     local = os.environ.get("SPECBENCH_LLAMACPP_SDIST")
     if not path.is_file() and local:
+        if not Path(local).is_file():
+            raise Unavailable(f"SPECBENCH_LLAMACPP_SDIST={local}: no such file")
         shutil.copyfile(local, path.with_suffix(".part"))
         os.replace(path.with_suffix(".part"), path)
     if not path.is_file():

@@ -15,11 +15,16 @@ Dialect findings are kept as regression checks: the capability record the probe 
 speculation the tokens of a verify step come back without logprobs (flagged as missing by the adapter).
 Sizes are small (4 prompts x 32 tokens; 1 prompt x 4 positions x 128 samples): the file runs in well under
 a minute once the servers are up.
+
+Every command is a recorded scenario (`cli(name, *args, expect=...)`): its results run goes to
+<llamacpp_results>/<name>/ and a `scenario` record (argv with server labels, exit code, the expected one)
+to foreign.jsonl, the records reports/foreign/llamacpp.md is rendered from (scripts/foreign-report.sh).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -29,25 +34,39 @@ from typer.testing import CliRunner
 from specbench.harness.adapters.base import GenRequest
 from specbench.harness.adapters.dialect import missing_positions
 from specbench.harness.adapters.openai_api import OpenAIAdapter
-from specbench.harness.verdicts import CANNOT_TEST, EXIT_CANNOT_TEST
+from specbench.harness.verdicts import CANNOT_TEST, EXIT_CANNOT_TEST, EXIT_FAIL, EXIT_OK
 
-LOSSLESS = ("--num-prompts", 4, "--max-tokens", 32, "--concurrent", "--no-record", "--json")
+LOSSLESS = ("--num-prompts", 4, "--max-tokens", 32, "--concurrent", "--json")
+REPO = Path(__file__).resolve().parents[2]
+URL = re.compile(r"http://127\.0\.0\.1:\d+")
 
 
 @pytest.fixture(scope="module")
-def cli():
+def cli(llamacpp_results, llamacpp_record, llamacpp_label):
     from specbench.cli.app import _register, app
 
     _register()
     runner = CliRunner()
 
-    def run(*args):
-        r = runner.invoke(app, [str(a) for a in args])
+    def shown(arg: str) -> str:  # the argv as the report shows it: server labels, no machine paths
+        arg = URL.sub(lambda m: f"<{llamacpp_label(m.group(0))}>", arg)
+        return arg.replace(str(llamacpp_results), "$RESULTS").replace(f"{REPO}/", "")
+
+    def run(scenario: str, *args, expect: int, about: str = ""):
+        """Run one specbench command; its results run goes to <results>/<scenario>/, a record to foreign.jsonl."""
+        argv = [str(a) for a in args]
+        argv += ["--out" if argv[0] == "sweep" else "--results", str(llamacpp_results / scenario)]
+        r = runner.invoke(app, argv)
         lines = r.stdout.strip().splitlines()
         try:
             doc = json.loads(lines[-1]) if lines else None
         except ValueError:
             doc = None
+        llamacpp_record("scenario", name=scenario, about=about, argv=["specbench", *map(shown, argv)],
+                        exit_code=r.exit_code, expect_exit=expect, results=scenario,
+                        verdict=doc.get("verdict") if isinstance(doc, dict) else None,
+                        exception=repr(r.exception) if r.exception and not isinstance(r.exception, SystemExit)
+                        else None)
         return r, doc
 
     return run
@@ -60,8 +79,9 @@ def _oa(server, **opts) -> str:
 @pytest.mark.parametrize("kind", ["draft", "ngram", "dflash"])
 def test_lossless_pairs_pass(kind, request, cli, llamacpp_off, llamacpp_notes):
     cand = request.getfixturevalue(f"llamacpp_{kind}")
-    r, doc = cli("lossless", "--baseline", _oa(llamacpp_off), "--candidate", _oa(cand), *LOSSLESS)
-    assert r.exit_code == 0, r.output[-3000:]
+    r, doc = cli(f"lossless-{kind}", "lossless", "--baseline", _oa(llamacpp_off), "--candidate", _oa(cand), *LOSSLESS,
+                 expect=EXIT_OK, about=f"greedy regret gate + concurrent gate: {kind} speculation vs spec off")
+    assert r.exit_code == EXIT_OK, r.output[-3000:]
     assert doc["verdict"] == "PASS" and doc["summary"]["gates"] == {"greedy": "PASS", "concurrent": "PASS"}, \
         (doc["gates"][0]["stats"], doc["engines"]["candidate"].get("capabilities"))
     g = doc["gates"][0]
@@ -72,8 +92,10 @@ def test_lossless_pairs_pass(kind, request, cli, llamacpp_off, llamacpp_notes):
 
 
 def test_broken_pairing_fails_the_regret_gate(cli, llamacpp_wrong, llamacpp_draft):
-    r, doc = cli("lossless", "--baseline", _oa(llamacpp_wrong), "--candidate", _oa(llamacpp_draft), *LOSSLESS)
-    assert r.exit_code == 1, r.output[-3000:]
+    r, doc = cli("broken-pairing", "lossless", "--baseline", _oa(llamacpp_wrong), "--candidate", _oa(llamacpp_draft),
+                 *LOSSLESS, expect=EXIT_FAIL,
+                 about="two different GGUF models: the perturbed one as \"spec off\", the target + drafter as spec on")
+    assert r.exit_code == EXIT_FAIL, r.output[-3000:]
     assert doc["verdict"] == "FAIL"
     kinds = {d["judgement"]["kind"] for g in doc["gates"] for p in g["prompts"] for d in p["divergences"]
              if d.get("judgement") and not d["judgement"]["ok"]}
@@ -82,55 +104,66 @@ def test_broken_pairing_fails_the_regret_gate(cli, llamacpp_wrong, llamacpp_draf
 
 def test_no_output_ids_is_cannot_test(cli, llamacpp_off, llamacpp_draft):
     # probe=0: the old generic route (/v1/completions), which ignores return_token_ids
-    r, doc = cli("lossless", "--baseline", _oa(llamacpp_off), "--candidate", _oa(llamacpp_draft, probe=0), *LOSSLESS)
+    r, doc = cli("no-output-ids", "lossless", "--baseline", _oa(llamacpp_off), "--candidate",
+                 _oa(llamacpp_draft, probe=0), *LOSSLESS, expect=EXIT_CANNOT_TEST,
+                 about="capability removed: the candidate not probed (/v1/completions, which ignores return_token_ids)")
     assert r.exit_code == EXIT_CANNOT_TEST, r.output[-3000:]
     assert doc["verdict"] == CANNOT_TEST
     assert any("output token ids" in m for m in doc["summary"]["missing"])
 
 
-def test_no_tokenize_is_cannot_test(cli, llamacpp_off, llamacpp_draft, tiny_target):
+def test_no_tokenize_is_cannot_test(cli, llamacpp_off, llamacpp_draft, llamacpp_label, tiny_target):
     with serving(proxy_app(llamacpp_off.base_url, blocked=("/tokenize",))) as b, \
             serving(proxy_app(llamacpp_draft.base_url, blocked=("/tokenize",))) as c:
-        r, doc = cli("lossless", "--baseline", f"openai:{b}", "--candidate", f"openai:{c}", *LOSSLESS)
+        llamacpp_label(b, "off, /tokenize 404")
+        llamacpp_label(c, "draft, /tokenize 404")
+        r, doc = cli("no-tokenize", "lossless", "--baseline", f"openai:{b}", "--candidate", f"openai:{c}", *LOSSLESS,
+                     expect=EXIT_CANNOT_TEST, about="capability removed: both servers behind a proxy that 404s /tokenize")
         assert r.exit_code == EXIT_CANNOT_TEST, r.output[-3000:]
         assert doc["verdict"] == CANNOT_TEST and doc["gates"] == [] and "tokenize" in doc["summary"]["missing"][0]
         # the model's own tokenizer, round-trip checked and compared with the endpoint's prompt token count
-        r, doc = cli("lossless", "--baseline", f"openai:{b}", "--candidate", f"openai:{c}", "--tokenizer",
-                     tiny_target, "--num-prompts", 2, "--max-tokens", 16, "--no-record", "--json")
-        assert r.exit_code == 0, r.output[-3000:]
+        r, doc = cli("no-tokenize+tokenizer", "lossless", "--baseline", f"openai:{b}", "--candidate", f"openai:{c}",
+                     "--tokenizer", tiny_target, "--num-prompts", 2, "--max-tokens", 16, "--json", expect=EXIT_OK,
+                     about="the same, with --tokenizer DIR: the model's tokenizer used locally restores the gate")
+        assert r.exit_code == EXIT_OK, r.output[-3000:]
         assert doc["engines"]["baseline"]["capabilities"]["tokenizer"]["agrees_with_endpoint"] is True
 
 
 SAMPLED = ("--num-prompts", 1, "--positions", 4, "--samples", 128, "--configs", "t=1.0;t=0.7,k=20",
-           "--permutations", 199, "--concurrency", 4, "--no-record", "--json")
+           "--permutations", 199, "--concurrency", 4, "--json")
 
 
 def test_sampled_gate_at_t_gt_0(cli, llamacpp_off, llamacpp_draft):
-    r, doc = cli("sampled", "--baseline", _oa(llamacpp_off), "--candidate", _oa(llamacpp_draft), *SAMPLED)
-    assert r.exit_code == 0, r.output[-3000:]
+    r, doc = cli("sampled", "sampled", "--baseline", _oa(llamacpp_off), "--candidate", _oa(llamacpp_draft), *SAMPLED,
+                 expect=EXIT_OK, about="sampled gate at T > 0 (t=1.0; t=0.7, k=20): draft-model vs spec off")
+    assert r.exit_code == EXIT_OK, r.output[-3000:]
     assert doc["verdict"] == "PASS" and doc["comparisons"]["spec"]["testable"] > 0
     assert doc["spec"]["num_accepted_tokens"] > 0 and doc["spec"]["source"] == "metrics"
 
 
-def test_sampled_without_readable_samples_is_cannot_test(cli, llamacpp_off, llamacpp_draft):
+def test_sampled_without_readable_samples_is_cannot_test(cli, llamacpp_off, llamacpp_draft, llamacpp_label):
     with serving(proxy_app(llamacpp_draft.base_url, blocked=("/tokenize",))) as c:
-        r, doc = cli("sampled", "--baseline", _oa(llamacpp_off), "--candidate", f"openai:{c},probe=0",
-                     "--num-prompts", 1, "--positions", 4, "--samples", 16, "--configs", "t=1.0", "--permutations", 19,
-                     "--no-record", "--json")
+        llamacpp_label(c, "draft, /tokenize 404")
+        r, doc = cli("sampled-unreadable", "sampled", "--baseline", _oa(llamacpp_off), "--candidate",
+                     f"openai:{c},probe=0", "--num-prompts", 1, "--positions", 4, "--samples", 16, "--configs",
+                     "t=1.0", "--permutations", 19, "--json", expect=EXIT_CANNOT_TEST,
+                     about="capability removed: a candidate without ids and without /tokenize (samples unreadable)")
     assert r.exit_code == EXIT_CANNOT_TEST, r.output[-3000:]
     assert doc["verdict"] == CANNOT_TEST and doc["missing"]
 
 
-def test_sweep_with_report_and_metrics_audit(cli, llamacpp_off, llamacpp_draft, tmp_path: Path, llamacpp_notes):
-    report = tmp_path / "sweep.md"
-    r, _ = cli("sweep", "--arms", f"{_oa(llamacpp_off, name='spec-off')};{_oa(llamacpp_draft, name='draft')}",
+def test_sweep_with_report_and_metrics_audit(cli, llamacpp_off, llamacpp_draft, llamacpp_results, llamacpp_notes):
+    out = llamacpp_results / "sweep"
+    report = out / "sweep.md"
+    r, _ = cli("sweep", "sweep", "--arms", f"{_oa(llamacpp_off, name='spec-off')};{_oa(llamacpp_draft, name='draft')}",
                "--concurrency", "1,4", "--num-prompts", 4, "--max-tokens", 32, "--rounds", 2, "--warmup", 1,
-               "--no-progress", "--out", tmp_path, "--report", report, "--audit")
-    assert r.exit_code == 0, r.output[-3000:]
+               "--no-progress", "--report", report, "--audit", expect=EXIT_OK,
+               about="sweep c1,4 spec off vs draft-model, with its report and --audit (the metrics audit as a gate)")
+    assert r.exit_code == EXIT_OK, r.output[-3000:]
     assert "acceptance audit: PASS" in r.output
     md = report.read_text()
     assert "### Acceptance / metrics audit: PASS" in md and "### Endpoint capabilities" in md
-    run_dir = next(p for p in tmp_path.iterdir() if p.is_dir() and p.name.startswith("sweep-"))
+    run_dir = next(p for p in out.iterdir() if p.is_dir() and p.name.startswith("sweep-"))
     audit = json.loads((run_dir / "audit.jsonl").read_text().splitlines()[-1])
     draft = next(a for a in audit["arms"] if a["arm"] == "draft")
     assert draft["verdict"] == "PASS" and draft["cross_checked"] > 0 and draft["drafts"] > 0

@@ -1,13 +1,12 @@
 """llama.cpp's llama-server as built and started by specbench.harness.foreign.llamacpp: the servers come up,
 speak the native dialect we rely on, and greedy speculation (draft model, n-gram, DFlash) gives the same
-token ids as speculation off. The DFlash last-layer-tap abort is kept as a recorded finding, not a failure.
+token ids as speculation off. What llama.cpp itself gets wrong is in test_llamacpp_findings.py.
 """
 
 from __future__ import annotations
 
 import json
 import time
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -142,39 +141,6 @@ def test_stop_and_lifetime(llamacpp_build, llamacpp_models, tmp_path):
     s.stop()
 
 
-def test_finding_dflash_last_layer_tap(llamacpp_build, llamacpp_models, tmp_path, prompts, llamacpp_notes):
-    """FINDING (kept as a regression check, never a failure): a DFlash drafter whose target_layer_ids
-    include the target's last layer makes llama.cpp abort on the first request
-    (`GGML_ASSERT(t_layer_inp[il] != nullptr)`) instead of refusing the checkpoint at load.
-    Records which happens: 'refused at load', 'aborts on first request', 'served'."""
-    outcome, detail = "served", ""
-    try:
-        s = lc.start_server("dflash-lasttap", llamacpp_models, llamacpp_build, threads=1, log_dir=tmp_path,
-                            health_timeout_s=60)
-    except lc.Unavailable as e:
-        outcome, detail = "refused at load", str(e).splitlines()[0]
-    else:
-        try:
-            try:
-                status, body = s.post("/completion", {"prompt": prompts[0], "n_predict": 16, "temperature": 0,
-                                                      "top_k": 1, "cache_prompt": False}, timeout=60)
-            except OSError as e:  # connection reset: the process died mid-request
-                status, body = None, str(e)
-            time.sleep(0.5)
-            if not s.alive():
-                log = s.log_path.read_text(errors="replace")
-                asserts = [ln.strip() for ln in log.splitlines() if "GGML_ASSERT" in ln]
-                outcome = "aborts on first request"
-                detail = f"exit {s.proc.poll()}; {asserts[0] if asserts else 'no GGML_ASSERT line in the log'}"
-            elif status != 200:
-                outcome, detail = "refused the request", f"HTTP {status} {str(body)[:200]}"
-        finally:
-            s.stop()
-    llamacpp_notes.append(f"FINDING llama.cpp DFlash drafter tapping the last target layer: {outcome} ({detail})")
-    if outcome != "aborts on first request":
-        warnings.warn(f"llama.cpp's DFlash last-layer-tap behaviour changed: {outcome} ({detail})", stacklevel=1)
-
-
 def test_port_taken_is_retried(llamacpp_build, llamacpp_models, llamacpp_off, tmp_path):
     """A port lost between free_port() and the bind (here: the off server's) is retried on a fresh one;
     the other server's /health 200 is not mistaken for ours."""
@@ -184,19 +150,3 @@ def test_port_taken_is_retried(llamacpp_build, llamacpp_models, llamacpp_off, tm
         assert s.port != llamacpp_off.port and s.alive()
         assert s.get("/health")[0] == 200
     assert not s.alive()
-
-
-def test_finding_speculated_tokens_lack_logprobs(llamacpp_off, llamacpp_draft, prompts, llamacpp_notes):
-    """FINDING (recorded, not a failure): with `n_probs` under speculation, tokens committed by a
-    speculative step come back with logprob 0.0 and an empty top_logprobs list; spec off has them all."""
-    body = {"prompt": prompts[0], "n_predict": 24, "temperature": 0, "top_k": 1, "cache_prompt": False,
-            "return_tokens": True, "ignore_eos": True, "n_probs": 2}
-    _, off = llamacpp_off.post("/completion", body)
-    _, on = llamacpp_draft.post("/completion", body)
-    assert on["tokens"] == off["tokens"]
-    assert all(len(c["top_logprobs"]) == 2 for c in off["completion_probabilities"])
-    empty = sum(not c["top_logprobs"] for c in on["completion_probabilities"])
-    llamacpp_notes.append(f"FINDING llama.cpp draft-model: {empty}/{len(on['tokens'])} tokens without logprobs "
-                          f"under speculation (draft_n_accepted {on['timings'].get('draft_n_accepted')})")
-    if empty == 0:
-        warnings.warn("llama.cpp now returns logprobs for speculated tokens", stacklevel=1)
