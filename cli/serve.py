@@ -1,7 +1,9 @@
 """`specbench serve`: the reference engine behind an OpenAI-compatible HTTP API (harness/server).
 
 Contract: loads the engine (refusing a bad model/draft/option with exit code 2 and one message naming
-it), then serves until SIGINT/SIGTERM. Speculation: dflash when --draft is given, else off, unless
+it), starts the warm-up (harness/server/warmup.py: every kernel variant and CUDA graph the serving path
+uses; /health answers 503 "starting" until it is done; `--no-warmup` skips it), then serves until
+SIGINT/SIGTERM. Speculation: dflash when --draft is given, else off, unless
 --spec says otherwise. Endpoints and errors: docs/server.md.
 """
 
@@ -25,6 +27,8 @@ def serve(
     max_model_len: int | None = typer.Option(None, "--max-model-len", min=1),
     num_pages: int | None = typer.Option(None, "--num-pages", min=1, help="KV pages (default: sized by the engine)."),
     log_level: str = typer.Option("info", "--log-level"),
+    warmup: bool = typer.Option(True, "--warmup/--no-warmup",
+                                help="Warm up (compile kernels, capture graphs) before /health reports ready."),
 ) -> None:
     """Serve the reference engine with an OpenAI-compatible API (/v1/completions, /v1/chat/completions, ...)."""
     from specbench.engine import ConfigError, EngineConfig, LLMEngine, SpecConfig
@@ -51,6 +55,7 @@ def serve(
     except (ConfigError, ValueError, FileNotFoundError) as e:
         typer.echo(f"specbench serve: {e}", err=True)
         raise typer.Exit(2) from None
-    typer.echo(f"specbench serve: {model} (spec={method}) on http://{host}:{port}/v1", err=True)
+    typer.echo(f"specbench serve: {model} (spec={method}) on http://{host}:{port}/v1"
+               + ("; warming up, /health answers 200 when ready" if warmup else "; no warm-up"), err=True)
     run_server(engine, host=host, port=port, served_name=served_model_name, max_pending=max_pending,
-               log_level=log_level)
+               log_level=log_level, warmup=warmup)

@@ -25,6 +25,11 @@ class EngineMetrics:
     num_waiting: int = 0
     kv_usage: float = 0.0
 
+    def reset(self) -> None:
+        """Every counter and gauge back to zero (the server's warm-up requests are not served traffic)."""
+        for name, f in self.__dataclass_fields__.items():
+            setattr(self, name, f.default_factory() if callable(f.default_factory) else f.default)
+
     def record_verify(self, k: int, m: int) -> None:
         self.num_drafts += 1
         self.num_draft_tokens += k

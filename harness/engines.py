@@ -9,9 +9,10 @@ Forms (options are comma-separated key=value after the target):
         weights, labelled, never lossless; eager / verify_graph / draft_graph / triton: the GPU fast-path
         switches, docs/gpu.md)
   openai:<base_url>[,model=M][,stream=0|1][,extras=0|1][,timeout=S][,retries=N][,api_key=K][,name=X]
-        [,tokenizer=<dir>][,dialect=llamacpp|vllm|sglang|specbench|openai][,probe=0|1]
+        [,tokenizer=<dir>][,dialect=llamacpp|vllm|sglang|specbench|openai][,probe=0|1][,ready_timeout=S]
         (probe: detect the endpoint's dialect and capabilities first, default on; dialect forces one;
-        tokenizer: the model's own tokenizer.json for an endpoint that cannot tokenize)
+        tokenizer: the model's own tokenizer.json for an endpoint that cannot tokenize; ready_timeout: how
+        long to wait while /health answers 503, a server still warming up, default 600, 0 = never)
   hf:<model_dir>[,assistant=<dir>][,lookup=N][,device=...][,dtype=...][,name=X]
 With no engine string at all, `default_engines()` gives the bundled tiny pair: the baseline with
 speculation off and the candidate with speculation on (dflash; ngram while the drafter is absent).
@@ -42,7 +43,8 @@ OPTIONS = {
     "local": ("draft", "spec", "k", "device", "dtype", "num_pages", "faults", "name", "max_model_len", "tau",
               "max_num_seqs", "attention", "eager", "verify_graph", "draft_graph", "triton", "gemv",
               "decode_tensor_cores", "decode_attention", "gpu_memory_utilization"),
-    "openai": ("model", "stream", "extras", "timeout", "retries", "api_key", "name", "tokenizer", "dialect", "probe"),
+    "openai": ("model", "stream", "extras", "timeout", "retries", "api_key", "name", "tokenizer", "dialect", "probe",
+               "ready_timeout"),
     "hf": ("assistant", "lookup", "device", "dtype", "name"),
 }
 SPECS = SPEC_METHODS
@@ -128,7 +130,7 @@ def parse_engine(raw: str) -> EngineSpec:
     if dev is not None and not (dev == "cpu" or dev == "cuda" or (dev.startswith("cuda:") and dev[5:].isdigit())):
         raise _fail(raw, f"device={dev!r} is invalid: expected cpu, cuda or cuda:<index>")
     for key, lo in (("k", 1), ("lookup", 1), ("retries", 0), ("num_pages", 1), ("max_model_len", 1),
-                    ("max_num_seqs", 1)):
+                    ("max_num_seqs", 1), ("ready_timeout", 0)):
         _check_int(raw, opts, key, lo)
     if opts.get("attention") is not None and opts["attention"] not in ATTENTION:
         raise _fail(raw, f"attention={opts['attention']!r} is invalid: expected one of {', '.join(ATTENTION)}")
@@ -288,7 +290,7 @@ def build_adapter(spec: EngineSpec | str, name: str | None = None) -> EngineAdap
                              stream=spec.opt_bool("stream", True), extras=spec.opt_bool("extras", True),
                              timeout=float(o.get("timeout", 600)), retries=int(o.get("retries", 3)),
                              probe=spec.opt_bool("probe", True), dialect=o.get("dialect"),
-                             tokenizer=o.get("tokenizer"))
+                             tokenizer=o.get("tokenizer"), ready_timeout=float(o.get("ready_timeout", 600)))
     from .adapters.hf import HFAdapter
 
     return HFAdapter(spec.target, assistant=o.get("assistant"), lookup=spec.opt_int("lookup"),

@@ -18,6 +18,9 @@ Knobs remove capabilities: `ids=False` (no output ids on any route), `tokenize=F
 (200 `{"tokens": []}` for every body), `model="wrong"` (a different model: the broken pairing). `flip_at=i`
 makes the server emit the runner-up at output position i of every generation longer than i (a flip;
 `gap` is the runner-up's distance from the top token in nat, 3.0 by default: 0.1 makes it a near-tie).
+`prefix_cache=True` (vLLM) reproduces the prefix-cache tie flip of reports/h200-vllm (finding 2): a
+/v1/completions prompt already seen with the same `cache_salt` (none = the shared cache) is a cache hit and
+emits the runner-up at output position 0; a request with a salt of its own is always cold.
 """
 
 from __future__ import annotations
@@ -77,6 +80,8 @@ class FakeServer:
     flip_at: int | None = None
     gap: float = 3.0
     tokenizer_json: str | None = None  # tokenize with this tokenizer.json instead of one id per character
+    prefix_cache: bool = False  # vLLM: a prompt seen before under the same cache_salt flips output position 0
+    cached: set = field(default_factory=set)  # (cache_salt, prompt ids) the fake prefix cache holds
     seen: list[dict] = field(default_factory=list)  # request bodies, by route
     counters: dict = field(default_factory=lambda: {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": [0, 0]})
 
@@ -89,7 +94,7 @@ class FakeServer:
         return encode(text)
 
     def run(self, prompt: list[int] | str, n: int, temperature: float, top_k: int, seed: int | None,
-            n_probs: int) -> tuple[list[int], list[dict | None], dict]:
+            n_probs: int, flip_at: int | None = None) -> tuple[list[int], list[dict | None], dict]:
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         rng = np.random.default_rng(seed if seed is not None else 0)
         out: list[int] = []
@@ -98,7 +103,7 @@ class FakeServer:
         for i in range(max(n, 1)):
             d = dist(ids + out, self.model, self.gap)
             t = sample(d, temperature, top_k, rng)
-            if self.flip_at == i and n > i:
+            if (self.flip_at == i or flip_at == i) and n > i:
                 t = sorted(d.items(), key=lambda kv: (-kv[1], kv[0]))[1][0]
             from_draft = self.spec and i % 2 == 1
             if from_draft:
@@ -235,7 +240,12 @@ class FakeServer:
             n_probs = int(body.get("logprobs") or 0)
             n = int(body.get("max_tokens", 16))
             p_ids = prompt if isinstance(prompt, list) else srv.encode(prompt)
-            out, probs, timings = srv.run(prompt, n, t, k, body.get("seed"), n_probs)
+            hit = None
+            if srv.prefix_cache and not llama:
+                key = (body.get("cache_salt"), tuple(p_ids))
+                hit = 0 if key in srv.cached else None
+                srv.cached.add(key)
+            out, probs, timings = srv.run(prompt, n, t, k, body.get("seed"), n_probs, flip_at=hit)
             usage = {"prompt_tokens": len(p_ids), "completion_tokens": len(out), "total_tokens": len(p_ids) + len(out)}
             want_ids = body.get("return_token_ids") and srv.ids and not llama
             as_ids = body.get("return_tokens_as_token_ids") and srv.ids and not llama

@@ -78,7 +78,40 @@ def test_probe_vllm_dialect(vllm_spec):
     assert (d["dialect"], d["server"]["version"], d["tokenize"]) == ("vllm", "0.0.0-fake", "prompt")
     assert d["generate_route"] == "/v1/completions" and d["output_ids"] == "token_ids"
     assert d["logprobs"] == "legacy" and d["prompt_logprobs"] is True and d["scoring"] == "echo"
-    assert d["usage"] == "per_chunk" and d["metrics_prefix"] == "vllm:" and d["prompt_cache"] is None
+    assert d["usage"] == "per_chunk" and d["metrics_prefix"] == "vllm:" and d["prompt_cache"] == "cache_salt"
+
+
+def test_vllm_prompt_cache_off_sends_a_fresh_cache_salt():
+    """reports/h200-vllm finding 2: vLLM's prefix cache flips near-tied greedy tokens, and `cache_prompt` means
+    nothing to it. A gate's request (prompt_cache=False) carries a salt of its own, so it never hits the cache;
+    a request with prompt_cache None shares the cache (the server's default), as before."""
+    fake = FakeServer("vllm", prefix_cache=True, gap=0.1)
+    with serving(fake) as url:
+        ad = OpenAIAdapter(url, probe=True)
+        ids = [3, 4, 5, 6]
+
+        def gen(**kw):
+            r = ad.generate_sync([GenRequest(prompt=ids, max_tokens=4, temperature=0.0, **kw)])[0]
+            assert r.ok, r.error
+            return r.output_ids, fake.seen[-1]
+
+        (a, body_a), (b, body_b) = gen(prompt_cache=False), gen(prompt_cache=False)
+        assert body_a["cache_salt"] and body_b["cache_salt"] and body_a["cache_salt"] != body_b["cache_salt"]
+        assert a == b  # both cold
+        (fill, body_f), (hit, body_h) = gen(), gen()
+        assert "cache_salt" not in body_f and "cache_salt" not in body_h
+        assert fill == a and hit[0] != fill[0]  # the shared cache's hit flips: what the salt keeps out of a gate
+        assert "cache_prompt" not in body_a  # llama.cpp's field is not sent to vLLM
+    salted = FakeServer("vllm")
+    with serving(salted) as url:  # a salt the caller set (extra_body) wins: the triage's own salts
+        ad = OpenAIAdapter(url, probe=True, extra_body={"cache_salt": "mine"})
+        assert ad.generate_sync([GenRequest(prompt=[1, 2], max_tokens=2, prompt_cache=False)])[0].ok
+        assert salted.seen[-1]["cache_salt"] == "mine"
+    fake_l = FakeServer("llamacpp")
+    with serving(fake_l) as url:
+        ad = OpenAIAdapter(url, probe=True)
+        assert ad.generate_sync([GenRequest(prompt=[1, 2], max_tokens=2, prompt_cache=False)])[0].ok
+        assert fake_l.seen[-1]["cache_prompt"] is False and "cache_salt" not in fake_l.seen[-1]
 
 
 def test_describe_carries_the_capability_record(llama_off):

@@ -65,7 +65,8 @@ class Capabilities:
     metrics_prefix: str | None = None  # "vllm:" | "llamacpp:" | "sglang:" | None
     spec_counters: bool | None = None  # cumulative draft counters on /metrics
     per_request_spec: str | None = None  # "spec_decode" (vLLM-style per request) | "timings" (llama.cpp) | None
-    prompt_cache: str | None = None  # request field that turns the prompt cache off ("cache_prompt")
+    prompt_cache: str | None = None  # request field that keeps a request off the prompt cache ("cache_prompt",
+    # llama.cpp; "cache_salt", vLLM: a fresh salt per request)
     sampler_defaults: dict | None = None  # server-side defaults applied unless a request sends its own
     speculated_logprobs: str | None = None  # "reported" | "missing" (llama.cpp: accepted drafts carry none)
     notes: list[str] = field(default_factory=list)
@@ -271,6 +272,10 @@ def probe_endpoint(client: httpx.Client, root: str, api: str, model: str | None,
             caps.sampler_defaults = {"top_k": 40, "top_p": 0.95, "min_p": 0.05}
         caps.notes.append("every request sends its own top_k / top_p / min_p (the server's defaults would "
                           f"apply otherwise: {caps.sampler_defaults})")
+    elif caps.dialect == "vllm":
+        caps.prompt_cache = "cache_salt"
+        caps.notes.append("prompt_cache=False requests carry a fresh cache_salt each (vLLM >= 0.9): no prefix-cache "
+                          "hit, so a gate's request is computed cold")
 
     # /tokenize: which body answers with tokens for a non-empty text
     ids: list[int] | None = None

@@ -15,6 +15,12 @@ Contract:
 - `exclusive()` hands the engine to the caller for synchronous stepping (a profiler window): the loop
   thread finishes its current step and then steps nothing until the block ends; it is refused while
   requests are in flight, and `submit` is refused while it is held, so no consumer's delta is stolen.
+- `warmup=fn`: the loop thread first runs `fn(engine, stop_event, progress)` (harness/server/warmup.py),
+  which steps the engine itself, may call `progress(**fields)` to publish how far it got, and returns a
+  dict for the record; until it returns, `ready` is False and `submit`
+  raises `NotReady` (the server answers 503 "starting"). A warm-up that raises is recorded (`warmup_info`
+  state "failed", its error) and the loop serves anyway, like after any failed step; `close()` during the
+  warm-up asks it to stop between steps. Without `warmup` the loop is ready at once (state "off").
 """
 
 from __future__ import annotations
@@ -23,8 +29,9 @@ import asyncio
 import contextlib
 import itertools
 import threading
+import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +44,10 @@ class EngineFailure(RuntimeError):
     """The engine raised inside step(); every request in flight at that moment fails with it."""
 
 
+class NotReady(RuntimeError):
+    """The engine is still warming up (compiling kernels, capturing graphs); retry once /health says ready."""
+
+
 @dataclass
 class _Sub:
     loop: asyncio.AbstractEventLoop
@@ -45,7 +56,8 @@ class _Sub:
 
 
 class EngineLoop:
-    def __init__(self, engine: Any, max_pending: int | None = None, idle_wait: float = 0.05) -> None:
+    def __init__(self, engine: Any, max_pending: int | None = None, idle_wait: float = 0.05,
+                 warmup: Callable[[Any, threading.Event, Callable[..., None]], dict] | None = None) -> None:
         self.engine = engine
         self.max_pending = max_pending
         self.idle_wait = idle_wait
@@ -57,6 +69,11 @@ class EngineLoop:
         self._stop = threading.Event()
         self._ids = itertools.count()
         self.last_error: str | None = None
+        self._warmup = warmup
+        self._ready = threading.Event()
+        self.warmup_info: dict = {"state": "off"} if warmup is None else {"state": "pending"}
+        if warmup is None:
+            self._ready.set()
         self._thread = threading.Thread(target=self._run, name="specbench-engine-loop", daemon=True)
         self._thread.start()
 
@@ -64,6 +81,22 @@ class EngineLoop:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stop.is_set()
+
+    @property
+    def ready(self) -> bool:
+        """False while the warm-up runs; True once it has finished (or failed), or when there is none."""
+        return self._ready.is_set()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        return self._ready.wait(timeout)
+
+    def warmup_status(self) -> dict:
+        """A copy of the warm-up record; while it runs, with `elapsed_s` so far."""
+        info = dict(self.warmup_info)
+        if info.get("state") == "running" and "t_start" in info:
+            info["elapsed_s"] = round(time.monotonic() - info["t_start"], 1)
+        info.pop("t_start", None)
+        return info
 
     @property
     def num_pending(self) -> int:
@@ -77,6 +110,10 @@ class EngineLoop:
         """Add a request; returns (rid, queue). Must be called from inside a running event loop."""
         if not self.alive:
             raise EngineFailure("the engine loop is not running")
+        if not self._ready.is_set():
+            w = self.warmup_status()
+            raise NotReady(f"the server is warming up (compiling kernels, capturing CUDA graphs; "
+                           f"{w.get('elapsed_s', 0.0):.0f} s so far): retry once GET /health answers 200")
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = queue if queue is not None else asyncio.Queue()
         rid = rid or self.new_rid()
@@ -136,7 +173,26 @@ class EngineLoop:
         except RuntimeError:  # the consumer's event loop is closed: nobody is listening
             pass
 
+    def _progress(self, **fields: Any) -> None:
+        self.warmup_info = {**self.warmup_info, **fields}
+
+    def _run_warmup(self) -> None:
+        assert self._warmup is not None
+        t0 = time.monotonic()
+        self.warmup_info = {"state": "running", "t_start": t0}
+        try:
+            with self._step_lock:
+                info = self._warmup(self.engine, self._stop, self._progress) or {}
+            self.warmup_info = {"state": "done", **info, "seconds": round(time.monotonic() - t0, 2)}
+        except Exception as e:  # recorded; the loop serves anyway, as after any failed step
+            err = "".join(traceback.format_exception_only(type(e), e)).strip()
+            self.warmup_info = {"state": "failed", "error": err, "seconds": round(time.monotonic() - t0, 2)}
+        finally:
+            self._ready.set()
+
     def _run(self) -> None:
+        if self._warmup is not None:
+            self._run_warmup()
         while not self._stop.is_set():
             failed = False
             with self._step_lock:

@@ -21,16 +21,27 @@ Contract:
   text and token-id prompts (ids from `tokens`, logprobs from `completion_probabilities`, per-request
   draft counts from `timings`), `llamacpp:` counters, explicit top_k / top_p / min_p in every request
   (llama.cpp would apply top_k 40, min_p 0.05), `cache_prompt` from `GenRequest.prompt_cache`, and
-  scoring by one 1-token generation per position where echo is refused. `tokenizer=DIR` tokenizes
-  locally (round-trip checked) where the endpoint cannot. The record is `describe()["capabilities"]`.
+  scoring by one 1-token generation per position where echo is refused. On the vllm dialect
+  `prompt_cache=False` becomes a fresh `cache_salt` per request (vLLM >= 0.9: a salted request shares no
+  prefix-cache block with any other, so it is computed cold). `tokenizer=DIR` tokenizes locally
+  (round-trip checked) where the endpoint cannot. The record is `describe()["capabilities"]`.
+- Ready, not just up (`ready_timeout` s, engine strings: 600): before its first probe or request the
+  adapter polls GET /health for as long as it answers 503 (a server still loading or warming up:
+  `specbench serve` during its warm-up, llama.cpp while loading, SGLang while starting), up to
+  ready_timeout; any other answer (200, or 404 where there is no /health) means go, and a connection
+  error is left to the requests themselves. A server still 503 at the timeout fails every request with
+  that reason. The wait is recorded in `describe()["ready"]` (seconds waited, the last /health status,
+  the server's warm-up record). 0 = never ask.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +51,9 @@ from .base import EngineAdapter, GenRequest, GenResult, PosLogprobs, ScoreResult
 from .dialect import Capabilities, LocalTokenizer, probe_endpoint
 from .openai_stream import StreamAccumulator, chat_positions, legacy_positions
 from .prom import spec_counters_from_metrics
+
+log = logging.getLogger("specbench.adapters")
+READY_POLL_S = 1.0
 
 
 class _Retry(Exception):
@@ -55,6 +69,13 @@ def split_url(base_url: str) -> tuple[str, str]:
     if not url.startswith(("http://", "https://")):
         raise ValueError(f"base_url={base_url!r} is invalid: expected http(s)://host:port[/v1]")
     return url, url + "/v1"
+
+
+def _json_or_none(r: httpx.Response) -> Any:
+    try:
+        return r.json()
+    except ValueError:
+        return None
 
 
 def _error_text(status: int, body: bytes) -> str:
@@ -74,7 +95,8 @@ class OpenAIAdapter(EngineAdapter):
                  connect_timeout: float = 10.0, retries: int = 3, backoff: float = 0.5,
                  max_connections: int = 1024, extra_body: dict | None = None,
                  transport: httpx.AsyncBaseTransport | None = None, probe: bool = False,
-                 dialect: str | None = None, tokenizer: str | Path | LocalTokenizer | None = None) -> None:
+                 dialect: str | None = None, tokenizer: str | Path | LocalTokenizer | None = None,
+                 ready_timeout: float = 0.0) -> None:
         super().__init__(name or "openai")
         self.root, self.api = split_url(base_url)
         self.model = model
@@ -97,6 +119,9 @@ class OpenAIAdapter(EngineAdapter):
         self.caps: Capabilities | None = None
         self._probe_lock = threading.Lock()
         self.counter_errors: list[str] = []  # failed /metrics scrapes (kept for the records)
+        self.ready_timeout = ready_timeout
+        self.ready: dict | None = None  # the ready wait's record, once made
+        self._ready_lock = threading.Lock()
 
     # ---- plumbing --------------------------------------------------------------------------------
     def _client(self) -> httpx.AsyncClient:
@@ -114,11 +139,61 @@ class OpenAIAdapter(EngineAdapter):
             self.model = r.json()["data"][0]["id"]
         return self.model
 
+    # ---- ready -----------------------------------------------------------------------------------
+    def wait_ready(self) -> dict | None:
+        """Poll /health while it answers 503, at most ready_timeout s (thread-safe, synchronous, once);
+        the record, or None when ready_timeout is 0. See the module contract."""
+        if self.ready_timeout <= 0:
+            return None
+        with self._ready_lock:
+            if self.ready is not None:
+                return self.ready
+            if self.transport is not None and not isinstance(self.transport, httpx.BaseTransport):
+                self.ready = {"skipped": "an asynchronous test transport"}
+                return self.ready
+            t0 = time.monotonic()
+            deadline, next_log = t0 + self.ready_timeout, t0 + 10.0
+            rec: dict[str, Any] = {}
+            with httpx.Client(timeout=httpx.Timeout(10.0, connect=self.timeout.connect), headers=self.headers,
+                              transport=self.transport) as c:
+                while True:
+                    try:
+                        r = c.get(self.root + "/health")
+                    except httpx.HTTPError as e:
+                        rec = {"health": None, "error": f"{type(e).__name__}: {e}"}
+                        break
+                    body = _json_or_none(r)
+                    warm = body.get("warmup") if isinstance(body, dict) else None
+                    rec = {"health": r.status_code, **({"warmup": warm} if warm is not None else {})}
+                    now = time.monotonic()
+                    if r.status_code != 503:
+                        break
+                    if now >= deadline:
+                        rec["timed_out"] = True
+                        rec["body"] = r.text[:300]
+                        log.warning("%s: /health still 503 after %.0f s: %s", self.root, now - t0, r.text[:200])
+                        break
+                    if now >= next_log:
+                        log.info("%s: waiting for ready (%.0f s): %s", self.root, now - t0, r.text[:200])
+                        next_log = now + 10.0
+                    time.sleep(min(READY_POLL_S, max(0.0, deadline - now)))
+            rec["waited_s"] = round(time.monotonic() - t0, 2)
+            self.ready = rec
+            return rec
+
+    def _not_ready(self) -> str | None:
+        rec = self.ready
+        if rec and rec.get("timed_out"):
+            return (f"the endpoint was not ready within {self.ready_timeout:.0f} s: GET {self.root}/health still "
+                    f"answers 503 ({rec.get('body', '')[:200]})")
+        return None
+
     # ---- dialect ---------------------------------------------------------------------------------
     def probe(self) -> Capabilities | None:
         """Probe the endpoint once (thread-safe, synchronous); None when probing is off."""
         if not self.probe_enabled:
             return None
+        self.wait_ready()
         with self._probe_lock:
             if self.caps is None:
                 tr = self.transport if isinstance(self.transport, httpx.BaseTransport) else None
@@ -159,6 +234,8 @@ class OpenAIAdapter(EngineAdapter):
         elif d in ("vllm", "specbench", "sglang") and self.extras:
             body["top_k"] = req.top_k if req.top_k and req.top_k > 0 else -1
             body["min_p"] = 0.0
+        if d == "vllm" and req.prompt_cache is False and "cache_salt" not in self.extra_body:
+            body["cache_salt"] = f"specbench-cold-{uuid.uuid4().hex}"  # no block shared with any other request
 
     def _native(self, req: GenRequest) -> bool:
         return self.caps is not None and self.caps.generate_route == "/completion" and req.messages is None
@@ -215,6 +292,11 @@ class OpenAIAdapter(EngineAdapter):
     async def generate_one(self, req: GenRequest) -> GenResult:
         rid = self._rid(req)
         t0 = time.perf_counter()
+        if self.ready_timeout > 0 and self.ready is None:
+            await asyncio.to_thread(self.wait_ready)
+        why = self._not_ready()
+        if why:
+            return failed(req, rid, why, t0)
         try:
             model = await self._model()
         except Exception as e:
@@ -418,6 +500,8 @@ class OpenAIAdapter(EngineAdapter):
             d["capabilities"] = caps.to_dict()
         if self.counter_errors:
             d["counter_errors"] = self.counter_errors[-5:]
+        if self.ready is not None:
+            d["ready"] = self.ready
         return d
 
     async def aclose(self) -> None:

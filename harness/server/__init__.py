@@ -4,11 +4,16 @@ It lives in harness/ (not engine/, where DESIGN.md first placed it) so the engin
 web dependencies; it reaches the engine only through `EngineLoop`, i.e. the `LLMEngine` surface.
 
 Contract:
-- `make_app(engine, served_name=None, max_pending=256)` -> (FastAPI app, EngineLoop). The served model
-  name defaults to the model directory as given (vLLM's default); its basename is accepted too.
+- `make_app(engine, served_name=None, max_pending=256, warmup=False)` -> (FastAPI app, EngineLoop). The
+  served model name defaults to the model directory as given (vLLM's default); its basename is accepted
+  too. `warmup`: False = ready at once; True = the default warm-up plan (warmup.py); a `WarmupPlan` = that
+  plan; a callable = `EngineLoop`'s `warmup=` as is. With a warm-up the loop runs it before serving: /health answers 503 "starting" and completions 503
+  code "starting" until it is done.
 - `ServerThread(app)` runs uvicorn on a loopback socket it binds itself (port 0 = a free port) in a
-  background thread: `start()` returns once the server accepts connections; `stop()` shuts it down.
-- `serve(engine, host, port, ...)` runs in the foreground until SIGINT/SIGTERM.
+  background thread: `start()` returns once the server accepts connections and, unless `ready=False`,
+  its warm-up is done; `wait_ready()` waits for that; `stop()` shuts it down.
+- `serve(engine, host, port, ..., warmup=True)` runs in the foreground until SIGINT/SIGTERM; the warm-up
+  (`specbench serve --no-warmup` turns it off) starts before uvicorn binds the port.
 """
 
 from __future__ import annotations
@@ -17,13 +22,15 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ..adapters.loop import EngineLoop
 from .app import create_app
 from .serving import ServerState
+from .warmup import WarmupPlan, make_warmup
 
-__all__ = ["make_app", "ServerThread", "serve", "ServerState", "create_app"]
+__all__ = ["make_app", "ServerThread", "serve", "ServerState", "create_app", "WarmupPlan"]
 
 
 def served_names(model_dir: str, served_name: str | None) -> list[str]:
@@ -33,8 +40,13 @@ def served_names(model_dir: str, served_name: str | None) -> list[str]:
     return [model_dir] + ([base] if base and base != model_dir else [])
 
 
-def make_app(engine: Any, served_name: str | None = None, max_pending: int | None = 256) -> tuple[Any, EngineLoop]:
-    loop = EngineLoop(engine, max_pending=max_pending)
+def make_app(engine: Any, served_name: str | None = None, max_pending: int | None = 256,
+             warmup: bool | WarmupPlan | Callable = False) -> tuple[Any, EngineLoop]:
+    if callable(warmup) and not isinstance(warmup, WarmupPlan):
+        fn = warmup
+    else:
+        fn = None if warmup is False else make_warmup(warmup if isinstance(warmup, WarmupPlan) else None)
+    loop = EngineLoop(engine, max_pending=max_pending, warmup=fn)
     state = ServerState(loop, served_names(engine.cfg.model, served_name))
     return create_app(state), loop
 
@@ -56,14 +68,23 @@ class ServerThread:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def start(self, timeout: float = 30.0) -> ServerThread:
+    def start(self, timeout: float = 30.0, ready: bool = True) -> ServerThread:
         self.thread.start()
         t0 = time.monotonic()
         while not self.server.started:
             if not self.thread.is_alive() or time.monotonic() - t0 > timeout:
                 raise RuntimeError(f"the server did not start on {self.url}")
             time.sleep(0.02)
+        if ready:
+            self.wait_ready(max(1.0, timeout - (time.monotonic() - t0)))
         return self
+
+    def wait_ready(self, timeout: float = 600.0) -> None:
+        """Until the app's engine loop has finished its warm-up (at once without one)."""
+        state = getattr(getattr(self.server.config.app, "state", None), "sb", None)
+        if state is not None and not state.loop.wait_ready(timeout):
+            raise RuntimeError(f"the server on {self.url} was not ready within {timeout:.0f} s "
+                               f"(warm-up: {state.loop.warmup_status()})")
 
     def stop(self, timeout: float = 10.0) -> None:
         self.server.should_exit = True
@@ -78,10 +99,19 @@ class ServerThread:
 
 
 def serve(engine: Any, host: str = "127.0.0.1", port: int = 8000, served_name: str | None = None,
-          max_pending: int | None = 256, log_level: str = "info") -> None:
+          max_pending: int | None = 256, log_level: str = "info", warmup: bool | WarmupPlan = True) -> None:
+    import logging
+
     import uvicorn
 
-    app, loop = make_app(engine, served_name, max_pending)
+    lg = logging.getLogger("specbench")
+    if not lg.handlers:  # the warm-up's and the engine's lines, beside uvicorn's
+        h = logging.StreamHandler()
+        h.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
+        lg.addHandler(h)
+        level = getattr(logging, log_level.upper(), None)
+        lg.setLevel(level if isinstance(level, int) else logging.INFO)
+    app, loop = make_app(engine, served_name, max_pending, warmup)
     try:
         uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=log_level == "debug",
                     timeout_graceful_shutdown=5)

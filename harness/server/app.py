@@ -3,8 +3,10 @@
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /tokenize,
 POST /detokenize, GET /tokenizer_info, GET /health, GET /metrics, GET /version.
 Contract: every error is an OpenAI-style JSON error (errors.py); a body larger than max_body_bytes is
-refused with 413 before it is read; /health is 200 while the engine loop runs and 503 once it has
-stopped; /metrics is Prometheus text with vLLM's metric names (engine/metrics.py) plus
+refused with 413 before it is read; /health is 503 `{"status": "starting", "ready": false, "warmup"}`
+(Retry-After) while the warm-up runs (completions meanwhile: 503 code "starting"), 200 `{"status": "ok",
+"ready": true, "warmup"}` once it is done (or when there is none), and 503 once the loop has stopped;
+/metrics is Prometheus text with vLLM's metric names (engine/metrics.py) plus
 `specbench:requests_in_flight`.
 """
 
@@ -19,7 +21,7 @@ from specbench import __version__
 
 from .chat import create_chat
 from .completions import create_completion
-from .errors import APIError, install_error_handlers
+from .errors import STARTING_RETRY_S, APIError, install_error_handlers
 from .protocol import _messages, get_bool, is_int, parse_json
 from .serving import ServerState
 
@@ -35,7 +37,11 @@ def create_app(state: ServerState) -> FastAPI:
     async def health() -> Any:
         if not state.loop.alive:
             return APIError("the engine loop has stopped", 503, "service_unavailable_error").response()
-        return JSONResponse({"status": "ok", "last_error": state.loop.last_error})
+        warm = state.loop.warmup_status()
+        if not state.loop.ready:
+            return JSONResponse({"status": "starting", "ready": False, "warmup": warm}, status_code=503,
+                                headers={"Retry-After": str(STARTING_RETRY_S)})
+        return JSONResponse({"status": "ok", "ready": True, "warmup": warm, "last_error": state.loop.last_error})
 
     @app.get("/version")
     async def version() -> Any:

@@ -5,7 +5,8 @@ Contract: every refusal the server makes goes through `APIError`; handlers insta
 exception into the same JSON shape, so a client never sees a stack trace or a non-JSON error and the
 server never goes down for one bad request. Engine errors map as: ConfigError -> 400
 invalid_request_error, AdmissionError -> 400 context_length_exceeded (the request can never fit),
-Overloaded -> 503 with Retry-After, an engine step failure -> 500.
+Overloaded -> 503 with Retry-After, NotReady (the warm-up is still running) -> 503 code "starting" with
+Retry-After: 5, an engine step failure -> 500.
 """
 
 from __future__ import annotations
@@ -19,22 +20,24 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specbench.engine import AdmissionError, ConfigError
 
-from ..adapters.loop import EngineFailure, Overloaded
+from ..adapters.loop import EngineFailure, NotReady, Overloaded
 
 log = logging.getLogger("specbench.server")
+STARTING_RETRY_S = 5  # Retry-After while the warm-up runs
 
 
 class APIError(Exception):
     def __init__(self, message: str, status: int = 400, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None, retry_after: int | None = None) -> None:
         super().__init__(message)
         self.message, self.status, self.type, self.param, self.code = message, status, type_, param, code
+        self.retry_after = retry_after if retry_after is not None else (1 if status == 503 else None)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {"Retry-After": "1"} if self.status == 503 else None
+        headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
@@ -46,6 +49,8 @@ def from_engine(e: Exception) -> APIError:
     msg = str(e)
     if isinstance(e, Overloaded):
         return APIError(msg, 503, "service_unavailable_error", None, "overloaded")
+    if isinstance(e, NotReady):
+        return APIError(msg, 503, "service_unavailable_error", None, "starting", retry_after=STARTING_RETRY_S)
     if isinstance(e, AdmissionError):
         code = "context_length_exceeded" if "context" in msg else "request_too_large"
         return APIError(msg, 400, "invalid_request_error", "prompt" if "prompt" in msg else "max_tokens", code)
