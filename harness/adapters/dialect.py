@@ -68,7 +68,7 @@ class Capabilities:
     prompt_cache: str | None = None  # request field that keeps a request off the prompt cache ("cache_prompt",
     # llama.cpp; "cache_salt", vLLM: a fresh salt per request)
     sampler_defaults: dict | None = None  # server-side defaults applied unless a request sends its own
-    speculated_logprobs: str | None = None  # "reported" | "missing" (llama.cpp: accepted drafts carry none)
+    speculated_logprobs: str | None = None  # "reported" | "missing" (llama.cpp: no token of a verify step has any)
     notes: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
