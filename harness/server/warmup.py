@@ -191,6 +191,9 @@ def run_warmup(engine: Any, stop: threading.Event | None = None, progress: Calla
     phases = _phases(plan, engine.mcfg.vocab_size)
     run = _Run(engine, stop)
     record: list[dict] = []
+    caches = kernel_caches()
+    log.info("warm-up: %d phases (batch sizes %s); compiled kernels persist in %s (FlashInfer JIT), %s (Triton)",
+             len(phases), ",".join(map(str, plan.batch_sizes)), caches["flashinfer_jit"], caches["triton"])
     t0 = time.perf_counter()
     try:
         for i, (name, reqs) in enumerate(phases):
@@ -227,7 +230,7 @@ def run_warmup(engine: Any, stop: threading.Event | None = None, progress: Calla
         missing = sorted(want - set(verify.get("captured_rows") or []))
     out = {"plan": plan.describe(), "phases": record, "requests": run.requests, "steps": run.steps,
            "tokens": run.tokens, "warmup_s": round(seconds, 2), "counted": counted, "fast_path": fast, "verify_rows_missing": missing,
-           "caches": kernel_caches()}
+           "caches": caches}
     log.info("warm-up done in %.1f s: %d phases, %d requests, %d steps (batch sizes %s, span %s)%s", seconds,
              len(record), run.requests, run.steps, ",".join(map(str, plan.batch_sizes)), span,
              f"; verify graphs NOT captured at rows {missing}" if missing else "")
