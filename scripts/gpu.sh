@@ -31,7 +31,7 @@
 #                HTTP answer, to /health 200 (ready: warm-up done) and the first completion, three times: "carried"
 #                (the restored .cache modules and Triton cache), "cold" (no carried FlashInfer modules, empty JIT and
 #                Triton dirs), "rerun" (the cold run's own dirs again: a persistent ~/.cache); SERVE_READY_ARGS
-#                adds serve flags. JSON lines in $W/serve_ready.jsonl and $OUT/serve_ready.jsonl
+#                adds serve flags, SERVE_READY_WARM_S / SERVE_READY_COLD_S cap the runs (90 / 240 s). JSON lines in $W/serve_ready.jsonl and $OUT/serve_ready.jsonl
 # Knobs: TEST_TIMEOUT, BENCH_TIMEOUT, BENCH_BUDGET (decode); SPEC_TIMEOUT, SPEC_BUDGET (steps), SWEEP_TIMEOUT
 # (the sweep is interrupted like Ctrl-C at it: records kept), SWEEP_LEVELS, SWEEP_TAUS, SWEEP_ROUNDS, SWEEP_PPL,
 # SWEEP_MAX_TOKENS, SPEC_WORKDIR (the Qwen3-4B-shaped pair; built there when absent).
@@ -175,20 +175,20 @@ if [ "$what" = serve-ready ]; then  # issue 28 item 5 (docs/server.md "Ready mea
   pair "$SPEC_WORKDIR"
   site=/tmp/site; [ -d /tmp/site/flashinfer ] || site=${SB_SITE:-/tmp/site-sb}
   aot="$site/flashinfer/data/aot"
-  sr() {  # label, then env assignments for that run
-    local label=$1; shift
+  sr() {  # label, time limit (s), then env assignments for that run
+    local label=$1 lim; lim=$(cap $2); shift 2
     [ "$(left)" -lt 45 ] && { log "serve-ready $label: skipped (deadline)"; return; }
-    log "serve-ready $label ($*)"
-    env "$@" timeout $(cap ${SERVE_READY_TIMEOUT:-200}) python3 scripts/serve_ready.py --label "$label" --port 8190 \
-      --timeout $(( $(cap ${SERVE_READY_TIMEOUT:-200}) - 20 )) --out "$W/serve_ready.jsonl" --log "$W/serve-$label.log" -- \
+    log "serve-ready $label (limit ${lim}s; $*)"
+    env "$@" timeout $lim python3 scripts/serve_ready.py --label "$label" --port 8190 \
+      --timeout $(( lim - 15 )) --out "$W/serve_ready.jsonl" --log "$W/serve-$label.log" -- \
       --model "$SPEC_WORKDIR/target" --device cuda --dtype bfloat16 --spec off --num-pages 5000 --max-model-len 4096 \
       --served-model-name q3 ${SERVE_READY_ARGS:-} 2>&1 | tail -1 | cut -c1-600 | tee -a "$OUT/gpu.log"
   }
-  sr carried FLASHINFER_WORKSPACE_BASE="$FLASHINFER_WORKSPACE_BASE" TRITON_CACHE_DIR="$TRITON_CACHE_DIR"
+  sr carried ${SERVE_READY_WARM_S:-90} FLASHINFER_WORKSPACE_BASE="$FLASHINFER_WORKSPACE_BASE" TRITON_CACHE_DIR="$TRITON_CACHE_DIR"
   [ -d "$aot" ] && mv "$aot" "$aot.carried"  # cold: FlashInfer must not find the carried modules
   rm -rf /tmp/sr-cold && mkdir -p /tmp/sr-cold/fi /tmp/sr-cold/triton
-  sr cold FLASHINFER_WORKSPACE_BASE=/tmp/sr-cold/fi TRITON_CACHE_DIR=/tmp/sr-cold/triton
-  sr rerun FLASHINFER_WORKSPACE_BASE=/tmp/sr-cold/fi TRITON_CACHE_DIR=/tmp/sr-cold/triton
+  sr cold ${SERVE_READY_COLD_S:-240} FLASHINFER_WORKSPACE_BASE=/tmp/sr-cold/fi TRITON_CACHE_DIR=/tmp/sr-cold/triton
+  sr rerun ${SERVE_READY_WARM_S:-90} FLASHINFER_WORKSPACE_BASE=/tmp/sr-cold/fi TRITON_CACHE_DIR=/tmp/sr-cold/triton
   [ -d "$aot.carried" ] && mv "$aot.carried" "$aot"
   mkdir -p "$FLASHINFER_WORKSPACE_BASE" && cp -rn /tmp/sr-cold/fi/. "$FLASHINFER_WORKSPACE_BASE/" 2>/dev/null  # back in fi_so.tgz
   cp "$W/serve_ready.jsonl" "$OUT/" 2>/dev/null
