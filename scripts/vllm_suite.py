@@ -214,7 +214,7 @@ def tail(path: str | None, n: int) -> str:
 
 def stop_all() -> None:
     st = load_state()
-    for n, s in st.items():
+    for s in st.values():
         pid = s.get("pid")
         if alive(pid):
             try:

@@ -28,7 +28,13 @@ import torch
 from specbench.harness.fixtures.accept import greedy_generate, measure_acceptance, target_data
 from specbench.harness.fixtures.build import TinySettings
 from specbench.harness.fixtures.data import CHAT_EVERY, chat_prompt, gsm8k, prompt
-from specbench.harness.fixtures.drafter import draft_config, drafter_tensors, new_drafter, save_drafter, train_drafter
+from specbench.harness.fixtures.drafter import (
+    draft_config,
+    drafter_tensors,
+    new_drafter,
+    save_drafter,
+    train_drafter,
+)
 from specbench.harness.fixtures.io import write_json
 
 ROOT = Path(__file__).resolve().parent.parent
