@@ -3,6 +3,11 @@
 Spec-decode counters keep REFERENCE.md section 3's invariants by construction: every verify step adds
 k to num_draft_tokens and its accepted count m to num_accepted_tokens and to positions 0..m-1 of the
 per-position counter, so the per-position counts sum to num_accepted_tokens and are non-increasing.
+
+Gauges (running, waiting, KV usage) are point-in-time values. The engine sets them after each commit;
+a reader that renders them (the server's /metrics, the local adapter) refreshes them first with
+`set_gauges` from the scheduler and the pool, so a request aborted while nothing else runs (a client
+that disconnects) cannot leave them stale: no step follows an abort on an idle engine.
 """
 
 from __future__ import annotations
@@ -38,6 +43,10 @@ class EngineMetrics:
             self.accepted_per_pos.extend([0] * (k - len(self.accepted_per_pos)))
         for i in range(m):
             self.accepted_per_pos[i] += 1
+
+    def set_gauges(self, running: int, waiting: int, free_pages: int, total_pages: int) -> None:
+        self.num_running, self.num_waiting = int(running), int(waiting)
+        self.kv_usage = 1.0 - free_pages / total_pages if total_pages else 0.0
 
     def snapshot(self) -> dict:
         return {

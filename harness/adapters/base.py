@@ -15,7 +15,8 @@ Contract:
   start) turn it open-loop: request i is not sent before its offset.
 - `score` returns teacher-forced top-k logprobs of every continuation position, or None where the
   engine cannot score. `spec_counters` returns a snapshot of cumulative speculative-decoding counters
-  (or None); `tokenize` returns token ids (or None); `describe` returns provenance.
+  (or None); `tokenize` returns token ids (or None); `metrics_text` the engine's Prometheus text (a
+  server's /metrics; None where there is none); `describe` returns provenance.
 - All async methods are bound to no particular event loop; the `*_sync` wrappers run one in a fresh
   loop and must not be called from inside a running loop.
 
@@ -260,6 +261,10 @@ class EngineAdapter(ABC):
         return None
 
     async def tokenize(self, text: str) -> list[int] | None:
+        return None
+
+    async def metrics_text(self) -> str | None:
+        """The engine's Prometheus text (a server's /metrics), or None where it publishes none."""
         return None
 
     @abstractmethod

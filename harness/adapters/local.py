@@ -166,6 +166,11 @@ class LocalAdapter(EngineAdapter):
                 "num_accepted_tokens": snap["num_accepted_tokens"],
                 "accepted_per_pos": list(snap["accepted_per_pos"]), "source": "engine"}
 
+    async def metrics_text(self) -> str | None:
+        """The engine's Prometheus text, as `specbench serve` publishes it (gauges refreshed first)."""
+        self.loop.refresh_gauges()
+        return self.engine.metrics.prometheus(self.name)
+
     async def health(self) -> dict:
         """KV pool and queue snapshot (for leak checks): with nothing running, every page must be free."""
         e = self.engine

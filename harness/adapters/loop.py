@@ -12,6 +12,9 @@ Contract:
   flight, aborts them, and the loop keeps serving.
 - `abort(rid)` frees the request's KV (a disconnecting client, a cancelled task); aborting a finished or
   unknown request is a no-op. `close()` stops the thread.
+- `refresh_gauges()` sets the engine's running / waiting / KV-usage gauges from its scheduler and pool
+  as they are now (no lock: a scrape never waits for a step); the server's /metrics and the local
+  adapter call it before rendering, so gauges return to zero after aborted requests (engine/metrics.py).
 - `exclusive()` hands the engine to the caller for synchronous stepping (a profiler window): the loop
   thread finishes its current step and then steps nothing until the block ends; it is refused while
   requests are in flight, and `submit` is refused while it is held, so no consumer's delta is stolen.
@@ -144,6 +147,13 @@ class EngineLoop:
                 self.engine.abort(rid)
             except Exception:  # aborting must never raise into a disconnect handler
                 pass
+
+    def refresh_gauges(self) -> None:
+        e = self.engine
+        sched, pool, metrics = getattr(e, "scheduler", None), getattr(e, "pool", None), getattr(e, "metrics", None)
+        if sched is None or pool is None or metrics is None or not hasattr(metrics, "set_gauges"):
+            return
+        metrics.set_gauges(len(sched.running), len(sched.waiting), pool.num_free, pool.num_pages)
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[Any]:

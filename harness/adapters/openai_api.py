@@ -439,6 +439,24 @@ class OpenAIAdapter(EngineAdapter):
             return spec_counters_from_metrics(r.text, self.model)
         return None
 
+    async def metrics_text(self) -> str | None:
+        """GET /metrics as text (one retry on a failed scrape); None when the endpoint has none."""
+        for attempt in range(2):
+            try:
+                r = await self._request("GET", self.root + "/metrics")
+            except httpx.HTTPError as e:
+                self.counter_errors.append(f"/metrics: {type(e).__name__}: {e}")
+                if isinstance(e, httpx.ConnectError):
+                    return None
+                await asyncio.sleep(self.backoff * (attempt + 1) / 5)
+                continue
+            if r.status_code == 200:
+                return r.text
+            if r.status_code == 404:
+                return None
+            self.counter_errors.append(f"/metrics: HTTP {r.status_code}")
+        return None
+
     async def tokenize(self, text: str) -> list[int] | None:
         """Token ids of `text` by the endpoint's /tokenize (the body that answers with tokens), else the local
         tokenizer; None when neither can. An empty list for a non-empty text is never returned."""

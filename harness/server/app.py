@@ -7,7 +7,8 @@ refused with 413 before it is read; /health is 503 `{"status": "starting", "read
 (Retry-After) while the warm-up runs (completions meanwhile: 503 code "starting"), 200 `{"status": "ok",
 "ready": true, "warmup"}` once it is done (or when there is none), and 503 once the loop has stopped;
 /metrics is Prometheus text with vLLM's metric names (engine/metrics.py) plus
-`specbench:requests_in_flight`.
+`specbench:requests_in_flight`; its gauges are refreshed at each scrape, so they read zero once every
+request has finished or was aborted (a client that disconnected included).
 """
 
 from __future__ import annotations
@@ -100,6 +101,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Any:
+        state.loop.refresh_gauges()  # gauges as they are now, also after an abort on an idle engine
         text = state.engine.metrics.prometheus(state.model_name)
         text += ("# HELP specbench:requests_in_flight Requests admitted by the server and not finished.\n"
                  "# TYPE specbench:requests_in_flight gauge\n"
