@@ -3,7 +3,8 @@
 Contract:
 - `open_endpoint(spec, name, log_path)` is a context manager yielding an `Endpoint` whose `root` answers
   /v1/completions. For a `local` engine it starts `specbench serve` on a free loopback port, waits for
-  GET /health to answer 200 (failing early, with the server log's tail, if the process exits), and on
+  GET /health to answer 200, i.e. ready (503 "starting" while its warm-up runs; failing early, with the
+  server log's tail, if the process exits), and on
   exit always stops it: SIGTERM, then SIGKILL after a grace period, on success, error or Ctrl-C. The
   child also gets SIGTERM if this process dies (Linux parent-death signal), so no server outlives a run.
 - For an `openai` engine nothing is started; the base URL may end in /v1 or not.
@@ -115,7 +116,8 @@ def _wait_healthy(proc: subprocess.Popen, root: str, timeout: float, log_path: P
             if httpx.get(f"{root}/health", timeout=2.0).status_code == 200:
                 return
         if time.monotonic() - t0 > timeout:
-            raise EndpointError(f"`specbench serve` did not answer {root}/health within {timeout:.0f} s; "
+            raise EndpointError(f"`specbench serve` was not ready (GET {root}/health 200; 503 while it warms up) "
+                                f"within {timeout:.0f} s; "
                                 f"its log ({log_path}):\n{_tail(log_path)}")
         time.sleep(0.25)
 
