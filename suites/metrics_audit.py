@@ -1,0 +1,304 @@
+"""The client-side audit of server metrics: do an endpoint's /metrics agree with what its client saw?
+
+Used by the sweep (one window per cell, suites/sweep/audit.py) and by the lossless batch-invariance and
+divergence-rate gates (one window per run of requests, suites/lossless/batch.py). Works on any adapter
+with `metrics_text()` (an openai endpoint's /metrics, the local engine's own text).
+
+Contract:
+- `summarize(text, model)` reduces Prometheus text to the families audited (below), summed over label
+  sets (restricted to `model_name=model` where the server labels samples with it); `scrape(adapter)`
+  does it for an adapter (None without metrics); `settle(adapter, timeout_s)` polls until the gauges read
+  idle or the time is up and returns the last summary.
+- `audit_window(before, after, requests, k, per_step_stream)` is a pure function of two summaries taken
+  around a window in which the client sent exactly `requests` (GenResults or request-record dicts) and
+  nothing else ran on the server. It returns {"verdict", "checks", "problems", "missing", "client",
+  "server"}: FAIL with the problems, PASS when every check that could run agreed, CANNOT TEST when no
+  check could run (no /metrics, or none of the families). Checks that could not run are named in
+  `missing`.
+
+What the client sees: per request its output tokens (usage), prompt tokens, the tokens each streamed
+chunk carried (`chunk_tokens`, counted exactly where `token_count_method` is token_ids, logprobs or
+usage), the finish reason and, where the server reports them, per-request draft counts (`spec`).
+
+The checks (slack: what a correct server may differ by, documented in docs/sweep.md):
+- idle before: running and waiting gauges are 0 before the window; else the counter deltas include other
+  traffic and the counter checks are not run (missing: "an idle server").
+- requests: the delta of `vllm:request_success_total` (finished_reason abort / error excluded) equals the
+  requests the client got a complete answer for (slack 0; with client-side failures, between the
+  successes and successes + failures).
+- output tokens: the delta of `vllm:generation_tokens_total` / `llamacpp:tokens_predicted_total` equals
+  the sum of the client's usage counts (slack 0; with failures: at least the successes' sum).
+- prompt tokens: the delta of `vllm:prompt_tokens_total` equals the sum of the client's prompt tokens
+  (slack 0; not for llama.cpp, whose counter leaves out tokens its prompt cache held).
+- spec counters vs output tokens (every request ok, exact chunk counts): every accepted draft token is an
+  output token, and every verify step emits at least one, so with n requests and T output tokens
+  accepted <= T - n + K x n (K = draft width: the last step's accepted run may be cut by EOS, a stop or
+  max_tokens) and verify steps <= T - n + n (one discarded step per request allowed).
+- tokens per streamed chunk (servers that stream one event per engine step: the local engine and
+  `specbench serve`): a chunk with c tokens came from one verify step that accepted c - 1 drafts, so
+  sum(max(0, c - 1)) <= accepted and (chunks with c > 1) <= verify steps. Elsewhere (vLLM merges the
+  deltas of steps a slow client has not read yet) the figures are reported, not judged. Per request too,
+  where the server reports per-request draft counts.
+- gauges after: running, waiting, `specbench:requests_in_flight` and KV usage (`vllm:kv_cache_usage_perc`,
+  `vllm:gpu_cache_usage_perc`, `sglang:token_usage`) read 0 once the window's requests are done (after
+  `settle`); a gauge still non-zero is stale (FAIL). llama.cpp's KV figures are not judged: a slot keeps
+  its last prompt by design.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from specbench.harness.adapters.prom import parse_prometheus, spec_counters_from_metrics
+from specbench.harness.verdicts import CANNOT_TEST, FAIL, PASS
+
+REQUESTS = ("vllm:request_success_total",)
+NOT_SUCCESS = ("abort", "error")  # finished_reason values that are no successful request
+GEN_TOKENS = ("vllm:generation_tokens_total", "llamacpp:tokens_predicted_total")
+PROMPT_TOKENS = ("vllm:prompt_tokens_total",)
+RUNNING = ("vllm:num_requests_running", "specbench:requests_in_flight", "llamacpp:requests_processing",
+           "sglang:num_running_reqs")
+WAITING = ("vllm:num_requests_waiting", "llamacpp:requests_deferred", "sglang:num_queue_reqs")
+KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
+EXACT_COUNTS = ("token_ids", "logprobs", "usage", "engine")  # "engine": the local adapter, one chunk per step
+GAUGE_EPS = 1e-9
+
+
+def _num(v: float) -> int | float:
+    return int(v) if float(v).is_integer() else v
+
+
+def summarize(text: str, model: str | None = None) -> dict:
+    """The audited families of one /metrics text: counters, gauges (name -> value) and spec counters."""
+    samples = parse_prometheus(text)
+    if model is not None and any(lab.get("model_name") == model for _, lab, _ in samples):
+        samples = [s for s in samples if s[1].get("model_name") in (None, model)]
+    counters: dict[str, float] = {}
+    gauges: dict[str, float] = {}
+    names: set[str] = set()
+    for name, labels, value in samples:
+        if name in REQUESTS:
+            key = "requests_not_ok" if labels.get("finished_reason") in NOT_SUCCESS else "requests_ok"
+            counters[key] = counters.get(key, 0.0) + value
+        elif name in GEN_TOKENS:
+            counters["generation_tokens"] = counters.get("generation_tokens", 0.0) + value
+        elif name in PROMPT_TOKENS:
+            counters["prompt_tokens"] = counters.get("prompt_tokens", 0.0) + value
+        elif name in RUNNING + WAITING + KV_USAGE:
+            gauges[name] = gauges.get(name, 0.0) + value
+        else:
+            continue
+        names.add(name)
+    return {"counters": {k: _num(v) for k, v in counters.items()}, "gauges": gauges, "names": sorted(names),
+            "spec": spec_counters_from_metrics(text, model), "t": time.time()}
+
+
+async def scrape(adapter: Any) -> dict | None:
+    fn = getattr(adapter, "metrics_text", None)
+    if fn is None:
+        return None
+    try:
+        text = await fn()
+    except Exception:  # an unreachable /metrics is a missing capability, never a crash of the gate
+        return None
+    if not text:
+        return None
+    return summarize(text, getattr(adapter, "model", None))
+
+
+def busy_gauges(s: dict | None, kv: bool = True) -> dict[str, float]:
+    """The gauges of a summary that are not idle (running, waiting, in flight; KV usage with kv=True)."""
+    if not s:
+        return {}
+    judged = RUNNING + WAITING + (KV_USAGE if kv else ())
+    return {n: v for n, v in (s.get("gauges") or {}).items() if n in judged and abs(v) > GAUGE_EPS}
+
+
+async def settle(adapter: Any, timeout_s: float = 5.0, interval_s: float = 0.05) -> dict | None:
+    """Scrape until every judged gauge reads idle or `timeout_s` has passed; the last summary (or None)."""
+    t_end = time.monotonic() + timeout_s
+    while True:
+        s = await scrape(adapter)
+        if s is None or not busy_gauges(s) or time.monotonic() >= t_end:
+            return s
+        await asyncio.sleep(interval_s)
+
+
+def per_step_stream(describe: dict | None) -> bool:
+    """Does this engine stream one chunk per engine step (so a chunk's tokens are one step's)?"""
+    d = describe or {}
+    return d.get("kind") == "local" or d.get("dialect") == "specbench"
+
+
+def _view(r: Any) -> dict:
+    g = r.get if isinstance(r, dict) else (lambda k, default=None: getattr(r, k, default))
+    return {"ok": bool(g("ok")), "completion_tokens": g("completion_tokens"), "prompt_tokens": g("prompt_tokens"),
+            "chunk_tokens": list(g("chunk_tokens") or []), "method": g("token_count_method"),
+            "finish_reason": g("finish_reason"), "spec": g("spec"), "rid": g("rid")}
+
+
+def client_view(requests: Sequence[Any]) -> dict:
+    """What the client saw, summed: requests, output / prompt tokens, chunks and multi-token chunks."""
+    vs = [_view(r) for r in requests]
+    ok = [v for v in vs if v["ok"]]
+    exact = bool(ok) and all(v["method"] in EXACT_COUNTS or str(v["method"] or "").split("+")[0] in EXACT_COUNTS
+                             for v in ok)
+    out = {"requests": len(vs), "ok": len(ok), "failed": len(vs) - len(ok),
+           "output_tokens": sum(int(v["completion_tokens"] or 0) for v in ok),
+           "prompt_tokens": sum(int(v["prompt_tokens"] or 0) for v in ok),
+           "prompt_tokens_known": all(v["prompt_tokens"] is not None for v in ok),
+           "exact_chunks": exact, "chunks": sum(len(v["chunk_tokens"]) for v in ok),
+           "extra_chunk_tokens": sum(max(0, c - 1) for v in ok for c in v["chunk_tokens"]),
+           "multi_token_chunks": sum(1 for v in ok for c in v["chunk_tokens"] if c > 1)}
+    out["per_request"] = vs
+    return out
+
+
+def _delta(before: dict, after: dict, key: str) -> float | None:
+    a, b = (after.get("counters") or {}).get(key), (before.get("counters") or {}).get(key)
+    if a is None:
+        return None
+    return a - (b or 0)
+
+
+def audit_window(before: dict | None, after: dict | None, requests: Sequence[Any], k: int | None = None,
+                 per_step: bool = False, label: str = "") -> dict:
+    """Hold the server's counters and gauges around one window against what the client saw (module doc)."""
+    pre = f"{label}: " if label else ""
+    cv = client_view(requests)
+    client = {x: y for x, y in cv.items() if x != "per_request"}
+    out: dict = {"verdict": CANNOT_TEST, "checks": [], "problems": [], "missing": [], "client": client,
+                 "server": {}, "label": label}
+    if before is None or after is None:
+        out["missing"].append(pre + "server metrics (/metrics) before and after the run")
+        return out
+    checks, problems, missing = out["checks"], out["problems"], out["missing"]
+    server = out["server"]
+    server["names"] = sorted(set(before.get("names") or []) | set(after.get("names") or []))
+    busy_before = {n: v for n, v in busy_gauges(before, kv=False).items()}
+    n_ok, n_fail, t_out = cv["ok"], cv["failed"], cv["output_tokens"]
+    if busy_before:
+        missing.append(pre + "an idle server before the run (" + ", ".join(f"{n} {v:g}" for n, v in busy_before.items())
+                       + "): the counter deltas would include other traffic")
+    else:
+        d = _delta(before, after, "requests_ok")
+        if d is not None:
+            server["requests_ok"] = d
+            lo, hi = n_ok, n_ok + n_fail
+            checks.append(f"requests: counter delta {d:g} vs {n_ok} complete answers"
+                          + (f" (+ {n_fail} failed)" if n_fail else ""))
+            if not lo <= d <= hi:
+                problems.append(pre + f"request counter delta {d:g} != {n_ok} requests the client got a complete "
+                                f"answer for" + (f" (+{n_fail} failed)" if n_fail else ""))
+        else:
+            missing.append(pre + "a request counter (vllm:request_success_total)")
+        d = _delta(before, after, "generation_tokens")
+        if d is not None:
+            server["generation_tokens"] = d
+            checks.append(f"output tokens: counter delta {d:g} vs {t_out} in the client's usage")
+            if (d != t_out) if not n_fail else (d < t_out):
+                problems.append(pre + f"output-token counter delta {d:g} != {t_out} output tokens the client "
+                                "received (usage)")
+        else:
+            missing.append(pre + "an output-token counter (vllm:generation_tokens_total, "
+                           "llamacpp:tokens_predicted_total)")
+        d = _delta(before, after, "prompt_tokens")
+        if d is not None and cv["prompt_tokens_known"]:
+            server["prompt_tokens"] = d
+            t_in = cv["prompt_tokens"]
+            checks.append(f"prompt tokens: counter delta {d:g} vs {t_in} in the client's usage")
+            if (d != t_in) if not n_fail else (d < t_in):
+                problems.append(pre + f"prompt-token counter delta {d:g} != {t_in} prompt tokens of the client's "
+                                "requests (usage)")
+        _spec_checks(before, after, cv, k, per_step, pre, out)
+    stale = busy_gauges(after, kv=True)
+    gauges_seen = [n for n in (after.get("gauges") or {}) if n in RUNNING + WAITING + KV_USAGE]
+    if gauges_seen:
+        checks.append("gauges after the run: " + ", ".join(f"{n} {after['gauges'][n]:g}" for n in gauges_seen))
+        if stale:
+            problems.append(pre + "gauges still non-zero after every request finished: "
+                            + ", ".join(f"{n} = {v:g}" for n, v in stale.items()) + " (stale)")
+    else:
+        missing.append(pre + "running / waiting / KV-usage gauges")
+    server["gauges_after"] = dict(after.get("gauges") or {})
+    server["gauges_before"] = dict(before.get("gauges") or {})
+    out["verdict"] = FAIL if problems else (PASS if checks else CANNOT_TEST)
+    return out
+
+
+def _spec_checks(before: dict, after: dict, cv: dict, k: int | None, per_step: bool, pre: str, out: dict) -> None:
+    sa, sb = after.get("spec"), before.get("spec")
+    if not sa or sa.get("num_drafts") is None:
+        return
+    sb = sb or {}
+    drafts = int(sa.get("num_drafts") or 0) - int(sb.get("num_drafts") or 0)
+    acc = int(sa.get("num_accepted_tokens") or 0) - int(sb.get("num_accepted_tokens") or 0)
+    out["server"].update(num_drafts=drafts, num_accepted_tokens=acc)
+    checks, problems, missing = out["checks"], out["problems"], out["missing"]
+    if cv["failed"] or not cv["ok"]:
+        missing.append(pre + "spec counters vs output tokens (a request failed: its tokens are unknown)")
+        return
+    kk = k or len(sa.get("accepted_per_pos") or []) or 0
+    n, t = cv["ok"], cv["output_tokens"]
+    emitted = t - n  # output tokens past each request's first (prefill) token
+    checks.append(f"spec counters vs output tokens: accepted {acc} <= {emitted} + K x {n} (K = {kk}), "
+                  f"verify steps {drafts} <= {emitted} + {n}")
+    if acc > emitted + kk * n:
+        problems.append(pre + f"accepted-token counter delta {acc} > {emitted} output tokens past the first of each "
+                        f"request + K x requests ({kk} x {n}): the counters count tokens the client never received")
+    if drafts > emitted + n:
+        problems.append(pre + f"verify-step counter delta {drafts} > {emitted} output tokens past the first of each "
+                        f"request + {n}: every verify step emits at least one token")
+    if not cv["exact_chunks"]:
+        missing.append(pre + "tokens per streamed chunk (the per-chunk counts are estimates)")
+        return
+    x, m = cv["extra_chunk_tokens"], cv["multi_token_chunks"]
+    out["server"].update(extra_chunk_tokens=x, multi_token_chunks=m)
+    line = (f"tokens per chunk: {x} tokens beyond the first of their chunk vs {acc} accepted; {m} multi-token "
+            f"chunks vs {drafts} verify steps")
+    if not per_step:
+        checks.append(line + " (reported, not judged: this server may merge steps into one chunk)")
+        return
+    checks.append(line)
+    if x > acc:
+        problems.append(pre + f"the client received {x} tokens beyond the first of their streamed chunk, but the "
+                        f"accepted-token counter grew by {acc}: the counters miss accepted drafts")
+    if m > drafts:
+        problems.append(pre + f"{m} streamed chunks carried several tokens, but the verify-step counter grew by "
+                        f"{drafts}")
+    bad = []
+    for v in cv["per_request"]:
+        sp = v["spec"] if isinstance(v["spec"], dict) else None
+        if not v["ok"] or sp is None or sp.get("num_accepted_tokens") is None:
+            continue
+        xr = sum(max(0, c - 1) for c in v["chunk_tokens"])
+        mr = sum(1 for c in v["chunk_tokens"] if c > 1)
+        if xr > int(sp["num_accepted_tokens"]) or (sp.get("num_drafts") is not None and mr > int(sp["num_drafts"])):
+            bad.append(f"{v['rid']} ({xr} extra chunk tokens vs {sp['num_accepted_tokens']} accepted, {mr} multi-token "
+                       f"chunks vs {sp.get('num_drafts')} verify steps)")
+    if any(isinstance(v["spec"], dict) for v in cv["per_request"]):
+        checks.append("tokens per chunk vs each request's own draft counts")
+    if bad:
+        problems.append(pre + "per-request draft counts miss what the stream carried: " + "; ".join(bad[:3])
+                        + (f" and {len(bad) - 3} more" if len(bad) > 3 else ""))
+
+
+def combine_windows(windows: Sequence[dict]) -> dict:
+    """One verdict over several windows: FAIL if any failed, PASS if any passed and none failed, else CANNOT TEST."""
+    problems = [p for w in windows for p in w["problems"]]
+    missing = sorted({m for w in windows for m in w["missing"]})
+    verdicts = [w["verdict"] for w in windows]
+    v = FAIL if problems else (PASS if PASS in verdicts else CANNOT_TEST)
+    return {"verdict": v, "windows": len(windows), "problems": problems, "missing": missing,
+            "checks": sorted({c.split(":")[0] for w in windows for c in w["checks"]})}
+
+
+async def audited(adapter: Any, run, settle_s: float = 5.0) -> tuple[Any, dict | None, dict | None]:
+    """Scrape, await `run()` (a coroutine factory), settle and scrape again: (its result, before, after)."""
+    before = await scrape(adapter)
+    res = await run()
+    after = await settle(adapter, settle_s) if before is not None else None
+    return res, before, after
