@@ -45,7 +45,13 @@ def lossless(
 
     At each divergence the candidate's pick is scored under the baseline's top-20 distribution: regret = logp(top1) - logp(pick). Regret <= --margin-tol is a benign tie flip and the gate re-anchors (a fresh baseline from prompt + candidate tokens) to judge every later divergence too; larger, or a pick outside the top-20, is a FAIL. Speculation that never happened is reported as NOT SPECULATING, not PASS. Exit 1 on FAIL or NOT SPECULATING, 2 on bad input, 3 on CANNOT TEST (a capability the gate needs is missing; it is named).
     """
-    from specbench.harness.engines import EngineStringError, baseline_and_candidate, build_adapter, share_gpu
+    from specbench.harness.engines import (
+        EngineStringError,
+        baseline_and_candidate,
+        build_adapter,
+        gate_specs,
+        share_gpu,
+    )
     from specbench.harness.results import open_run
     from specbench.suites.lossless.prompts import DATASETS
     from specbench.suites.lossless.report import render_console, render_markdown
@@ -62,7 +68,7 @@ def lossless(
                              expect_accept_len=expect_accept_len)
         from specbench.harness.adapters.dialect import with_tokenizer
 
-        bspec, cspec = share_gpu(with_tokenizer(list(baseline_and_candidate(baseline, candidate)), tokenizer))
+        bspec, cspec = share_gpu(gate_specs(with_tokenizer(list(baseline_and_candidate(baseline, candidate)), tokenizer)))
         base = build_adapter(bspec, name="baseline")
         cand = build_adapter(cspec, name="candidate")
     except (EngineStringError, LosslessError, ValueError, FileNotFoundError) as e:

@@ -70,6 +70,7 @@ def sampled(
         baseline_and_candidate,
         build_adapter,
         default_engines,
+        gate_specs,
         parse_engine,
         share_gpu,
     )
@@ -99,7 +100,7 @@ def sampled(
             raise SampledError("--selftest needs a local candidate without faults= (it injects them itself)")
         from specbench.harness.adapters.dialect import with_tokenizer
 
-        bspec, cspec = share_gpu(with_tokenizer([bspec, cspec], tokenizer))
+        bspec, cspec = share_gpu(gate_specs(with_tokenizer([bspec, cspec], tokenizer)))
         if selftest and opts.positions < 4:
             raise SampledError(f"--positions {opts.positions} is too few for --selftest: reused_uniform acts only "
                                "from the second draft of a verify step (expected >= 4)")

@@ -41,6 +41,7 @@ def selftest(
         EngineStringError,
         build_adapter,
         default_engines,
+        gate_specs,
         parse_engine,
         share_gpu,
         spec_off_twin,
@@ -63,7 +64,7 @@ def selftest(
             base_spec = spec_off_twin(cand_spec)
         clean = {k: v for k, v in cand_spec.options.items() if k != "faults"}
         cand_spec = EngineSpec(cand_spec.kind, cand_spec.target, clean, cand_spec.raw)
-        base_spec, cand_spec = share_gpu([base_spec, cand_spec])
+        base_spec, cand_spec = share_gpu(gate_specs([base_spec, cand_spec]))
         baseline = build_adapter(base_spec, name="baseline")
         cand = build_adapter(cand_spec, name="candidate")
     except (EngineStringError, ValueError, FileNotFoundError) as e:

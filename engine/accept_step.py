@@ -5,8 +5,9 @@ KV, request or counter state (prompt logprobs excepted: they are written as thei
 - prefill: its rows are committed; the chunk that completes the prompt emits the first token;
 - decode: one token, the argmax (greedy) or a draw from the request's transform with its own generator;
 - verify: greedy = the longest draft prefix equal to the target's argmax, then the target's own token
-  (spec/accept.py); sampled = rejection sampling against the draft distribution (spec/sampling.py, with
-  the engine's `Faults.accept_rule`). Either way 1..K+1 tokens.
+  (spec/accept.py; the engine's `Faults.accept_rule.greedy_tol` is 0 unless a fault is armed); sampled =
+  rejection sampling against the draft distribution (spec/sampling.py, with the engine's
+  `Faults.accept_rule`). Either way 1..K+1 tokens.
 Host reads are batched: one argmax transfer serves every greedy span, one speculative-sampling resolve
 every sampled verify span (on CUDA the fused kernel), one inverse-CDF draw every sampled single pick.
 Synthetic acceptance (speed curves on random weights) replaces the greedy accept count; then the armed
@@ -24,7 +25,7 @@ from .faults import Faults
 from .forward import StepForward
 from .sampler import draw_rows, sampling_probs_rows, topk_logprobs, uniforms
 from .scheduler import Span, StepPlan
-from .spec.accept import accept_greedy
+from .spec.accept import accept_greedy, accept_greedy_within
 from .spec.sampling import accept_sampled_batch
 from .spec.synthetic import SyntheticAcceptance
 
@@ -79,7 +80,8 @@ class AcceptStep:
             assert sampled is not None  # every sampled verify span is resolved with the batch
             m, toks = sampled
             return SpanResult(m + 1, toks, None, k, m)
-        m, toks = accept_greedy(list(s.drafts), am)
+        tol = self.faults.accept_rule.greedy_tol
+        m, toks = accept_greedy_within(list(s.drafts), am, lg, tol) if tol else accept_greedy(list(s.drafts), am)
         if self.synthetic is not None:  # speed curves only: the accept count is drawn, not matched
             m = self.synthetic.draw(k)
             toks = list(s.drafts[:m]) + [am[m]]

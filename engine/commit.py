@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from .accept_step import SpanResult
-from .faults import Faults
+from .faults import CommitKnobs, Faults
 from .kv_cache import PagePool
 from .metrics import EngineMetrics
 from .output import OutputWriter, RequestOutput
@@ -43,7 +43,7 @@ class CommitStep:
                                   [self.spec.can_speculate(s.req.params) for s in spans], ctx_shift=knobs.draft_shift)
         outs = []
         for i, (s, r) in enumerate(zip(spans, results, strict=True)):
-            out = self._commit_span(s, r, knobs.leak(i), knobs.emit_past_stop)
+            out = self._commit_span(s, r, knobs, i)
             if out is not None:
                 outs.append(out)
         self.metrics.num_running = len(self.scheduler.running)
@@ -51,17 +51,17 @@ class CommitStep:
         self.metrics.kv_usage = 1.0 - self.pool.num_free / self.pool.num_pages
         return outs
 
-    def _commit_span(self, s: Span, r: SpanResult, leak: bool, past_stop: bool) -> RequestOutput | None:
+    def _commit_span(self, s: Span, r: SpanResult, knobs: CommitKnobs, i: int) -> RequestOutput | None:
         req = s.req
         if r.accepted is not None:
             self.metrics.record_verify(r.drafts, r.accepted)
             req.spec.record(r.drafts, r.accepted)
         req.num_computed = s.start + r.committed
-        self.pool.commit(req.rid, req.num_computed, leak=leak)
+        self.pool.commit(req.rid, req.num_computed, leak=knobs.leak(i), keep_extra=knobs.kept(i))
         if s.kind == "prefill":
             self.metrics.prompt_tokens += r.committed
         if r.tokens:
-            self.output.append(req, r.tokens, r.logprobs, past_stop)
+            self.output.append(req, r.tokens, r.logprobs, knobs.emit_past_stop, knobs.stop_ids_at_end)
         out = self.output.build(req, r.tokens) if r.tokens or req.finished else None
         if req.finished:
             self.scheduler.finish(req)

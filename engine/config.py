@@ -284,6 +284,10 @@ class EngineConfig:
     seed: int = 0
     spec: SpecConfig = field(default_factory=SpecConfig)
     faults: tuple[str, ...] = ()
+    # Run-time invariants after every step (engine/invariants.py: pages per request, the pool's partition,
+    # the drafter's context vs the committed length); a violation raises InvariantError. Default from
+    # SPECBENCH_INVARIANTS (the tests set it), else off; gate commands turn it on (engine string invariants=1).
+    check_invariants: bool = field(default_factory=lambda: env_flag("SPECBENCH_INVARIANTS", False))
     trace_ranges: bool = False  # NVTX / record_function ranges around step phases (for profiling)
 
     def __post_init__(self) -> None:

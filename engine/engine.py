@@ -6,6 +6,7 @@ One step reads as its five phases, each a call into the module named for it:
   forward   forward.py: ONE target forward over all spans (runner.py; the faults' forward hook)
   accept    accept_step.py: every span's new tokens (greedy match, rejection sampling, picks)
   commit    commit.py: KV rollback, drafter context, stop handling and outputs (output.py), counters
+then, with `EngineConfig.check_invariants`, the run-time invariants (invariants.py) after the commit.
 A request that cannot speculate (logprobs or prompt logprobs requested, sampling with spec sampling off,
 not draft-ready, one token left) runs as a span of 1 in the same step; it never turns speculation off for
 its neighbours. Which speculation a run uses (method, K, headroom) is decided once (spec/plan.py); the
@@ -27,6 +28,7 @@ from .commit import CommitStep
 from .config import ConfigError, EngineConfig, ModelConfig, SamplingParams
 from .faults import make_faults
 from .forward import run_forward
+from .invariants import InvariantChecker, InvariantError
 from .kv_cache import PagePool
 from .loader import torch_dtype
 from .memory import measure, plan_memory
@@ -45,7 +47,7 @@ from .spec.proposer import Proposer
 from .spec.synthetic import SyntheticAcceptance
 from .tokenizer import Tokenizer
 
-__all__ = ["LLMEngine", "RequestOutput", "AdmissionError"]
+__all__ = ["LLMEngine", "RequestOutput", "AdmissionError", "InvariantError"]
 log = logging.getLogger("specbench.engine")
 
 
@@ -88,6 +90,9 @@ class LLMEngine:
         self.accept_step = AcceptStep(self._gens, self.faults, self.synthetic, kernel=cfg.triton)
         self.commit_step = CommitStep(self.pool, self.scheduler, self.proposer, self.spec, self.metrics, self.output,
                                       self.faults, self._release)
+        self.invariants = InvariantChecker(self.pool, self.scheduler, self.proposer, self.spec) \
+            if cfg.check_invariants else None
+        self.step_count = 0  # step() calls so far (the step an InvariantError names)
         self._gen = torch.Generator().manual_seed(cfg.seed)
         self._ids = itertools.count()
         self._lock = threading.RLock()
@@ -116,6 +121,7 @@ class LLMEngine:
                 "gemv": self.cfg.gemv,
                 "batched_draft": self.cfg.spec.batched_draft, "verify_graph": self.cfg.verify_graph,
                 "draft_graph": self.cfg.draft_graph, "faults": sorted(self.faults.names),
+                "check_invariants": self.invariants is not None,
                 "synthetic_tau": self.cfg.spec.synthetic_tau if self.synthetic else None,
                 "memory": self.memory.describe()}
 
@@ -183,22 +189,27 @@ class LLMEngine:
     # ---- the step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One step: schedule -> propose -> forward -> accept -> commit. Returns the outputs of the requests
-        that got new tokens or finished."""
+        that got new tokens or finished. With `check_invariants` the run-time invariants are checked after
+        the commit (engine/invariants.py; InvariantError on a violation)."""
         with self._lock:
             self.metrics.steps += 1
+            self.step_count += 1
             with self.ranges.phase("schedule"):
                 ks = draft_lens(self.scheduler.running, self.proposer, self.spec)
                 plan = self.scheduler.schedule(ks)
-            if not plan.spans:
-                return []
-            with self.ranges.phase("draft"):
-                propose(plan, self.proposer, ks)
-            with self.ranges.phase("verify" if plan.has_verify else "forward"):
-                fwd = run_forward(plan, self.runner, self.proposer, self.faults)
-            with self.ranges.phase("accept"):
-                results = self.accept_step.accept(plan, fwd)
-            with self.ranges.phase("commit"):
-                return self.commit_step.commit(plan, results, fwd.taps)
+            outs: list[RequestOutput] = []
+            if plan.spans:
+                with self.ranges.phase("draft"):
+                    propose(plan, self.proposer, ks, self.faults)
+                with self.ranges.phase("verify" if plan.has_verify else "forward"):
+                    fwd = run_forward(plan, self.runner, self.proposer, self.faults)
+                with self.ranges.phase("accept"):
+                    results = self.accept_step.accept(plan, fwd)
+                with self.ranges.phase("commit"):
+                    outs = self.commit_step.commit(plan, results, fwd.taps)
+            if self.invariants is not None:
+                self.invariants.check(self.step_count)
+            return outs
 
     # ---- batch API -------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,

@@ -2,12 +2,16 @@
 
 Contract: an engine holds ONE `Faults` object, `make_faults(EngineConfig.faults)` (unknown names are
 refused), and calls one hook per phase that a fault can break:
+  propose  `on_propose(spans)` returns the step's `DraftKnobs` (how the batched draft lays out its block
+           positions);
   forward  `on_forward(runner, spans, rows, tap)` runs the target forward with the knobs the armed faults
-           set (K/V slot shift, mask leak, no verify graph) and may rewrite its logits;
-  accept   `accept_rule` is the speculative-sampling rule the batched resolve computes, and
-           `on_accept(spans, results)` rewrites greedy verify results before anything is recorded;
+           set (K/V slot shift, drafted rows' position shift, mask leak, no verify graph) and may rewrite
+           its logits;
+  accept   `accept_rule` is the accept rule the greedy match and the batched speculative-sampling resolve
+           compute, and `on_accept(spans, results)` rewrites greedy verify results before anything is
+           recorded;
   commit   `on_commit(spans)` returns the step's `CommitKnobs` (drafter context shift, rollback pages
-           dropped, tokens emitted past a stop).
+           dropped or kept, tokens emitted past a stop, stop ids honoured only at a run's end).
 With no fault armed it is `NO_FAULTS`, whose hooks are the plain calls and constants, so the switch costs
 nothing when off. The components take generic knobs and never see a fault name; kernels/ know nothing of
 faults. `specbench selftest` arms each fault and proves that some gate fails.
@@ -36,8 +40,19 @@ class ForwardKnobs:
     """How one step's target forward departs from the rule (see ModelRunner.forward)."""
 
     slot_shift: list[int] | None = None  # per span: K/V written this many slots late
+    pos_shift: list[int] | None = None  # per span: the positions of rows 1.. (the drafted tokens) shifted by this
     mask_leak: list[bool] | None = None  # per span: queries see one key past the causal limit
     verify_graph: bool = True  # False: a non-decode step runs the plain forward
+
+
+@dataclass(frozen=True)
+class DraftKnobs:
+    """How one step's draft pass departs from the rule (see DFlashProposer.propose)."""
+
+    tile_starts: bool = False  # block positions from the request starts tiled, not repeated per row
+
+
+NO_DRAFT_KNOBS = DraftKnobs()
 
 
 @dataclass(frozen=True)
@@ -46,10 +61,15 @@ class CommitKnobs:
 
     draft_shift: int = 0  # the drafter's context rows land this many positions late
     leak_pages: tuple[bool, ...] = ()  # per span: rejected tail pages leave the table but never reach the pool
+    keep_pages: tuple[int, ...] = ()  # per span: pages past the committed length the rollback keeps anyway
     emit_past_stop: bool = False  # tokens after a stop inside an accepted run are emitted too
+    stop_ids_at_end: bool = False  # EOS / stop_token_ids end a request only as the last token of a step's run
 
     def leak(self, i: int) -> bool:
         return i < len(self.leak_pages) and self.leak_pages[i]
+
+    def kept(self, i: int) -> int:
+        return self.keep_pages[i] if i < len(self.keep_pages) else 0
 
 
 NO_COMMIT_KNOBS = CommitKnobs()
@@ -60,6 +80,9 @@ class Fault:
 
     name: ClassVar[str]
     description: ClassVar[str]
+
+    def draft(self, spans: list[Span], knobs: DraftKnobs) -> DraftKnobs:
+        return knobs
 
     def forward(self, spans: list[Span], knobs: ForwardKnobs) -> None:
         """Set this step's forward knobs."""
@@ -173,6 +196,49 @@ class EmitPastStop(Fault):
         return replace(knobs, emit_past_stop=True)
 
 
+# Bug classes that slipped through every token gate at defaults (#18); each a one- or two-line change.
+class RollbackKeepsPage(Fault):
+    name = "rollback_keeps_page"
+    description = "the rollback keeps one page past the committed length (held until the request is freed)"
+
+    def commit(self, spans: list[Span], knobs: CommitKnobs) -> CommitKnobs:
+        return replace(knobs, keep_pages=tuple(int(v) for v in _verify(spans)))
+
+
+class VerifyPosShift(Fault):
+    name = "verify_pos_shift"
+    description = "the verify forward's drafted tokens sit one position late (the anchor's position is right)"
+
+    def forward(self, spans: list[Span], knobs: ForwardKnobs) -> None:
+        knobs.pos_shift = [int(v) for v in _verify(spans)]
+        knobs.verify_graph = False
+
+
+class BatchedDraftPos(Fault):
+    name = "batched_draft_pos"
+    description = "the batched draft tiles the requests' block starts (repeat, not repeat_interleave): " \
+                  "wrong positions whenever more than one request drafts"
+
+    def draft(self, spans: list[Span], knobs: DraftKnobs) -> DraftKnobs:
+        return replace(knobs, tile_starts=True)
+
+
+class AcceptTolerance(Fault):
+    name = "accept_tolerance"
+    description = "a greedy draft is accepted when its target logit is within 0.1 of the max"
+
+    def rule(self, rule: AcceptRule) -> AcceptRule:
+        return replace(rule, greedy_tol=0.1)
+
+
+class EosInRun(Fault):
+    name = "eos_in_run"
+    description = "EOS and stop_token_ids are honoured only as the last token of an accepted run"
+
+    def commit(self, spans: list[Span], knobs: CommitKnobs) -> CommitKnobs:
+        return replace(knobs, stop_ids_at_end=True)
+
+
 # Sampling faults (speculative sampling): variants of the accept rule, computed by both resolve paths.
 class BiasedAccept(Fault):
     name = "biased_accept"
@@ -199,7 +265,9 @@ class ReusedUniform(Fault):
 
 
 _REGISTRY: tuple[type[Fault], ...] = (KVOffset, SkipRollback, WrongBonus, AcceptOffByOne, DraftCtxMisaligned,
-                                      MaskLeak, StaleShape, EmitPastStop, BiasedAccept, ResampleFromP, ReusedUniform)
+                                      MaskLeak, StaleShape, EmitPastStop, RollbackKeepsPage, VerifyPosShift,
+                                      BatchedDraftPos, AcceptTolerance, EosInRun,
+                                      BiasedAccept, ResampleFromP, ReusedUniform)
 FAULTS: dict[str, str] = {f.name: f.description for f in _REGISTRY}
 # The order armed faults' hooks run in where two touch the same values: one more accepted draft first, then
 # the bonus taken late (as the engine always applied them).
@@ -219,13 +287,19 @@ class Faults:
             rule = f.rule(rule)
         self.accept_rule: AcceptRule = rule
 
+    def on_propose(self, spans: list[Span]) -> DraftKnobs:
+        knobs = NO_DRAFT_KNOBS
+        for f in self._armed:
+            knobs = f.draft(spans, knobs)
+        return knobs
+
     def on_forward(self, runner: ModelRunner, spans: list[Span], rows: list[int], tap: tuple[int, ...]
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         knobs = ForwardKnobs()
         for f in self._armed:
             f.forward(spans, knobs)
-        logits, taps = runner.forward(spans, rows, tap, slot_shift=knobs.slot_shift, mask_leak=knobs.mask_leak,
-                                      verify_graph=knobs.verify_graph)
+        logits, taps = runner.forward(spans, rows, tap, slot_shift=knobs.slot_shift, pos_shift=knobs.pos_shift,
+                                      mask_leak=knobs.mask_leak, verify_graph=knobs.verify_graph)
         for f in self._armed:
             logits = f.logits(spans, logits)
         return logits, taps
@@ -246,6 +320,9 @@ class _NoFaults(Faults):
 
     def __init__(self) -> None:
         super().__init__(frozenset())
+
+    def on_propose(self, spans: list[Span]) -> DraftKnobs:
+        return NO_DRAFT_KNOBS
 
     def on_forward(self, runner: ModelRunner, spans: list[Span], rows: list[int], tap: tuple[int, ...]
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -9,7 +9,9 @@ Contract:
 - Speculation is a transaction: `reserve(rid, n)` grows capacity to cover `length + n` tokens,
   `commit(rid, new_length)` records the accepted length and returns every page past it to the free list
   (the rollback of the rejected tail). A request's pages go back on `free`.
-Invariant: free + allocated == num_pages at all times; a page is owned by at most one request.
+Invariant: free + allocated == num_pages at all times; a page is owned by at most one request. Checked
+by `check()` (at idle) and, after every step when `EngineConfig.check_invariants` is on, by
+engine/invariants.py through the read-only views `owned()`, `free_pages()` and `last_owner()`.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class PagePool:
         # Pop from the end: low page ids are handed out first, which keeps tests readable.
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._reqs: dict[str, _Entry] = {}
+        self._last_owner: dict[int, str] = {}  # page -> the request it was last handed to (names a lost page)
 
     # ---- queries -------------------------------------------------------------------------------
     @property
@@ -77,6 +80,17 @@ class PagePool:
     def __contains__(self, rid: str) -> bool:
         return rid in self._reqs
 
+    def owned(self) -> dict[str, list[int]]:
+        """Each request's page table (the pool's own lists: read, never change them)."""
+        return {rid: e.table for rid, e in self._reqs.items()}
+
+    def free_pages(self) -> list[int]:
+        """The free list (the pool's own list: read, never change it)."""
+        return self._free
+
+    def last_owner(self, page: int) -> str | None:
+        return self._last_owner.get(page)
+
     # ---- mutations -----------------------------------------------------------------------------
     def admit(self, rid: str, lifetime_tokens: int) -> None:
         if rid in self._reqs:
@@ -92,23 +106,26 @@ class PagePool:
         if need > len(self._free):
             raise KVCacheError(f"request {rid!r}: pool exhausted ({need} pages needed, {len(self._free)} free)")
         for _ in range(max(0, need)):
-            e.table.append(self._free.pop())
+            page = self._free.pop()
+            e.table.append(page)
+            self._last_owner[page] = rid
 
     def reserve(self, rid: str, extra: int) -> None:
         """Speculative reservation: slots for `length + extra` tokens."""
         self.ensure(rid, self._reqs[rid].length + extra)
 
-    def commit(self, rid: str, new_length: int, leak: bool = False) -> None:
+    def commit(self, rid: str, new_length: int, leak: bool = False, keep_extra: int = 0) -> None:
         """Record `new_length` committed tokens and release pages wholly past it (the rollback).
 
-        `leak=True`: the pages leave the table but never reach the free list (lost; only the self-test's
-        skip_rollback fault asks for it)."""
+        Self-test knobs (engine/faults.py), never set otherwise: `leak=True`: the pages leave the table but
+        never reach the free list (lost; skip_rollback); `keep_extra=n`: the rollback keeps up to n pages
+        past the committed length in the table (held until the request is freed; rollback_keeps_page)."""
         e = self._reqs[rid]
         if new_length > len(e.table) * self.page_size:
             raise KVCacheError(f"request {rid!r}: commit of {new_length} tokens past capacity "
                                f"{len(e.table) * self.page_size}")
         e.length = new_length
-        keep = pages_for(new_length, self.page_size)
+        keep = pages_for(new_length, self.page_size) + keep_extra
         while len(e.table) > keep:
             page = e.table.pop()
             if not leak:

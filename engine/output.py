@@ -4,7 +4,8 @@ Contract: `OutputWriter.append(req, tokens, logprobs)` appends a step's tokens i
 request at the first stop: EOS (unless ignore_eos; the model's, its generation_config's and the
 tokenizer's), a stop token id, a stop string (the text is cut there, or after it with
 include_stop_str_in_output), or max_tokens. Nothing is appended after a finish, so a stop inside an
-accepted run of drafts ends the request there (`past_stop` is the self-test's knob that breaks this).
+accepted run of drafts ends the request there (`past_stop` and `stop_ids_at_end` are the self-test's knobs
+that break this: tokens past a stop emitted; EOS and stop ids seen only as a run's last token).
 `build(req, new)` is the request's snapshot after a step: the text is decoded in full once finished,
 else up to the last complete character (`Tokenizer.decode_prefix_safe`).
 """
@@ -66,9 +67,11 @@ class OutputWriter:
     def __init__(self, tokenizer: Tokenizer, eos: set[int], metrics: EngineMetrics) -> None:
         self.tokenizer, self.eos, self.metrics = tokenizer, eos, metrics
 
-    def append(self, req: Request, toks: list[int], lps: list | None, past_stop: bool = False) -> None:
+    def append(self, req: Request, toks: list[int], lps: list | None, past_stop: bool = False,
+               stop_ids_at_end: bool = False) -> None:
         now = time.perf_counter()
         p = req.params
+        last = len(toks) - 1
         for i, t in enumerate(toks):
             if req.finished and not past_stop:
                 break
@@ -79,9 +82,10 @@ class OutputWriter:
                 req.logprobs.append(lps[i])
             if req.finished:
                 continue
-            if not p.ignore_eos and t in self.eos:
+            ids_seen = not stop_ids_at_end or i == last
+            if ids_seen and not p.ignore_eos and t in self.eos:
                 req.finish("stop", None)
-            elif t in p.stop_token_ids:
+            elif ids_seen and t in p.stop_token_ids:
                 req.finish("stop", t)
             elif p.stop and self._stop_string(req):
                 pass

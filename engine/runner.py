@@ -16,8 +16,9 @@ what fits neither (more rows than the largest bucket holds, or a step called wit
 runs the plain forward. On CPU the plain forward and the torch reference ops are all there is, unless a
 test installs the graph runners with capture=False (`use_graph_runner = True`): the same padded bodies,
 run eagerly.
-`forward`'s `slot_shift` / `mask_leak` perturb the plain forward (K/V written late, one future key
-visible); only the self-test (engine/faults.py) sets them, with `verify_graph=False`.
+`forward`'s `slot_shift` / `pos_shift` / `mask_leak` perturb the plain forward (K/V written late, the
+drafted rows' positions shifted, one future key visible); only the self-test (engine/faults.py) sets
+them, with `verify_graph=False`.
 """
 
 from __future__ import annotations
@@ -120,10 +121,11 @@ class ModelRunner:
 
     def metadata(self, spans: list[Span], causal: bool = True, q_lens: list[int] | None = None,
                  slot_shift: list[int] | None = None, mask_leak: list[bool] | None = None,
-                 ) -> tuple[AttentionMetadata, torch.Tensor]:
+                 pos_shift: list[int] | None = None) -> tuple[AttentionMetadata, torch.Tensor]:
         """Attention metadata and positions for the spans. slot_shift[i]: span i's K/V land that many slots
         late (its slots are allocated here); mask_leak[i]: span i's queries see one key past the causal
-        limit (causal metadata only)."""
+        limit (causal metadata only); pos_shift[i]: span i's rows after the first take positions that
+        much late (their slots stay right)."""
         q_lens = q_lens or [len(s.tokens) for s in spans]
         slots: list[int] = []
         positions: list[int] = []
@@ -132,7 +134,8 @@ class ModelRunner:
             if shift:
                 self.pool.ensure(s.req.rid, s.start + shift + n)
             slots += self.pool.slots(s.req.rid, s.start + shift, s.start + shift + n)
-            positions += range(s.start, s.start + n)
+            dp = pos_shift[i] if pos_shift else 0
+            positions += [s.start + j + (dp if j else 0) for j in range(n)] if dp else range(s.start, s.start + n)
         leak = mask_leak if causal else None
         shifts = slot_shift or [0] * len(spans)
         meta = AttentionMetadata(
@@ -148,11 +151,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, spans: list[Span], logit_rows: list[int], tap: tuple[int, ...] = (), *,
-                slot_shift: list[int] | None = None, mask_leak: list[bool] | None = None,
-                verify_graph: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                slot_shift: list[int] | None = None, pos_shift: list[int] | None = None,
+                mask_leak: list[bool] | None = None, verify_graph: bool = True,
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """fp32 logits of `logit_rows` (flat row indices) and the tapped layers' outputs, concatenated.
         A decode-only step may take the decode graphs, any other step the verify graphs (unless
-        `verify_graph` is False). slot_shift / mask_leak (see `metadata`) act in the plain forward only:
+        `verify_graph` is False). slot_shift / pos_shift / mask_leak (see `metadata`) act in the plain forward only:
         the self-test sets them on verify spans alone, with verify_graph=False."""
         if self.use_graph_runner and all(len(s.tokens) == 1 and s.kind == "decode" for s in spans):
             graphs = self.decode_graphs(tuple(tap))
@@ -163,7 +167,7 @@ class ModelRunner:
             key = vg.key(spans)
             if key is not None:
                 return vg.run(spans, logit_rows, key)
-        meta, positions = self.metadata(spans, slot_shift=slot_shift, mask_leak=mask_leak)
+        meta, positions = self.metadata(spans, slot_shift=slot_shift, mask_leak=mask_leak, pos_shift=pos_shift)
         ids = torch.tensor([t for s in spans for t in s.tokens], dtype=torch.long, device=self.device)
         self.backend.plan(meta)
         hidden, taps = self.model(ids, positions, self.backend, self.kv, self.rope, tap)

@@ -4,10 +4,11 @@ Forms (options are comma-separated key=value after the target):
   local[:<model_dir>][,draft=<dir>][,spec=off|dflash|ngram][,k=N][,device=cpu|cuda[:i]][,dtype=D]
         [,num_pages=N][,faults=a+b][,name=X][,tau=T][,max_num_seqs=N][,attention=auto|torch|flashinfer]
         [,eager=0|1][,verify_graph=0|1][,draft_graph=0|1][,triton=0|1][,decode_tensor_cores=0|1][,gemv=0|1]
-        [,decode_attention=flashinfer|triton]
+        [,decode_attention=flashinfer|triton][,invariants=0|1]
         (no model_dir = the bundled tiny pair; tau = synthetic acceptance length for speed curves on random
         weights, labelled, never lossless; eager / verify_graph / draft_graph / triton: the GPU fast-path
-        switches, docs/gpu.md)
+        switches, docs/gpu.md; invariants: the engine's run-time invariants after every step,
+        engine/invariants.py, on by default in gate commands: `gate_specs`)
   openai:<base_url>[,model=M][,stream=0|1][,extras=0|1][,timeout=S][,retries=N][,api_key=K][,name=X]
         [,tokenizer=<dir>][,dialect=llamacpp|vllm|sglang|specbench|openai][,probe=0|1][,ready_timeout=S]
         (probe: detect the endpoint's dialect and capabilities first, default on; dialect forces one;
@@ -42,7 +43,7 @@ FORMS = ("local[:<model_dir>][,draft=<dir>][,spec=off|dflash|ngram][,k=N][,devic
 OPTIONS = {
     "local": ("draft", "spec", "k", "device", "dtype", "num_pages", "faults", "name", "max_model_len", "tau",
               "max_num_seqs", "attention", "eager", "verify_graph", "draft_graph", "triton", "gemv",
-              "decode_tensor_cores", "decode_attention", "gpu_memory_utilization"),
+              "decode_tensor_cores", "decode_attention", "gpu_memory_utilization", "invariants"),
     "openai": ("model", "stream", "extras", "timeout", "retries", "api_key", "name", "tokenizer", "dialect", "probe",
                "ready_timeout"),
     "hf": ("assistant", "lookup", "device", "dtype", "name"),
@@ -137,7 +138,7 @@ def parse_engine(raw: str) -> EngineSpec:
     if opts.get("decode_attention") is not None and opts["decode_attention"] not in DECODE_ATTENTION:
         raise _fail(raw, f"decode_attention={opts['decode_attention']!r} is invalid: expected one of "
                     f"{', '.join(DECODE_ATTENTION)}")
-    for key in SWITCHES:
+    for key in (*SWITCHES, "invariants"):
         if key in opts and opts[key] not in BOOLS:
             raise _fail(raw, f"{key}={opts[key]!r} is invalid: expected 0 or 1")
     if "gpu_memory_utilization" in opts:
@@ -221,6 +222,20 @@ def baseline_and_candidate(baseline: str | None, candidate: str | None) -> tuple
     return spec_off_twin(cand), cand
 
 
+def gate_specs(specs: list[EngineSpec]) -> list[EngineSpec]:
+    """The engines of a gate command (lossless, selftest, sampled): every local engine checks its run-time
+    invariants after every step (`invariants=1`: pages per request, the pool's partition, the drafter's
+    context; engine/invariants.py), so a violation fails the gate with the request, the step and the
+    numbers; an engine string that says `invariants=0` (or 1) keeps its own choice. Other kinds are left
+    as given (remote engines have no such switch)."""
+    out = []
+    for s in specs:
+        if s.kind == "local" and "invariants" not in s.options:
+            s = EngineSpec(s.kind, s.target, {**s.options, "invariants": "1"}, s.raw + ",invariants=1")
+        out.append(s)
+    return out
+
+
 def share_gpu(specs: list[EngineSpec], utilization: float = 0.85) -> list[EngineSpec]:
     """Split one device between the local CUDA engines a command builds in one process.
 
@@ -281,6 +296,8 @@ def build_adapter(spec: EngineSpec | str, name: str | None = None) -> EngineAdap
         for key in SWITCHES:
             if key in o:
                 kw[key] = spec.opt_bool(key, False)
+        if "invariants" in o:
+            kw["check_invariants"] = spec.opt_bool("invariants", False)
         return LocalAdapter.from_dirs(target, draft=draft, spec=method, k=spec.opt_int("k"),
                                       device=o.get("device", "cpu"), dtype=o.get("dtype", "float32"), name=name, **kw)
     if spec.kind == "openai":

@@ -8,6 +8,9 @@ import pytest
 import torch
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Every engine a test builds checks its run-time invariants after every step (engine/invariants.py), unless
+# the test says otherwise (EngineConfig.check_invariants=False, or the engine string invariants=0).
+os.environ.setdefault("SPECBENCH_INVARIANTS", "1")
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,8 @@ Context invariant: for a draft-ready request, the drafter's cache holds context 
 request's committed positions [0, num_computed). After each target forward the committed rows' tapped
 features are projected (fc + hidden_norm) and their K/V written at those positions ("K-only" rows: no
 queries). After a verify that accepted m drafts that is m + 1 rows (anchor + accepted drafts); the bonus
-token has no features yet and becomes the next anchor.
+token has no features yet and becomes the next anchor. `context(rid)` reports (ctx_len, the end of the
+positions the last rows were written at); engine/invariants.py checks both equal num_computed.
 
 The draft for N requests is ONE pass over an [N * B] row buffer: block = [anchor, MASK x (B-1)] at
 positions [start, start + B), attention non-causal over the request's context plus its own block through
@@ -33,7 +34,7 @@ from ..rope import RotaryCache
 from ..runner import ModelRunner
 from ..sampler import draw_rows, sampling_probs_rows, uniforms
 from ..scheduler import Span
-from .dflash_graphs import DraftGraphs
+from .dflash_graphs import DraftGraphs, block_positions
 from .proposer import Proposer
 
 
@@ -51,6 +52,7 @@ class DFlashProposer(Proposer):
         self.rope = RotaryCache(draft.cfg, runner.device, runner.dtype,
                                 max_pos=max(draft.cfg.max_position_embeddings, runner.mcfg.max_position_embeddings))
         self.ctx_len: dict[str, int] = {}
+        self.ctx_end: dict[str, int] = {}  # one past the last position whose slot got a context row
         self.graphs: DraftGraphs | None = None  # built at the first draft on the graph path
         self.use_graphs = runner.use_graph_runner and runner.cfg.draft_graph
 
@@ -76,6 +78,7 @@ class DFlashProposer(Proposer):
                     self.pool.ensure(rid, s.start + ctx_shift + c)
                 slots += self.pool.slots(rid, s.start + ctx_shift, s.start + ctx_shift + c)
                 self.ctx_len[rid] = s.start + c
+                self.ctx_end[rid] = s.start + ctx_shift + c
             off += len(s.tokens)
         if not rows:
             return
@@ -97,15 +100,19 @@ class DFlashProposer(Proposer):
 
     def release(self, req):
         self.ctx_len.pop(req.rid, None)
+        self.ctx_end.pop(req.rid, None)
+
+    def context(self, rid: str) -> tuple[int, int] | None:
+        return self.ctx_len.get(rid, 0), self.ctx_end.get(rid, 0)
 
     # ---- draft ----------------------------------------------------------------------------------
-    def propose(self, spans, ks):
+    def propose(self, spans, ks, tile_starts=False):
         if not spans:
             return
         groups = [spans] if self.batched else [[s] for s in spans]
         kmap = {id(s): k for s, k in zip(spans, ks, strict=True)}
         for g in groups:
-            logits = self.draft_logits(g)
+            logits = self.draft_logits(g, tile_starts)
             greedy = [i for i, s in enumerate(g) if s.req.params.greedy]
             if greedy:
                 drafts = logits[torch.tensor(greedy, device=logits.device)].argmax(-1).tolist() \
@@ -127,18 +134,18 @@ class DFlashProposer(Proposer):
                     g[i].drafts = drawn[j][:k]
                     g[i].draft_probs = q[j, :k]
 
-    def draft_logits(self, spans: list[Span]) -> torch.Tensor:
+    def draft_logits(self, spans: list[Span], tile_starts: bool = False) -> torch.Tensor:
         """Draft logits [N, B - 1, V] for block slots 1..B-1 of each span's request."""
         if self.use_graphs or self.graphs is not None:
             g, r = self.graphs, self.runner
             if g is None or g.stack.backend is not r.backend or g.stack.ops is not r.model.ops:
                 g = self.graphs = DraftGraphs(self, capture=not r.cfg.eager)  # first use, or a swapped backend/op set
             if g.can_run(spans):
-                return g.run(spans)
-        return self.draft_logits_plain(spans)
+                return g.run(spans, tile_starts)
+        return self.draft_logits_plain(spans, tile_starts)
 
     @torch.inference_mode()
-    def draft_logits_plain(self, spans: list[Span]) -> torch.Tensor:
+    def draft_logits_plain(self, spans: list[Span], tile_starts: bool = False) -> torch.Tensor:
         """The simple path: one unpadded eager pass with the torch reference ops."""
         cfg, b, n = self.draft.cfg, self.block, len(spans)
         dev = self.runner.device
@@ -148,6 +155,8 @@ class DFlashProposer(Proposer):
         ids[:, 0] = torch.tensor([s.tokens[0] for s in spans], dtype=torch.long, device=dev)
         x = F.embedding(ids.reshape(-1), self.target.embed) * self.draft.input_embedding_scale
         meta, pos = self.runner.metadata(spans, causal=False, q_lens=[b] * n)
+        if tile_starts:
+            pos = torch.tensor(block_positions([s.start for s in spans], b, tile_starts), dtype=torch.long, device=dev)
         backend = self.runner.backend
         backend.plan(meta)
         hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -163,3 +172,4 @@ class DFlashProposer(Proposer):
             x = x + F.linear(swiglu(F.linear(rms_norm(x, ly.post_norm, cfg.rms_norm_eps), ly.gate_up_w)), ly.down_w)
         h = rms_norm(x, self.draft.norm, cfg.rms_norm_eps).reshape(n, b, -1)[:, 1:]
         return self.target.logits(h)
+

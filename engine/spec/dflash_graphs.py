@@ -32,6 +32,17 @@ if TYPE_CHECKING:
     from .dflash import DFlashProposer
 
 
+def block_positions(starts: list[int], block: int, tile_starts: bool = False) -> list[int]:
+    """The positions of N draft blocks laid out row after row: request i's block is [start_i, start_i + B).
+    `tile_starts` is the self-test's batched_draft_pos fault: the starts tiled across rows (torch's
+    `starts.repeat(B)` where `starts.repeat_interleave(B)` was meant), the same for one request and wrong
+    for every request of a batch of several."""
+    n = len(starts)
+    if tile_starts:
+        return [starts[r % n] + r % block for r in range(n * block)]
+    return [s + j for s in starts for j in range(block)]
+
+
 class DraftStack(PiecewiseStack):
     name = "draft"
 
@@ -75,8 +86,9 @@ class DraftGraphs:
         return 0 < len(spans) <= self.buckets[-1]
 
     @torch.inference_mode()
-    def run(self, spans: list[Span]) -> torch.Tensor:
-        """Draft logits [N, B - 1, V] (a view of the static buffer)."""
+    def run(self, spans: list[Span], tile_starts: bool = False) -> torch.Tensor:
+        """Draft logits [N, B - 1, V] (a view of the static buffer). `tile_starts`: the self-test's wrong
+        block positions (dflash.block_positions)."""
         p = self.proposer
         r, pool, blk = p.runner, p.pool, p.block
         n = len(spans)
@@ -91,7 +103,7 @@ class DraftGraphs:
         block = torch.full((n, blk), p.draft.mask_token_id, dtype=torch.long)
         block[:, 0] = torch.tensor([s.tokens[0] for s in spans], dtype=torch.long)
         host[0, :real] = block.reshape(-1)
-        host[1, :real] = torch.tensor([q for s in spans for q in range(s.start, s.start + blk)], dtype=torch.long)
+        host[1, :real] = torch.tensor(block_positions([s.start for s in spans], blk, tile_starts), dtype=torch.long)
         host[2, :real] = torch.tensor([x for s in spans for x in pool.slots(s.req.rid, s.start, s.start + blk)],
                                       dtype=torch.long)
         io = self.stack.io

@@ -29,7 +29,10 @@ class Proposer:
     def ready(self, req: Request) -> bool:
         return True
 
-    def propose(self, spans: list[Span], ks: list[int]) -> None:
+    def propose(self, spans: list[Span], ks: list[int], tile_starts: bool = False) -> None:
+        """Fill each span's drafts (at most ks[i]). `tile_starts`: a batched block draft lays out its
+        positions from the request starts tiled instead of repeated per row (only the self-test sets it;
+        proposers without block positions ignore it)."""
         raise NotImplementedError
 
     def observe(self, spans: list[Span], committed: list[int], taps: torch.Tensor | None,
@@ -39,6 +42,13 @@ class Proposer:
 
     def release(self, req: Request) -> None:
         """The request finished or was aborted."""
+
+    def context(self, rid: str) -> tuple[int, int] | None:
+        """A proposer with per-position context (the DFlash drafter's K/V rows): (the context length it
+        tracks, one past the last position its rows were written at), both 0 before any; None for a
+        proposer that keeps none (n-gram, oracle). engine/invariants.py holds both to the request's
+        committed length after every step."""
+        return None
 
 
 class NgramProposer(Proposer):
@@ -62,7 +72,7 @@ class NgramProposer(Proposer):
                         return follow
         return []
 
-    def propose(self, spans: list[Span], ks: list[int]) -> None:
+    def propose(self, spans: list[Span], ks: list[int], tile_starts: bool = False) -> None:
         for s, k in zip(spans, ks, strict=True):
             s.drafts = self.lookup(s.req.all_ids, k)
 
@@ -85,7 +95,7 @@ class OracleProposer(Proposer):
         self.vocab = vocab_size
         self.steps: dict[str, int] = {}
 
-    def propose(self, spans: list[Span], ks: list[int]) -> None:
+    def propose(self, spans: list[Span], ks: list[int], tile_starts: bool = False) -> None:
         for s, k in zip(spans, ks, strict=True):
             req = s.req
             cont = self.cont[tuple(req.prompt_ids)]

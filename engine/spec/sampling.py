@@ -11,7 +11,8 @@ once from its own generator; a whole batch of requests is resolved on the device
 (the accepted counts and emitted tokens).
 Greedy is the exact limit handled elsewhere (argmax), never a temperature clamp.
 `AcceptRule` names the three steps of the rule that a caller may swap for a lossy variant (the self-test
-does, through engine/faults.py, to prove its gates notice); the default is the rule above.
+does, through engine/faults.py, to prove its gates notice), and the greedy match's tolerance
+(spec/accept.py); the default is the rule above and the exact greedy match.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ class AcceptRule:
     q_over_p: bool = False  # accept with min(1, q/p) instead of min(1, p/q)
     one_uniform: bool = False  # every ratio test of a request reads its first uniform
     draw_from_p: bool = False  # after a rejection draw from p instead of the residual (p - q)^+
+    # greedy (spec/accept.py, not the sampled resolve): a draft also matches when its target logit is within
+    # this of the row's max (0: the exact argmax match)
+    greedy_tol: float = 0.0
 
 
 LOSSLESS = AcceptRule()

@@ -9,6 +9,12 @@ request's task aborts it in the engine, freeing its KV.
 Capabilities (base.py): "faults" (the engine's fault catalogue; `with_faults` builds a fresh engine from
 this one's config with `EngineConfig.faults` set) and "decode_window" (the loop thread is held off while
 the caller steps the engine itself; phase ranges are on when the engine was built with `trace_ranges`).
+Run-time invariants: an engine built with `EngineConfig.check_invariants` (engine string `invariants=1`; the
+gate commands set it, harness/engines.py `gate_specs`; `with_faults` keeps it) checks its page accounting and
+drafter context after every step; a violation raises `InvariantError` inside the step, and every request in
+flight then comes back failed with its message ("EngineFailure: engine step failed: ...InvariantError: step
+N: request 'R' owns 6 pages where its committed length needs 5 (...)"), which a gate reports as a failed
+prompt (FAIL).
 """
 
 from __future__ import annotations
