@@ -364,7 +364,7 @@ def test_lm_eval_local_completions_client(served, reference, prompts):
 
 
 def test_serve_command_subprocess(tiny_pair, tmp_path):
-    """`specbench serve` as users run it: answers, then exits cleanly on SIGINT."""
+    """`specbench serve` as users run it: warms up, is ready, answers, then exits cleanly on SIGINT."""
     import signal
     import socket
     import subprocess
@@ -378,12 +378,18 @@ def test_serve_command_subprocess(tiny_pair, tmp_path):
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        for _ in range(300):
+        health = None
+        for _ in range(600):  # ready, not just up: 503 "starting" while the warm-up runs
             try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                h = httpx.get(url + "/health", timeout=1)
+                if h.status_code == 200:
+                    health = h.json()
                     break
+                assert h.status_code == 503 and h.json()["status"] == "starting"
             except httpx.HTTPError:
-                time.sleep(0.1)
+                pass
+            time.sleep(0.1)
+        assert health is not None and health["ready"] is True and health["warmup"]["state"] == "done"
         r = httpx.post(url + "/v1/completions", json={"model": "cli", "prompt": "1 + 1 =", "max_tokens": 3,
                                                       "temperature": 0}, timeout=30)
         assert r.status_code == 200 and r.json()["choices"][0]["index"] == 0

@@ -24,7 +24,7 @@ Contract:
     (chunked prefill through the plain forward), beside two short requests whose decode / verify spans
     share those steps.
   A phase whose requests the engine refuses (a pool too small for the long prompt) is recorded as skipped.
-- The engine's RNG is untouched (every sampled request carries its own seed) and its counters are reset
+- The engine's RNG is untouched (every warm-up request carries its own seed) and its counters are reset
   afterwards (`EngineMetrics.reset`): /metrics starts from zero at ready, and the server samples as a
   server without the warm-up would.
 - `stop` (a threading.Event) is checked between steps: a server shut down during the warm-up ends it.
@@ -32,7 +32,7 @@ Contract:
   the loop records it as a failed warm-up and serves anyway).
 - `progress(**fields)` is called before each phase (`phase`, `phases_done`, `phases`).
 - Returns {"plan", "phases": [{"name", "requests", "steps", "seconds"} | {"name", "skipped"}], "requests",
-  "steps", "tokens", "warmup_s", "counted" (the engine's counters before the reset: drafts, accepted, ...),
+  "steps", "tokens", "warmup_s", "counted" (what the warm-up added to the engine's counters before their reset: drafts, ...),
   "fast_path" (engine.fast_path_stats()), "verify_rows_missing" (graph row counts the
   plan meant to capture and the engine did not), "caches" (`kernel_caches()`)}; logs each phase at debug
   and one summary line at info ("specbench.server").
@@ -103,7 +103,7 @@ def default_plan(engine: Any) -> WarmupPlan:
 
 def _params(kind: str, seed: int, max_tokens: int, **kw: Any) -> SamplingParams:
     if kind == "greedy":
-        return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+        return SamplingParams(max_tokens=max_tokens, temperature=0.0, seed=seed, ignore_eos=True, **kw)
     if kind == "sampled":
         return SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed, ignore_eos=True, **kw)
     return SamplingParams(max_tokens=max_tokens, temperature=0.7, top_p=0.9, top_k=40, seed=seed,
@@ -194,6 +194,7 @@ def run_warmup(engine: Any, stop: threading.Event | None = None, progress: Calla
     caches = kernel_caches()
     log.info("warm-up: %d phases (batch sizes %s); compiled kernels persist in %s (FlashInfer JIT), %s (Triton)",
              len(phases), ",".join(map(str, plan.batch_sizes)), caches["flashinfer_jit"], caches["triton"])
+    before = engine.metrics.snapshot() if hasattr(engine.metrics, "snapshot") else {}
     t0 = time.perf_counter()
     try:
         for i, (name, reqs) in enumerate(phases):
@@ -216,7 +217,8 @@ def run_warmup(engine: Any, stop: threading.Event | None = None, progress: Calla
         record.append({"name": "stopped", "skipped": "the server is shutting down"})
     finally:
         run.abort_all()
-        counted = engine.metrics.snapshot() if hasattr(engine.metrics, "snapshot") else {}
+        after = engine.metrics.snapshot() if hasattr(engine.metrics, "snapshot") else {}
+        counted = {k: v - before.get(k, 0) for k, v in after.items() if isinstance(v, int)}
         reset = getattr(engine.metrics, "reset", None)
         if callable(reset):
             reset()
