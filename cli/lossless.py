@@ -40,6 +40,12 @@ def lossless(
     results: Path | None = typer.Option(None, "--results", help="Results directory (default $SPECBENCH_RESULTS or ./results)."),
     no_record: bool = typer.Option(False, "--no-record", help="Do not write a results run."),
     tokenizer: Path | None = typer.Option(None, "--tokenizer", help="The model's tokenizer directory (tokenizer.json), used locally, round-trip checked, for an openai endpoint that cannot tokenize."),
+    rate_test: bool = typer.Option(False, "--rate-test", help="Also run the divergence-rate gate: spec-on divergences per compared token vs the baseline's own spec-off batch noise on the same prompts (one-sided exact test)."),
+    batch_invariance: bool = typer.Option(False, "--batch-invariance", help="Also run the batch-invariance gates: both arms at every --batch-levels level vs their own c1 run (regret rule), and the spec-on vs spec-off batch-rate test."),
+    batch_levels: str = typer.Option("1,8,32", "--batch-levels", help="Concurrency levels of the batch gates (c1 is the reference)."),
+    batch_prompts: int | None = typer.Option(None, "--batch-prompts", min=1, help="Prompts (mixed lengths) of the batch-invariance gates. Default: the largest level."),
+    rate_alpha: float = typer.Option(0.01, "--rate-alpha", help="Significance level of the divergence-rate tests."),
+    rate_detect: float = typer.Option(5.0, "--rate-detect", help="Power rule: the rate (per 1,000 tokens, at least 2x the noise) the rate test must be able to see; below it CANNOT TEST."),
 ) -> None:
     """Is speculation lossless? Greedy spec-on vs spec-off, every divergence judged by its regret.
 
@@ -53,6 +59,7 @@ def lossless(
         share_gpu,
     )
     from specbench.harness.results import open_run
+    from specbench.suites.lossless.batch import parse_levels
     from specbench.suites.lossless.prompts import DATASETS
     from specbench.suites.lossless.report import render_console, render_markdown
     from specbench.suites.lossless.suite import SUITE_VERSION, LosslessConfig, LosslessError, run_lossless
@@ -65,7 +72,9 @@ def lossless(
         cfg = LosslessConfig(margin_tol=margin_tol, dataset=dataset, num_prompts=num_prompts, max_tokens=max_tokens,
                              max_divergences=max_divergences, rescore=rescore, concurrency=concurrency,
                              concurrent=concurrent, engine_gates=engine_gates, min_accept_len=min_accept_len,
-                             expect_accept_len=expect_accept_len)
+                             expect_accept_len=expect_accept_len, rate_test=rate_test,
+                             batch_invariance=batch_invariance, batch_levels=parse_levels(batch_levels),
+                             batch_prompts=batch_prompts, rate_alpha=rate_alpha, rate_detect=rate_detect)
         from specbench.harness.adapters.dialect import with_tokenizer
 
         bspec, cspec = share_gpu(gate_specs(with_tokenizer(list(baseline_and_candidate(baseline, candidate)), tokenizer)))

@@ -17,6 +17,9 @@ Contract:
   re-scoring the candidate could not do, untestable prompts, the engines' missing capabilities); the
   reports print it beside the verdict. `expect_accept_len` adds an acceptance-regression check to the
   greedy gate (10% tolerance on the accepted-length excess over 1).
+- `rate_test` adds the "divergence-rate" gate (greedy + concurrent divergences per compared token against
+  the baseline's own batch noise on the same prompts); `batch_invariance` the "batch cN spec-off/on" gates
+  and "batch-rate" (batch.py; `batch_levels`, `batch_prompts`, `rate_alpha`, `rate_detect`).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from pathlib import Path
 from specbench.harness.adapters.base import EngineAdapter
 from specbench.harness.verdicts import CANNOT_TEST, CannotTest, exit_code
 
+from .batch import BatchOptions, load_batch_prompts, run_batch_invariance, run_rate_gate
 from .checks import check_acceptance
 from .concurrent import run_concurrent
 from .engine_gates import GATES
@@ -54,6 +58,12 @@ class LosslessConfig:
     min_accept_len: float = 1.05
     expect_accept_len: float | None = None
     max_prompt_chars: int = 1000
+    rate_test: bool = False  # the divergence-rate gate against the baseline's batch noise (batch.py)
+    batch_invariance: bool = False  # the batch-invariance gates, both arms (batch.py)
+    batch_levels: tuple[int, ...] = (1, 8, 32)
+    batch_prompts: int | None = None  # default: the largest batch level
+    rate_alpha: float = 0.01
+    rate_detect: float = 5.0  # per 1,000 tokens: the rate excess the rate test must be able to see
 
     def __post_init__(self) -> None:
         for name, lo in (("num_prompts", 1), ("max_tokens", 1), ("max_divergences", 1), ("concurrency", 1),
@@ -65,6 +75,11 @@ class LosslessConfig:
             raise LosslessError(f"--margin-tol {self.margin_tol!r} is invalid: expected nats in [0, 50)")
         if self.top_k > 20:
             raise LosslessError(f"top_k={self.top_k} is invalid: engines return at most 20 logprobs")
+        self.batch_options  # noqa: B018  (validates the batch / rate options)
+
+    @property
+    def batch_options(self) -> BatchOptions:
+        return BatchOptions(tuple(self.batch_levels), self.batch_prompts, self.rate_alpha, self.rate_detect)
 
     @property
     def gate_options(self) -> GreedyGateOptions:
@@ -217,6 +232,17 @@ async def run_lossless(baseline: EngineAdapter, candidate: EngineAdapter, cfg: L
     if cfg.engine_gates:
         for name in ("mixed", "stop-in-run", "headroom"):
             await gate(name, GATES[name](baseline, candidate, prompts, cfg.max_tokens, opts))
+    if cfg.rate_test:  # the spec-on divergences of greedy (+ concurrent) against the baseline's batch noise
+        await gate("divergence-rate", run_rate_gate(baseline, prompts, cfg.max_tokens, opts, cfg.batch_options,
+                                                    [g for g in out.gates if g.name in ("greedy", "concurrent")]))
+    if cfg.batch_invariance:
+        say("[lossless] batch invariance ...")
+        bprompts = await load_batch_prompts(baseline, candidate, cfg.dataset, cfg.batch_options.prompts_needed,
+                                            cfg.max_prompt_chars)
+        for g in await run_batch_invariance(baseline, candidate, bprompts, cfg.max_tokens, opts, cfg.batch_options):
+            say(f"[lossless] {g.name}: {g.verdict} ({g.wall_s:.1f} s)")
+            out.gates.append(g)
+            _record(run, g)
     out.wall_s = time.perf_counter() - t0
     if run is not None:
         run.update(summary=out.summary())
