@@ -9,6 +9,7 @@ from specbench.harness.adapters.base import (
     CAPABILITIES,
     DECODE_WINDOW,
     FAULTS,
+    ORACLE_DRAFTS,
     EngineAdapter,
     GenRequest,
     UnsupportedCapability,
@@ -19,7 +20,8 @@ from specbench.harness.adapters.local import LocalAdapter
 def _declines(ad: EngineAdapter) -> None:
     assert ad.capabilities == frozenset()
     for cap, call in ((FAULTS, lambda: ad.armable_faults()), (FAULTS, lambda: ad.with_faults(("kv_offset",))),
-                      (DECODE_WINDOW, lambda: ad.decode_window(["x"], 4))):
+                      (DECODE_WINDOW, lambda: ad.decode_window(["x"], 4)),
+                      (ORACLE_DRAFTS, lambda: ad.with_oracle_drafts({(1,): [2]}))):
         with pytest.raises(UnsupportedCapability) as e:
             call()
         assert e.value.capability == cap and e.value.adapter_kind == ad.kind and e.value.adapter_name == ad.name

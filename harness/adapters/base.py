@@ -28,7 +28,10 @@ other one raises `UnsupportedCapability` naming the capability and the adapter):
 - "decode_window": `decode_window(prompts, max_tokens, warmup)` hands out a `DecodeWindow`, exclusive
   synchronous stepping of an in-process engine whose requests are all past prefill, so a profiler can be
   wrapped around a known number of decode steps.
-The local adapter offers both; remote (openai) and transformers (hf) adapters decline.
+- "oracle_drafts": `with_oracle_drafts(continuations)` builds a fresh engine like this one (its faults
+  armed) whose drafts replay known greedy continuations (prompt ids -> the target's output), every draft
+  correct, so a gate can put a stop (EOS, a stop token id) inside an accepted run at will.
+The local adapter offers all three; remote (openai) and transformers (hf) adapters decline.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import asyncio
 import inspect
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -57,6 +60,7 @@ class GenRequest:
     top_k: int = 0
     seed: int | None = None
     stop: tuple[str, ...] | list[str] = ()
+    stop_token_ids: tuple[int, ...] | list[int] = ()  # generation ends after any of these ids (vLLM-style)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-k logprobs per output position (None = off)
     rid: str | None = None
@@ -69,6 +73,7 @@ class GenRequest:
         if isinstance(self.stop, str):
             self.stop = (self.stop,)
         self.stop = tuple(self.stop or ())
+        self.stop_token_ids = tuple(int(t) for t in (self.stop_token_ids or ()))
 
 
 @dataclass
@@ -161,7 +166,8 @@ def failed(req: GenRequest, rid: str, error: str, t_send: float, attempts: int =
 
 FAULTS = "faults"
 DECODE_WINDOW = "decode_window"
-CAPABILITIES = (FAULTS, DECODE_WINDOW)
+ORACLE_DRAFTS = "oracle_drafts"
+CAPABILITIES = (FAULTS, DECODE_WINDOW, ORACLE_DRAFTS)
 
 
 class UnsupportedCapability(NotImplementedError):
@@ -291,6 +297,14 @@ class EngineAdapter(ABC):
         """A fresh engine like this one with `faults` armed (empty: clean); named `name`, else
         `<this name>[<fault>+...]`. Works on a closed adapter too; the caller closes the new one."""
         raise UnsupportedCapability(self, FAULTS)
+
+    def with_oracle_drafts(self, continuations: Mapping[tuple[int, ...], Sequence[int]],
+                           name: str | None = None) -> EngineAdapter:
+        """A fresh engine like this one (the same config, its faults armed) whose proposer replays
+        `continuations` (prompt token ids -> the target's greedy output ids): every draft is the target's own
+        next token until the known continuation ends (then filler, rejected), so every verify step accepts
+        all K drafts. Requests for other prompts get filler drafts. The caller closes it."""
+        raise UnsupportedCapability(self, ORACLE_DRAFTS)
 
     def decode_window(self, prompts: Sequence[str], max_tokens: int,
                       warmup: int = 0) -> AbstractContextManager[DecodeWindow]:

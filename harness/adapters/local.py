@@ -7,8 +7,10 @@ time of its tokens (`RequestOutput.token_times`), so chunk_tokens is exact (toke
 the engine refuses (ConfigError / AdmissionError) is a failed result, not an exception. Cancelling a
 request's task aborts it in the engine, freeing its KV.
 Capabilities (base.py): "faults" (the engine's fault catalogue; `with_faults` builds a fresh engine from
-this one's config with `EngineConfig.faults` set) and "decode_window" (the loop thread is held off while
-the caller steps the engine itself; phase ranges are on when the engine was built with `trace_ranges`).
+this one's config with `EngineConfig.faults` set), "decode_window" (the loop thread is held off while
+the caller steps the engine itself; phase ranges are on when the engine was built with `trace_ranges`) and
+"oracle_drafts" (`with_oracle_drafts`: a fresh engine from this one's config, faults kept, no drafter,
+whose `OracleProposer` replays the given continuations, every draft accepted).
 Run-time invariants: an engine built with `EngineConfig.check_invariants` (engine string `invariants=1`; the
 gate commands set it, harness/engines.py `gate_specs`; `with_faults` keeps it) checks its page accounting and
 drafter context after every step; a violation raises `InvariantError` inside the step, and every request in
@@ -22,7 +24,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from specbench.engine import ConfigError, EngineConfig, LLMEngine, SamplingParams, SpecConfig
@@ -32,6 +35,7 @@ from ..spec_method import engine_method, spec_method
 from .base import (
     DECODE_WINDOW,
     FAULTS,
+    ORACLE_DRAFTS,
     DecodeWindow,
     EngineAdapter,
     GenRequest,
@@ -45,7 +49,8 @@ from .loop import EngineFailure, EngineLoop
 
 def sampling_params(req: GenRequest, **extra: Any) -> SamplingParams:
     return SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-                          top_k=req.top_k, seed=req.seed, stop=tuple(req.stop), ignore_eos=req.ignore_eos,
+                          top_k=req.top_k, seed=req.seed, stop=tuple(req.stop),
+                          stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos,
                           logprobs=req.logprobs, **extra)
 
 
@@ -71,7 +76,7 @@ class _LocalDecodeWindow(DecodeWindow):
 
 class LocalAdapter(EngineAdapter):
     kind = "local"
-    capabilities = frozenset({FAULTS, DECODE_WINDOW})
+    capabilities = frozenset({FAULTS, DECODE_WINDOW, ORACLE_DRAFTS})
 
     def __init__(self, engine: LLMEngine, name: str | None = None, max_pending: int | None = None) -> None:
         super().__init__(name or ("local-spec" if engine.spec_on else "local"))
@@ -170,7 +175,8 @@ class LocalAdapter(EngineAdapter):
         snap = self.engine.metrics.snapshot()
         return {"num_drafts": snap["num_drafts"], "num_draft_tokens": snap["num_draft_tokens"],
                 "num_accepted_tokens": snap["num_accepted_tokens"],
-                "accepted_per_pos": list(snap["accepted_per_pos"]), "source": "engine"}
+                "accepted_per_pos": list(snap["accepted_per_pos"]), "generation_tokens": snap["generation_tokens"],
+                "source": "engine"}
 
     async def metrics_text(self) -> str | None:
         """The engine's Prometheus text, as `specbench serve` publishes it (gauges refreshed first)."""
@@ -197,6 +203,22 @@ class LocalAdapter(EngineAdapter):
         faults = tuple(faults)
         label = name or (f"{self.name}[{'+'.join(faults)}]" if faults else self.name)
         return LocalAdapter(LLMEngine(self.engine.cfg.with_(faults=faults)), name=label,
+                            max_pending=self.loop.max_pending)
+
+    def with_oracle_drafts(self, continuations: Mapping[tuple[int, ...], Sequence[int]],
+                           name: str | None = None) -> LocalAdapter:
+        from collections import defaultdict
+
+        from specbench.engine.spec.proposer import OracleProposer
+
+        cfg = self.engine.cfg
+        k = self.engine.k if self.engine.spec_on and self.engine.k else 4
+        cont: defaultdict[tuple[int, ...], list[int]] = defaultdict(list)  # unknown prompts: filler drafts
+        cont.update({tuple(p): list(c) for p, c in continuations.items()})
+        oracle = OracleProposer(k, cont, lambda step, req: k, self.engine.mcfg.vocab_size)
+        # No drafter (the oracle needs none); a small pool beside the engine already holding the device.
+        ocfg = cfg.with_(draft=None, spec=replace(cfg.spec, method=None), num_pages=cfg.num_pages or 512)
+        return LocalAdapter(LLMEngine(ocfg, proposer=oracle), name=name or f"{self.name}[oracle]",
                             max_pending=self.loop.max_pending)
 
     @contextlib.contextmanager

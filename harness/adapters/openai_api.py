@@ -269,6 +269,8 @@ class OpenAIAdapter(EngineAdapter):
             body["seed"] = req.seed
         if req.stop:
             body["stop"] = list(req.stop)
+        if req.stop_token_ids:  # vLLM / the bundled server; llama.cpp's native route has none (a gate sees it ignored)
+            body["stop_token_ids"] = list(req.stop_token_ids)
         if req.ignore_eos:
             body["ignore_eos"] = True
         if self.stream:
