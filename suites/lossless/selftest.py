@@ -62,7 +62,7 @@ class CachedAdapter(EngineAdapter):
 
     async def generate_one(self, req: GenRequest) -> GenResult:
         key = (tuple(req.prompt) if isinstance(req.prompt, list) else req.prompt, req.max_tokens, req.logprobs,
-               tuple(req.stop), req.temperature, req.ignore_eos)
+               tuple(req.stop), tuple(req.stop_token_ids), req.temperature, req.ignore_eos)
         hit = self.cache.get(key)
         if hit is not None:
             self.hits += 1
