@@ -68,8 +68,8 @@ class PickJudgement:
             return s
         rel = "<=" if self.ok else ">"
         word = "benign tie flip" if self.ok else "FAIL"
-        return (f"{word}: pick {self.pick} vs top1 {self.top1}, regret {self.regret:.3f} {rel} "
-                f"{self.margin_tol:.2f} nat")
+        reg = f"{self.regret:.3f}" if self.regret >= 0.01 or self.regret == 0 else f"{self.regret:.2e}"
+        return f"{word}: pick {self.pick} vs top1 {self.top1}, regret {reg} {rel} {self.margin_tol:g} nat"
 
     def to_dict(self) -> dict:
         d = asdict(self)
