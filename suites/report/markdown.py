@@ -213,8 +213,9 @@ def audit_section(s: RunSummary) -> list[str]:
     out = [f"### Acceptance / metrics audit: {a['verdict']}", "",
            "Counter invariants per cell (per-position sums = accepted, non-increasing, accepted <= draft tokens "
            "<= K x drafts) and, where every request carries its own counts, their sums against the counter "
-           "delta. CANNOT TEST = neither counters nor per-request counts: the acceptance figures above are "
-           "unverified.", "",
+           "delta; the client-side audit of /metrics (request and token counters vs what the client received, "
+           "spec counters vs output tokens and tokens per streamed chunk, gauges stale after a cell). CANNOT TEST "
+           "= neither counters nor per-request counts: the acceptance figures above are unverified.", "",
            *_table(["arm", "verdict", "evidence", "checks run", "problems / missing"], rows, left=5)]
     return out + [""]
 

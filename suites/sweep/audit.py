@@ -14,6 +14,10 @@ Checks, per cell:
   `spec_decode`, the local engine, llama.cpp's `timings.draft_n` / `draft_n_accepted`), their sums must
   equal the counter delta (draft tokens, accepted tokens; drafts too where requests report them).
   Server-wide counters include other clients' traffic: audit an otherwise idle server.
+- the client-side metrics audit (suites/metrics_audit.py), where the cell carries `server_metrics`
+  (the audited /metrics families before and, settled, after it): request, output- and prompt-token
+  counters against what the client received, spec counters against the output tokens and the tokens per
+  streamed chunk, and gauges still non-zero after the cell (stale). Its problems are the arm's problems.
 An arm with neither counters nor per-request counts in any cell is CANNOT TEST ("spec counters and
 per-request draft counts"); one with per-request counts only gets the invariants on their sums.
 """
@@ -24,6 +28,8 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 from specbench.harness.verdicts import CANNOT_TEST, FAIL, PASS, combine
+
+from ..metrics_audit import audit_window
 
 
 def counter_invariants(c: dict) -> list[str]:
@@ -70,7 +76,8 @@ def audit_records(records: Sequence[dict]) -> dict:
         key = (c.get("arm"), c.get("level"), c.get("round"), bool(c.get("warmup")))
         a = arms.setdefault(key[0], {"arm": key[0], "cells": 0, "counter_cells": 0, "request_cells": 0,
                                      "cross_checked": 0, "drafts": 0, "draft_tokens": 0, "accepted": 0,
-                                     "sources": set(), "problems": []})
+                                     "sources": set(), "problems": [], "metrics_cells": 0,
+                                     "metrics_missing": set()})
         a["cells"] += 1
         delta = c.get("counters")
         have_counters = bool(delta) and delta.get("num_drafts") is not None
@@ -79,6 +86,13 @@ def audit_records(records: Sequence[dict]) -> dict:
         per = [r.get("spec") for r in ok]
         have_per = bool(ok) and len(ok) == len(rs) and all(isinstance(p, dict) and p.get("num_draft_tokens") is not None
                                                            for p in per)
+        sm = c.get("server_metrics")
+        if isinstance(sm, dict):
+            w = audit_window(sm.get("before"), sm.get("after"), rs, k=sm.get("k"), per_step=bool(sm.get("per_step")),
+                             label=_name(key))
+            a["metrics_cells"] += w["verdict"] != CANNOT_TEST
+            a["problems"] += w["problems"]
+            a["metrics_missing"] |= {m.split(": ", 1)[-1] for m in w["missing"]}
         if have_counters:
             a["counter_cells"] += 1
             a["sources"].add(f"counters ({delta.get('prefix') or delta.get('source') or '?'})")
@@ -108,6 +122,7 @@ def audit_records(records: Sequence[dict]) -> dict:
     out_arms = []
     for a in arms.values():
         a["sources"] = sorted(a["sources"])
+        a["metrics_missing"] = sorted(a["metrics_missing"])
         if a["problems"]:
             a["verdict"] = FAIL
         elif not a["counter_cells"] and not a["request_cells"]:
@@ -124,6 +139,10 @@ def audit_records(records: Sequence[dict]) -> dict:
             checks.append("no per-request counts to cross-check the counters with")
         if a["request_cells"] and not a["counter_cells"]:
             checks.append(f"per-request counts on {a['request_cells']} cells (no counters)")
+        if a["metrics_cells"]:
+            checks.append(f"client-side metrics audit on {a['metrics_cells']}/{a['cells']} cells (requests, tokens, "
+                          "spec counters vs output, gauges after)"
+                          + (f"; not checked: {', '.join(a['metrics_missing'])}" if a["metrics_missing"] else ""))
         a["checks"] = checks
         out_arms.append(a)
     verdict = combine([a["verdict"] for a in out_arms]) if out_arms else CANNOT_TEST

@@ -15,8 +15,9 @@ Contract:
   engine gives no per-request figures.
 - Records go to the sink the moment they exist: `sink.request(result, arm, idx, round)` per finished
   request (the result's meta carries level, level_kind, round, warmup, copy_of, prompt_idx) and
-  `sink.cell(record)` per finished cell (duration, counters delta). An interrupt loses only requests
-  still in flight.
+  `sink.cell(record)` per finished cell (duration, counters delta; `server_metrics`: the audited /metrics
+  families before the cell and, settled, after it, for the client-side metrics audit). An interrupt
+  loses only requests still in flight.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import numpy as np
 
 from specbench.harness.adapters.base import EngineAdapter, GenResult, counters_delta
 
+from ..metrics_audit import per_step_stream, scrape, settle
 from .workload import Workload
 
 NOISE_SUFFIX = "#2"
@@ -181,6 +183,7 @@ class SweepRunner:
         for i, r in enumerate(reqs):
             r.rid = f"{arm.label}/{_level_name(cfg, level)}/r{rnd}/{i}"
         before = await _counters(ad)
+        before_m = await scrape(ad)  # the client-side metrics audit (suites/metrics_audit.py)
         t0, wall0 = time.perf_counter(), time.time()
         index = {r.rid: i for i, r in enumerate(reqs)}
 
@@ -191,14 +194,30 @@ class SweepRunner:
         results = await ad.generate(reqs, concurrency=conc, on_result=record, offsets=offsets)
         duration = time.perf_counter() - t0
         after = await _counters(ad)
+        after_m = await settle(ad) if before_m is not None else None
         cell = {**key, "wall_start": wall0, "duration": duration, "requests": len(reqs),
                 "completed": sum(1 for r in results if r.ok), "counters": counters_delta(before, after),
-                "concurrency": conc, "offsets": offsets is not None}
+                "concurrency": conc, "offsets": offsets is not None,
+                "server_metrics": None if before_m is None else
+                {"before": before_m, "after": after_m, "per_step": per_step_stream(_describe(ad)), "k": _k(ad)}}
         self.sink.cell(cell)
         self.cells_done += 1
         if self.on_cell is not None:
             self.on_cell(cell)
         return cell
+
+
+def _describe(ad: EngineAdapter) -> dict:
+    try:
+        return ad.describe()
+    except Exception:
+        return {}
+
+
+def _k(ad: EngineAdapter) -> int | None:
+    cfg = _describe(ad).get("config")
+    k = cfg.get("k") if isinstance(cfg, dict) else None
+    return int(k) if isinstance(k, int) and k > 0 else None
 
 
 async def _counters(ad: EngineAdapter) -> dict | None:
