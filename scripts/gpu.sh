@@ -31,7 +31,8 @@
 #                HTTP answer, to /health 200 (ready: warm-up done) and the first completion, three times: "carried"
 #                (the restored .cache modules and Triton cache), "cold" (no carried FlashInfer modules, empty JIT and
 #                Triton dirs), "rerun" (the cold run's own dirs again: a persistent ~/.cache); SERVE_READY_ARGS
-#                adds serve flags, SERVE_READY_WARM_S / SERVE_READY_COLD_S cap the runs (90 / 240 s). JSON lines in $W/serve_ready.jsonl and $OUT/serve_ready.jsonl
+#                adds serve flags, SERVE_READY_WARM_S / SERVE_READY_COLD_S cap the runs (90 / 240 s). Needs the
+#                server stack (fastapi, uvicorn, pydantic): carry .whl-eval (scripts/fetch-eval-wheels.sh) JSON lines in $W/serve_ready.jsonl and $OUT/serve_ready.jsonl
 # Knobs: TEST_TIMEOUT, BENCH_TIMEOUT, BENCH_BUDGET (decode); SPEC_TIMEOUT, SPEC_BUDGET (steps), SWEEP_TIMEOUT
 # (the sweep is interrupted like Ctrl-C at it: records kept), SWEEP_LEVELS, SWEEP_TAUS, SWEEP_ROUNDS, SWEEP_PPL,
 # SWEEP_MAX_TOKENS, SPEC_WORKDIR (the Qwen3-4B-shaped pair; built there when absent).
@@ -171,7 +172,11 @@ if [ "$what" = eval ]; then
     --concurrency ${EVAL_CONCURRENCY:-8} --results "$W/eval-results" --report "$W/eval-h200.md" 2>&1 | tee "$W/eval.log"
   r=${PIPESTATUS[0]}; [ "$r" = 0 ] || rc=$r; log "eval rc=$r"
 fi
-if [ "$what" = serve-ready ]; then  # issue 28 item 5 (docs/server.md "Ready means ready")
+if [ "$what" = serve-ready ] && ! python3 -c "import fastapi, uvicorn" 2>/dev/null; then
+  log "serve-ready: skipped: no fastapi/uvicorn (the device image has no server stack): run"
+  log "  bash scripts/fetch-eval-wheels.sh here and carry .whl-eval (or use the vLLM stage's site-sb:site-vllm)"
+  rc=2
+elif [ "$what" = serve-ready ]; then  # issue 28 item 5 (docs/server.md "Ready means ready")
   pair "$SPEC_WORKDIR"
   site=/tmp/site; [ -d /tmp/site/flashinfer ] || site=${SB_SITE:-/tmp/site-sb}
   aot="$site/flashinfer/data/aot"
