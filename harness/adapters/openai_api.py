@@ -27,7 +27,7 @@ Contract:
   (round-trip checked) where the endpoint cannot. The record is `describe()["capabilities"]`.
 - Ready, not just up (`ready_timeout` s, engine strings: 600): before its first probe or request the
   adapter polls GET /health for as long as it answers 503 (a server still loading or warming up:
-  `specbench serve` during its warm-up, llama.cpp while loading, SGLang while starting), up to
+  `specbench serve` during its warm-up, llama.cpp's llama-server while it loads), up to
   ready_timeout; any other answer (200, or 404 where there is no /health) means go, and a connection
   error is left to the requests themselves. A server still 503 at the timeout fails every request with
   that reason. The wait is recorded in `describe()["ready"]` (seconds waited, the last /health status,
