@@ -8,7 +8,8 @@ Contract:
 - `summarize(text, model)` reduces Prometheus text to the families audited (below), summed over label
   sets (restricted to `model_name=model` where the server labels samples with it); `scrape(adapter)`
   does it for an adapter (None without metrics); `settle(adapter, timeout_s)` polls until the gauges read
-  idle or the time is up and returns the last summary.
+  idle or the time is up and returns the last summary; `ready(adapter)` probes an endpoint first, so its
+  probe requests never land inside a window; `audited(adapter, run)` is the three around one run.
 - `audit_window(before, after, requests, k, per_step_stream)` is a pure function of two summaries taken
   around a window in which the client sent exactly `requests` (GenResults or request-record dicts) and
   nothing else ran on the server. It returns {"verdict", "checks", "problems", "missing", "client",
@@ -296,8 +297,20 @@ def combine_windows(windows: Sequence[dict]) -> dict:
             "checks": sorted({c.split(":")[0] for w in windows for c in w["checks"]})}
 
 
+async def ready(adapter: Any) -> None:
+    """Probe an endpoint's dialect now (openai adapters probe on first use, with requests of their own), so
+    that no probe request lands inside an audited window."""
+    fn = getattr(adapter, "probe", None)
+    if callable(fn):
+        try:
+            await asyncio.to_thread(fn)
+        except Exception:  # the run itself will report an unusable endpoint
+            pass
+
+
 async def audited(adapter: Any, run, settle_s: float = 5.0) -> tuple[Any, dict | None, dict | None]:
-    """Scrape, await `run()` (a coroutine factory), settle and scrape again: (its result, before, after)."""
+    """Probe, scrape, await `run()` (a coroutine factory), settle and scrape again: (its result, before, after)."""
+    await ready(adapter)
     before = await scrape(adapter)
     res = await run()
     after = await settle(adapter, settle_s) if before is not None else None

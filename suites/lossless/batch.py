@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from specbench.harness.adapters.base import EngineAdapter, GenRequest, GenResult, counters_delta
 from specbench.harness.verdicts import CANNOT_TEST, FAIL
 
-from ..metrics_audit import audit_window, combine_windows, per_step_stream, scrape, settle
+from ..metrics_audit import audit_window, combine_windows, per_step_stream, ready, scrape, settle
 from .checks import Check
 from .greedy import (
     Divergence,
@@ -161,6 +161,7 @@ async def run_level(adapter: EngineAdapter, prompts: Sequence[Prompt], max_token
     reqs = [GenRequest(prompt=list(prompts[i].ids), max_tokens=max_tokens, temperature=0.0,
                        rid=f"{name}-c{level}-{i}", prompt_cache=False) for i in order]
     t0 = time.perf_counter()
+    await ready(adapter)
     before_m = await scrape(adapter)
     before = await adapter.spec_counters()
     got = await adapter.generate(reqs, concurrency=level)
