@@ -60,9 +60,11 @@ class CommitStep:
         self.pool.commit(req.rid, req.num_computed, leak=knobs.leak(i), keep_extra=knobs.kept(i))
         if s.kind == "prefill":
             self.metrics.prompt_tokens += r.committed
+        n0 = len(req.output_ids)
         if r.tokens:
             self.output.append(req, r.tokens, r.logprobs, knobs.emit_past_stop, knobs.stop_ids_at_end)
-        out = self.output.build(req, r.tokens) if r.tokens or req.finished else None
+        # new_ids = what this step appended: a stop inside the run drops the tokens after it (not r.tokens)
+        out = self.output.build(req, req.output_ids[n0:]) if r.tokens or req.finished else None
         if req.finished:
             self.scheduler.finish(req)
             self.release(req)
