@@ -15,6 +15,16 @@ num_accepted_tokens, accepted_per_pos}:
   NOT required: a request within K tokens of its max_tokens drafts only remaining - 1 tokens (the
   truncated span), so the product is an upper bound. With K unknown, the length of accepted_per_pos
   (the largest draft length the engine reported) stands in for it.
+
+Acceptance (docs/lossless.md, "The statistics of each rule"):
+- `check_acceptance(stats, reference)` is two-sided: the mean accepted length must stay within
+  `ACCEPT_REL_TOL` (10%) of the reference's excess over 1, either way. A drop is a drafter or context bug; a
+  rise without cause is an acceptance rule that takes near-misses (a tolerance on the target's logit).
+- `compare_acceptance(test, ref)` holds accepted vs rejected draft tokens of two runs of the same requests
+  (concurrency N vs 1) against each other: two-sided Fisher exact test on the 2x2 table, pooled over the
+  requests; FAIL when p < `ACCEPT_ALPHA` (0.001) and the acceptance rate moved by more than
+  `ACCEPT_MIN_SHIFT` (0.02). Draft tokens of one step are not independent (a rejection ends the step), so
+  the p-value is approximate; the small alpha and the effect floor leave room for that.
 """
 
 from __future__ import annotations
@@ -27,6 +37,9 @@ from pathlib import Path
 from specbench.harness.adapters.base import GenResult
 
 MIN_ACCEPT_LEN = 1.05  # mean accepted length (incl. the bonus token) at or below this = not speculating
+ACCEPT_REL_TOL = 0.10  # the reference bound: 10% of the reference's mean accepted length excess over 1, either way
+ACCEPT_ALPHA = 1e-3  # the concurrency-N-vs-1 acceptance test's level (two-sided Fisher exact)
+ACCEPT_MIN_SHIFT = 0.02  # ... and the smallest change of the acceptance rate (accepted / drafted) it calls a FAIL
 
 
 @dataclass
@@ -160,15 +173,130 @@ def check_speculating(stats: AcceptanceEvidence) -> Check:
     return Check("speculating", bool(stats.speculating), stats.describe())
 
 
-def check_acceptance(stats: AcceptanceEvidence, reference: float | None, rel_tol: float = 0.10) -> Check:
-    """Mean accepted length must not fall more than rel_tol below a reference (a clean run, a record)."""
+def accept_bounds(reference: float, rel_tol: float = ACCEPT_REL_TOL) -> tuple[float, float]:
+    """The allowed mean accepted length around a reference: rel_tol of its excess over 1, either way."""
+    ex = max(0.0, reference - 1.0)
+    return 1.0 + ex * (1.0 - rel_tol), 1.0 + ex * (1.0 + rel_tol)
+
+
+def check_acceptance(stats: AcceptanceEvidence, reference: float | None, rel_tol: float = ACCEPT_REL_TOL,
+                     source: str = "reference", two_sided: bool = True) -> Check:
+    """The mean accepted length must stay within rel_tol of the reference's excess over 1: a fall is a drafter /
+    context bug, a rise without cause an acceptance rule that takes near-misses (two-sided by default)."""
     name = "acceptance"
     m = stats.mean_accept_len
     if reference is None or m is None:
         return Check(name, True, "no reference acceptance" if reference is None else "no drafts", skipped=True)
-    floor = 1.0 + (reference - 1.0) * (1.0 - rel_tol)
-    ok = m >= floor
-    return Check(name, ok, f"mean accepted length {m:.3f} vs reference {reference:.3f} (floor {floor:.3f})")
+    lo, hi = accept_bounds(reference, rel_tol)
+    ok = m >= lo and (m <= hi or not two_sided)
+    bound = f"[{lo:.3f}, {hi:.3f}]" if two_sided else f">= {lo:.3f}"
+    d = f"mean accepted length {m:.3f} vs {source} {reference:.3f} (allowed {bound}: {rel_tol:.0%} of the excess over 1)"
+    if m < lo:
+        d += ": FELL below the bound"
+    elif two_sided and m > hi:
+        d += (": ROSE above the bound (acceptance must not rise without cause: a verify rule that accepts "
+              "near-misses; re-record the reference if the drafter really improved)")
+    return Check(name, ok, d)
+
+
+@dataclass
+class AcceptanceComparison:
+    """Accepted / drafted tokens of the same requests in two runs, and the test between them."""
+
+    label: str  # e.g. "c6 vs c1"
+    source: str  # "per-request" | "counters" | "none"
+    test_drafted: int = 0
+    test_accepted: int = 0
+    ref_drafted: int = 0
+    ref_accepted: int = 0
+    p_value: float | None = None
+    alpha: float = ACCEPT_ALPHA
+    min_shift: float = ACCEPT_MIN_SHIFT
+    per_request: list[dict] = field(default_factory=list)  # rid, max_tokens, test/ref drafted and accepted
+
+    @property
+    def test_rate(self) -> float | None:
+        return self.test_accepted / self.test_drafted if self.test_drafted else None
+
+    @property
+    def ref_rate(self) -> float | None:
+        return self.ref_accepted / self.ref_drafted if self.ref_drafted else None
+
+    @property
+    def testable(self) -> bool:
+        return self.source != "none" and bool(self.test_drafted) and bool(self.ref_drafted)
+
+    @property
+    def failed(self) -> bool:
+        if not self.testable or self.p_value is None:
+            return False
+        shift = abs((self.test_rate or 0.0) - (self.ref_rate or 0.0))
+        return self.p_value < self.alpha and shift > self.min_shift
+
+    def describe(self) -> str:
+        if self.source == "none":
+            return "no per-request draft counts and no spec counters: acceptance cannot be compared"
+        if not self.testable:
+            return f"{self.label}: nothing drafted ({self.test_drafted} vs {self.ref_drafted} draft tokens)"
+        s = (f"{self.label} ({self.source}): accepted {self.test_accepted}/{self.test_drafted} = {self.test_rate:.3f} "
+             f"vs {self.ref_accepted}/{self.ref_drafted} = {self.ref_rate:.3f}; two-sided Fisher exact p = "
+             f"{self.p_value:.3g} (FAIL if p < {self.alpha:g} and the rate moves by > {self.min_shift:g})")
+        if self.failed:
+            s += ": acceptance " + ("DROPPED" if (self.test_rate or 0) < (self.ref_rate or 0) else "ROSE")
+        return s
+
+    def check(self, name: str = "acceptance-vs-c1") -> Check:
+        return Check(name, not self.failed, self.describe(), skipped=not self.testable)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(test_rate=self.test_rate, ref_rate=self.ref_rate, failed=self.failed, describe=self.describe())
+        return d
+
+
+def fisher_p(a1: int, n1: int, a2: int, n2: int) -> float:
+    """Two-sided Fisher exact p-value of accepted a1 of n1 vs a2 of n2."""
+    from scipy.stats import fisher_exact
+
+    return float(fisher_exact([[a1, n1 - a1], [a2, n2 - a2]], alternative="two-sided").pvalue)
+
+
+def per_request_counts(r: GenResult) -> tuple[int, int] | None:
+    """(draft tokens, accepted) of one request where the engine reports them (local: spec; llama.cpp: timings)."""
+    sp = r.spec or {}
+    if sp.get("num_draft_tokens") is None or sp.get("num_accepted_tokens") is None:
+        return None
+    return int(sp["num_draft_tokens"]), int(sp["num_accepted_tokens"])
+
+
+def compare_acceptance(test: Sequence[GenResult], ref: Sequence[GenResult], test_delta: dict | None,
+                       ref_delta: dict | None, label: str, max_tokens: Sequence[int] | None = None,
+                       alpha: float = ACCEPT_ALPHA, min_shift: float = ACCEPT_MIN_SHIFT) -> AcceptanceComparison:
+    """The same requests in two runs (index-aligned): per-request counts where every ok pair has them (pooled
+    over the pairs), else the two runs' counter deltas, else source "none" (CANNOT TEST)."""
+    pairs = [(i, t, r) for i, (t, r) in enumerate(zip(test, ref, strict=True)) if t.ok and r.ok]
+    counts = [(i, t, r, per_request_counts(t), per_request_counts(r)) for i, t, r in pairs]
+    cmp = AcceptanceComparison(label, "none", alpha=alpha, min_shift=min_shift)
+    if counts and all(ct is not None and cr is not None for _, _, _, ct, cr in counts):
+        cmp.source = "per-request"
+        for i, t, _, ct, cr in counts:
+            assert ct is not None and cr is not None
+            cmp.test_drafted += ct[0]
+            cmp.test_accepted += ct[1]
+            cmp.ref_drafted += cr[0]
+            cmp.ref_accepted += cr[1]
+            cmp.per_request.append({"rid": t.rid, "max_tokens": max_tokens[i] if max_tokens else None,
+                                    "test_drafted": ct[0], "test_accepted": ct[1], "ref_drafted": cr[0],
+                                    "ref_accepted": cr[1]})
+    elif all(d and d.get("num_draft_tokens") is not None and d.get("num_accepted_tokens") is not None
+             for d in (test_delta, ref_delta)):
+        assert test_delta is not None and ref_delta is not None
+        cmp.source = "counters"
+        cmp.test_drafted, cmp.test_accepted = int(test_delta["num_draft_tokens"]), int(test_delta["num_accepted_tokens"])
+        cmp.ref_drafted, cmp.ref_accepted = int(ref_delta["num_draft_tokens"]), int(ref_delta["num_accepted_tokens"])
+    if cmp.testable:
+        cmp.p_value = fisher_p(cmp.test_accepted, cmp.test_drafted, cmp.ref_accepted, cmp.ref_drafted)
+    return cmp
 
 
 def check_kv_idle(health: dict | None) -> Check:

@@ -5,14 +5,24 @@ and the very short ones whose verify spans are truncated near max_tokens). `run_
 requests to the candidate at once, so they share steps, join and leave the batch at different times,
 and checks each one with the greedy rule (greedy.check_output, re-anchoring included) against a
 baseline generated sequentially, one request at a time (the simplest path the baseline has).
+
+Acceptance under batching: the same requests (same ids, same max_tokens) are then sent to the candidate
+one at a time, and the acceptance at concurrency N is held against the acceptance at c1
+(checks.compare_acceptance: accepted vs rejected draft tokens, pooled over the requests, two-sided Fisher
+exact test, FAIL when p < 0.001 and the acceptance rate moved by more than 0.02). Greedy outputs are the
+same at both concurrencies, so the drafter sees the same contexts: a drop (a batched draft with the wrong
+positions) or a rise is a bug of the batched path. Evidence: per-request draft counts (local engine;
+llama.cpp's timings), else the candidate's counter deltas around each run (an idle server); with neither
+the gate is CANNOT TEST, naming what is missing.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from specbench.harness.adapters.base import EngineAdapter
+from specbench.harness.adapters.base import EngineAdapter, GenRequest, counters_delta
 
+from .checks import compare_acceptance
 from .greedy import GateRun, GreedyGateOptions, Prompt, run_greedy
 
 
@@ -37,4 +47,18 @@ async def run_concurrent(baseline: EngineAdapter, candidate: EngineAdapter, prom
     run = await run_greedy(baseline, candidate, prompts, max_tokens, opts, concurrency=None, name=name,
                            max_tokens_each=mts, baseline_concurrency=1)
     run.notes.append(f"{len(prompts)} requests sent together; max_tokens {mts}; baselines sequential")
+    # The acceptance of each request at concurrency N against the same request alone.
+    reqs = [GenRequest(prompt=list(p.ids), max_tokens=m, temperature=0.0, rid=f"{name}-c1-{p.pid}", prompt_cache=False)
+            for p, m in zip(prompts, mts, strict=True)]
+    before = await candidate.spec_counters()
+    solo = await candidate.generate(reqs, concurrency=1)
+    delta1 = counters_delta(before, await candidate.spec_counters())
+    cmp = compare_acceptance(run.results, solo, run.delta, delta1, f"c{len(prompts)} vs c1", mts)
+    run.acceptance = cmp
+    run.checks.append(cmp.check())
+    if not cmp.testable and cmp.source == "none":
+        run.cannot_test.append("per-request draft counts or spec counters (acceptance at cN vs c1)")
+    same = sum(a.output_ids == b.output_ids for a, b in zip(run.results, solo, strict=True) if a.ok and b.ok)
+    run.notes.append(f"acceptance at c{len(prompts)} vs the same requests one at a time: {cmp.describe()}; "
+                     f"{same}/{len(solo)} outputs identical at both")
     return run

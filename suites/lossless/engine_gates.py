@@ -16,6 +16,19 @@ Contract: every gate takes (baseline, candidate, prompts, max_tokens, opts) and 
 - stop_in_run: stop strings picked from the baseline's own text at several offsets, so that on an engine
   that accepts several drafts per step the stop often lands inside an accepted run. The candidate must
   end exactly where the baseline ends: same ids, same text, nothing emitted past the stop.
+- eos_in_run: EOS and `stop_token_ids` inside an accepted run. Cases: every prompt whose baseline output
+  ends early at EOS, and stop token ids picked from the baseline's own output (first occurrences near 30% /
+  60% of it). They run one request at a time on the candidate (its own drafter) and, where the adapter offers
+  "oracle_drafts", on an oracle engine like the candidate (faults kept) whose drafts replay the baseline's
+  continuations, so every step accepts K drafts and almost every stop lands inside the run. Per case the
+  candidate must return exactly the baseline's ids (ending at the stop) and count exactly those: usage
+  completion_tokens, the streamed chunk tokens and the engine's generation-token counter (where exposed)
+  equal the returned ids. A stop lands "inside an accepted run" when the step that emitted it had accepted
+  drafts past it (per-step accepted runs where the engine reports them; else, from the request's counter
+  delta, fewer tokens returned than 1 + drafts + accepted). CANNOT TEST when no case put its stop inside an
+  accepted run (the count is in the notes); stop-id cases whose baseline ignores stop_token_ids are dropped
+  (a skipped check says so).
+Every gate applies the tolerance `greedy.resolve_rule` decides (strict in fp32, else the margin).
 """
 
 from __future__ import annotations
@@ -24,11 +37,18 @@ import asyncio
 import json
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
-from specbench.harness.adapters.base import EngineAdapter, GenRequest, GenResult, counters_delta
+from specbench.harness.adapters.base import (
+    ORACLE_DRAFTS,
+    EngineAdapter,
+    GenRequest,
+    GenResult,
+    counters_delta,
+)
 
-from .checks import AcceptanceEvidence, Check
+from .checks import AcceptanceEvidence, Check, check_after_stop, check_kv_idle, eos_ids_of
 from .greedy import (
     Divergence,
     GateRun,
@@ -39,8 +59,10 @@ from .greedy import (
     check_output,
     engine_k,
     finish_run,
+    health,
     position_dist,
     recover_dist,
+    resolve_rule,
     run_greedy,
 )
 from .regret import first_divergence, judge_pick
@@ -80,6 +102,7 @@ def _ids_of_len(seed: list[int], n: int) -> list[int]:
 async def headroom(baseline: EngineAdapter, candidate: EngineAdapter, prompts: Sequence[Prompt],
                    max_tokens: int, opts: GreedyGateOptions) -> GateRun:
     t0 = time.perf_counter()
+    opts = resolve_rule(opts, baseline, candidate)
     geo = geometry(candidate)
     if geo is None:
         return GateRun("headroom", [], AcceptanceEvidence("none"),
@@ -121,6 +144,7 @@ async def headroom(baseline: EngineAdapter, candidate: EngineAdapter, prompts: S
 async def mixed(baseline: EngineAdapter, candidate: EngineAdapter, prompts: Sequence[Prompt],
                 max_tokens: int, opts: GreedyGateOptions) -> GateRun:
     t0 = time.perf_counter()
+    opts = resolve_rule(opts, baseline, candidate)
     ps = list(prompts[:4])
     kinds = ["greedy" if i % 2 == 0 else "logprobs" for i in range(len(ps))]
     if len(ps) == 1:
@@ -179,6 +203,7 @@ def _inside_run(res: GenResult) -> bool:
 async def stop_in_run(baseline: EngineAdapter, candidate: EngineAdapter, prompts: Sequence[Prompt],
                       max_tokens: int, opts: GreedyGateOptions) -> GateRun:
     t0 = time.perf_counter()
+    opts = resolve_rule(opts, baseline, candidate)
     cases: list[tuple[Prompt, str]] = []
     for p in prompts[:3]:
         full = await baseline_for(baseline, p.ids, [], max_tokens, opts.top_k)
@@ -225,7 +250,7 @@ async def stop_in_run(baseline: EngineAdapter, candidate: EngineAdapter, prompts
                 if not dist:
                     pc.status, pc.missing, pc.reason = "untestable", "baseline logprobs at the divergence", note
                     continue
-            j = judge_pick(cid[i], dist, opts.margin_tol)
+            j = judge_pick(cid[i], dist, opts.tol)
             pc.divergences.append(Divergence(i, "token", cid[i], bid[i], 0, j))
             pc.status, pc.tokens_compared, pc.complete = ("flip" if j.ok else "fail"), i + 1, False
             pc.reason = "benign flip before the stop: the stop was not exercised" if j.ok else j.describe()
@@ -235,4 +260,202 @@ async def stop_in_run(baseline: EngineAdapter, candidate: EngineAdapter, prompts
     return run
 
 
-GATES = {"short-then-long": short_then_long, "headroom": headroom, "mixed": mixed, "stop-in-run": stop_in_run}
+def pick_stop_ids(ids: Sequence[int], avoid: set[int], fracs: Sequence[float] = (0.3, 0.6),
+                  k: int | None = None) -> list[tuple[int, int]]:
+    """(position, token id) pairs: a token whose first occurrence in `ids` is at or just after each fraction of
+    its length (so a stop on that id ends the output there), never position 0 or the last, never in `avoid`.
+    With K known, positions that are a multiple of K + 1 are skipped: with every draft accepted (the oracle)
+    they are the steps' bonus tokens, never inside a run."""
+    out: list[tuple[int, int]] = []
+    for f in fracs:
+        o = max(1, int(len(ids) * f))
+        for i in range(o, min(len(ids) - 1, o + 16)):
+            t = ids[i]
+            if k and i % (k + 1) == 0:
+                continue
+            if t not in avoid and ids.index(t) == i and all(t != x for _, x in out):
+                out.append((i, t))
+                break
+    return out
+
+
+def stop_inside_run(res: GenResult, stop_pos: int, delta: dict | None) -> bool | None:
+    """Did the stop at output position `stop_pos` land inside an accepted run (drafts accepted past it in the
+    step that emitted it)? From the per-step accepted runs and chunks where the engine reports them (one chunk
+    per step: the prefill's first token, then one per verify step), else from the request's counter delta (the
+    run was cut short: fewer tokens than 1 + drafts + accepted); None when neither is known."""
+    ids = res.output_ids or []
+    runs = (res.spec or {}).get("accepted_runs")
+    if runs is not None and res.chunk_tokens and sum(res.chunk_tokens) == len(ids) and stop_pos < len(ids):
+        start = 0
+        for c, n in enumerate(res.chunk_tokens):
+            if start <= stop_pos < start + n:
+                j = c - 1  # chunk 0 is the prefill's token
+                return 0 <= j < len(runs) and stop_pos - start < runs[j]
+            start += n
+        return False
+    if delta and delta.get("num_drafts") is not None and delta.get("num_accepted_tokens") is not None:
+        return len(ids) < 1 + int(delta["num_drafts"]) + int(delta["num_accepted_tokens"])
+    return None
+
+
+@dataclass
+class StopCase:
+    prompt: Prompt
+    kind: str  # "eos" | "stop-id"
+    stop_pos: int  # the stop's position in the baseline's output
+    stop_id: int | None  # the stop token id (stop-id cases)
+    base: GenResult  # the baseline's output with the same stop
+
+
+def _counted(r: GenResult, gen_before: int | None, gen_after: int | None) -> list[str]:
+    """Token counts that disagree with the returned ids: usage, streamed chunks, the generation counter."""
+    n = len(r.output_ids or [])
+    bad = []
+    if r.completion_tokens is not None and r.completion_tokens != n:
+        bad.append(f"usage completion_tokens {r.completion_tokens} != {n} returned ids")
+    if r.chunk_tokens and r.token_count_method in ("engine", "ids") and sum(r.chunk_tokens) != n:
+        bad.append(f"streamed chunks carried {sum(r.chunk_tokens)} tokens, {n} returned")
+    if gen_before is not None and gen_after is not None and gen_after - gen_before != n:
+        bad.append(f"the engine's generation-token counter moved by {gen_after - gen_before}, {n} returned")
+    return bad
+
+
+async def _stop_cases(baseline: EngineAdapter, prompts: Sequence[Prompt], max_tokens: int, opts: GreedyGateOptions,
+                      eos: set[int], k: int | None = None) -> tuple[list[StopCase], dict[tuple[int, ...], list[int]],
+                                                                    list[str]]:
+    """The cases, the baseline's full continuations (for the oracle) and notes on dropped stop-id cases."""
+    cases: list[StopCase] = []
+    conts: dict[tuple[int, ...], list[int]] = {}
+    ignored: list[str] = []
+    for p in prompts:
+        full = await baseline_for(baseline, p.ids, [], max_tokens, opts.top_k)
+        if not full.ok or not full.output_ids:
+            continue
+        ids = list(full.output_ids)
+        conts[tuple(p.ids)] = ids
+        if full.finish_reason == "stop" and len(ids) < max_tokens:  # stopped early at EOS
+            cases.append(StopCase(p, "eos", len(ids) - 1, None, full))
+        for pos, t in pick_stop_ids(ids, eos, k=k):
+            b = await _one_stop(baseline, p.ids, max_tokens, opts.top_k, t)
+            if not b.ok or b.output_ids is None:
+                continue
+            if list(b.output_ids) != ids[:pos + 1]:
+                ignored.append(f"{p.pid}: stop id {t} at {pos}: baseline returned {len(b.output_ids)} tokens")
+                continue
+            cases.append(StopCase(p, "stop-id", pos, t, b))
+    return cases, conts, ignored
+
+
+async def _one_stop(adapter: EngineAdapter, ids: list[int], max_tokens: int, top_k: int | None, stop_id: int | None,
+                    rid: str | None = None) -> GenResult:
+    req = GenRequest(prompt=list(ids), max_tokens=max_tokens, temperature=0.0, logprobs=top_k, rid=rid,
+                     stop_token_ids=(stop_id,) if stop_id is not None else (), prompt_cache=False)
+    return (await adapter.generate([req], concurrency=1))[0]
+
+
+async def _judge_stop(baseline: EngineAdapter, c: StopCase, r: GenResult, opts: GreedyGateOptions, label: str,
+                      counted: list[str]) -> PromptCheck:
+    p, b = c.prompt, c.base
+    what = "EOS" if c.kind == "eos" else f"stop id {c.stop_id}"
+    pc = PromptCheck(f"{p.pid}-{label}-{c.kind}@{c.stop_pos}", len(p.ids), c.stop_pos + 1, spec=r.spec)
+    if not r.ok:
+        pc.status, pc.reason = "error", f"request failed: {r.error}"
+        return pc
+    if r.output_ids is None:
+        pc.status, pc.missing = "untestable", "output token ids (candidate)"
+        pc.reason = "CANNOT TEST: the candidate reports no output token ids"
+        return pc
+    cid, bid = list(r.output_ids), list(b.output_ids or [])
+    pc.candidate_tokens = pc.tokens_compared = len(cid)
+    i = first_divergence(cid, bid)
+    if i is None:
+        if counted:
+            pc.status, pc.reason = "fail", f"{what} at {c.stop_pos}: " + "; ".join(counted)
+        return pc
+    if i >= len(bid):
+        pc.divergences.append(Divergence(i, "past_stop", cid[i], None, 0))
+        pc.status, pc.tokens_compared = "fail", i
+        pc.reason = f"{len(cid) - len(bid)} token(s) returned past the {what} at position {c.stop_pos}"
+    elif i >= len(cid):
+        pc.divergences.append(Divergence(i, "early_stop", None, bid[i], 0))
+        pc.status, pc.reason = "fail", f"the candidate stopped {len(bid) - len(cid)} token(s) before the baseline"
+    else:
+        dist = position_dist(b.logprobs, i)
+        if not dist:
+            dist, _, note = await recover_dist(baseline, list(p.ids) + cid[:i], cid[i], opts.top_k)
+            if not dist:
+                pc.status, pc.missing, pc.reason = "untestable", "baseline logprobs at the divergence", note
+                return pc
+        j = judge_pick(cid[i], dist, opts.tol)
+        pc.divergences.append(Divergence(i, "token", cid[i], bid[i], 0, j))
+        pc.status, pc.tokens_compared, pc.complete = ("flip" if j.ok else "fail"), i + 1, False
+        pc.reason = f"benign flip before the {what}: the stop was not exercised" if j.ok else j.describe()
+    return pc
+
+
+async def eos_in_run(baseline: EngineAdapter, candidate: EngineAdapter, prompts: Sequence[Prompt],
+                     max_tokens: int, opts: GreedyGateOptions) -> GateRun:
+    t0 = time.perf_counter()
+    opts = resolve_rule(opts, baseline, candidate)
+    eos = eos_ids_of(candidate.describe()) or eos_ids_of(baseline.describe())
+    cases, conts, ignored = await _stop_cases(baseline, prompts, max_tokens, opts, eos, engine_k(candidate))
+    engines: list[tuple[str, EngineAdapter]] = [("drafter", candidate)]
+    oracle: EngineAdapter | None = None
+    if ORACLE_DRAFTS in candidate.capabilities and conts:
+        oracle = candidate.with_oracle_drafts(conts)
+        engines.append(("oracle", oracle))
+    pcs: list[PromptCheck] = []
+    results: list[GenResult] = []
+    oracle_results: list[GenResult] = []
+    inside: dict[str, list[int]] = {}  # label/kind -> [inside, known, cases]
+    before_all = await candidate.spec_counters()
+    extra_checks: list[Check] = []
+    try:
+        for label, eng in engines:
+            for n, c in enumerate(cases):
+                snap0 = await eng.spec_counters()
+                r = await _one_stop(eng, c.prompt.ids, max_tokens, None, c.stop_id, rid=f"eos-{label}-{n}")
+                snap1 = await eng.spec_counters()
+                delta = counters_delta(snap0, snap1)
+                gen = [(s or {}).get("generation_tokens") for s in (snap0, snap1)]
+                counted = _counted(r, gen[0], gen[1]) if r.ok and r.output_ids is not None else []
+                pcs.append(await _judge_stop(baseline, c, r, opts, label, counted))
+                (results if label == "drafter" else oracle_results).append(r)
+                tally = inside.setdefault(f"{label} {c.kind}", [0, 0, 0])
+                tally[2] += 1
+                got = stop_inside_run(r, c.stop_pos, delta) if r.ok else None
+                if got is not None:
+                    tally[1] += 1
+                    tally[0] += bool(got)
+        if oracle is not None:  # the oracle's requests stay out of the candidate's speculation statistics
+            for ck in (check_after_stop(oracle_results, eos), check_kv_idle(await health(oracle))):
+                ck.name = f"oracle {ck.name}"
+                extra_checks.append(ck)
+    finally:
+        if oracle is not None:
+            await oracle.aclose()
+    delta_all = counters_delta(before_all, await candidate.spec_counters())
+    run = await finish_run("eos-in-run", candidate, baseline, pcs, results, delta_all, opts, t0, engine_k(candidate))
+    run.require_spec = False
+    run.checks += extra_checks
+    if ignored:
+        run.checks.append(Check("stop-token-ids", True, f"the baseline ignores stop_token_ids: {len(ignored)} stop-id "
+                                f"case(s) not run ({ignored[0]})", skipped=True))
+    n_inside = sum(v[0] for v in inside.values())
+    tallies = "; ".join(f"{k}: {v[0]} of {v[2]} inside an accepted run" + (f" ({v[2] - v[1]} unknown)" if v[1] < v[2] else "")
+                        for k, v in inside.items()) or "no case"
+    run.notes.append(f"{len(cases)} stop case(s) ({sum(c.kind == 'eos' for c in cases)} EOS, "
+                     f"{sum(c.kind == 'stop-id' for c in cases)} stop ids) on "
+                     f"{' and '.join(lbl for lbl, _ in engines)}; {tallies}")
+    run.evidence["stop_inside_run"] = {k: {"inside": v[0], "known": v[1], "cases": v[2]} for k, v in inside.items()}
+    if not cases:
+        run.cannot_test.append("a stop to test: no baseline output ended early at EOS and no stop id could be "
+                               "picked from one")
+    elif not n_inside:
+        run.cannot_test.append("a stop inside an accepted run: no case put its stop inside one (" + tallies + ")")
+    return run
+
+
+GATES = {"short-then-long": short_then_long, "headroom": headroom, "mixed": mixed, "stop-in-run": stop_in_run,
+         "eos-in-run": eos_in_run}

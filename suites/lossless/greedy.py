@@ -13,9 +13,16 @@ Contract:
   FAIL ("past_stop"); one that stops where the baseline continued is a FAIL ("early_stop"). Engines that
   report their EOS token in the output ids (the reference engine) turn an EOS flip into an ordinary token
   divergence instead; for the others an EOS-vs-token tie cannot be scored (docs/lossless.md).
+- The tolerance (`resolve_rule`): strict mode when both engines declare fp32 (describe()["config"]["dtype"];
+  an openai engine string's `dtype=float32`) or `strict=True`: every divergence must cost at most
+  `strict_tol` (regret.STRICT_FP32_TOL, 10x the measured fp32 noise between correct paths); else the
+  bf16 / fp16 `margin_tol`. `GreedyGateOptions.tol` is the one the gate applies; `GateRun.rule` records it.
 - Re-scoring (optional): at each divergence the candidate scores prompt + shared prefix + pick through its
-  own prefill path (`adapter.score`, echo + logprobs); its regret is reported beside the baseline's and
-  never changes the verdict. A pick outside the baseline's top-k is also scored exactly by the baseline
+  own prefill path (`adapter.score`, echo + logprobs). A benign flip whose pick the candidate's own prefill
+  scores more than `tol` below its top-1 is a FAIL ("rescore"): the verify path and the prefill path of one
+  engine disagree beyond noise. In strict mode also a FAIL: the candidate's prefill gap between the
+  baseline's token and the pick differs from the baseline's by more than `tol` (two fp32 computations of one
+  model disagree beyond noise). A pick outside the baseline's top-k is also scored exactly by the baseline
   where it can, reported beside the lower bound.
 - `run_greedy` runs a prompt set through both engines and returns a `GateRun` with per-prompt checks,
   speculation statistics and the run checks (checks.py); `GateRun.verdict` is PASS, FAIL,
@@ -36,12 +43,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from specbench.harness.adapters.base import EngineAdapter, GenRequest, GenResult, PosLogprobs, counters_delta
 from specbench.harness.verdicts import CANNOT_TEST, CannotTest
 
 from .checks import (
+    AcceptanceComparison,
     AcceptanceEvidence,
     Check,
     acceptance_evidence,
@@ -50,7 +58,17 @@ from .checks import (
     check_kv_idle,
     eos_ids_of,
 )
-from .regret import MARGIN_TOL, TOP_K, PickJudgement, first_divergence, judge_pick, merged_dist
+from .regret import (
+    MARGIN_TOL,
+    STRICT_FP32_TOL,
+    TOP_K,
+    PickJudgement,
+    first_divergence,
+    judge_pick,
+    merged_dist,
+)
+
+FP32 = frozenset({"float32", "fp32", "torch.float32"})
 
 
 class LosslessError(ValueError):
@@ -59,11 +77,52 @@ class LosslessError(ValueError):
 
 @dataclass(frozen=True)
 class GreedyGateOptions:
-    margin_tol: float = MARGIN_TOL
+    margin_tol: float = MARGIN_TOL  # bf16 / fp16 runs
     top_k: int = TOP_K
     max_divergences: int = 8
     rescore: bool = True
     min_accept_len: float = 1.05
+    strict: bool | None = None  # None: strict when both engines run fp32 (resolve_rule); True / False: forced
+    strict_tol: float = STRICT_FP32_TOL
+    rule: str = ""  # set by resolve_rule: "strict" | "margin" ("" = not resolved: the margin applies)
+    rule_reason: str = ""
+
+    @property
+    def tol(self) -> float:
+        """The regret tolerance the gate applies: strict_tol in strict mode, else margin_tol."""
+        return self.strict_tol if self.rule == "strict" else self.margin_tol
+
+    def rule_dict(self) -> dict:
+        return {"mode": self.rule or "margin", "tol": self.tol, "reason": self.rule_reason,
+                "margin_tol": self.margin_tol, "strict_tol": self.strict_tol}
+
+
+def engine_dtype(adapter: EngineAdapter) -> str | None:
+    """The dtype an engine declares (describe()["config"]["dtype"]), else None."""
+    d = adapter.describe() or {}
+    cfg = d.get("config") if isinstance(d.get("config"), dict) else {}
+    v = cfg.get("dtype")
+    return str(v) if v else None
+
+
+def resolve_rule(opts: GreedyGateOptions, baseline: EngineAdapter, candidate: EngineAdapter) -> GreedyGateOptions:
+    """Options with the tolerance decided: strict (both fp32, or forced) or the margin. Idempotent."""
+    if opts.rule:
+        return opts
+    db, dc = engine_dtype(baseline), engine_dtype(candidate)
+    both = db in FP32 and dc in FP32
+    dtypes = f"baseline {db or 'dtype unknown'}, candidate {dc or 'dtype unknown'}"
+    if opts.strict is True:
+        mode, why = "strict", f"--strict ({dtypes})"
+    elif opts.strict is False:
+        mode, why = "margin", f"--no-strict ({dtypes})"
+    elif both:
+        mode, why = "strict", "both engines run float32"
+    else:
+        mode, why = "margin", dtypes + ": the bf16 / fp16 margin"
+        if db is None or dc is None:
+            why += " (an engine that does not declare its dtype: dtype=float32 on its engine string turns strict mode on)"
+    return replace(opts, rule=mode, rule_reason=why)
 
 
 @dataclass
@@ -83,10 +142,11 @@ class Divergence:
     judgement: PickJudgement | None = None
     rescore: dict | None = None
     dist_source: str = "generation"  # the baseline distribution: "generation" | "regenerated" | "teacher-forced"
+    rescore_fail: str | None = None  # the re-scoring disagreed beyond the tolerance (a FAIL): why
 
     @property
     def ok(self) -> bool:
-        return self.judgement is not None and self.judgement.ok
+        return self.judgement is not None and self.judgement.ok and not self.rescore_fail
 
     def describe(self) -> str:
         if self.kind == "past_stop":
@@ -94,6 +154,8 @@ class Divergence:
         if self.kind == "early_stop":
             return f"the candidate stopped at position {self.position}; the baseline continued with {self.baseline_token}"
         assert self.judgement is not None
+        if self.rescore_fail:
+            return f"position {self.position}: FAIL (rescore): {self.rescore_fail}"
         return f"position {self.position}: {self.judgement.describe()}"
 
     def to_dict(self) -> dict:
@@ -157,6 +219,11 @@ class GateRun:
     # Scenario gates with a handful of short requests report speculation but are not judged on it:
     # three drafts that happen to miss must not turn a correct engine's headroom check into an alarm.
     require_spec: bool = True
+    rule: dict = field(default_factory=dict)  # the tolerance applied (GreedyGateOptions.rule_dict)
+    cannot_test: list[str] = field(default_factory=list)  # evidence a gate-level check could not collect
+    delta: dict | None = None  # the candidate's spec counters delta around the gate's requests
+    acceptance: AcceptanceComparison | None = None  # the concurrent gate: acceptance at cN vs c1
+    evidence: dict = field(default_factory=dict)  # gate-specific measurements (eos-in-run: stops inside runs)
 
     @property
     def failed_checks(self) -> list[Check]:
@@ -173,7 +240,7 @@ class GateRun:
     @property
     def missing(self) -> list[str]:
         """Why the gate cannot reach a verdict (empty when it can): the capabilities, or no evidence at all."""
-        out = sorted({p.missing or "?" for p in self.prompts if p.untestable})
+        out = sorted({p.missing or "?" for p in self.prompts if p.untestable}) + list(self.cannot_test)
         if not self.prompts:
             out.append("no prompt was tested")
         elif not out and not sum(p.tokens_compared for p in self.prompts):
@@ -194,9 +261,11 @@ class GateRun:
 
     def to_dict(self) -> dict:
         return {"name": self.name, "verdict": self.verdict, "ok": self.ok, "wall_s": self.wall_s,
-                "require_spec": self.require_spec, "missing": self.missing,
+                "require_spec": self.require_spec, "missing": self.missing, "rule": dict(self.rule),
                 "stats": self.stats.to_dict(), "checks": [c.to_dict() for c in self.checks],
-                "notes": list(self.notes), "prompts": [p.to_dict() for p in self.prompts]}
+                "notes": list(self.notes), "prompts": [p.to_dict() for p in self.prompts],
+                "acceptance": self.acceptance.to_dict() if self.acceptance is not None else None,
+                "evidence": dict(self.evidence)}
 
 
 async def _one(adapter: EngineAdapter, req: GenRequest) -> GenResult:
@@ -262,6 +331,29 @@ async def _rescore(candidate: EngineAdapter | None, ids: list[int], pick: int, b
             "agrees_with_pick": top1 == pick}
 
 
+def rescore_disagreement(d: Divergence, opts: GreedyGateOptions) -> str | None:
+    """Why the candidate's own re-scoring of a benign flip fails it (None when it agrees within `opts.tol`):
+    its prefill ranks the pick more than tol below its top-1 (verify and prefill of one engine disagree), or,
+    in strict mode, its prefill gap between the baseline's token and the pick differs from the baseline's by
+    more than tol (two fp32 computations of one model disagree)."""
+    rs, j, tol = d.rescore or {}, d.judgement, opts.tol
+    if rs.get("status") != "ok" or j is None:
+        return None
+    r = rs.get("regret")
+    if r is not None and r > tol + 1e-9:
+        return (f"the candidate's own prefill scores its pick {d.pick} {r:.3g} nat below its top-1 {rs.get('top1')} "
+                f"(> {tol:g}): its verify path and its prefill path disagree beyond noise")
+    lp_bt, lp_pick = rs.get("baseline_token_logprob"), rs.get("pick_logprob")
+    if opts.rule == "strict" and j.regret is not None and j.top1 == d.baseline_token and lp_bt is not None \
+            and lp_pick is not None:
+        diff = abs((lp_bt - lp_pick) - j.regret)
+        if diff > tol + 1e-9:
+            return (f"the candidate's prefill puts token {d.baseline_token} {lp_bt - lp_pick:.3g} nat above the pick, "
+                    f"the baseline {j.regret:.3g} nat: they differ by {diff:.3g} > {tol:g} (fp32 computations of one "
+                    "model disagree beyond noise)")
+    return None
+
+
 async def check_output(baseline: EngineAdapter, prompt: Prompt, cand: GenResult, max_tokens: int,
                        opts: GreedyGateOptions, candidate: EngineAdapter | None = None,
                        first_base: GenResult | None = None) -> PromptCheck:
@@ -318,18 +410,20 @@ async def check_output(baseline: EngineAdapter, prompt: Prompt, cand: GenResult,
                 pc.status, pc.complete, pc.missing = "untestable", False, "baseline logprobs at the divergence"
                 pc.reason = f"CANNOT TEST at position {pos} (pick {pick} vs baseline {bt}): {note}"
                 return pc
-        j = judge_pick(pick, dist, opts.margin_tol)
+        j = judge_pick(pick, dist, opts.tol)
         if j.kind == "outside_topk":
             got, _ = await _score(baseline, ids_before, pick, opts.top_k)
             if got is not None and got["pick_logprob"] is not None:
-                j = judge_pick(pick, dist, opts.margin_tol, exact_pick_logprob=got["pick_logprob"])
+                j = judge_pick(pick, dist, opts.tol, exact_pick_logprob=got["pick_logprob"])
         d = Divergence(pos, "token", pick, bt, anchor, j, dist_source=source)
         if note and not pc.reason:
             pc.reason = note
         if opts.rescore:
             d.rescore = await _rescore(candidate, ids_before, pick, bt, opts.top_k)
+            if j.ok:
+                d.rescore_fail = rescore_disagreement(d, opts)
         pc.divergences.append(d)
-        if not j.ok:
+        if not d.ok:
             pc.status, pc.reason = "fail", d.describe()
             return pc
         pc.status = "flip"
@@ -394,7 +488,8 @@ async def finish_run(name: str, candidate: EngineAdapter, baseline: EngineAdapte
     stats = acceptance_evidence(results, delta, opts.min_accept_len)
     eos = eos_ids_of(candidate.describe()) or eos_ids_of(baseline.describe())
     checks = [check_counters(stats, k), check_after_stop(results, eos), check_kv_idle(await health(candidate))]
-    return GateRun(name, prompts, stats, checks, time.perf_counter() - t0, results=list(results))
+    return GateRun(name, prompts, stats, checks, time.perf_counter() - t0, results=list(results),
+                   rule=opts.rule_dict(), delta=delta)
 
 
 def engine_k(adapter: EngineAdapter) -> int | None:
@@ -410,6 +505,7 @@ async def run_greedy(baseline: EngineAdapter, candidate: EngineAdapter, prompts:
     """Candidate generations (`concurrency` at a time), then each checked against its own baselines."""
     if not prompts:
         raise LosslessError("the prompt set is empty")
+    opts = resolve_rule(opts, baseline, candidate)
     t0 = time.perf_counter()
     mts = list(max_tokens_each) if max_tokens_each is not None else [max_tokens] * len(prompts)
     reqs = [GenRequest(prompt=list(p.ids), max_tokens=m, temperature=0.0, rid=f"{name}-{p.pid}", prompt_cache=False)
