@@ -24,13 +24,14 @@ reserved by the propose / forward phases and rolled back by the commit, so the e
    drafter's tracked context length and the end of the positions its last rows were written at equal
    num_computed (before a request's first chunk both are 0).
 
-Cost, measured on CPU (bundled tiny pair, fp32, 2 threads; `python -m specbench.benchmarks.invariants_cost`):
-one check of a step with 8 running requests takes ~15 us (pool of 256 pages) to ~45 us (2,048 pages),
-against ~9 ms for the step itself: under 0.5% of a CPU step of the tiny model (about 1.002x wall on an
-end-to-end generate, within run-to-run noise). The partition check is O(num_pages) set work per step,
-so on a GPU step (~10 ms, a pool of ~10^5 pages) it can reach a few percent: off by default, on in the
-tests (tests/conftest.py sets SPECBENCH_INVARIANTS=1) and in gate runs (the lossless, selftest and
-sampled commands run local engines with `invariants=1`, harness/engines.py `gate_specs`).
+Cost, measured on CPU (bundled tiny pair, DFlash, fp32, 2 threads on 2 cores shared with other work;
+`python -m specbench.benchmarks.invariants_cost`): inside a generate of 8 requests x 64 tokens the checks
+took 0.22% (256-page pool) and 0.24% (2,048 pages) of the wall time, i.e. a ratio of 1.002 (31 checks,
+0.3-0.6 ms each under that load); one warm check with 8 requests running takes 16 us (256 pages) to 71 us
+(2,048 pages). The partition check is O(num_pages) Python set work per step, so on a GPU pool of ~10^5
+pages (~3 ms) against a ~10 ms step it would cost tens of percent: off by default, on in the tests
+(tests/conftest.py sets SPECBENCH_INVARIANTS=1) and in gate runs (the lossless, selftest and sampled
+commands run local engines with `invariants=1`, harness/engines.py `gate_specs`).
 """
 
 from __future__ import annotations
@@ -116,10 +117,14 @@ class InvariantChecker:
                                  num_pages=n)
         if len(seen) + len(free_set) != n:
             lost = set(range(n)) - free_set - seen.keys()
-            owners = sorted({pool.last_owner(p) or "?" for p in lost})
-            raise InvariantError(step, owners[0] if len(owners) == 1 and owners[0] != "?" else None,
-                                 f"lost {len(lost)} page(s): neither free nor owned", lost=_few(lost),
-                                 last_owners=owners, free=len(free_set), owned=len(seen), num_pages=n)
+            by: dict[str, list[int]] = {}
+            for p in sorted(lost):
+                by.setdefault(pool.last_owner(p) or "?", []).append(p)
+            rid = next((r for r in sorted(by) if r != "?"), None)  # the first request that lost pages
+            mine = by[rid] if rid is not None else sorted(lost)
+            raise InvariantError(step, rid, f"lost {len(mine)} page(s): neither free nor owned", lost=_few(mine),
+                                 lost_in_all=len(lost), last_owners=sorted(by), free=len(free_set), owned=len(seen),
+                                 num_pages=n)
 
     def _draft_context(self, step: int, running: dict[str, Request]) -> None:
         assert self.proposer is not None
