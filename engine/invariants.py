@@ -120,9 +120,9 @@ class InvariantChecker:
             by: dict[str, list[int]] = {}
             for p in sorted(lost):
                 by.setdefault(pool.last_owner(p) or "?", []).append(p)
-            rid = next((r for r in sorted(by) if r != "?"), None)  # the first request that lost pages
-            mine = by[rid] if rid is not None else sorted(lost)
-            raise InvariantError(step, rid, f"lost {len(mine)} page(s): neither free nor owned", lost=_few(mine),
+            first = next((r for r in sorted(by) if r != "?"), None)  # the first request that lost pages
+            mine = by[first] if first is not None else sorted(lost)
+            raise InvariantError(step, first, f"lost {len(mine)} page(s): neither free nor owned", lost=_few(mine),
                                  lost_in_all=len(lost), last_owners=sorted(by), free=len(free_set), owned=len(seen),
                                  num_pages=n)
 
