@@ -22,7 +22,9 @@ from specbench.harness.errors import usage_errors
 
 
 def lossless(
-    margin_tol: float = typer.Option(0.20, "--margin-tol", min=0.0, help="Benign-flip margin in nats: regret <= this is a tie flip."),
+    margin_tol: float = typer.Option(0.20, "--margin-tol", min=0.0, help="Benign-flip margin in nats for bf16 / fp16 runs: regret <= this is a tie flip."),
+    strict: bool | None = typer.Option(None, "--strict/--no-strict", help="Strict mode: every divergence must cost <= --strict-tol (fp32 noise), not --margin-tol. Default: on when both engines run float32 (an openai engine declares it with dtype=float32)."),
+    strict_tol: float | None = typer.Option(None, "--strict-tol", min=0.0, help="Strict mode's tolerance in nats (default 4e-4: 10x the fp32 noise measured between correct paths, docs/lossless.md)."),
     baseline: str | None = typer.Option(None, "--baseline", help="Engine string of the reference (speculation off). Default: the bundled pair, spec off."),
     candidate: str | None = typer.Option(None, "--candidate", help="Engine string under test (speculation on). Default: the bundled pair, spec on."),
     dataset: str = typer.Option("gsm8k", "--dataset", help="gsm8k | spec_bench | mt_bench | sharegpt | humaneval"),
@@ -33,7 +35,9 @@ def lossless(
     concurrency: int = typer.Option(1, "--concurrency", min=1, help="Candidate requests in flight in the greedy gate."),
     concurrent: bool = typer.Option(False, "--concurrent", help="Also run the concurrent heterogeneous gate (staggered max_tokens, one batch)."),
     engine_gates: bool = typer.Option(False, "--engine-gates", help="Also run short-then-long, mixed batch, stop-in-run and headroom."),
-    expect_accept_len: float | None = typer.Option(None, "--expect-accept-len", min=1.0, help="Fail if the mean accepted length falls >10% (of its excess over 1) below this."),
+    expect_accept_len: float | None = typer.Option(None, "--expect-accept-len", min=1.0, help="Fail if the mean accepted length moves >10% (of its excess over 1) away from this, either way (a rise without cause fails as a drop does). Default: the reference recorded for this engine / drafter / prompts / max_tokens."),
+    accept_reference: bool = typer.Option(True, "--accept-reference/--no-accept-reference", help="Hold acceptance against the reference recorded in the results store for the same fingerprint, and record one from a PASS when none exists."),
+    record_reference: bool = typer.Option(False, "--record-reference", help="Replace the recorded acceptance reference with this run's (when it PASSes): after a real drafter change."),
     min_accept_len: float = typer.Option(1.05, "--min-accept-len", min=1.0, help="At or below this mean accepted length the verdict is NOT SPECULATING."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON document instead of the tables."),
     report: Path | None = typer.Option(None, "--report", help="Write the markdown report here."),
@@ -61,6 +65,7 @@ def lossless(
     from specbench.harness.results import open_run
     from specbench.suites.lossless.batch import parse_levels
     from specbench.suites.lossless.prompts import DATASETS
+    from specbench.suites.lossless.regret import STRICT_FP32_TOL
     from specbench.suites.lossless.report import render_console, render_markdown
     from specbench.suites.lossless.suite import SUITE_VERSION, LosslessConfig, LosslessError, run_lossless
 
@@ -74,7 +79,10 @@ def lossless(
                              concurrent=concurrent, engine_gates=engine_gates, min_accept_len=min_accept_len,
                              expect_accept_len=expect_accept_len, rate_test=rate_test,
                              batch_invariance=batch_invariance, batch_levels=parse_levels(batch_levels),
-                             batch_prompts=batch_prompts, rate_alpha=rate_alpha, rate_detect=rate_detect)
+                             batch_prompts=batch_prompts, rate_alpha=rate_alpha, rate_detect=rate_detect,
+                             strict=strict, strict_tol=STRICT_FP32_TOL if strict_tol is None else strict_tol,
+                             accept_reference=accept_reference,
+                             record_reference=record_reference, results=str(results) if results else None)
         from specbench.harness.adapters.dialect import with_tokenizer
 
         bspec, cspec = share_gpu(gate_specs(with_tokenizer(list(baseline_and_candidate(baseline, candidate)), tokenizer)))

@@ -10,10 +10,11 @@ Forms (options are comma-separated key=value after the target):
         switches, docs/gpu.md; invariants: the engine's run-time invariants after every step,
         engine/invariants.py, on by default in gate commands: `gate_specs`)
   openai:<base_url>[,model=M][,stream=0|1][,extras=0|1][,timeout=S][,retries=N][,api_key=K][,name=X]
-        [,tokenizer=<dir>][,dialect=llamacpp|vllm|sglang|specbench|openai][,probe=0|1][,ready_timeout=S]
+        [,tokenizer=<dir>][,dialect=llamacpp|vllm|sglang|specbench|openai][,probe=0|1][,ready_timeout=S][,dtype=D]
         (probe: detect the endpoint's dialect and capabilities first, default on; dialect forces one;
         tokenizer: the model's own tokenizer.json for an endpoint that cannot tokenize; ready_timeout: how
-        long to wait while /health answers 503, a server still warming up, default 600, 0 = never)
+        long to wait while /health answers 503, a server still warming up, default 600, 0 = never; dtype: the
+        precision the server runs, as declared: float32 on both arms turns the lossless gates' strict mode on)
   hf:<model_dir>[,assistant=<dir>][,lookup=N][,device=...][,dtype=...][,name=X]
 With no engine string at all, `default_engines()` gives the bundled tiny pair: the baseline with
 speculation off and the candidate with speculation on (dflash; ngram while the drafter is absent).
@@ -45,7 +46,7 @@ OPTIONS = {
               "max_num_seqs", "attention", "eager", "verify_graph", "draft_graph", "triton", "gemv",
               "decode_tensor_cores", "decode_attention", "gpu_memory_utilization", "invariants"),
     "openai": ("model", "stream", "extras", "timeout", "retries", "api_key", "name", "tokenizer", "dialect", "probe",
-               "ready_timeout"),
+               "ready_timeout", "dtype"),
     "hf": ("assistant", "lookup", "device", "dtype", "name"),
 }
 SPECS = SPEC_METHODS
@@ -307,7 +308,8 @@ def build_adapter(spec: EngineSpec | str, name: str | None = None) -> EngineAdap
                              stream=spec.opt_bool("stream", True), extras=spec.opt_bool("extras", True),
                              timeout=float(o.get("timeout", 600)), retries=int(o.get("retries", 3)),
                              probe=spec.opt_bool("probe", True), dialect=o.get("dialect"),
-                             tokenizer=o.get("tokenizer"), ready_timeout=float(o.get("ready_timeout", 600)))
+                             tokenizer=o.get("tokenizer"), ready_timeout=float(o.get("ready_timeout", 600)),
+                             dtype=o.get("dtype"))
     from .adapters.hf import HFAdapter
 
     return HFAdapter(spec.target, assistant=o.get("assistant"), lookup=spec.opt_int("lookup"),

@@ -16,6 +16,10 @@ Contract:
   open; the suite supplies suite name + version, engine descriptions per arm, sampling, dataset, seeds.
 - Times in a RequestRecord are seconds relative to its own t_send (perf_counter origins are
   arbitrary); `wall_send` is absolute (time.time()).
+- References: <results>/references/<kind>/<key>.json, one JSON object per key, written atomically by
+  `write_reference` and read by `read_reference` (None when absent or unreadable): measured values a later
+  run is held against (the lossless gate's acceptance, keyed by an engine / drafter / prompts / max_tokens
+  fingerprint). A reference is replaced only by an explicit write; `list_runs` never sees the folder.
 """
 
 from __future__ import annotations
@@ -212,6 +216,39 @@ def open_run(suite: str, suite_version: str = "1", engines: dict[str, dict] | No
     finally:
         if old is not None:
             signal.signal(signal.SIGTERM, old)
+
+
+# ---- references ----------------------------------------------------------------------------------
+REFERENCES = "references"
+
+
+def reference_file(kind: str, key: str, results: str | Path | None = None) -> Path:
+    for part, what in ((kind, "kind"), (key, "key")):
+        if not part or not part.replace("_", "").replace("-", "").isalnum():
+            raise ValueError(f"{what}={part!r} is invalid: expected a plain name (letters, digits, - and _)")
+    return results_dir(results) / REFERENCES / kind / f"{key}.json"
+
+
+def read_reference(kind: str, key: str, results: str | Path | None = None) -> dict | None:
+    f = reference_file(kind, key, results)
+    try:
+        d = json.loads(f.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+    if not isinstance(d, dict):
+        return None
+    d.setdefault("path", str(f))
+    return d
+
+
+def write_reference(kind: str, key: str, record: dict, results: str | Path | None = None) -> Path:
+    f = reference_file(kind, key, results)
+    f.parent.mkdir(parents=True, exist_ok=True)
+    tmp = f.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({**record, "recorded": record.get("recorded") or _now()}, indent=2, default=str) + "\n",
+                   encoding="utf-8")
+    os.replace(tmp, f)
+    return f
 
 
 # ---- readers -------------------------------------------------------------------------------------

@@ -45,7 +45,9 @@ def test_lossless_passes_on_the_bundled_pair(tiny_pair, tmp_path):
     assert all(c["ok"] for c in g["checks"]) and {c["name"] for c in g["checks"]} >= {"counters", "kv-leak"}
     md = report.read_text()
     assert md.startswith("# Lossless gate: PASS") and "| prompt | status | first divergence |" in md
-    (run_dir,) = (tmp_path / "res").iterdir()
+    (run_dir,) = [p for p in (tmp_path / "res").iterdir() if p.name != "references"]
+    (ref,) = (tmp_path / "res" / "references" / "lossless-acceptance").iterdir()  # the first PASS records one
+    assert json.loads(ref.read_text())["mean_accept_len"] == pytest.approx(g["stats"]["mean_accept_len"])
     meta = json.loads((run_dir / "run.json").read_text())
     assert meta["status"] == "complete" and meta["summary"]["verdict"] == "PASS"
     checks = [json.loads(line) for line in (run_dir / "checks.jsonl").read_text().splitlines()]

@@ -96,8 +96,9 @@ class OpenAIAdapter(EngineAdapter):
                  max_connections: int = 1024, extra_body: dict | None = None,
                  transport: httpx.AsyncBaseTransport | None = None, probe: bool = False,
                  dialect: str | None = None, tokenizer: str | Path | LocalTokenizer | None = None,
-                 ready_timeout: float = 0.0) -> None:
+                 ready_timeout: float = 0.0, dtype: str | None = None) -> None:
         super().__init__(name or "openai")
+        self.dtype = dtype  # declared by the engine string (dtype=float32 turns the lossless gates' strict mode on)
         self.root, self.api = split_url(base_url)
         self.model = model
         self.stream, self.extras, self.continuous_usage = stream, extras, continuous_usage
@@ -513,7 +514,8 @@ class OpenAIAdapter(EngineAdapter):
         d = {"name": self.name, "kind": self.kind, "version": self._info.get("version"), "model": self.model,
              "config": {"base_url": self.root, "stream": self.stream, "extras": self.extras,
                         "timeout": self.timeout.read, "retries": self.retries,
-                        "tokenizer": self.local_tokenizer.path if self.local_tokenizer is not None else None},
+                        "tokenizer": self.local_tokenizer.path if self.local_tokenizer is not None else None,
+                        "dtype": self.dtype},
              "server": self._info}
         if caps is not None:
             d["dialect"] = caps.dialect

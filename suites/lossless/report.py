@@ -24,6 +24,13 @@ def _f(x: float | None, nd: int = 3) -> str:
     return "-" if x is None else f"{x:.{nd}f}"
 
 
+def _reg(x: float | None) -> str:
+    """A regret: 3 decimals, or scientific below 0.01 (strict-mode flips are ~1e-4 nat)."""
+    if x is None:
+        return "-"
+    return f"{x:.3f}" if x == 0 or x >= 0.01 else f"{x:.2e}"
+
+
 def _cell(s: object) -> str:
     return str(s).replace("|", "\\|").replace("\n", " ")
 
@@ -84,7 +91,7 @@ def divergence_rows(gates: list[GateRun]) -> list[str]:
             for d in p.divergences:
                 j = d.judgement
                 rs = d.rescore or {}
-                rsc = _f(rs.get("regret")) if rs.get("status") == "ok" else (rs.get("status") or "-")
+                rsc = _reg(rs.get("regret")) if rs.get("status") == "ok" else (rs.get("status") or "-")
                 if rs.get("status") == "ok":
                     rsc += " (agrees with pick)" if rs.get("agrees_with_pick") else f" (prefill top1 {rs.get('top1')})"
                 if j is None and d.kind == "token":
@@ -92,8 +99,9 @@ def divergence_rows(gates: list[GateRun]) -> list[str]:
                 elif j is None:
                     reg, verdict = "-", "**FAIL** " + d.kind
                 else:
-                    reg = _f(j.regret) if j.regret is not None else f">= {_f(j.lower_bound)}"
-                    verdict = "benign" if j.ok else f"**FAIL** ({j.kind})"
+                    reg = _reg(j.regret) if j.regret is not None else f">= {_f(j.lower_bound)}"
+                    verdict = ("**FAIL** (rescore: the candidate's own prefill disagrees)" if d.rescore_fail else
+                               "benign" if j.ok else f"**FAIL** ({j.kind})")
                     if d.dist_source != "generation":
                         reg += f" ({d.dist_source})"
                 top1 = j.top1 if j else d.baseline_token
@@ -146,6 +154,40 @@ def capability_rows(engines: dict[str, dict]) -> list[str]:
     return rows
 
 
+def rule_line(rule: dict, cfg: dict) -> str:
+    tol = rule.get("tol", cfg.get("margin_tol"))
+    mode = rule.get("mode", "margin")
+    what = (f"strict mode: fp32 noise x10 ({rule.get('reason')})" if mode == "strict"
+            else f"the bf16 / fp16 margin ({rule.get('reason') or '--margin-tol'})")
+    return f"benign if <= {tol:g} nat, {what}"
+
+
+def acceptance_lines(out: LosslessOutcome) -> list[str]:
+    """The acceptance checks: the greedy gate against its reference, the concurrent gate's cN vs c1."""
+    lines: list[str] = []
+    ref = out.reference or {}
+    for g in out.gates:
+        for c in g.checks:
+            if c.name in ("acceptance", "acceptance-vs-c1"):
+                res = "skipped" if c.skipped else ("ok" if c.ok else "**FAIL**")
+                lines.append(f"- {g.name} / {c.name}: {res}: {_cell(c.detail)}")
+    if ref:
+        src = ref.get("source") or "none (no reference recorded for this fingerprint yet)"
+        lines.append(f"- reference (fingerprint `{ref.get('key')}`): {_cell(src)}")
+        if ref.get("recorded"):
+            lines.append(f"- recorded this run's acceptance as the reference: `{ref['recorded']}`")
+    for g in out.gates:
+        cmp = g.acceptance
+        if cmp is None or not cmp.per_request:
+            continue
+        lines += ["", f"Per request, {g.name} gate (draft tokens accepted / drafted):", "",
+                  "| request | max_tokens | at concurrency N | alone (c1) |", "|---|---:|---:|---:|"]
+        for r in cmp.per_request:
+            lines.append(f"| {_cell(r['rid'])} | {r['max_tokens'] if r['max_tokens'] is not None else '-'} "
+                         f"| {r['test_accepted']}/{r['test_drafted']} | {r['ref_accepted']}/{r['ref_drafted']} |")
+    return lines
+
+
 def not_run_lines(out: LosslessOutcome) -> list[str]:
     lines = out.checks_not_run()
     return [f"- {_cell(x)}" for x in lines] if lines else ["- none: every check ran"]
@@ -157,8 +199,9 @@ def render_markdown(out: LosslessOutcome) -> str:
     lines += [f"- candidate (spec on): {_engine_line(out.engines.get('candidate', {}))}",
               f"- baseline (spec off): {_engine_line(out.engines.get('baseline', {}))}",
               f"- rule: greedy; at each divergence regret = logp(top1) - logp(pick) under the baseline's "
-              f"top-{cfg.get('top_k')}; benign if <= {cfg.get('margin_tol'):.2f} nat; re-anchoring after "
-              f"each benign flip (at most {cfg.get('max_divergences')} per prompt)",
+              f"top-{cfg.get('top_k')}; {rule_line(out.rule, cfg)}; re-anchoring after "
+              f"each benign flip (at most {cfg.get('max_divergences')} per prompt); a flip the candidate's own "
+              f"prefill re-scoring disagrees with beyond the tolerance fails",
               f"- prompts: {cfg.get('num_prompts')} from `{cfg.get('dataset')}`, max_tokens {cfg.get('max_tokens')}, "
               f"candidate concurrency {cfg.get('concurrency')}; re-scoring "
               f"{'on' if cfg.get('rescore') else 'off'}",
@@ -174,6 +217,9 @@ def render_markdown(out: LosslessOutcome) -> str:
         lines += ["", f"## {g.name}: {g.verdict}", ""]
         lines += [f"_{n}_" for n in g.notes] + ([""] if g.notes else [])
         lines += prompt_rows(g) if g.prompts else ["(no per-request checks)"]
+    acc = acceptance_lines(out)
+    if acc:
+        lines += ["", "## Acceptance", ""] + acc
     div = divergence_rows(out.gates)
     lines += ["", "## Divergences", ""] + (div or ["None: every candidate token equals the baseline's."])
     lines += ["", "## Run checks", ""] + check_rows(out.gates)
@@ -196,6 +242,8 @@ def render_console(out: LosslessOutcome) -> str:
     nr = out.checks_not_run()
     if nr:
         lines += ["could not run:"] + [f"  {x}" for x in nr]
+    if out.rule:
+        lines.append(f"tolerance: {rule_line(out.rule, out.config)}")
     s = out.summary()
     why = f" [missing: {'; '.join(out.missing)}]" if out.missing and out.verdict.startswith("CANNOT") else ""
     lines.append(f"VERDICT: {out.verdict}{why}  ({s['prompts']} prompts, {s['failed_prompts']} failed, {s['flips']} benign "

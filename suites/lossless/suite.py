@@ -15,8 +15,15 @@ Contract:
   counters). `exit_code` maps it (harness/verdicts.py: 0 PASS, 1 FAIL / NOT SPECULATING, 3 CANNOT TEST).
 - `checks_not_run()` lists, per gate, every check that could not run and why (skipped run checks,
   re-scoring the candidate could not do, untestable prompts, the engines' missing capabilities); the
-  reports print it beside the verdict. `expect_accept_len` adds an acceptance-regression check to the
-  greedy gate (10% tolerance on the accepted-length excess over 1).
+  reports print it beside the verdict.
+- The tolerance: strict mode (regret.STRICT_FP32_TOL) in every gate when both engines run fp32, else
+  `margin_tol` (`strict` True / False forces it; greedy.resolve_rule); the outcome's notes say which and why.
+- Acceptance (two-sided, checks.check_acceptance: within 10% of the reference's excess over 1, either way) on
+  the greedy gate, against `expect_accept_len` when given, else against the reference recorded in the results
+  store for the same fingerprint (reference.py: engine, drafter, prompts, max_tokens, concurrency), unless
+  `accept_reference` is off. A run that PASSes, on an engine with no fault armed and with a results run
+  open, records its acceptance as the reference when none exists (or always with `record_reference`);
+  `reference` in the summary says what was used and what was written.
 - `rate_test` adds the "divergence-rate" gate (greedy + concurrent divergences per compared token against
   the baseline's own batch noise on the same prompts); `batch_invariance` the "batch cN spec-off/on" gates
   and "batch-rate" (batch.py; `batch_levels`, `batch_prompts`, `rate_alpha`, `rate_detect`).
@@ -33,12 +40,22 @@ from pathlib import Path
 from specbench.harness.adapters.base import EngineAdapter
 from specbench.harness.verdicts import CANNOT_TEST, CannotTest, exit_code
 
+from . import reference as accept_ref
 from .batch import BatchOptions, load_batch_prompts, run_batch_invariance, run_rate_gate
 from .checks import check_acceptance
 from .concurrent import run_concurrent
 from .engine_gates import GATES
-from .greedy import GateRun, GreedyGateOptions, LosslessError, PromptCheck, run_greedy, tokenize_prompts
+from .greedy import (
+    GateRun,
+    GreedyGateOptions,
+    LosslessError,
+    PromptCheck,
+    resolve_rule,
+    run_greedy,
+    tokenize_prompts,
+)
 from .prompts import load_prompts
+from .regret import STRICT_FP32_TOL
 
 SUITE_VERSION = "1"
 
@@ -64,6 +81,11 @@ class LosslessConfig:
     batch_prompts: int | None = None  # default: the largest batch level
     rate_alpha: float = 0.01
     rate_detect: float = 5.0  # per 1,000 tokens: the rate excess the rate test must be able to see
+    strict: bool | None = None  # None: strict mode when both engines run fp32; True / False: forced
+    strict_tol: float = STRICT_FP32_TOL
+    accept_reference: bool = True  # hold acceptance against (and record) the results store's reference
+    record_reference: bool = False  # replace the stored reference with this run's acceptance (when it PASSes)
+    results: str | None = None  # the results directory the references live in (None: $SPECBENCH_RESULTS / ./results)
 
     def __post_init__(self) -> None:
         for name, lo in (("num_prompts", 1), ("max_tokens", 1), ("max_divergences", 1), ("concurrency", 1),
@@ -75,6 +97,8 @@ class LosslessConfig:
             raise LosslessError(f"--margin-tol {self.margin_tol!r} is invalid: expected nats in [0, 50)")
         if self.top_k > 20:
             raise LosslessError(f"top_k={self.top_k} is invalid: engines return at most 20 logprobs")
+        if not 0 < self.strict_tol < 50:
+            raise LosslessError(f"--strict-tol {self.strict_tol!r} is invalid: expected nats in (0, 50)")
         self.batch_options  # noqa: B018  (validates the batch / rate options)
 
     @property
@@ -83,7 +107,8 @@ class LosslessConfig:
 
     @property
     def gate_options(self) -> GreedyGateOptions:
-        return GreedyGateOptions(self.margin_tol, self.top_k, self.max_divergences, self.rescore, self.min_accept_len)
+        return GreedyGateOptions(self.margin_tol, self.top_k, self.max_divergences, self.rescore, self.min_accept_len,
+                                 strict=self.strict, strict_tol=self.strict_tol)
 
 
 @dataclass
@@ -95,6 +120,8 @@ class LosslessOutcome:
     run_id: str | None = None
     wall_s: float = 0.0
     cannot_test: str | None = None  # why no gate could run at all (e.g. nothing tokenizes)
+    rule: dict = field(default_factory=dict)  # the tolerance every gate applied (GreedyGateOptions.rule_dict)
+    reference: dict = field(default_factory=dict)  # the acceptance reference used / recorded (reference.py)
 
     @property
     def verdict(self) -> str:
@@ -147,7 +174,8 @@ class LosslessOutcome:
                 "failed_prompts": sum(not p.ok and not p.untestable for g in self.gates for p in g.prompts),
                 "untestable_prompts": sum(p.untestable for g in self.gates for p in g.prompts),
                 "flips": sum(len(p.divergences) for g in self.gates for p in g.prompts if p.ok),
-                "mean_accept_len": g0.stats.mean_accept_len if g0 else None, "wall_s": self.wall_s}
+                "mean_accept_len": g0.stats.mean_accept_len if g0 else None, "rule": dict(self.rule),
+                "reference": dict(self.reference), "wall_s": self.wall_s}
 
     def to_dict(self) -> dict:
         return {"suite": "lossless", "suite_version": SUITE_VERSION, "run_id": self.run_id, "verdict": self.verdict,
@@ -182,7 +210,7 @@ async def run_lossless(baseline: EngineAdapter, candidate: EngineAdapter, cfg: L
                        log: Callable[[str], None] | None = None) -> LosslessOutcome:
     t0 = time.perf_counter()
     say = log or (lambda s: None)
-    opts = cfg.gate_options
+    opts = resolve_rule(cfg.gate_options, baseline, candidate)
     texts = load_prompts(cfg.dataset, cfg.num_prompts, cfg.max_prompt_chars)
     engines = {"baseline": baseline.describe(), "candidate": candidate.describe()}  # with the capability records
     try:
@@ -195,7 +223,8 @@ async def run_lossless(baseline: EngineAdapter, candidate: EngineAdapter, cfg: L
         if run is not None:
             run.update(summary=out.summary(), engines=engines)
         return out
-    out = LosslessOutcome([], engines, asdict(cfg), notes)
+    out = LosslessOutcome([], engines, asdict(cfg), notes, rule=opts.rule_dict())
+    out.notes.append(f"tolerance: {'strict' if opts.rule == 'strict' else 'margin'} {opts.tol:g} nat ({opts.rule_reason})")
     if run is not None:
         out.run_id = run.run_id
         run.update(engines=engines)
@@ -224,13 +253,26 @@ async def run_lossless(baseline: EngineAdapter, candidate: EngineAdapter, cfg: L
                                                                            cfg.max_tokens, opts)))
     main = await gate("greedy", run_greedy(baseline, candidate, prompts, cfg.max_tokens, opts,
                                            concurrency=cfg.concurrency, on_prompt=on_prompt("greedy")))
+    key, parts = accept_ref.fingerprint(engines["candidate"], [p.ids for p in prompts], cfg.max_tokens,
+                                        cfg.concurrency)
+    stored = accept_ref.load(key, cfg.results) if cfg.accept_reference else None
+    out.reference = {"key": key, "used": None, "source": None, "recorded": None}
     if cfg.expect_accept_len is not None:
-        main.checks.append(check_acceptance(main.stats, cfg.expect_accept_len))
+        out.reference.update(used=cfg.expect_accept_len, source="--expect-accept-len")
+    elif stored is not None:
+        out.reference.update(used=stored.mean_accept_len, source=stored.describe())
+    if out.reference["used"] is not None:
+        main.checks.append(check_acceptance(main.stats, out.reference["used"],
+                                            source="--expect-accept-len" if cfg.expect_accept_len is not None
+                                            else "the recorded reference"))
+        out.notes.append(f"acceptance reference: {out.reference['source']}")
+    elif cfg.accept_reference:
+        out.notes.append(f"acceptance reference: none recorded yet for this fingerprint ({key}); a PASS records one")
     out.gates = [main] + first  # the greedy gate leads the report and sets the speculation verdict
     if cfg.concurrent:
         await gate("concurrent", run_concurrent(baseline, candidate, prompts, cfg.max_tokens, opts))
     if cfg.engine_gates:
-        for name in ("mixed", "stop-in-run", "headroom"):
+        for name in ("mixed", "stop-in-run", "eos-in-run", "headroom"):
             await gate(name, GATES[name](baseline, candidate, prompts, cfg.max_tokens, opts))
     if cfg.rate_test:  # the spec-on divergences of greedy (+ concurrent) against the baseline's batch noise
         await gate("divergence-rate", run_rate_gate(baseline, prompts, cfg.max_tokens, opts, cfg.batch_options,
@@ -243,6 +285,13 @@ async def run_lossless(baseline: EngineAdapter, candidate: EngineAdapter, cfg: L
             say(f"[lossless] {g.name}: {g.verdict} ({g.wall_s:.1f} s)")
             out.gates.append(g)
             _record(run, g)
+    faults = (engines["candidate"].get("config") or {}).get("faults") if isinstance(engines["candidate"], dict) else None
+    if (run is not None and cfg.accept_reference and out.verdict == "PASS" and not faults and main.stats.known
+            and main.stats.num_drafts and (stored is None or cfg.record_reference)):
+        path = accept_ref.record(key, parts, main.stats, out.run_id, cfg.results)
+        out.reference["recorded"] = str(path)
+        out.notes.append(f"acceptance reference recorded: mean accepted length {main.stats.mean_accept_len:.3f} "
+                         f"-> {path}" + (" (replacing the earlier one)" if stored is not None else ""))
     out.wall_s = time.perf_counter() - t0
     if run is not None:
         run.update(summary=out.summary())
