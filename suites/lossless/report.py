@@ -256,8 +256,8 @@ def render_selftest(st: SelftestOutcome) -> str:
     lines = [f"# Self-test: {'PASS' if st.ok else 'FAIL'}", "",
              f"- engine: {_engine_line(st.engine)}",
              f"- {len(st.faults)} faults x {len(gates)} gates, clean engine x {len(st.clean)} repetitions; "
-             f"{st.num_prompts} prompts, max_tokens {st.max_tokens}, margin {st.margin_tol:.2f} nat "
-             f"(fp32-strict: 0.01 nat); "
+             f"{st.num_prompts} prompts, max_tokens {st.max_tokens}, tolerance "
+             f"{rule_line(st.rule, {'margin_tol': st.margin_tol})}; "
              f"wall {st.wall_s:.1f} s",
              f"- reference acceptance (clean run 1, greedy gate): mean accepted length {_f(st.reference_accept, 3)}",
              "", "## Fault matrix", "",
