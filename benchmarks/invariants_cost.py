@@ -6,7 +6,10 @@ in --pages (the partition check is O(num_pages) per step):
            timed: the checks' share of the generate's wall time, and the mean time per check (a ratio
            measured inside one run, so a loaded machine slows both sides alike);
   check:   one check with --requests requests running mid-decode, median over --reps calls, beside the
-           median step time of the same engine.
+           median step time of the same engine;
+  pool:    one check over a bare page pool of --pool-pages pages (a GPU-sized pool; no model) with
+           --pool-requests requests of 1,024 committed tokens each: the check reads the owned pages, not
+           the free ones, so its time follows the running requests, not the pool size.
 Prints one line per pool size, then one JSON document as the last line.
 
 Usage: python -m specbench.benchmarks.invariants_cost [--pages 256,2048] [--requests 8] [--max-tokens 64]
@@ -78,6 +81,34 @@ def measure(pages: int, n: int, max_tokens: int, reps: int, device: str) -> dict
             "check_per_step": round(check_s / step_s, 5)}
 
 
+def measure_pool(num_pages: int, requests: int, reps: int) -> dict:
+    from specbench.engine.invariants import InvariantChecker
+    from specbench.engine.kv_cache import PagePool
+    from specbench.engine.request import Request
+    from specbench.engine.spec.plan import SpecPlan
+
+    class _Sched:
+        running: list[Request] = []
+
+    pool = PagePool(num_pages, 16)
+    sched = _Sched()
+    for i in range(requests):
+        r = Request(f"p{i}", [1] * 1024, SamplingParams(max_tokens=16))
+        r.num_computed = 1024
+        pool.admit(r.rid, 1040)
+        pool.ensure(r.rid, 1024)
+        pool.commit(r.rid, 1024)
+        sched.running.append(r)
+    checker = InvariantChecker(pool, sched, None, SpecPlan(False, None, 4, 0, False, True))  # type: ignore[arg-type]
+    calls = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        checker.check(0)
+        calls.append(time.perf_counter() - t0)
+    return {"num_pages": num_pages, "requests": requests, "owned_pages": requests * 64,
+            "check_us": round(statistics.median(calls) * 1e6, 1)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pages", default="256,2048")
@@ -85,6 +116,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=2000)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--pool-pages", type=int, default=1_000_000)
+    ap.add_argument("--pool-requests", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -93,7 +126,11 @@ def main() -> None:
         print(f"num_pages={r['num_pages']}: in-run {r['in_run_share']:.3%} of a {r['generate_s']} s generate "
               f"({r['in_run_checks']} checks, {r['in_run_check_us']} us each); one check {r['check_us']} us with "
               f"{r['running']} running vs a {r['step_ms']} ms step ({r['check_per_step']:.3%})")
-    print(json.dumps({"benchmark": "invariants_cost", "device": a.device, "threads": a.threads, "rows": rows}))
+    pool = measure_pool(a.pool_pages, a.pool_requests, min(a.reps, 500))
+    print(f"bare pool of {pool['num_pages']} pages, {pool['requests']} requests owning {pool['owned_pages']} pages: "
+          f"one check {pool['check_us']} us")
+    print(json.dumps({"benchmark": "invariants_cost", "device": a.device, "threads": a.threads, "rows": rows,
+                      "pool": pool}))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,9 @@ reserved by the propose / forward phases and rolled back by the commit, so the e
 2. The pool is partitioned. The free list and the page tables together hold every page id
    0..num_pages-1 exactly once: no page both free and owned, none owned twice, none on the free list
    twice, none lost (neither free nor owned: named with the request it was last handed to), none out of
-   range (the runner's dummy page is never in a table).
+   range (the runner's dummy page is never in a table). Read through the pool's free set (kept beside
+   the free list by every mutation: a page on the list twice makes their sizes differ), so a check costs
+   O(owned pages), not O(num_pages).
 3. Draft-seed alignment. For a request the proposer keeps per-position context for (the DFlash
    drafter's K/V rows; `Proposer.context`, None for n-gram / oracle) and that may speculate
    (`SpecPlan.can_speculate`): the drafter's rows cover exactly the committed positions
@@ -24,14 +26,14 @@ reserved by the propose / forward phases and rolled back by the commit, so the e
    drafter's tracked context length and the end of the positions its last rows were written at equal
    num_computed (before a request's first chunk both are 0).
 
-Cost, measured on CPU (bundled tiny pair, DFlash, fp32, 2 threads on 2 cores shared with other work;
-`python -m specbench.benchmarks.invariants_cost`): inside a generate of 8 requests x 64 tokens the checks
-took 0.22% (256-page pool) and 0.24% (2,048 pages) of the wall time, i.e. a ratio of 1.002 (31 checks,
-0.3-0.6 ms each under that load); one warm check with 8 requests running takes 16 us (256 pages) to 71 us
-(2,048 pages). The partition check is O(num_pages) Python set work per step, so on a GPU pool of ~10^5
-pages (~3 ms) against a ~10 ms step it would cost tens of percent: off by default, on in the tests
-(tests/conftest.py sets SPECBENCH_INVARIANTS=1) and in gate runs (the lossless, selftest and sampled
-commands run local engines with `invariants=1`, harness/engines.py `gate_specs`).
+Cost, measured on CPU (bundled tiny pair, DFlash, fp32, 2 threads; `python -m
+specbench.benchmarks.invariants_cost`): inside a generate of 8 requests x 64 tokens (7.5 ms steps) the
+checks took 0.33% (256-page pool) and 0.39% (2,048 pages) of the wall time, a ratio of 1.004; one check
+with 8 requests running takes 11 us whatever the pool size: the pool keeps its free pages as a set beside
+the free list, so the check reads the owned pages only (a bare pool of 10^6 pages with 64 requests of
+1,024 tokens, 4,096 owned pages: 0.68 ms per check). Off by default; on in the tests (tests/conftest.py
+sets SPECBENCH_INVARIANTS=1) and in gate runs (the lossless, selftest and sampled commands run local
+engines with `invariants=1`, harness/engines.py `gate_specs`).
 """
 
 from __future__ import annotations
@@ -94,12 +96,14 @@ class InvariantChecker:
             self._draft_context(step, running)
 
     def _partition(self, step: int, owned: dict[str, list[int]]) -> None:
+        """O(owned pages), not O(num_pages): the pool keeps its free pages as a set beside the list; the
+        whole pool is read only to name what broke."""
         pool, n = self.pool, self.pool.num_pages
-        free = pool.free_pages()
-        free_set = set(free)
+        free, free_set = pool.free_pages(), pool.free_set()
         if len(free_set) != len(free):
-            dup = [p for p in free_set if free.count(p) > 1]
-            raise InvariantError(step, None, "has pages on its free list twice", pages=_few(dup), free=len(free))
+            extra = sorted({p for p in free if free.count(p) > 1} or (set(free) ^ free_set))
+            raise InvariantError(step, None, "has pages on its free list twice", pages=_few(extra), free=len(free),
+                                 distinct=len(free_set))
         seen: dict[int, str] = {}
         for rid, table in owned.items():
             for p in table:
@@ -111,20 +115,22 @@ class InvariantChecker:
                     raise InvariantError(step, rid, f"owns page {p}, which is on the free list too", page=p)
                 if not 0 <= p < n:
                     raise InvariantError(step, rid, f"owns page {p}, outside the pool of {n}", page=p, num_pages=n)
-        bad_free = [p for p in free_set if not 0 <= p < n]
-        if bad_free:
-            raise InvariantError(step, None, "has pages outside the pool on its free list", pages=_few(bad_free),
+        if len(seen) + len(free_set) == n:
+            return  # distinct, disjoint, in range (owned) and n in all: a partition unless the free list
+            # holds ids outside the pool, which only a page table could have put there (checked above)
+        outside = [p for p in free_set if not 0 <= p < n]
+        if outside:
+            raise InvariantError(step, None, "has pages outside the pool on its free list", pages=_few(outside),
                                  num_pages=n)
-        if len(seen) + len(free_set) != n:
-            lost = set(range(n)) - free_set - seen.keys()
-            by: dict[str, list[int]] = {}
-            for p in sorted(lost):
-                by.setdefault(pool.last_owner(p) or "?", []).append(p)
-            first = next((r for r in sorted(by) if r != "?"), None)  # the first request that lost pages
-            mine = by[first] if first is not None else sorted(lost)
-            raise InvariantError(step, first, f"lost {len(mine)} page(s): neither free nor owned", lost=_few(mine),
-                                 lost_in_all=len(lost), last_owners=sorted(by), free=len(free_set), owned=len(seen),
-                                 num_pages=n)
+        lost = set(range(n)) - free_set - seen.keys()
+        by: dict[str, list[int]] = {}
+        for p in sorted(lost):
+            by.setdefault(pool.last_owner(p) or "?", []).append(p)
+        first = next((r for r in sorted(by) if r != "?"), None)  # the first request that lost pages
+        mine = by[first] if first is not None else sorted(lost)
+        raise InvariantError(step, first, f"lost {len(mine)} page(s): neither free nor owned", lost=_few(mine),
+                             lost_in_all=len(lost), last_owners=sorted(by), free=len(free_set), owned=len(seen),
+                             num_pages=n)
 
     def _draft_context(self, step: int, running: dict[str, Request]) -> None:
         assert self.proposer is not None

@@ -11,7 +11,8 @@ Contract:
   (the rollback of the rejected tail). A request's pages go back on `free`.
 Invariant: free + allocated == num_pages at all times; a page is owned by at most one request. Checked
 by `check()` (at idle) and, after every step when `EngineConfig.check_invariants` is on, by
-engine/invariants.py through the read-only views `owned()`, `free_pages()` and `last_owner()`.
+engine/invariants.py through the read-only views `owned()`, `free_pages()`, `free_set()` (the free pages
+as a set, kept beside the list) and `last_owner()`.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ class PagePool:
         self.page_size = page_size
         # Pop from the end: low page ids are handed out first, which keeps tests readable.
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        # The same pages as a set, kept beside the list by every mutation below, so that the run-time
+        # invariants (engine/invariants.py) test "free?" per owned page without reading the whole pool.
+        self._free_set: set[int] = set(self._free)
         self._reqs: dict[str, _Entry] = {}
         self._last_owner: dict[int, str] = {}  # page -> the request it was last handed to (names a lost page)
 
@@ -88,6 +92,11 @@ class PagePool:
         """The free list (the pool's own list: read, never change it)."""
         return self._free
 
+    def free_set(self) -> set[int]:
+        """The free pages as the set the pool keeps beside the list (read, never change it); a page on the
+        list twice makes the two sizes differ."""
+        return self._free_set
+
     def last_owner(self, page: int) -> str | None:
         return self._last_owner.get(page)
 
@@ -107,6 +116,7 @@ class PagePool:
             raise KVCacheError(f"request {rid!r}: pool exhausted ({need} pages needed, {len(self._free)} free)")
         for _ in range(max(0, need)):
             page = self._free.pop()
+            self._free_set.discard(page)
             e.table.append(page)
             self._last_owner[page] = rid
 
@@ -130,11 +140,13 @@ class PagePool:
             page = e.table.pop()
             if not leak:
                 self._free.append(page)
+                self._free_set.add(page)
 
     def free(self, rid: str) -> None:
         e = self._reqs.pop(rid, None)
         if e is not None:
             self._free.extend(reversed(e.table))
+            self._free_set.update(e.table)
 
     def check(self) -> None:
         owned = [p for e in self._reqs.values() for p in e.table]

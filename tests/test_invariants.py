@@ -112,7 +112,14 @@ def test_checker_accepts_a_consistent_state_and_names_each_break():
         chk.check(4)
     assert e.value.numbers["lost"] == [lost] and e.value.numbers["last_owners"] == ["b"]
     pool.free_pages().append(lost)
+    pool.free_set().add(lost)
     chk.check(5)
+    # a page on the free list twice
+    pool.free_pages().append(lost)
+    with pytest.raises(InvariantError, match=r"the page pool has pages on its free list twice") as e:
+        chk.check(5)
+    assert e.value.numbers["pages"] == [lost] and e.value.rid is None
+    pool.free_pages().pop()
     # a page owned twice, and a page owned and free
     pool.table("b").append(pool.table("a")[0])
     reqs[1].num_computed = pool._reqs["b"].length = 5
@@ -122,6 +129,7 @@ def test_checker_accepts_a_consistent_state_and_names_each_break():
     with pytest.raises(InvariantError, match="on the free list too"):
         chk.check(7)
     pool.free_pages().remove(pool.table("b")[-1])
+    pool.free_set().discard(pool.table("b")[-1])
     ctx["b"] = (5, 5)
     chk.check(8)
     # the drafter's rows one position late (draft_ctx_misaligned), and its tracked length behind
