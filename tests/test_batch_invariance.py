@@ -64,12 +64,16 @@ def test_batch_invariance_and_rate_gates_pass_on_the_bundled_pair(tiny_pair, tmp
 
 
 def test_a_batch_dependent_fault_fails_spec_on_only(tiny_pair):
-    # kv_offset: verify writes K/V one slot late; what it corrupts depends on the batch's spans
-    res, out = _run([*_engines(tiny_pair, "kv_offset"), "--batch-invariance", *SMALL])
+    # kv_offset: verify writes K/V one slot late; what it corrupts depends on the batch's spans, so which
+    # requests share a step (timing) changes the count: 16 prompts gave 11-12 spec-on batch divergences in
+    # three runs (8 gave 5-6, too close to the 5 that p <= 0.01 needs there)
+    res, out = _run([*_engines(tiny_pair, "kv_offset"), "--batch-invariance", *SMALL, "--batch-prompts", "16"])
     assert res.exit_code == 1 and out["verdict"] == "FAIL"
-    v = {g["name"]: g["verdict"] for g in out["gates"]}
-    assert v["batch c4 spec-off"] == "PASS" and v["batch c4 spec-on"] == "FAIL" and v["batch-rate"] == "FAIL"
-    rate = [g for g in out["gates"] if g["name"] == "batch-rate"][0]["rate"]
+    gates = {g["name"]: g for g in out["gates"]}
+    assert gates["batch c4 spec-off"]["verdict"] == "PASS" and gates["batch-rate"]["verdict"] == "FAIL"
+    assert len(gates["batch c4 spec-on"]["prompts"]) == 16
+    assert any(p["divergences"] for p in gates["batch c4 spec-on"]["prompts"])
+    rate = gates["batch-rate"]["rate"]
     assert rate["p_value"] <= 0.01 and rate["test"]["events"] > rate["noise"]["events"] == 0
 
 
