@@ -8,6 +8,7 @@ Contract:
   default) asks for `stream_options: {include_usage, continuous_usage_stats}` and, with extras on (the
   default), vLLM's `return_token_ids` and `return_tokens_as_token_ids`, which make output ids and
   per-chunk token counts exact; servers that ignore them fall back as openai_stream.py documents.
+  The request bodies (and the sampler settings pinned per dialect) are built in openai_request.py.
   t_send is taken just before the request is written, each SSE event is timed on arrival.
 - Connect errors, 429 and 5xx answers before any output are retried (at most `retries` times,
   exponential backoff from `backoff` s); anything else (4xx, a read timeout, a stream that breaks after
@@ -41,7 +42,6 @@ import json
 import logging
 import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,7 @@ import httpx
 
 from .base import EngineAdapter, GenRequest, GenResult, PosLogprobs, ScoreResult, failed
 from .dialect import Capabilities, LocalTokenizer, probe_endpoint
+from .openai_request import completions_body, native_body, split_url
 from .openai_stream import StreamAccumulator, chat_positions, legacy_positions
 from .prom import spec_counters_from_metrics
 
@@ -58,17 +59,6 @@ READY_POLL_S = 1.0
 
 class _Retry(Exception):
     """A failure before any output that is worth another attempt."""
-
-
-def split_url(base_url: str) -> tuple[str, str]:
-    url = base_url.strip().rstrip("/")
-    for suffix in ("/v1/chat/completions", "/v1/completions", "/v1"):
-        if url.endswith(suffix):
-            url = url[: -len(suffix)]
-            break
-    if not url.startswith(("http://", "https://")):
-        raise ValueError(f"base_url={base_url!r} is invalid: expected http(s)://host:port[/v1]")
-    return url, url + "/v1"
 
 
 def _json_or_none(r: httpx.Response) -> Any:
@@ -223,73 +213,8 @@ class OpenAIAdapter(EngineAdapter):
     def dialect(self) -> str:
         return self.caps.dialect if self.caps is not None else (self.forced_dialect or "openai")
 
-    def _samplers(self, body: dict, req: GenRequest) -> None:
-        """Explicit sampler settings: a server default (llama.cpp: top_k 40, min_p 0.05) must never apply."""
-        d = self.dialect
-        if d == "llamacpp":
-            body["top_k"] = req.top_k if req.top_k and req.top_k > 0 else 0
-            body["min_p"] = 0.0
-            body["top_p"] = req.top_p
-            if req.prompt_cache is not None:
-                body["cache_prompt"] = bool(req.prompt_cache)
-        elif d in ("vllm", "specbench", "sglang") and self.extras:
-            body["top_k"] = req.top_k if req.top_k and req.top_k > 0 else -1
-            body["min_p"] = 0.0
-        if d == "vllm" and req.prompt_cache is False and "cache_salt" not in self.extra_body:
-            body["cache_salt"] = f"specbench-cold-{uuid.uuid4().hex}"  # no block shared with any other request
-
     def _native(self, req: GenRequest) -> bool:
         return self.caps is not None and self.caps.generate_route == "/completion" and req.messages is None
-
-    def _native_body(self, req: GenRequest) -> dict:
-        """llama.cpp's own /completion request."""
-        body: dict[str, Any] = {"prompt": req.prompt, "n_predict": req.max_tokens, "temperature": req.temperature,
-                                "stream": self.stream, "return_tokens": True}
-        self._samplers(body, req)
-        if req.seed is not None:
-            body["seed"] = req.seed
-        if req.stop:
-            body["stop"] = list(req.stop)
-        if req.ignore_eos:
-            body["ignore_eos"] = True
-        if req.logprobs is not None:
-            body["n_probs"] = req.logprobs
-        body.update(self.extra_body)
-        return body
-
-    def _body(self, req: GenRequest, model: str) -> dict:
-        body: dict[str, Any] = {"model": model, "max_tokens": req.max_tokens, "temperature": req.temperature,
-                                "top_p": req.top_p, "stream": self.stream}
-        if req.messages is not None:
-            body["messages"] = req.messages
-        else:
-            body["prompt"] = req.prompt
-        if req.top_k:
-            body["top_k"] = req.top_k
-        if req.seed is not None:
-            body["seed"] = req.seed
-        if req.stop:
-            body["stop"] = list(req.stop)
-        if req.stop_token_ids:  # vLLM / the bundled server; llama.cpp's native route has none (a gate sees it ignored)
-            body["stop_token_ids"] = list(req.stop_token_ids)
-        if req.ignore_eos:
-            body["ignore_eos"] = True
-        if self.stream:
-            body["stream_options"] = {"include_usage": True}
-            if self.continuous_usage:
-                body["stream_options"]["continuous_usage_stats"] = True
-        if req.logprobs is not None:
-            if req.messages is not None:
-                body["logprobs"], body["top_logprobs"] = True, req.logprobs
-            else:
-                body["logprobs"] = req.logprobs
-        if self.extras and self.dialect != "llamacpp":
-            body["return_token_ids"] = True
-            if req.logprobs is not None:
-                body["return_tokens_as_token_ids"] = True
-        self._samplers(body, req)
-        body.update(self.extra_body)
-        return body
 
     # ---- generation ------------------------------------------------------------------------------
     async def generate_one(self, req: GenRequest) -> GenResult:
@@ -306,10 +231,13 @@ class OpenAIAdapter(EngineAdapter):
             return failed(req, rid, f"cannot resolve the model from {self.api}/models: {type(e).__name__}: {e}", t0)
         await self._caps()
         if self._native(req):
-            url, body = self.root + "/completion", self._native_body(req)
+            url = self.root + "/completion"
+            body = native_body(req, self.dialect, stream=self.stream, extras=self.extras, extra_body=self.extra_body)
         else:
             url = self.api + ("/chat/completions" if req.messages is not None else "/completions")
-            body = self._body(req, model)
+            body = completions_body(req, model, self.dialect, stream=self.stream,
+                                    continuous_usage=self.continuous_usage, extras=self.extras,
+                                    extra_body=self.extra_body)
         last = ""
         for attempt in range(1, self.retries + 2):
             try:
