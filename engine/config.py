@@ -234,6 +234,10 @@ class SpecConfig:
     batched_draft: bool = True
     ngram_min: int = 1
     ngram_max: int = 4
+    # n-gram drafts with a soft q (0 = point masses): draft i is drawn from q_i = (1 - mix) one_hot(lookup)
+    # + mix * (the context's token frequencies), so the sampled accept path sees a q that is not one-hot
+    # (the sampled gate's self-test; `spec=ngram,mix=M` in engine strings)
+    ngram_mix: float = 0.0
     synthetic_tau: float | None = None  # speed curves on random weights; refused by lossless suites
     sampling: bool = True  # speculative (rejection) sampling for T > 0; False = sampled requests run span-1
 
@@ -243,6 +247,8 @@ class SpecConfig:
         k = self.num_speculative_tokens
         _need(k is None or (isinstance(k, int) and k >= 1), "spec.num_speculative_tokens", k, "an integer >= 1")
         _need(1 <= self.ngram_min <= self.ngram_max, "spec.ngram_min", self.ngram_min, "1 <= ngram_min <= ngram_max")
+        _need(isinstance(self.ngram_mix, int | float) and 0.0 <= self.ngram_mix < 1.0, "spec.ngram_mix",
+              self.ngram_mix, "a number in [0, 1)")
         _need(self.synthetic_tau is None or self.synthetic_tau >= 1.0, "spec.synthetic_tau", self.synthetic_tau,
               "null or a number >= 1.0")
 

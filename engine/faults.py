@@ -264,10 +264,27 @@ class ReusedUniform(Fault):
         return replace(rule, one_uniform=True)
 
 
+class QNextRow(Fault):
+    name = "q_next_row"
+    description = "a sampled draft's q(d_i) and residual read the draft distribution of the next position (row i + 1)"
+
+    def rule(self, rule: AcceptRule) -> AcceptRule:
+        return replace(rule, q_next_row=True)
+
+
+class BonusResidual(Fault):
+    name = "bonus_residual"
+    description = "after a fully accepted sampled run the bonus is drawn from the residual (p_k - q_{k-1})^+ " \
+                  "instead of p_k"
+
+    def rule(self, rule: AcceptRule) -> AcceptRule:
+        return replace(rule, bonus_residual=True)
+
+
 _REGISTRY: tuple[type[Fault], ...] = (KVOffset, SkipRollback, WrongBonus, AcceptOffByOne, DraftCtxMisaligned,
                                       MaskLeak, StaleShape, EmitPastStop, RollbackKeepsPage, VerifyPosShift,
                                       BatchedDraftPos, AcceptTolerance, EosInRun,
-                                      BiasedAccept, ResampleFromP, ReusedUniform)
+                                      BiasedAccept, ResampleFromP, ReusedUniform, QNextRow, BonusResidual)
 FAULTS: dict[str, str] = {f.name: f.description for f in _REGISTRY}
 # The order armed faults' hooks run in where two touch the same values: one more accepted draft first, then
 # the bonus taken late (as the engine always applied them).

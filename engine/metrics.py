@@ -21,6 +21,9 @@ class EngineMetrics:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    # verify steps whose k >= 1 drafts were all accepted (their last token is the bonus, a draw from the row
+    # after the last draft); num_drafts - num_full_accepts steps ended on a rejection
+    num_full_accepts: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
     requests_finished: int = 0
@@ -39,6 +42,8 @@ class EngineMetrics:
         self.num_drafts += 1
         self.num_draft_tokens += k
         self.num_accepted_tokens += m
+        if k and m >= k:
+            self.num_full_accepts += 1
         if len(self.accepted_per_pos) < k:
             self.accepted_per_pos.extend([0] * (k - len(self.accepted_per_pos)))
         for i in range(m):
@@ -52,6 +57,7 @@ class EngineMetrics:
         return {
             "num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens, "accepted_per_pos": list(self.accepted_per_pos),
+            "num_full_accepts": self.num_full_accepts,
             "prompt_tokens": self.prompt_tokens, "generation_tokens": self.generation_tokens,
             "requests_finished": self.requests_finished, "steps": self.steps,
         }

@@ -44,7 +44,7 @@ FORMS = ("local[:<model_dir>][,draft=<dir>][,spec=off|dflash|ngram][,k=N][,devic
 OPTIONS = {
     "local": ("draft", "spec", "k", "device", "dtype", "num_pages", "faults", "name", "max_model_len", "tau",
               "max_num_seqs", "attention", "eager", "verify_graph", "draft_graph", "triton", "gemv",
-              "decode_tensor_cores", "decode_attention", "gpu_memory_utilization", "invariants"),
+              "decode_tensor_cores", "decode_attention", "gpu_memory_utilization", "invariants", "mix"),
     "openai": ("model", "stream", "extras", "timeout", "retries", "api_key", "name", "tokenizer", "dialect", "probe",
                "ready_timeout", "dtype"),
     "hf": ("assistant", "lookup", "device", "dtype", "name"),
@@ -153,6 +153,12 @@ def parse_engine(raw: str) -> EngineSpec:
             assert float(opts["tau"]) >= 1.0
         except (ValueError, AssertionError):
             raise _fail(raw, f"tau={opts['tau']!r} is invalid: expected a mean acceptance length >= 1") from None
+    if "mix" in opts:
+        try:
+            assert 0.0 <= float(opts["mix"]) < 1.0 and opts.get("spec") == "ngram"
+        except (ValueError, AssertionError):
+            raise _fail(raw, f"mix={opts['mix']!r} is invalid: expected a number in [0, 1) with spec=ngram "
+                        "(the n-gram proposer's soft q)") from None
     if "timeout" in opts:
         try:
             assert float(opts["timeout"]) > 0
@@ -176,7 +182,7 @@ def bundled() -> tuple[str, str | None]:
 
 # Options of a local engine that belong to its speculation or to the arm, not to the engine under it:
 # the spec-off twin drops them (a twin is clean and carries its own label).
-TWIN_DROPS = ("draft", "spec", "k", "tau", "faults", "name")
+TWIN_DROPS = ("draft", "spec", "k", "tau", "faults", "name", "mix")
 
 
 def spec_off_twin(spec: EngineSpec, name: str = "baseline") -> EngineSpec:
@@ -286,6 +292,8 @@ def build_adapter(spec: EngineSpec | str, name: str | None = None) -> EngineAdap
             kw["faults"] = tuple(f for f in o["faults"].split("+") if f)
         if "tau" in o:
             kw["synthetic_tau"] = float(o["tau"])
+        if "mix" in o:
+            kw["ngram_mix"] = float(o["mix"])
         if "max_num_seqs" in o:
             kw["max_num_seqs"] = int(o["max_num_seqs"])
         if "gpu_memory_utilization" in o:

@@ -95,4 +95,5 @@ def make_proposer(plan: SpecPlan, spec: SpecConfig, draft: DFlashDraftModel | No
 
         assert draft is not None  # resolve_spec refused dflash without a drafter
         return DFlashProposer(plan.k, draft, target, runner, pool, batched=spec.batched_draft)
-    return NgramProposer(plan.k, spec.ngram_min, spec.ngram_max)
+    return NgramProposer(plan.k, spec.ngram_min, spec.ngram_max, mix=spec.ngram_mix,
+                         vocab_size=target.cfg.vocab_size)

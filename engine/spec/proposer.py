@@ -53,13 +53,19 @@ class Proposer:
 
 class NgramProposer(Proposer):
     """Prompt lookup: find the most recent earlier occurrence of the longest suffix n-gram
-    (ngram_max down to ngram_min) and propose the tokens that followed it."""
+    (ngram_max down to ngram_min) and propose the tokens that followed it.
+
+    `mix` > 0 (sampled requests only): a soft q. Draft i is drawn, with the request's generator, from
+    q_i = (1 - mix) one_hot(g_i) + mix * f_i, where g_i is the lookup's next token after the context and
+    drafts 0..i-1, and f_i the token frequencies of that context; q_i goes to the accept as `draft_probs`.
+    Its rows differ per position and are not one-hot, so the accept's q indexing and residuals are
+    exercised, while the acceptance stays the lookup's (high on prompts that repeat the target's text)."""
 
     name = "ngram"
 
-    def __init__(self, k: int, nmin: int = 1, nmax: int = 4) -> None:
+    def __init__(self, k: int, nmin: int = 1, nmax: int = 4, mix: float = 0.0, vocab_size: int | None = None) -> None:
         super().__init__(k)
-        self.nmin, self.nmax = nmin, nmax
+        self.nmin, self.nmax, self.mix, self.vocab = nmin, nmax, float(mix), vocab_size
 
     def lookup(self, ids: list[int], k: int) -> list[int]:
         n_ids = len(ids)
@@ -74,7 +80,34 @@ class NgramProposer(Proposer):
 
     def propose(self, spans: list[Span], ks: list[int], tile_starts: bool = False) -> None:
         for s, k in zip(spans, ks, strict=True):
-            s.drafts = self.lookup(s.req.all_ids, k)
+            if self.mix > 0 and not s.req.params.greedy:
+                self._propose_soft(s, k)
+            else:
+                s.drafts = self.lookup(s.req.all_ids, k)
+
+    def _propose_soft(self, s: Span, k: int) -> None:
+        ids = list(s.req.all_ids)
+        v = self.vocab or (max(ids) + 1)
+        gen = self.generators.get(s.req.rid)
+        u = torch.rand(k, generator=gen, device=gen.device if gen is not None else "cpu").cpu()
+        freq = torch.bincount(torch.tensor(ids, dtype=torch.long), minlength=v)[:v].to(torch.float32)
+        drafts: list[int] = []
+        rows: list[torch.Tensor] = []
+        for i in range(k):
+            g = self.lookup(ids, 1)
+            if not g:
+                break
+            q = freq * (self.mix / freq.sum())
+            q[g[0]] += 1.0 - self.mix
+            d = int(torch.searchsorted(q.cumsum(0), u[i] * q.sum(), right=True).clamp(max=v - 1))
+            while q[d] <= 0:  # fp rounding at a zero-mass token: the next token with mass
+                d = (d + 1) % v
+            drafts.append(d)
+            rows.append(q)
+            ids.append(d)
+            freq[d] += 1
+        s.drafts = drafts
+        s.draft_probs = torch.stack(rows) if rows else None
 
 
 class OracleProposer(Proposer):

@@ -38,6 +38,8 @@ class AcceptRule:
     q_over_p: bool = False  # accept with min(1, q/p) instead of min(1, p/q)
     one_uniform: bool = False  # every ratio test of a request reads its first uniform
     draw_from_p: bool = False  # after a rejection draw from p instead of the residual (p - q)^+
+    q_next_row: bool = False  # draft i reads q row i + 1 (the last draft its own row): q indexed one row late
+    bonus_residual: bool = False  # after a fully accepted run the bonus is drawn from (p_k - q_{k-1})^+, not p_k
     # greedy (spec/accept.py, not the sampled resolve): a draft also matches when its target logit is within
     # this of the row's max (0: the exact argmax match)
     greedy_tol: float = 0.0
@@ -67,11 +69,19 @@ def accept_sampled_batch(drafts: list[list[int]], qs: list[torch.Tensor | None],
         raise ValueError(f"accept_sampled_batch: p has {p.shape[0]} rows, expected sum(k + 1) = {sum(ks) + nb}")
     if nb == 0:
         return []
-    if kernel and USE_KERNEL and p.dtype == torch.float32 and triton_enabled(p.device):
+    # The kernel knows the lossless rule and the first three faults; the two q/bonus faults run on torch only.
+    if kernel and USE_KERNEL and p.dtype == torch.float32 and triton_enabled(p.device) \
+            and not (rule.q_next_row or rule.bonus_residual):
         return _accept_fused(drafts, qs, p, gens, rule, ks)
     dev = p.device
     kmax, nk = max(ks), sum(ks)
     q, qrows = _q_rows(drafts, qs, p)
+    if rule.q_next_row:
+        qrows, o = list(qrows), 0
+        for k in ks:
+            if k:
+                qrows[o:o + k] = qrows[o + 1:o + k] + qrows[o + k - 1:o + k]
+            o += k
     # Host-built index arrays, one transfer: per draft (p row, token, batch, slot, q row or -1 for a point
     # mass); per request (p offset = offset of its uniforms, first draft, k).
     prow: list[int] = []
@@ -111,7 +121,8 @@ def accept_sampled_batch(drafts: list[list[int]], qs: list[torch.Tensor | None],
             res = torch.where((qr < 0).unsqueeze(1), res, (rows - q[qr.clamp_min(0)]).clamp_min(0.0))
         if rule.draw_from_p:
             res = rows
-        use_p = ~rejected | (res.sum(1) <= 0.0)
+        full = ~rejected & (k_t > 0) if rule.bonus_residual else torch.zeros_like(rejected)
+        use_p = (~rejected & ~full) | (res.sum(1) <= 0.0)
         dist = torch.where(use_p.unsqueeze(1), rows, res)
     else:
         dist = rows
@@ -186,7 +197,7 @@ def _q_rows(drafts: list[list[int]], qs: list[torch.Tensor | None], p: torch.Ten
         if qb is None:
             rows += [-1] * len(d)
         else:
-            parts.append(qb.to(p.dtype))
+            parts.append(qb.to(device=p.device, dtype=p.dtype))
             rows += range(r, r + len(d))
             r += qb.shape[0]
     if r == 0:  # only empty q's (requests without drafts): nothing to index

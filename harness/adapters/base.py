@@ -330,7 +330,7 @@ def counters_delta(before: dict | None, after: dict | None) -> dict | None:
     if before is None or after is None:
         return None
     out: dict = {"source": after.get("source")}
-    for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+    for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_full_accepts"):
         if after.get(k) is not None and before.get(k) is not None:
             out[k] = after[k] - before[k]
     a, b = list(after.get("accepted_per_pos") or []), list(before.get("accepted_per_pos") or [])

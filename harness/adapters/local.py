@@ -86,14 +86,14 @@ class LocalAdapter(EngineAdapter):
     @classmethod
     def from_dirs(cls, model: str, draft: str | None = None, spec: str | None = None, k: int | None = None,
                   device: str = "cpu", dtype: str = "float32", name: str | None = None,
-                  synthetic_tau: float | None = None, **engine_kw: Any) -> LocalAdapter:
+                  synthetic_tau: float | None = None, ngram_mix: float = 0.0, **engine_kw: Any) -> LocalAdapter:
         """spec: resolved by `spec_method` (harness/spec_method.py). synthetic_tau: draw acceptance for
         speed curves on random weights (labelled in describe(); never for lossless)."""
         method = spec_method(spec, draft)
         cfg = EngineConfig(model=str(model), draft=str(draft) if draft and method == "dflash" else None,
                            device=device, dtype=dtype,
                            spec=SpecConfig(method=engine_method(method), num_speculative_tokens=k,
-                                           synthetic_tau=synthetic_tau),
+                                           synthetic_tau=synthetic_tau, ngram_mix=ngram_mix),
                            **engine_kw)
         return cls(LLMEngine(cfg), name=name)
 
@@ -176,7 +176,7 @@ class LocalAdapter(EngineAdapter):
         return {"num_drafts": snap["num_drafts"], "num_draft_tokens": snap["num_draft_tokens"],
                 "num_accepted_tokens": snap["num_accepted_tokens"],
                 "accepted_per_pos": list(snap["accepted_per_pos"]), "generation_tokens": snap["generation_tokens"],
-                "source": "engine"}
+                "num_full_accepts": snap["num_full_accepts"], "source": "engine"}
 
     async def metrics_text(self) -> str | None:
         """The engine's Prometheus text, as `specbench serve` publishes it (gauges refreshed first)."""

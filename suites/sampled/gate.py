@@ -73,6 +73,7 @@ class Samples:
     seconds: float = 0.0
     spec: dict | None = None  # counters delta over this arm's generation
     untestable: list[str] = field(default_factory=list)  # samples without readable tokens (and why)
+    spec_by_config: dict[str, dict | None] = field(default_factory=dict)  # counters delta per sampling config
 
 
 def collect(adapter: EngineAdapter, prompts: Sequence[tuple[str, str]], configs: Sequence[SamplingConfig],
@@ -81,20 +82,27 @@ def collect(adapter: EngineAdapter, prompts: Sequence[tuple[str, str]], configs:
     if seed_of(opts.seed + 1, 0, 0, 0, cells, opts.samples) > SEED_LIMIT:
         raise SampledError(f"--seed {opts.seed} with {cells} prompt x config cells of {opts.samples} samples does not "
                            f"fit below 2^31: expected --seed < {SEED_LIMIT // (ARMS * cells * opts.samples)}")
-    reqs, keys = [], []
-    for pi, (pid, text) in enumerate(prompts):
-        for ci, c in enumerate(configs):
+    # One generation per sampling config, the counters read around each: the report states per config how
+    # many verify steps ended on a rejection and how many were fully accepted (a bonus row drawn).
+    results, keys, by_config = [], [], {}
+    seconds = 0.0
+    spec: dict | None = None
+    for ci, c in enumerate(configs):
+        reqs = []
+        for pi, (pid, text) in enumerate(prompts):
             for si in range(opts.samples):
                 s = seed_of(opts.seed, arm_index, pi * len(configs) + ci, si, cells, opts.samples)
                 reqs.append(GenRequest(prompt=text, max_tokens=opts.positions, temperature=c.temperature,
                                        top_p=c.top_p, top_k=c.top_k, seed=s, ignore_eos=True,
                                        rid=f"{arm}-{pid}-{c.name}-{si}", prompt_cache=False))
                 keys.append((pi, ci))
-    before = adapter.spec_counters_sync()
-    t0 = time.perf_counter()
-    results = adapter.generate_sync(reqs, concurrency=opts.concurrency)
-    seconds = time.perf_counter() - t0
-    spec = counters_delta(before, adapter.spec_counters_sync())
+        before = adapter.spec_counters_sync()
+        t0 = time.perf_counter()
+        results += adapter.generate_sync(reqs, concurrency=opts.concurrency)
+        seconds += time.perf_counter() - t0
+        delta = counters_delta(before, adapter.spec_counters_sync())
+        by_config[c.name] = delta
+        spec = delta if ci == 0 else _add_counters(spec, delta)
     rows: dict[tuple[int, int], list[list[int]]] = {}
     failed: list[str] = []
     untestable: list[str] = []
@@ -123,7 +131,7 @@ def collect(adapter: EngineAdapter, prompts: Sequence[tuple[str, str]], configs:
         ids = list(out[:opts.positions])
         rows.setdefault(key, []).append(ids + [END] * (opts.positions - len(ids)))
     tokens = {k: np.asarray(v, dtype=np.int64) for k, v in rows.items()}
-    return Samples(arm, tokens, failed, seconds, spec, untestable)
+    return Samples(arm, tokens, failed, seconds, spec, untestable, by_config)
 
 
 @dataclass
@@ -208,7 +216,9 @@ def spec_summary(delta: dict | None) -> dict | None:
         return None
     d, k, acc = delta.get("num_drafts", 0), delta.get("num_draft_tokens", 0), delta.get("num_accepted_tokens", 0)
     per = list(delta.get("accepted_per_pos") or [])
+    full = delta.get("num_full_accepts")  # None: the engine does not count fully accepted steps
     return {"num_drafts": d, "num_draft_tokens": k, "num_accepted_tokens": acc,
+            "full_accepts": full, "rejections": d - full if full is not None else None,
             "acceptance_rate": acc / k if k else 0.0, "mean_accept_len": 1 + acc / d if d else 0.0,
             "per_position_rate": [x / d for x in per] if d else [], "source": delta.get("source")}
 
@@ -226,6 +236,9 @@ class GateResult:
     seconds: dict[str, float]
     missing: list[str] = field(default_factory=list)  # why the gate could not test (CANNOT TEST)
     untestable: list[str] = field(default_factory=list)
+    # per sampling config: spec_summary of the candidate's counters over that config's generations (with
+    # full_accepts = bonus rows drawn, rejections = verify steps that ended on a rejected draft)
+    spec_by_config: dict[str, dict | None] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -248,9 +261,26 @@ class GateResult:
                 "median_mde_all": _median([x.mde_all for x in fin]),
                 "frac_detectable_lone": sum(math.isfinite(x.mde_lone) for x in fin) / max(len(fin), 1)}
         return {"verdict": self.verdict, "passed": self.passed, "missing": self.missing,
-                "untestable_samples": len(self.untestable), "spec": self.spec, "comparisons": comps,
+                "untestable_samples": len(self.untestable), "spec": self.spec,
+                "spec_by_config": self.spec_by_config, "not_tested": not_tested(self.spec_by_config),
+                "comparisons": comps,
                 "options": self.options, "configs": [c["name"] for c in self.configs],
                 "num_prompts": len(self.prompts), "failed": len(self.failed), "seconds": self.seconds}
+
+
+def not_tested(by_config: dict[str, dict | None]) -> list[str]:
+    """Per sampling config, the accept-path branches its generations never reached (so no cell tested them):
+    no fully accepted verify step = no bonus row drawn; no rejection = no residual draw. Empty when the
+    engine does not count full accepts (then the report says the counts are unknown)."""
+    out = []
+    for name, s in by_config.items():
+        if not s or s.get("full_accepts") is None:
+            continue
+        if s["num_drafts"] and not s["full_accepts"]:
+            out.append(f"{name}: zero bonus rows (no verify step had every draft accepted)")
+        if s["num_drafts"] and not s["rejections"]:
+            out.append(f"{name}: zero rejections (no residual draw)")
+    return out
 
 
 def _median(xs: list[float]) -> float:
@@ -326,11 +356,14 @@ def run_gate(baseline: EngineAdapter, candidate: EngineAdapter, opts: SampledGat
         spec = _add_counters(spec, cand2.spec)
     secs["stats"] = sum(c.seconds for c in comps)
     summ = spec_summary(spec)
+    by_config = {c.name: spec_summary(_add_counters(cand.spec_by_config.get(c.name),
+                                                    cand2.spec_by_config.get(c.name)) if opts.null
+                                      else cand.spec_by_config.get(c.name)) for c in configs}
     missing = missing_of(comps, untestable)
     return GateResult(verdict_of(comps, summ, failed, missing), comps, summ, asdict(opts),
                       [asdict(c) for c in configs], [p for p, _ in prompts],
                       {"baseline": baseline.describe(), "candidate": candidate.describe()}, failed, secs, missing,
-                      untestable)
+                      untestable, by_config)
 
 
 def _add_counters(a: dict | None, b: dict | None) -> dict | None:
@@ -339,6 +372,10 @@ def _add_counters(a: dict | None, b: dict | None) -> dict | None:
     out = dict(a)
     for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
         out[k] = a.get(k, 0) + b.get(k, 0)
+    if a.get("num_full_accepts") is not None and b.get("num_full_accepts") is not None:
+        out["num_full_accepts"] = a["num_full_accepts"] + b["num_full_accepts"]
+    else:
+        out.pop("num_full_accepts", None)
     pa, pb = list(a.get("accepted_per_pos") or []), list(b.get("accepted_per_pos") or [])
     n = max(len(pa), len(pb))
     out["accepted_per_pos"] = [x + y for x, y in zip(pa + [0] * (n - len(pa)), pb + [0] * (n - len(pb)), strict=True)]
@@ -347,4 +384,4 @@ def _add_counters(a: dict | None, b: dict | None) -> dict | None:
 
 __all__ = ["DEFAULT_CONFIGS", "END", "PROMPT_SETS", "Cell", "Comparison", "SampledGateOptions", "GateResult", "SampledError",
            "Samples", "SamplingConfig", "collect", "compare", "missing_of", "echo_prompts", "load_prompts", "make_prompts",
-           "parse_configs", "run_gate", "seed_of", "spec_summary", "verdict_of"]
+           "not_tested", "parse_configs", "run_gate", "seed_of", "spec_summary", "verdict_of"]

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .gate import Cell, Comparison, GateResult
+from .gate import Cell, Comparison, GateResult, not_tested
 
 POWER_NOTE = (
     "Power: `MDE` is the smallest total-variation distance the test detects with 80% power for the "
@@ -22,6 +22,10 @@ POWER_NOTE = (
     "simulated power at the stated TV was 0.84-0.99 on four distribution shapes, docs/sampled.md). "
     "`lone` is the level q/m at which a single differing cell survives BH; `all` is level q, the regime "
     "of a fault that shifts every cell. `inf`: no such shift is detectable (the cell is too flat).")
+
+
+def _n(x: int | None) -> str:
+    return "unknown" if x is None else str(x)
 
 
 def _f(x: float, nd: int = 3) -> str:
@@ -100,14 +104,41 @@ def render(r: GateResult, title: str = "Sampled equivalence gate") -> str:
         lines += [f"- {m}" for m in r.missing] + [""]
     lines += ["## Checks that could not run", ""] + (_not_run(r) or ["- none: every check ran"]) + [""]
     lines += ["## Speculation (candidate, over its generations)", ""] + _spec_lines(r.spec)
+    lines += _branch_lines(r.spec_by_config)
     for c in r.comparisons:
         lines += _comparison(c, o["q"])
     lines += [POWER_NOTE, ""]
     return "\n".join(lines)
 
 
+def _branch_lines(by_config: dict[str, dict | None]) -> list[str]:
+    """Per sampling config: verify steps, those fully accepted (a bonus row drawn from the row after the last
+    draft) and those ended on a rejection (a residual draw); zero of either is stated, not implied."""
+    if not by_config:
+        return []
+    lines = ["Accept-path branches the candidate's generations reached, per config (engine counters):", "",
+             "| config | verify steps | bonus rows (fully accepted) | rejections (residual draws) | "
+             "acceptance rate | mean accepted length |", "|---|---:|---:|---:|---:|---:|"]
+    for name, s in by_config.items():
+        if not s:
+            lines.append(f"| {name} | unknown | unknown | unknown | - | - |")
+            continue
+        fa, rj = s.get("full_accepts"), s.get("rejections")
+        lines.append(f"| {name} | {s['num_drafts']} | {'unknown' if fa is None else fa} | "
+                     f"{'unknown' if rj is None else rj} | {s['acceptance_rate']:.3f} | {s['mean_accept_len']:.2f} |")
+    gaps = not_tested(by_config)
+    lines.append("")
+    if gaps:
+        lines += ["**Not tested** (no cell of these configs saw the branch):", ""] + [f"- {g}" for g in gaps]
+        lines.append("")
+    return lines
+
+
 def _not_run(r: GateResult) -> list[str]:
     out = [f"- {m}" for m in r.missing]
+    out += [f"- {g}" for g in not_tested(r.spec_by_config)]
+    if r.spec_by_config and any(s and s.get("full_accepts") is None for s in r.spec_by_config.values()):
+        out.append("- bonus rows / rejections: the candidate does not count fully accepted verify steps")
     if r.spec is None:
         out.append("- speculation check: the candidate exposes no spec counters (speculation unverified)")
     for arm, d in r.engines.items():
@@ -126,16 +157,18 @@ def _desc(d: dict) -> str:
 
 
 def render_selftest(rows: Sequence[dict], options: dict) -> str:
-    """rows: {case, expect, verdict, ok, rejected, testable, min_p, max_tv, mean_accept_len, seconds}."""
+    """rows: {case, expect, verdict, ok, rejected, testable, min_p, max_tv, mean_accept_len, bonus_rows,
+    rejections, seconds}."""
     o = options
     lines = ["# Sampled gate self-test", "",
              f"{o['num_prompts']} prompts x {len(o.get('configs', [])) or '?'} configs x {o['positions']} positions, "
              f"{o['samples']} samples per arm, {o['permutations']} permutations, BH q = {o['q']}. "
              "Each fault must be caught (some cell rejected); the clean engine must pass.", "",
              "| case | expected | verdict | rejected / testable | min p | max TV | mean accepted length | "
-             "time (s) | ok |", "|---|---|---|---:|---:|---:|---:|---:|---|"]
+             "bonus rows | rejections | time (s) | ok |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for x in rows:
         lines.append(f"| {x['case']} | {x['expect']} | {x['verdict']} | {x['rejected']} / {x['testable']} | "
-                     f"{_p(x['min_p'])} | {x['max_tv']:.3f} | {x['mean_accept_len']:.2f} | {x['seconds']:.1f} | "
+                     f"{_p(x['min_p'])} | {x['max_tv']:.3f} | {x['mean_accept_len']:.2f} | {_n(x.get('bonus_rows'))} | "
+                     f"{_n(x.get('rejections'))} | {x['seconds']:.1f} | "
                      f"{'yes' if x['ok'] else '**NO**'} |")
     return "\n".join(lines + [""])

@@ -24,10 +24,11 @@ from .gate import (
     SamplingConfig,
     collect,
     make_prompts,
+    not_tested,
     run_gate,
 )
 
-FAULT_CASES = ("biased_accept", "resample_from_p", "reused_uniform")  # the engine's speculative-sampling faults
+FAULT_CASES = ("biased_accept", "resample_from_p", "reused_uniform", "q_next_row", "bonus_residual")  # the engine's speculative-sampling faults
 # Calibrated on the bundled tiny pair (docs/sampled.md "Self-test"). The default candidate is the target
 # with the n-gram proposer on echo prompts: its accept ratios p(d)/1 lie strictly inside (0, 1), where all
 # three faults act; the bundled DFlash drafter's ratios are near 0 or >= 1, where reused_uniform is inert.
@@ -46,7 +47,9 @@ def _row(case: str, res: GateResult, seconds: float) -> dict:
     return {"case": case, "expect": expect, "verdict": res.verdict, "ok": ok, "rejected": len(spec.rejected),
             "testable": len(fin), "min_p": min((c.p_value for c in fin), default=1.0),
             "max_tv": max((c.tv for c in fin), default=0.0),
-            "mean_accept_len": (res.spec or {}).get("mean_accept_len", 0.0), "seconds": seconds}
+            "mean_accept_len": (res.spec or {}).get("mean_accept_len", 0.0),
+            "bonus_rows": (res.spec or {}).get("full_accepts"), "rejections": (res.spec or {}).get("rejections"),
+            "not_tested": not_tested(res.spec_by_config), "seconds": seconds}
 
 
 def run_selftest(baseline: EngineAdapter, candidate: EngineAdapter, opts: SampledGateOptions,
