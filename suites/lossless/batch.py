@@ -53,6 +53,7 @@ from .greedy import (
     engine_k,
     finish_run,
     recover_dist,
+    resolve_rule,
     tokenize_prompts,
 )
 from .prompts import load_prompts
@@ -218,7 +219,7 @@ async def compare_outputs(adapter: EngineAdapter, prompt: Prompt, ref: GenResult
         pc.missing = "logprobs at the divergence (a one-token generation or teacher-forced scoring)"
         pc.reason = f"CANNOT TEST at position {i} (c{level} {pick} vs c1 {ref_tok}): {note}"
         return pc
-    jo, jr = judge_pick(pick, dist, opts.margin_tol), judge_pick(ref_tok, dist, opts.margin_tol)
+    jo, jr = judge_pick(pick, dist, opts.tol), judge_pick(ref_tok, dist, opts.tol)
     worse = sorted((jo, jr), key=lambda j: (j.ok, -(j.regret_or_bound or 0.0)))[0]
     pc.divergences.append(Divergence(i, "token", pick, ref_tok, 0, worse, dist_source=source))
 
@@ -296,6 +297,7 @@ async def run_batch_invariance(baseline: EngineAdapter, candidate: EngineAdapter
                                max_tokens: int, opts: GreedyGateOptions, bopts: BatchOptions) -> list[GateRun]:
     """The batch-invariance gates of both arms and the batch-rate gate (module docstring)."""
     t0 = time.perf_counter()
+    opts = resolve_rule(opts, baseline, candidate)  # strict in fp32 here too: each arm is judged against itself
     off, off_s = await arm_batch_gates(baseline, "spec-off", prompts, max_tokens, opts, bopts.others, bopts.settle_s)
     on, on_s = await arm_batch_gates(candidate, "spec-on", prompts, max_tokens, opts, bopts.others, bopts.settle_s)
     rg = _rate_gate("batch-rate", on_s, off_s, bopts, [], on[-1].stats if on else off[-1].stats,
