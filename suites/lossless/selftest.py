@@ -170,8 +170,11 @@ def _why(g: GateRun) -> str:
             return d.kind + n
         reason = bad[0].reason
         if "failed: " in reason:  # "candidate request failed: EngineFailure: engine step failed: IndexError: ..."
-            reason = "request failed (" + reason.rsplit("failed: ", 1)[-1][:40] + ")"
-        return reason[:60] + n
+            err = reason.rsplit("failed: ", 1)[-1]
+            head, sep, tail = err.partition(": ")  # "specbench.engine.invariants.InvariantError: step 3: ..."
+            err = head.rsplit(".", 1)[-1] + sep + tail
+            reason = "request failed (" + err[:90] + ")"
+        return reason[:110] + n
     if g.failed_checks:
         return g.failed_checks[0].name
     return "not speculating" if g.verdict == "NOT SPECULATING" else g.verdict
