@@ -99,8 +99,9 @@ def _context_limit(ad: EngineAdapter, max_tokens: int) -> int | None:
     mml = cfg.get("max_model_len") if isinstance(cfg, dict) else None
     if not mml:
         return None
-    headroom = int(cfg.get("k") or 0) + 1 if cfg.get("spec") else 0
-    return int(mml) - max_tokens - headroom - 1
+    # describe()'s max_model_len is the usable context: the engine already took its speculation headroom off
+    # (engine/spec/plan.py is the one home of that rule), and admits prompt + max_tokens <= max_model_len.
+    return int(mml) - max_tokens - 1
 
 
 def run_sweep(cfg: SweepConfig, engines: list[str] | None = None, labels: list[str] | None = None,
