@@ -200,6 +200,31 @@ def _inside_run(res: GenResult) -> bool:
     return bool(runs and res.chunk_tokens and res.chunk_tokens[-1] < runs[-1] + 1)
 
 
+async def _judge_stop_divergence(pc: PromptCheck, i: int, cid: list[int], bid: list[int], baseline: EngineAdapter,
+                                 p: Prompt, b: GenResult, opts: GreedyGateOptions, what: str, past: str) -> None:
+    """Judge a stop gate's first divergence `i` of candidate ids `cid` from baseline ids `bid` into `pc`:
+    tokens past the baseline's stop (`past` says where), an early stop, or a token judged by the regret rule
+    at the divergence (a benign flip before the `what` leaves the stop unexercised)."""
+    if i >= len(bid):
+        pc.divergences.append(Divergence(i, "past_stop", cid[i], None, 0))
+        pc.status, pc.tokens_compared = "fail", i
+        pc.reason = f"{len(cid) - len(bid)} token(s) {past}"
+    elif i >= len(cid):
+        pc.divergences.append(Divergence(i, "early_stop", None, bid[i], 0))
+        pc.status, pc.reason = "fail", f"the candidate stopped {len(bid) - len(cid)} token(s) before the baseline"
+    else:
+        dist = position_dist(b.logprobs, i)
+        if not dist:
+            dist, _, note = await recover_dist(baseline, list(p.ids) + cid[:i], cid[i], opts.top_k)
+            if not dist:
+                pc.status, pc.missing, pc.reason = "untestable", "baseline logprobs at the divergence", note
+                return
+        j = judge_pick(cid[i], dist, opts.tol)
+        pc.divergences.append(Divergence(i, "token", cid[i], bid[i], 0, j))
+        pc.status, pc.tokens_compared, pc.complete = ("flip" if j.ok else "fail"), i + 1, False
+        pc.reason = f"benign flip before the {what}: the stop was not exercised" if j.ok else j.describe()
+
+
 async def stop_in_run(baseline: EngineAdapter, candidate: EngineAdapter, prompts: Sequence[Prompt],
                       max_tokens: int, opts: GreedyGateOptions) -> GateRun:
     t0 = time.perf_counter()
@@ -236,24 +261,8 @@ async def stop_in_run(baseline: EngineAdapter, candidate: EngineAdapter, prompts
             if r.text != b.text:
                 pc.status, pc.reason = "fail", f"same tokens, different text: {r.text[-40:]!r} vs {b.text[-40:]!r}"
             continue
-        if i >= len(bid):
-            pc.divergences.append(Divergence(i, "past_stop", cid[i], None, 0))
-            pc.status, pc.tokens_compared = "fail", i
-            pc.reason = f"{len(cid) - len(bid)} token(s) emitted past the stop {s!r} (baseline ends at {len(bid)})"
-        elif i >= len(cid):
-            pc.divergences.append(Divergence(i, "early_stop", None, bid[i], 0))
-            pc.status, pc.reason = "fail", f"the candidate stopped {len(bid) - len(cid)} token(s) before the baseline"
-        else:
-            dist = position_dist(b.logprobs, i)
-            if not dist:
-                dist, _, note = await recover_dist(baseline, list(p.ids) + cid[:i], cid[i], opts.top_k)
-                if not dist:
-                    pc.status, pc.missing, pc.reason = "untestable", "baseline logprobs at the divergence", note
-                    continue
-            j = judge_pick(cid[i], dist, opts.tol)
-            pc.divergences.append(Divergence(i, "token", cid[i], bid[i], 0, j))
-            pc.status, pc.tokens_compared, pc.complete = ("flip" if j.ok else "fail"), i + 1, False
-            pc.reason = "benign flip before the stop: the stop was not exercised" if j.ok else j.describe()
+        await _judge_stop_divergence(pc, i, cid, bid, baseline, p, b, opts, "stop",
+                                     f"emitted past the stop {s!r} (baseline ends at {len(bid)})")
     run = await finish_run("stop-in-run", candidate, baseline, pcs, res, delta, opts, t0, engine_k(candidate))
     run.require_spec = False
     run.notes.append(f"{len(cases)} stop strings; {inside} landed inside an accepted run")
@@ -373,24 +382,8 @@ async def _judge_stop(baseline: EngineAdapter, c: StopCase, r: GenResult, opts: 
         if counted:
             pc.status, pc.reason = "fail", f"{what} at {c.stop_pos}: " + "; ".join(counted)
         return pc
-    if i >= len(bid):
-        pc.divergences.append(Divergence(i, "past_stop", cid[i], None, 0))
-        pc.status, pc.tokens_compared = "fail", i
-        pc.reason = f"{len(cid) - len(bid)} token(s) returned past the {what} at position {c.stop_pos}"
-    elif i >= len(cid):
-        pc.divergences.append(Divergence(i, "early_stop", None, bid[i], 0))
-        pc.status, pc.reason = "fail", f"the candidate stopped {len(bid) - len(cid)} token(s) before the baseline"
-    else:
-        dist = position_dist(b.logprobs, i)
-        if not dist:
-            dist, _, note = await recover_dist(baseline, list(p.ids) + cid[:i], cid[i], opts.top_k)
-            if not dist:
-                pc.status, pc.missing, pc.reason = "untestable", "baseline logprobs at the divergence", note
-                return pc
-        j = judge_pick(cid[i], dist, opts.tol)
-        pc.divergences.append(Divergence(i, "token", cid[i], bid[i], 0, j))
-        pc.status, pc.tokens_compared, pc.complete = ("flip" if j.ok else "fail"), i + 1, False
-        pc.reason = f"benign flip before the {what}: the stop was not exercised" if j.ok else j.describe()
+    await _judge_stop_divergence(pc, i, cid, bid, baseline, p, b, opts, what,
+                                 f"returned past the {what} at position {c.stop_pos}")
     return pc
 
 
