@@ -9,7 +9,8 @@ Launches `specbench serve ARGS...` (its own process session), polls GET /health 
   burst8_s / burst64_s 8 / 64 concurrent 16-token completions after that (new batch buckets: no capture, no JIT)
 then stops the server (SIGTERM to its session) and prints one JSON line, also appended to --out.
 The caller picks the caches with the environment (FLASHINFER_WORKSPACE_BASE, TRITON_CACHE_DIR).
-Stdlib only (urllib), so it runs under any interpreter.
+Stdlib only (urllib, through `specbench.harness.http_json`), so it runs under any interpreter that has the
+project installed (gpu.sh installs it).
 
 Usage: serve_ready.py --label NAME --port P --timeout S --out FILE -- specbench-serve-args...
 """
@@ -24,21 +25,9 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
-
-def http(url: str, body: dict | None = None, timeout: float = 5.0) -> tuple[int, str]:
-    req = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"}, method="GET" if body is None else "POST")
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, r.read().decode("utf-8", "replace")
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode("utf-8", "replace")
-    except Exception as e:  # noqa: BLE001 - refused / reset: not up yet
-        return 0, repr(e)
+from specbench.harness.http_json import http
 
 
 def completion(root: str, timeout: float) -> tuple[float, int]:

@@ -34,8 +34,9 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
+
+from specbench.harness.http_json import http
 
 ROOT = Path(__file__).resolve().parent.parent
 FIX = ROOT / "harness" / "data" / "fixtures"
@@ -136,17 +137,6 @@ def update_state(name: str, **kw) -> None:
         st.setdefault(name, {}).update(kw)
         save_state(st)
 
-
-def http(url: str, body: dict | None = None, timeout: float = 5.0) -> tuple[int, str]:
-    req = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"}, method="GET" if body is None else "POST")
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, r.read().decode("utf-8", "replace")
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode("utf-8", "replace")
-    except Exception as e:  # noqa: BLE001 - connection refused, timeout: not up
-        return 0, repr(e)
 
 
 def healthy(port: int) -> bool:
