@@ -110,6 +110,7 @@ class StreamAccumulator:
             text = msg.get("content") if self.chat else ch.get("text")
             text = text or ""
             n: int | None = None
+            method = ""  # how n was counted (read only once n is set)
             if ch.get("token_ids") is not None:
                 self.have_ids = True
                 self.ids += list(ch["token_ids"])
@@ -133,17 +134,22 @@ class StreamAccumulator:
                 self.finish_reason = ch["finish_reason"]
             if ch.get("spec_decode") is not None:
                 self.spec = ch["spec_decode"]
-            if text or n:
-                self.texts.append(text)
-                self.times.append(t)
-                self.counts.append(n)
-                self.chars.append(len(text))
-                if n is not None:
-                    self.methods.add(method)
+            self._record(text, t, n, method)
         if usage:
             self.usage = usage
             if usage.get("completion_tokens") is not None:
                 self.running_tokens = usage["completion_tokens"]
+
+    def _record(self, text: str, t: float, n: int | None, method: str) -> None:
+        """One chunk that carried text or tokens: its text, arrival time, token count (None: unknown) and how
+        the count was known."""
+        if text or n:
+            self.texts.append(text)
+            self.times.append(t)
+            self.counts.append(n)
+            self.chars.append(len(text))
+            if n is not None:
+                self.methods.add(method)
 
     def _feed_native(self, obj: dict, t: float) -> None:
         """One llama.cpp /completion event (streamed partial, or the whole non-streamed answer)."""
@@ -166,13 +172,7 @@ class StreamAccumulator:
             elif n:  # streamed token without probabilities: a token accepted from a draft
                 self.have_lps = True
                 self.positions += [PosLogprobs(token_id=i, logprob=None, top={}) for i in toks]  # type: ignore[union-attr]
-        if text or n:
-            self.texts.append(text)
-            self.times.append(t)
-            self.counts.append(n)
-            self.chars.append(len(text))
-            if n is not None:
-                self.methods.add("token_ids")
+        self._record(text, t, n, "token_ids")
         if obj.get("stop"):
             st = obj.get("stop_type")
             self.finish_reason = "stop" if st in ("eos", "word") else ("length" if st == "limit" else st)
