@@ -240,45 +240,44 @@ class EosInRun(Fault):
 
 
 # Sampling faults (speculative sampling): variants of the accept rule, computed by both resolve paths.
-class BiasedAccept(Fault):
+class _RuleFlag(Fault):
+    """A fault that turns on one boolean field of the accept rule, `flag`."""
+
+    flag: ClassVar[str]
+
+    def rule(self, rule: AcceptRule) -> AcceptRule:
+        return replace(rule, **{self.flag: True})
+
+
+class BiasedAccept(_RuleFlag):
     name = "biased_accept"
     description = "sampled drafts are accepted with min(1, q/p) instead of min(1, p/q)"
-
-    def rule(self, rule: AcceptRule) -> AcceptRule:
-        return replace(rule, q_over_p=True)
+    flag = "q_over_p"
 
 
-class ResampleFromP(Fault):
+class ResampleFromP(_RuleFlag):
     name = "resample_from_p"
     description = "after a rejection the token is resampled from p instead of the residual"
-
-    def rule(self, rule: AcceptRule) -> AcceptRule:
-        return replace(rule, draw_from_p=True)
+    flag = "draw_from_p"
 
 
-class ReusedUniform(Fault):
+class ReusedUniform(_RuleFlag):
     name = "reused_uniform"
     description = "one uniform random number is reused across draft positions"
-
-    def rule(self, rule: AcceptRule) -> AcceptRule:
-        return replace(rule, one_uniform=True)
+    flag = "one_uniform"
 
 
-class QNextRow(Fault):
+class QNextRow(_RuleFlag):
     name = "q_next_row"
     description = "a sampled draft's q(d_i) and residual read the draft distribution of the next position (row i + 1)"
-
-    def rule(self, rule: AcceptRule) -> AcceptRule:
-        return replace(rule, q_next_row=True)
+    flag = "q_next_row"
 
 
-class BonusResidual(Fault):
+class BonusResidual(_RuleFlag):
     name = "bonus_residual"
     description = "after a fully accepted sampled run the bonus is drawn from the residual (p_k - q_{k-1})^+ " \
                   "instead of p_k"
-
-    def rule(self, rule: AcceptRule) -> AcceptRule:
-        return replace(rule, bonus_residual=True)
+    flag = "bonus_residual"
 
 
 _REGISTRY: tuple[type[Fault], ...] = (KVOffset, SkipRollback, WrongBonus, AcceptOffByOne, DraftCtxMisaligned,
