@@ -17,9 +17,14 @@ cd "$(dirname "$0")/.."
 out=${1:-reports/foreign}
 runs="$out/llamacpp-runs"
 make -s setup
-rm -rf "$runs"
-mkdir -p "$runs"
-SPECBENCH_LLAMACPP_RESULTS="$(cd "$runs" && pwd)" .venv/bin/pytest -q -p no:cacheprovider tests/foreign \
-    --junitxml="$runs/junit.xml"
+# The run writes into a scratch folder and replaces $runs only at the end, so the tree the tests record
+# (git sha, dirty or not) is the one the run started from, not one its own output has dirtied.
+scratch=$(mktemp -d)
+trap 'rm -rf "$scratch"' EXIT
+SPECBENCH_LLAMACPP_RESULTS="$scratch" .venv/bin/pytest -q -p no:cacheprovider tests/foreign \
+    --junitxml="$scratch/junit.xml"
 rc=$?
+rm -rf "$runs"
+mkdir -p "$(dirname "$runs")"
+cp -r "$scratch" "$runs"
 .venv/bin/python -m specbench.suites.report.foreign "$runs" --pytest-exit "$rc" --out "$out/llamacpp.md"
