@@ -1,7 +1,8 @@
 """Losslessness suites: is speculation lossless, and does the proof have teeth?
 
 - regret.py: the pure regret rule (benign tie flip vs FAIL, lower bound outside the top-k).
-- greedy.py: the greedy gate with re-anchoring after benign flips; `GateRun` and its verdict.
+- greedy.py: the greedy gate with re-anchoring after benign flips.
+- outcomes.py: the gate's outcome records (`Prompt`, `Divergence`, `PromptCheck`); `GateRun` and its verdict.
 - concurrent.py: staggered max_tokens in one batch, each against its own sequential baseline.
 - engine_gates.py: short-then-long, headroom admission, mixed batch, stop inside an accepted run.
 - checks.py: counter invariants, nothing after EOS, speculation-silently-off alarm, KV leaks.

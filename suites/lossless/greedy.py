@@ -24,9 +24,10 @@ Contract:
   baseline's token and the pick differs from the baseline's by more than `tol` (two fp32 computations of one
   model disagree beyond noise). A pick outside the baseline's top-k is also scored exactly by the baseline
   where it can, reported beside the lower bound.
-- `run_greedy` runs a prompt set through both engines and returns a `GateRun` with per-prompt checks,
-  speculation statistics and the run checks (checks.py); `GateRun.verdict` is PASS, FAIL,
-  NOT SPECULATING, "PASS (speculation unverified)" when the engine exposes no counters, or CANNOT TEST.
+- `run_greedy` runs a prompt set through both engines and returns a `GateRun` (outcomes.py, re-exported
+  here with `Prompt`, `Divergence`, `PromptCheck`) with per-prompt checks, speculation statistics and the
+  run checks (checks.py); `GateRun.verdict` is PASS, FAIL, NOT SPECULATING, "PASS (speculation
+  unverified)" when the engine exposes no counters, or CANNOT TEST.
 - No verdict without evidence (harness/verdicts.py): a prompt whose outputs cannot be compared for want
   of a capability (no output token ids; no usable baseline logprobs at a divergence) is "untestable",
   with the capability named in `missing`; a gate with an untestable prompt, or with no prompt or no token
@@ -43,31 +44,16 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from specbench.harness.adapters.base import EngineAdapter, GenRequest, GenResult, PosLogprobs, counters_delta
-from specbench.harness.verdicts import CANNOT_TEST, CannotTest
+from specbench.harness.verdicts import CannotTest
 
-from .checks import (
-    AcceptanceComparison,
-    AcceptanceEvidence,
-    Check,
-    acceptance_evidence,
-    check_after_stop,
-    check_counters,
-    check_kv_idle,
-    eos_ids_of,
-)
-from .regret import (
-    MARGIN_TOL,
-    STRICT_FP32_TOL,
-    TOP_K,
-    PickJudgement,
-    first_divergence,
-    judge_pick,
-    merged_dist,
-)
+from .checks import acceptance_evidence, check_after_stop, check_counters, check_kv_idle, eos_ids_of
+from .outcomes import Divergence, GateRun, Prompt, PromptCheck
+from .regret import MARGIN_TOL, STRICT_FP32_TOL, TOP_K, first_divergence, judge_pick, merged_dist
 
+# The outcome records (Divergence, GateRun, Prompt, PromptCheck) live in outcomes.py and stay importable here.
 FP32 = frozenset({"float32", "fp32", "torch.float32"})
 
 
@@ -123,149 +109,6 @@ def resolve_rule(opts: GreedyGateOptions, baseline: EngineAdapter, candidate: En
         if db is None or dc is None:
             why += " (an engine that does not declare its dtype: dtype=float32 on its engine string turns strict mode on)"
     return replace(opts, rule=mode, rule_reason=why)
-
-
-@dataclass
-class Prompt:
-    pid: str
-    ids: list[int]
-    text: str = ""
-
-
-@dataclass
-class Divergence:
-    position: int  # index into the candidate's output
-    kind: str  # "token" | "past_stop" | "early_stop"
-    pick: int | None
-    baseline_token: int | None
-    anchor: int  # the candidate prefix length the judging baseline was generated from
-    judgement: PickJudgement | None = None
-    rescore: dict | None = None
-    dist_source: str = "generation"  # the baseline distribution: "generation" | "regenerated" | "teacher-forced"
-    rescore_fail: str | None = None  # the re-scoring disagreed beyond the tolerance (a FAIL): why
-
-    @property
-    def ok(self) -> bool:
-        return self.judgement is not None and self.judgement.ok and not self.rescore_fail
-
-    def describe(self) -> str:
-        if self.kind == "past_stop":
-            return f"the baseline stopped at position {self.position}; the candidate emitted token {self.pick} past it"
-        if self.kind == "early_stop":
-            return f"the candidate stopped at position {self.position}; the baseline continued with {self.baseline_token}"
-        assert self.judgement is not None
-        if self.rescore_fail:
-            return f"position {self.position}: FAIL (rescore): {self.rescore_fail}"
-        return f"position {self.position}: {self.judgement.describe()}"
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["judgement"] = self.judgement.to_dict() if self.judgement else None
-        d["describe"] = self.describe()
-        return d
-
-
-@dataclass
-class PromptCheck:
-    pid: str
-    prompt_len: int
-    max_tokens: int
-    status: str = "identical"  # identical | flip | fail | error | untestable
-    candidate_tokens: int = 0
-    tokens_compared: int = 0
-    reanchors: int = 0
-    complete: bool = True
-    reason: str = ""
-    divergences: list[Divergence] = field(default_factory=list)
-    spec: dict | None = None
-    missing: str | None = None  # untestable: the capability that was missing
-
-    @property
-    def ok(self) -> bool:
-        return self.status in ("identical", "flip")
-
-    @property
-    def untestable(self) -> bool:
-        return self.status == "untestable"
-
-    @property
-    def first_divergence(self) -> int | None:
-        return self.divergences[0].position if self.divergences else None
-
-    @property
-    def max_regret(self) -> float | None:
-        vals = [d.judgement.regret_or_bound for d in self.divergences if d.judgement]
-        vals = [v for v in vals if v is not None]
-        return max(vals) if vals else None
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["divergences"] = [x.to_dict() for x in self.divergences]
-        d.update(ok=self.ok, first_divergence=self.first_divergence, max_regret=self.max_regret)
-        return d
-
-
-@dataclass
-class GateRun:
-    """One gate's outcome: per-prompt checks, run checks, and what speculation did meanwhile."""
-
-    name: str
-    prompts: list[PromptCheck]
-    stats: AcceptanceEvidence
-    checks: list[Check] = field(default_factory=list)
-    wall_s: float = 0.0
-    notes: list[str] = field(default_factory=list)
-    results: list[GenResult] = field(default_factory=list, repr=False)  # the candidate's, not serialized
-    # Scenario gates with a handful of short requests report speculation but are not judged on it:
-    # three drafts that happen to miss must not turn a correct engine's headroom check into an alarm.
-    require_spec: bool = True
-    rule: dict = field(default_factory=dict)  # the tolerance applied (GreedyGateOptions.rule_dict)
-    cannot_test: list[str] = field(default_factory=list)  # evidence a gate-level check could not collect
-    delta: dict | None = None  # the candidate's spec counters delta around the gate's requests
-    acceptance: AcceptanceComparison | None = None  # the concurrent gate: acceptance at cN vs c1
-    evidence: dict = field(default_factory=dict)  # gate-specific measurements (eos-in-run: stops inside runs)
-
-    @property
-    def failed_checks(self) -> list[Check]:
-        return [c for c in self.checks if not c.ok and not c.skipped]
-
-    @property
-    def ok(self) -> bool:
-        return all(p.ok for p in self.prompts) and not self.failed_checks
-
-    @property
-    def failed(self) -> bool:
-        return any(not p.ok and not p.untestable for p in self.prompts) or bool(self.failed_checks)
-
-    @property
-    def missing(self) -> list[str]:
-        """Why the gate cannot reach a verdict (empty when it can): the capabilities, or no evidence at all."""
-        out = sorted({p.missing or "?" for p in self.prompts if p.untestable}) + list(self.cannot_test)
-        if not self.prompts:
-            out.append("no prompt was tested")
-        elif not out and not sum(p.tokens_compared for p in self.prompts):
-            out.append("no token was compared (every output empty)")
-        return out
-
-    @property
-    def verdict(self) -> str:
-        if self.failed:
-            return "FAIL"
-        if self.missing:
-            return CANNOT_TEST
-        if not self.require_spec:
-            return "PASS"
-        if self.stats.speculating is None:
-            return "PASS (speculation unverified)"
-        return "PASS" if self.stats.speculating else "NOT SPECULATING"
-
-    def to_dict(self) -> dict:
-        return {"name": self.name, "verdict": self.verdict, "ok": self.ok, "wall_s": self.wall_s,
-                "require_spec": self.require_spec, "missing": self.missing, "rule": dict(self.rule),
-                "stats": self.stats.to_dict(), "checks": [c.to_dict() for c in self.checks],
-                "notes": list(self.notes), "prompts": [p.to_dict() for p in self.prompts],
-                "acceptance": self.acceptance.to_dict() if self.acceptance is not None else None,
-                "evidence": dict(self.evidence)}
 
 
 async def _one(adapter: EngineAdapter, req: GenRequest) -> GenResult:

@@ -1,0 +1,166 @@
+"""The greedy gate's outcome records: `Prompt`, `Divergence`, `PromptCheck`, `GateRun` and its verdict.
+
+Contract:
+- `Prompt` is one prompt's token ids (tokenized once, by the baseline: greedy.tokenize_prompts).
+- `Divergence` is one position where the candidate left its judging baseline: a token flip judged by the
+  regret rule (regret.py), or a length mismatch ("past_stop" / "early_stop", always a FAIL); `ok` when the
+  judgement is benign and the candidate's re-scoring did not disagree (`rescore_fail`).
+- `PromptCheck` is one prompt's outcome (identical | flip | fail | error | untestable) with its divergences.
+- `GateRun` is one gate's outcome: per-prompt checks, run checks (checks.py) and speculation statistics;
+  `GateRun.verdict` is PASS, FAIL, NOT SPECULATING, "PASS (speculation unverified)" or CANNOT TEST (no
+  verdict without evidence: harness/verdicts.py). greedy.py builds them (check_output, finish_run) and
+  re-exports every name here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from specbench.harness.adapters.base import GenResult
+from specbench.harness.verdicts import CANNOT_TEST
+
+from .checks import AcceptanceComparison, AcceptanceEvidence, Check
+from .regret import PickJudgement
+
+
+@dataclass
+class Prompt:
+    pid: str
+    ids: list[int]
+    text: str = ""
+
+
+@dataclass
+class Divergence:
+    position: int  # index into the candidate's output
+    kind: str  # "token" | "past_stop" | "early_stop"
+    pick: int | None
+    baseline_token: int | None
+    anchor: int  # the candidate prefix length the judging baseline was generated from
+    judgement: PickJudgement | None = None
+    rescore: dict | None = None
+    dist_source: str = "generation"  # the baseline distribution: "generation" | "regenerated" | "teacher-forced"
+    rescore_fail: str | None = None  # the re-scoring disagreed beyond the tolerance (a FAIL): why
+
+    @property
+    def ok(self) -> bool:
+        return self.judgement is not None and self.judgement.ok and not self.rescore_fail
+
+    def describe(self) -> str:
+        if self.kind == "past_stop":
+            return f"the baseline stopped at position {self.position}; the candidate emitted token {self.pick} past it"
+        if self.kind == "early_stop":
+            return f"the candidate stopped at position {self.position}; the baseline continued with {self.baseline_token}"
+        assert self.judgement is not None
+        if self.rescore_fail:
+            return f"position {self.position}: FAIL (rescore): {self.rescore_fail}"
+        return f"position {self.position}: {self.judgement.describe()}"
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["judgement"] = self.judgement.to_dict() if self.judgement else None
+        d["describe"] = self.describe()
+        return d
+
+
+@dataclass
+class PromptCheck:
+    pid: str
+    prompt_len: int
+    max_tokens: int
+    status: str = "identical"  # identical | flip | fail | error | untestable
+    candidate_tokens: int = 0
+    tokens_compared: int = 0
+    reanchors: int = 0
+    complete: bool = True
+    reason: str = ""
+    divergences: list[Divergence] = field(default_factory=list)
+    spec: dict | None = None
+    missing: str | None = None  # untestable: the capability that was missing
+
+    @property
+    def ok(self) -> bool:
+        return self.status in ("identical", "flip")
+
+    @property
+    def untestable(self) -> bool:
+        return self.status == "untestable"
+
+    @property
+    def first_divergence(self) -> int | None:
+        return self.divergences[0].position if self.divergences else None
+
+    @property
+    def max_regret(self) -> float | None:
+        vals = [d.judgement.regret_or_bound for d in self.divergences if d.judgement]
+        vals = [v for v in vals if v is not None]
+        return max(vals) if vals else None
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["divergences"] = [x.to_dict() for x in self.divergences]
+        d.update(ok=self.ok, first_divergence=self.first_divergence, max_regret=self.max_regret)
+        return d
+
+
+@dataclass
+class GateRun:
+    """One gate's outcome: per-prompt checks, run checks, and what speculation did meanwhile."""
+
+    name: str
+    prompts: list[PromptCheck]
+    stats: AcceptanceEvidence
+    checks: list[Check] = field(default_factory=list)
+    wall_s: float = 0.0
+    notes: list[str] = field(default_factory=list)
+    results: list[GenResult] = field(default_factory=list, repr=False)  # the candidate's, not serialized
+    # Scenario gates with a handful of short requests report speculation but are not judged on it:
+    # three drafts that happen to miss must not turn a correct engine's headroom check into an alarm.
+    require_spec: bool = True
+    rule: dict = field(default_factory=dict)  # the tolerance applied (GreedyGateOptions.rule_dict)
+    cannot_test: list[str] = field(default_factory=list)  # evidence a gate-level check could not collect
+    delta: dict | None = None  # the candidate's spec counters delta around the gate's requests
+    acceptance: AcceptanceComparison | None = None  # the concurrent gate: acceptance at cN vs c1
+    evidence: dict = field(default_factory=dict)  # gate-specific measurements (eos-in-run: stops inside runs)
+
+    @property
+    def failed_checks(self) -> list[Check]:
+        return [c for c in self.checks if not c.ok and not c.skipped]
+
+    @property
+    def ok(self) -> bool:
+        return all(p.ok for p in self.prompts) and not self.failed_checks
+
+    @property
+    def failed(self) -> bool:
+        return any(not p.ok and not p.untestable for p in self.prompts) or bool(self.failed_checks)
+
+    @property
+    def missing(self) -> list[str]:
+        """Why the gate cannot reach a verdict (empty when it can): the capabilities, or no evidence at all."""
+        out = sorted({p.missing or "?" for p in self.prompts if p.untestable}) + list(self.cannot_test)
+        if not self.prompts:
+            out.append("no prompt was tested")
+        elif not out and not sum(p.tokens_compared for p in self.prompts):
+            out.append("no token was compared (every output empty)")
+        return out
+
+    @property
+    def verdict(self) -> str:
+        if self.failed:
+            return "FAIL"
+        if self.missing:
+            return CANNOT_TEST
+        if not self.require_spec:
+            return "PASS"
+        if self.stats.speculating is None:
+            return "PASS (speculation unverified)"
+        return "PASS" if self.stats.speculating else "NOT SPECULATING"
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "verdict": self.verdict, "ok": self.ok, "wall_s": self.wall_s,
+                "require_spec": self.require_spec, "missing": self.missing, "rule": dict(self.rule),
+                "stats": self.stats.to_dict(), "checks": [c.to_dict() for c in self.checks],
+                "notes": list(self.notes), "prompts": [p.to_dict() for p in self.prompts],
+                "acceptance": self.acceptance.to_dict() if self.acceptance is not None else None,
+                "evidence": dict(self.evidence)}
