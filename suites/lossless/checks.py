@@ -128,26 +128,39 @@ def _pad(xs: list[int], n: int) -> list[int]:
     return xs + [0] * max(0, n - len(xs))
 
 
-def check_counters(stats: AcceptanceEvidence, k: int | None = None) -> Check:
-    name = "counters"
-    if not stats.known:
-        return Check(name, True, "no spec counters exposed", skipped=True)
-    pp, d, dt, a = stats.accepted_per_pos, stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens
+def counter_violations(drafts: int, draft_tokens: int, accepted: int, per_pos: Sequence[int],
+                       k: int | None = None) -> list[str]:
+    """The invariants any speculation counters obey over one window (empty: consistent). K is `k`, else the
+    number of per-position counters. Shared by the lossless gates and the sweep's audit."""
+    pp, d, dt, a = [int(x) for x in per_pos], int(drafts), int(draft_tokens), int(accepted)
     bad: list[str] = []
+    if min([d, dt, a, *pp], default=0) < 0:
+        bad.append(f"a counter went backwards (drafts {d}, draft tokens {dt}, accepted {a}, per position {pp}): "
+                   "the server restarted or another process shares the port")
     if pp and sum(pp) != a:
-        bad.append(f"sum(accepted_per_pos)={sum(pp)} != num_accepted_tokens={a}")
+        bad.append(f"sum(accepted_per_pos)={sum(pp)} != accepted={a}")
     inc = [i for i in range(1, len(pp)) if pp[i] > pp[i - 1]]
     if inc:
         bad.append(f"accepted_per_pos increases at position {inc[0]} ({pp[inc[0] - 1]} -> {pp[inc[0]]})")
     if pp and pp[0] > d:
-        bad.append(f"accepted_per_pos[0]={pp[0]} > num_drafts={d}")
+        bad.append(f"accepted_per_pos[0]={pp[0]} > drafts={d}")
     if a > dt:
-        bad.append(f"num_accepted_tokens={a} > num_draft_tokens={dt}")
+        bad.append(f"accepted={a} > draft tokens={dt}")
     kk = k if k else (len(pp) or None)
     if kk and dt > kk * d:
-        bad.append(f"num_draft_tokens={dt} > K x num_drafts = {kk} x {d}")
+        bad.append(f"draft tokens={dt} > K x drafts = {kk} x {d}")
+    return bad
+
+
+def check_counters(stats: AcceptanceEvidence, k: int | None = None) -> Check:
+    name = "counters"
+    if not stats.known:
+        return Check(name, True, "no spec counters exposed", skipped=True)
+    pp, d, dt = stats.accepted_per_pos, stats.num_drafts, stats.num_draft_tokens
+    bad = counter_violations(d, dt, stats.num_accepted_tokens, pp, k)
     if bad:
         return Check(name, False, "; ".join(bad))
+    kk = k if k else (len(pp) or None)
     note = f"K={kk}: draft tokens {dt} <= {kk} x {d} drafts (== unless spans were truncated near max_tokens)" \
         if kk else "no drafts"
     return Check(name, True, note)

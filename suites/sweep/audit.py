@@ -29,29 +29,14 @@ from collections.abc import Sequence
 
 from specbench.harness.verdicts import CANNOT_TEST, FAIL, PASS, combine
 
+from ..lossless.checks import counter_violations
 from ..metrics_audit import audit_window
 
 
 def counter_invariants(c: dict) -> list[str]:
     """Violations of the counter invariants in one delta (empty: consistent)."""
-    pp = [int(x) for x in c.get("accepted_per_pos") or []]
-    d, dt, a = int(c.get("num_drafts") or 0), int(c.get("num_draft_tokens") or 0), int(c.get("num_accepted_tokens") or 0)
-    bad = []
-    if min([d, dt, a, *pp], default=0) < 0:
-        bad.append(f"a counter went backwards (drafts {d}, draft tokens {dt}, accepted {a}, per position {pp}): "
-                   "the server restarted or another process shares the port")
-    if pp and sum(pp) != a:
-        bad.append(f"sum(accepted_per_pos)={sum(pp)} != accepted={a}")
-    inc = [i for i in range(1, len(pp)) if pp[i] > pp[i - 1]]
-    if inc:
-        bad.append(f"accepted_per_pos increases at position {inc[0]} ({pp[inc[0] - 1]} -> {pp[inc[0]]})")
-    if pp and pp[0] > d:
-        bad.append(f"accepted_per_pos[0]={pp[0]} > drafts={d}")
-    if a > dt:
-        bad.append(f"accepted={a} > draft tokens={dt}")
-    if pp and dt > len(pp) * d:
-        bad.append(f"draft tokens={dt} > K x drafts = {len(pp)} x {d}")
-    return bad
+    return counter_violations(c.get("num_drafts") or 0, c.get("num_draft_tokens") or 0,
+                              c.get("num_accepted_tokens") or 0, c.get("accepted_per_pos") or [])
 
 
 def _cell_key(r: dict) -> tuple:
