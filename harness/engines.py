@@ -55,7 +55,6 @@ DECODE_ATTENTION = ("flashinfer", "triton")  # EngineConfig.decode_attention: Fl
 BOOLS = ("0", "1", "true", "false", "yes", "no", "on", "off")
 SWITCHES = ("eager", "verify_graph", "draft_graph", "triton", "decode_tensor_cores", "gemv")  # local engine switches (EngineConfig fields)
 DTYPES = ("float32", "bfloat16", "float16")
-DIALECTS = ("llamacpp", "vllm", "sglang", "specbench", "openai")  # adapters/dialect.py
 
 
 class EngineStringError(ValueError):
@@ -120,8 +119,11 @@ def parse_engine(raw: str) -> EngineSpec:
     for key in ("draft", "assistant", "tokenizer"):
         if key in opts:
             _check_dir(raw, key, opts[key])
-    if opts.get("dialect") is not None and opts["dialect"] not in DIALECTS:
-        raise _fail(raw, f"dialect={opts['dialect']!r} is invalid: expected one of {', '.join(DIALECTS)}")
+    if opts.get("dialect") is not None:
+        from .adapters.dialect import DIALECTS  # here, not at the top: parsing stays free of the HTTP stack
+
+        if opts["dialect"] not in DIALECTS:
+            raise _fail(raw, f"dialect={opts['dialect']!r} is invalid: expected one of {', '.join(DIALECTS)}")
     if "probe" in opts and opts["probe"] not in BOOLS:
         raise _fail(raw, f"probe={opts['probe']!r} is invalid: expected 0 or 1")
     if opts.get("spec") is not None and opts["spec"] not in SPECS:
