@@ -18,6 +18,11 @@
 #   gemv         benchmarks/gemv.py (Triton GEMVs vs cuBLAS per decode shape, config search; GEMV_ARGS)
 #   accept       benchmarks/accept_cost.py at batch 1 and 64 (issue 11: sampling vs greedy accept step)
 #   profile      specbench profile on the pair: spec off/on (synthetic tau 6.5) x eager/graphs (issue 9)
+#   speed        benchmarks/speed.py (issue 19): plain decode per step vs the dense floor by concurrency, step
+#                benches b1, spec vs plain at synthetic tau 6.5, decode step vs context; writes $W/h200-engine/
+#                speed.json + speed.md (copied to $OUT/h200-engine/); SPEED_ARGS adds benchmark flags
+#   attrib       specbench profile with graphs, spec off/on (synthetic tau 6.5) at batch 1 and ATTRIB_BATCH (32):
+#                kernel classes, launch gaps and phases per case in $W/attrib-{off,on}-b{1,32}/ (issue 19)
 #   eval         specbench eval gsm8k --limit EVAL_LIMIT (50) spec off vs on on the pair (issue 10; needs the
 #                server and lm-eval wheels in .whl-eval/, see docs/gpu.md)
 #   vllm         vllm-gates, then vllm-speed (issue 28, docs/vllm.md; needs vLLM importable: VLLM_SITE, default
@@ -161,6 +166,24 @@ if [ "$what" = profile ]; then
       --spec $sp --$gm --attention flashinfer --device cuda --steps ${PROFILE_STEPS:-20} --batch ${PROFILE_BATCH:-1} \
       $( [ $sp = on ] && echo --synthetic-tau 6.5 ) --out "$W/profile-$sp-$gm" --json 2>&1 | tee "$W/profile-$sp-$gm.log"
     r=${PIPESTATUS[0]}; [ "$r" = 0 ] || rc=$r; log "profile spec=$sp $gm rc=$r"
+  done; done
+fi
+if [ "$what" = speed ]; then
+  pair "$SPEC_WORKDIR"
+  log "speed (benchmarks/speed.py)"
+  timeout $(cap ${SPEED_TIMEOUT:-480}) python3 -m specbench.benchmarks.speed --workdir "$SPEC_WORKDIR" \
+    --out-dir "$W/h200-engine" ${SPEED_ARGS:-} 2>&1 | tee "$W/speed.log"
+  r=${PIPESTATUS[0]}; [ "$r" = 0 ] || rc=$r; log "speed rc=$r"
+  mkdir -p "$OUT/h200-engine" && cp "$W"/h200-engine/speed.* "$OUT/h200-engine/" 2>/dev/null
+fi
+if [ "$what" = attrib ]; then
+  pair "$SPEC_WORKDIR"
+  for b in 1 ${ATTRIB_BATCH:-32}; do for sp in off on; do
+    log "attribution: profile spec=$sp graphs batch $b"
+    timeout $(cap ${PROFILE_TIMEOUT:-150}) python3 -m specbench profile --engine "local:$SPEC_WORKDIR/target,draft=$SPEC_WORKDIR/draft" \
+      --spec $sp --graphs --attention flashinfer --device cuda --steps ${PROFILE_STEPS:-20} --batch $b \
+      $( [ $sp = on ] && echo --synthetic-tau 6.5 ) --out "$W/attrib-$sp-b$b" --json 2>&1 | tee "$W/attrib-$sp-b$b.log"
+    r=${PIPESTATUS[0]}; [ "$r" = 0 ] || rc=$r; log "attrib spec=$sp b$b rc=$r"
   done; done
 fi
 if [ "$what" = eval ]; then
