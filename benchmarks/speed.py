@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from specbench.harness.benchdoc import emit_document
 
+SECTIONS = ("steps", "levels", "growth")
 MUST = {"plain_c1_over_dense": 1.10, "plain_over_dense": 1.30, "verify_over_decode_b1": 1.20,
         "draft_over_verify_b1": 0.15, "spec_speedup": {1: 4.0, 8: 2.5, 32: 1.5}}
 GOAL = {"plain_c1_over_dense": 1.05, "plain_over_dense": 1.15, "verify_over_decode_b1": 1.10,
@@ -141,7 +142,8 @@ def environment(device: str) -> dict:
 def run(target: str, draft: str, device: str = "cuda", levels: tuple[int, ...] = (1, 8, 16, 32, 64),
         contexts: tuple[int, ...] = (512, 2048, 8192), growth_c: int = 32, repeats: int = 3,
         new_tokens: int = 256, prompt_len: int = 128, tau: float = 6.5, growth_tokens: int = 64,
-        step_context: int = 512, dtype: str | None = None, save=None) -> dict:
+        step_context: int = 512, dtype: str | None = None, save=None, engine_kw: dict | None = None,
+        sections: tuple[str, ...] = SECTIONS) -> dict:
     """`save(res)` is called after every section, so an interrupted run keeps what it measured."""
     from specbench.engine import LLM
 
@@ -150,27 +152,29 @@ def run(target: str, draft: str, device: str = "cuda", levels: tuple[int, ...] =
     res: dict = {"environment": environment(device), "settings": {
         "levels": list(levels), "contexts": list(contexts), "growth_c": growth_c, "repeats": repeats,
         "new_tokens": new_tokens, "prompt_len": prompt_len, "tau": tau, "growth_tokens": growth_tokens,
-        "dtype": dtype, "target": target, "draft": draft}, "complete": False}
+        "dtype": dtype, "target": target, "draft": draft, "engine_kw": engine_kw or {}, "sections": list(sections)},
+        "complete": False}
     t0 = time.time()
-    res["steps_b1"] = step_benches(target, draft, device, repeats, step_context)
-    print(f"step benches b1 ({time.time() - t0:.0f} s): " + json.dumps(res["steps_b1"]), flush=True)
     keep = save or (lambda r: None)
-    keep(res)
+    if "steps" in sections:
+        res["steps_b1"] = step_benches(target, draft, device, repeats, step_context)
+        print(f"step benches b1 ({time.time() - t0:.0f} s): " + json.dumps(res["steps_b1"]), flush=True)
+        keep(res)
 
     max_len = max(contexts) + max(new_tokens, growth_tokens) + 64
     common = dict(device=device, dtype=dtype, max_num_seqs=max(max(levels), growth_c),
-                  max_num_batched_tokens=16384, max_model_len=max_len)
+                  max_num_batched_tokens=16384, max_model_len=max_len, **(engine_kw or {}))
     plain = LLM(target, spec="off", gpu_memory_utilization=0.45, **common)
     spec = LLM(target, draft=draft, spec="dflash", synthetic_tau=tau, gpu_memory_utilization=0.9, **common)
     vocab = plain.engine.mcfg.vocab_size
-    rows = sorted(set(levels) | {1, res["steps_b1"]["span"]})
+    rows = sorted(set(levels) | {1, spec.engine.k + 1})
     res["dense_floor_ms"] = {str(r): stat([dense_floor(plain.engine.model, r, device) for _ in range(repeats)])
                              for r in rows}
     print("dense floor: " + ", ".join(f"{r} rows {v['median']:.3f} ms" for r, v in res["dense_floor_ms"].items()),
           flush=True)
 
     res["plain_ms_per_step"], res["spec_speedup"], res["noise_floor"] = {}, {}, {}
-    for c in levels:
+    for c in (levels if "levels" in sections else ()):
         ps = prompts(c, prompt_len, vocab, seed=c)
         gen_wall(plain, ps, 8, device)  # warm-up: this batch size's graphs and buffers, both engines
         gen_wall(spec, ps, 8, device)
@@ -190,7 +194,7 @@ def run(target: str, draft: str, device: str = "cuda", levels: tuple[int, ...] =
         keep(res)
 
     res["context_growth"] = {}
-    for ctx in contexts:
+    for ctx in (contexts if "growth" in sections else ()):
         for c in sorted({1, growth_c}):
             ps = prompts(c, ctx, vocab, seed=ctx + c)
             gen_wall(plain, ps, 4, device)
@@ -301,10 +305,21 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--step-context", type=int, default=512)
     ap.add_argument("--tau", type=float, default=6.5)
+    ap.add_argument("--engine-kw", default="{}", help="JSON object of EngineConfig fields for both engines (A/B)")
+    ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {', '.join(SECTIONS)}")
     ap.add_argument("--out-dir", help="write speed.json and speed.md there")
     a = ap.parse_args(argv)
     if a.repeats < 1 or a.new_tokens < 2 or a.growth_tokens < 2:
         raise SystemExit("--repeats must be >= 1, --new-tokens and --growth-tokens >= 2")
+    try:
+        engine_kw = json.loads(a.engine_kw)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"--engine-kw: not JSON ({e}); expected an object such as '{{\"decode_attention\": \"flashinfer\"}}'") from None
+    if not isinstance(engine_kw, dict):
+        raise SystemExit("--engine-kw: expected a JSON object of EngineConfig fields")
+    sections = tuple(x for x in a.sections.split(",") if x)
+    if not sections or set(sections) - set(SECTIONS):
+        raise SystemExit(f"--sections: expected a comma list of {', '.join(SECTIONS)}, got {a.sections!r}")
     if a.model:
         if not a.draft:
             raise SystemExit("--model needs --draft (the drafter of the pair)")
@@ -323,7 +338,8 @@ def main(argv: list[str] | None = None) -> dict:
             (d / "speed.md").write_text(render(res) + "\n")
 
     res = run(target, draft, a.device, _ints(a.levels), _ints(a.contexts), a.growth_c, a.repeats, a.new_tokens,
-              a.prompt_len, a.tau, a.growth_tokens, a.step_context, a.dtype, save=save)
+              a.prompt_len, a.tau, a.growth_tokens, a.step_context, a.dtype, save=save, engine_kw=engine_kw,
+              sections=sections)
     save(res)
     print(render(res), flush=True)
     emit_document(res)
