@@ -5,12 +5,17 @@ adds; decode(ids) tolerates ids beyond the tokenizer's vocabulary (random-weight
 vocab emit them) by rendering them as empty strings, so a server never crashes on them.
 Incremental detokenization: `decode_prefix_safe` returns text for ids, dropping a trailing incomplete
 UTF-8 sequence so streamed text never carries a replacement character that later resolves.
+Chat templates come with the model directory, i.e. from whoever published it, so they are rendered in
+jinja2's `ImmutableSandboxedEnvironment` (compiled once): a template that reaches for Python internals
+(`__class__`, `__globals__`, mutating a list, ...) raises `jinja2.exceptions.SecurityError` instead of
+running code in the process; `raise_exception(msg)` (the HF convention) raises `TemplateError(msg)`.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer as _HFTok
 
@@ -34,6 +39,7 @@ class Tokenizer:
         self.eos_token: str | None = _tok_str(self.config.get("eos_token"))
         self.eos_token_id: int | None = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         self.name = str(d)
+        self._compiled: Any = None
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -58,12 +64,22 @@ class Tokenizer:
             # A plain fallback that is at least unambiguous.
             body = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
             return body + ("<|im_start|>assistant\n" if add_generation_prompt else "")
-        import jinja2
+        return self._template().render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                       eos_token=self.eos_token or "", bos_token="")
 
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-        tmpl = env.from_string(self.chat_template)
-        return tmpl.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                           eos_token=self.eos_token or "", bos_token="")
+    def _template(self) -> Any:
+        src = self.chat_template or ""
+        if self._compiled is None or self._compiled[0] != src:  # compiled once per template text
+            from jinja2.exceptions import TemplateError
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            def raise_exception(msg: str) -> None:
+                raise TemplateError(msg)
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = raise_exception
+            self._compiled = (src, env.from_string(src))
+        return self._compiled[1]
 
 
 def _tok_str(v: object) -> str | None:

@@ -7,7 +7,6 @@ had before gauges were refreshed at each scrape) and counters that miss tokens.
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,6 +19,7 @@ from specbench.harness.adapters import GenRequest
 from specbench.harness.adapters.base import GenResult
 from specbench.harness.adapters.openai_api import OpenAIAdapter
 from specbench.harness.server import ServerThread, make_app
+from specbench.harness.server.metrics import EngineCollector
 from specbench.harness.verdicts import CANNOT_TEST, FAIL, PASS
 from specbench.suites.metrics_audit import (
     audit_window,
@@ -217,10 +217,25 @@ def test_gauges_return_to_zero_after_a_disconnect_and_a_client_timeout(served, g
     assert after["counters"]["requests_ok"] == before["counters"]["requests_ok"]
 
 
+def _patch_collector(monkeypatch, change) -> None:
+    """/metrics with each sample of the engine collector's families passed through change(name, value)."""
+    real = EngineCollector.collect
+
+    def collect(self):
+        for fam in real(self):
+            fam.samples = [s._replace(value=change(fam.name, s.value)) for s in fam.samples]
+            yield fam
+
+    monkeypatch.setattr(EngineCollector, "collect", collect)
+
+
 def test_the_audit_catches_stale_gauges_and_lost_tokens(served, gsm8k_prompts, monkeypatch):
     oa = OpenAIAdapter(served.url, model=MODEL)
+    m = served.engine.metrics
     # the server as it was: gauges set only at commit, so an abort on an idle engine leaves them stale
-    monkeypatch.setattr(served.loop, "refresh_gauges", lambda: None)
+    stale = {"vllm:num_requests_running": lambda: m.num_running, "vllm:num_requests_waiting": lambda: m.num_waiting,
+             "vllm:kv_cache_usage_perc": lambda: m.kv_usage}
+    _patch_collector(monkeypatch, lambda name, v: stale[name]() if name in stale else v)
 
     async def window(fn):
         before = await scrape(oa)
@@ -237,14 +252,9 @@ def test_the_audit_catches_stale_gauges_and_lost_tokens(served, gsm8k_prompts, m
     monkeypatch.undo()
     assert all(v == 0 for v in _wait_gauges_zero(served).values())
     # counters that miss tokens: the published output-token counter grows by half of what was generated
-    m = served.engine.metrics
-    real, base_gen = type(m).prometheus, m.generation_tokens
-
-    def lossy(self, model):
-        return re.sub(r"(vllm:generation_tokens_total\{[^}]*\}) (\S+)",
-                      lambda g: f"{g.group(1)} {base_gen + (int(float(g.group(2))) - base_gen) // 2}", real(self, model))
-
-    monkeypatch.setattr(type(m), "prometheus", lossy)
+    base_gen = m.generation_tokens
+    _patch_collector(monkeypatch, lambda name, v: base_gen + (int(v) - base_gen) // 2
+                     if name == "vllm:generation_tokens" else v)
 
     async def main():
         reqs = [GenRequest(prompt=p, max_tokens=16, prompt_cache=False) for p in gsm8k_prompts[:2]]

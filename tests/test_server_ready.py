@@ -18,6 +18,7 @@ import pytest
 from specbench.engine import EngineConfig, LLMEngine, SamplingParams, SpecConfig
 from specbench.harness.adapters import GenRequest
 from specbench.harness.adapters.openai_api import OpenAIAdapter
+from specbench.harness.adapters.prom import parse_prometheus
 from specbench.harness.server import ServerThread, WarmupPlan, make_app
 from specbench.harness.server.warmup import default_plan, kernel_caches, run_warmup
 
@@ -43,6 +44,11 @@ def gated(gate: threading.Event, plan: WarmupPlan = PLAN, fail: bool = False):
 
 def _idle(engine) -> bool:
     return not engine.has_unfinished() and engine.pool.num_free == engine.pool.num_pages and not engine.requests
+
+
+def _samples(text: str) -> dict[str, float]:
+    """name -> value of the samples labelled model_name="tiny" (one series per name here)."""
+    return {n: v for n, lab, v in parse_prometheus(text) if lab.get("model_name") == "tiny" and len(lab) == 2}
 
 
 def test_starting_then_ready_and_requests_meanwhile(engine):
@@ -84,14 +90,14 @@ def test_starting_then_ready_and_requests_meanwhile(engine):
         assert w["counted"]["num_drafts"] > 0  # the n-gram proposer drafted: verify spans ran
         assert set(w["caches"]) >= {"flashinfer_jit", "triton"}
         # counters start from zero at ready: the warm-up is not served traffic
-        m = httpx.get(srv.url + "/metrics", timeout=5).text
-        assert 'vllm:prompt_tokens_total{model_name="tiny"} 0' in m
-        assert 'vllm:spec_decode_num_drafts_total{model_name="tiny"} 0' in m
+        m = _samples(httpx.get(srv.url + "/metrics", timeout=5).text)
+        assert m["vllm:prompt_tokens_total"] == 0 and m["vllm:spec_decode_num_drafts_total"] == 0
+        assert m["vllm:time_to_first_token_seconds_count"] == 0  # nor in the histograms
         assert _idle(engine)
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0},
                        timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
-        assert 'vllm:prompt_tokens_total{model_name="tiny"} 3' in httpx.get(srv.url + "/metrics").text
+        assert _samples(httpx.get(srv.url + "/metrics").text)["vllm:prompt_tokens_total"] == 3
     finally:
         gate.set()
         srv.stop()

@@ -10,8 +10,17 @@ Contract:
 - Each delta is delivered as `(tag, output)` on the consumer's asyncio queue through
   `loop.call_soon_threadsafe`; a step that raises delivers `(tag, EngineFailure)` to every request in
   flight, aborts them, and the loop keeps serving.
+- `submit` may be called from a worker thread (`loop=` the consumer's event loop): the engine's lock is
+  held for a whole step, so a caller on the event loop would stall every other connection (/health
+  included) behind a long prefill; the server admits from a worker thread for that reason.
 - `abort(rid)` frees the request's KV (a disconnecting client, a cancelled task); aborting a finished or
-  unknown request is a no-op. `close()` stops the thread.
+  unknown request is a no-op. It never waits for a step: while one runs, the abort is queued and applied
+  by the loop thread right after it (the request's later outputs are dropped at once). `close()` stops the
+  thread.
+- Observers (the server's metrics): `on_finish(output, sub)` runs on the loop thread for every finished
+  output delivered to a consumer; `on_abort(rid, reason)` once per request that the engine still held when it
+  was aborted ("abort") or failed in a step ("error"); `on_scheduled(rid, seconds)` once per request, with
+  its queue time (submit -> the start of the step that first scheduled it). Observers must not raise.
 - `refresh_gauges()` sets the engine's running / waiting / KV-usage gauges from its scheduler and pool
   as they are now (no lock: a scrape never waits for a step); the server's /metrics and the local
   adapter call it before rendering, so gauges return to zero after aborted requests (engine/metrics.py).
@@ -56,6 +65,9 @@ class _Sub:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     tag: Any
+    received: float = 0.0  # perf_counter when the consumer received the request (a server: the HTTP request)
+    submitted: float = 0.0  # perf_counter when it was handed to the engine
+    scheduled: bool = False
 
 
 class EngineLoop:
@@ -71,6 +83,10 @@ class EngineLoop:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._ids = itertools.count()
+        self._aborts: list[str] = []  # aborted while a step ran: applied by the loop thread after it
+        self.on_finish: Callable[[Any, _Sub], None] | None = None
+        self.on_abort: Callable[[str, str], None] | None = None
+        self.on_scheduled: Callable[[str, float], None] | None = None
         self.last_error: str | None = None
         self._warmup = warmup
         self._ready = threading.Event()
@@ -109,15 +125,18 @@ class EngineLoop:
         return f"{prefix}-{next(self._ids)}"
 
     def submit(self, prompt: str | list[int], params: Any, rid: str | None = None,
-               queue: asyncio.Queue | None = None, tag: Any = None) -> tuple[str, asyncio.Queue]:
-        """Add a request; returns (rid, queue). Must be called from inside a running event loop."""
+               queue: asyncio.Queue | None = None, tag: Any = None,
+               loop: asyncio.AbstractEventLoop | None = None, received: float | None = None
+               ) -> tuple[str, asyncio.Queue]:
+        """Add a request; returns (rid, queue). Called inside the consumer's running event loop, or from
+        any thread with `loop=` that event loop."""
         if not self.alive:
             raise EngineFailure("the engine loop is not running")
         if not self._ready.is_set():
             w = self.warmup_status()
             raise NotReady(f"the server is warming up (compiling kernels, capturing CUDA graphs; "
                            f"{w.get('elapsed_s', 0.0):.0f} s so far): retry once GET /health answers 200")
-        loop = asyncio.get_running_loop()
+        loop = loop if loop is not None else asyncio.get_running_loop()
         q: asyncio.Queue = queue if queue is not None else asyncio.Queue()
         rid = rid or self.new_rid()
         with self._lock:
@@ -129,7 +148,8 @@ class EngineLoop:
                                  f"(limit {self.max_pending}); retry later")
             if rid in self._subs:
                 raise ValueError(f"request id {rid!r} is already in flight")
-            self._subs[rid] = _Sub(loop, q, tag)
+            now = time.perf_counter()
+            self._subs[rid] = _Sub(loop, q, tag, received if received is not None else now, now)
         try:
             self.engine.add_request(prompt, params, rid=rid)
         except BaseException:
@@ -142,11 +162,27 @@ class EngineLoop:
     def abort(self, rid: str) -> None:
         with self._lock:
             sub = self._subs.pop(rid, None)
-        if sub is not None:
-            try:
-                self.engine.abort(rid)
-            except Exception:  # aborting must never raise into a disconnect handler
-                pass
+            if sub is None:
+                return
+            if not self._step_lock.acquire(blocking=False):  # a step runs: never wait for it
+                self._aborts.append(rid)
+                self._wake.set()
+                return
+        try:
+            self._abort_now(rid)
+        finally:
+            self._step_lock.release()
+
+    def _abort_now(self, rid: str) -> None:
+        """With the step lock held: abort in the engine, tell the observer if the engine still had it."""
+        held = getattr(self.engine, "requests", None)
+        known = held is None or rid in held
+        try:
+            self.engine.abort(rid)
+        except Exception:  # aborting must never raise into a disconnect handler
+            return
+        if known and self.on_abort is not None:
+            self.on_abort(rid, "abort")
 
     def refresh_gauges(self) -> None:
         e = self.engine
@@ -206,9 +242,13 @@ class EngineLoop:
         while not self._stop.is_set():
             failed = False
             with self._step_lock:
+                self._apply_aborts()
                 busy = self.engine.has_unfinished()
+                t_step = time.perf_counter()
                 try:
                     outs = self.engine.step() if busy else []
+                    if busy and self.on_scheduled is not None:
+                        self._note_scheduled(t_step, outs)
                 except Exception as e:
                     self.last_error = "".join(traceback.format_exception_only(type(e), e)).strip()
                     self._fail_all(EngineFailure(f"engine step failed: {self.last_error}"))
@@ -226,7 +266,30 @@ class EngineLoop:
                     if sub is not None and out.finished:
                         del self._subs[out.rid]
                 if sub is not None:
+                    if out.finished and self.on_finish is not None:
+                        self.on_finish(out, sub)
                     self._deliver(sub, out)
+        with self._step_lock:  # the loop has stopped: what was aborted meanwhile is still freed
+            self._apply_aborts()
+
+    def _apply_aborts(self) -> None:
+        with self._lock:
+            rids, self._aborts = self._aborts, []
+        for rid in rids:
+            self._abort_now(rid)
+
+    def _note_scheduled(self, t_step: float, outs: list) -> None:
+        """Queue time of the requests the step just admitted (running now, or finished in it): submit ->
+        the start of that step."""
+        sched = getattr(self.engine, "scheduler", None)
+        running = {r.rid for r in getattr(sched, "running", ())} | {o.rid for o in outs}
+        with self._lock:
+            new = [(rid, s) for rid, s in self._subs.items() if not s.scheduled and rid in running]
+            for _, s in new:
+                s.scheduled = True
+        assert self.on_scheduled is not None
+        for rid, s in new:
+            self.on_scheduled(rid, max(0.0, t_step - s.submitted))
 
     def _fail_all(self, err: EngineFailure) -> None:
         with self._lock:
@@ -236,4 +299,6 @@ class EngineLoop:
                 self.engine.abort(rid)
             except Exception:
                 pass
+            if self.on_abort is not None:
+                self.on_abort(rid, "error")
             self._deliver(sub, err)

@@ -12,8 +12,12 @@ Contract:
 - `ServerThread(app)` runs uvicorn on a loopback socket it binds itself (port 0 = a free port) in a
   background thread: `start()` returns once the server accepts connections and, unless `ready=False`,
   its warm-up is done; `wait_ready()` waits for that; `stop()` shuts it down.
-- `serve(engine, host, port, ..., warmup=True)` runs in the foreground until SIGINT/SIGTERM; the warm-up
-  (`specbench serve --no-warmup` turns it off) starts before uvicorn binds the port.
+- `make_app(..., options=ServerOptions(...))`: API key, CORS origins, shutdown grace, body limit
+  (options.py).
+- `serve(engine, host, port, ..., warmup=True, options, sock=None)` runs in the foreground until SIGINT /
+  SIGTERM, then drains (lifecycle.py) and returns the one-line shutdown summary; `sock` is a socket
+  bound beforehand (`lifecycle.bind`, so a busy port fails before the engine loads). The warm-up
+  (`specbench serve --no-warmup` turns it off) starts before the server accepts connections.
 """
 
 from __future__ import annotations
@@ -27,10 +31,11 @@ from typing import Any
 
 from ..adapters.loop import EngineLoop
 from .app import create_app
+from .options import ServerOptions
 from .serving import ServerState
 from .warmup import WarmupPlan, make_warmup
 
-__all__ = ["make_app", "ServerThread", "serve", "ServerState", "create_app", "WarmupPlan"]
+__all__ = ["make_app", "ServerThread", "serve", "ServerState", "create_app", "WarmupPlan", "ServerOptions"]
 
 
 def served_names(model_dir: str, served_name: str | None) -> list[str]:
@@ -41,13 +46,14 @@ def served_names(model_dir: str, served_name: str | None) -> list[str]:
 
 
 def make_app(engine: Any, served_name: str | None = None, max_pending: int | None = 256,
-             warmup: bool | WarmupPlan | Callable = False) -> tuple[Any, EngineLoop]:
+             warmup: bool | WarmupPlan | Callable = False, options: ServerOptions | None = None
+             ) -> tuple[Any, EngineLoop]:
     if callable(warmup) and not isinstance(warmup, WarmupPlan):
         fn = warmup
     else:
         fn = None if warmup is False else make_warmup(warmup if isinstance(warmup, WarmupPlan) else None)
     loop = EngineLoop(engine, max_pending=max_pending, warmup=fn)
-    state = ServerState(loop, served_names(engine.cfg.model, served_name))
+    state = ServerState(loop, served_names(engine.cfg.model, served_name), options or ServerOptions())
     return create_app(state), loop
 
 
@@ -90,6 +96,9 @@ class ServerThread:
         self.server.should_exit = True
         self.thread.join(timeout)
         self.sock.close()
+        state = getattr(getattr(self.server.config.app, "state", None), "sb", None)
+        if state is not None:
+            state.executor.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> ServerThread:
         return self.start()
@@ -99,10 +108,11 @@ class ServerThread:
 
 
 def serve(engine: Any, host: str = "127.0.0.1", port: int = 8000, served_name: str | None = None,
-          max_pending: int | None = 256, log_level: str = "info", warmup: bool | WarmupPlan = True) -> None:
+          max_pending: int | None = 256, log_level: str = "info", warmup: bool | WarmupPlan = True,
+          options: ServerOptions | None = None, sock: socket.socket | None = None) -> str | None:
     import logging
 
-    import uvicorn
+    from .lifecycle import bind, run
 
     lg = logging.getLogger("specbench")
     if not lg.handlers:  # the warm-up's and the engine's lines, beside uvicorn's
@@ -111,9 +121,7 @@ def serve(engine: Any, host: str = "127.0.0.1", port: int = 8000, served_name: s
         lg.addHandler(h)
         level = getattr(logging, log_level.upper(), None)
         lg.setLevel(level if isinstance(level, int) else logging.INFO)
-    app, loop = make_app(engine, served_name, max_pending, warmup)
-    try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=log_level == "debug",
-                    timeout_graceful_shutdown=5)
-    finally:
-        loop.close()
+    opts = options or ServerOptions()
+    sock = sock if sock is not None else bind(host, port)
+    app, _ = make_app(engine, served_name, max_pending, warmup, opts)
+    return run(app, sock, opts, log_level)

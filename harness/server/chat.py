@@ -1,32 +1,61 @@
 """POST /v1/chat/completions: the tokenizer's chat template, chat-format logprobs, SSE streaming.
 
-Contract: messages are rendered with the model's chat template (add_generation_prompt by default) and
-tokenized by the server; max_tokens / max_completion_tokens default to the rest of the context.
+Contract: messages are rendered with the model's chat template (add_generation_prompt by default) in
+jinja2's immutable sandbox (`render_chat`) and tokenized by the server, on a worker thread; max_tokens / max_completion_tokens default to the rest of the context.
 `logprobs: true` + `top_logprobs: k` returns chat-format logprobs. Streaming sends a role delta first,
 then content deltas (one per engine delta), a finish event, the usage event when asked, `[DONE]`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from .completions import sse
 from .errors import APIError
 from .formatting import chat_logprobs, merge_spec, request_spec, usage
 from .protocol import ChatRequest, parse_chat, parse_json
-from .serving import ChoiceStream, Job, ServerState, abort_task, admit, deltas, gather, new_id, sampling
+from .serving import (
+    ChoiceStream,
+    Job,
+    ServerState,
+    abort_all,
+    abort_task,
+    admit,
+    deltas,
+    gather,
+    off_loop,
+    received_at,
+    request_ids,
+    sampling,
+)
+
+
+def render_chat(state: ServerState, messages: list[dict], add_generation_prompt: bool) -> str:
+    """The chat template in jinja2's immutable sandbox (engine/tokenizer.py). A template that reaches for
+    Python internals is the model directory's fault, not the request's: 500 chat_template_unsafe, naming
+    what it tried; a template that refuses these messages (raise_exception, a bad field) is a 400."""
+    from jinja2.exceptions import SecurityError
+
+    try:
+        return state.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    except SecurityError as e:
+        raise APIError(f"the model's chat template tried something the sandbox refuses ({e}): it is not "
+                       "rendered; fix tokenizer_config.json's chat_template", 500, "internal_error", None,
+                       "chat_template_unsafe") from e
+    except Exception as e:  # a template that cannot render these messages is the request's problem
+        raise APIError(f"messages cannot be rendered with the chat template: {type(e).__name__}: {e}",
+                       param="messages") from e
 
 
 def build_job(state: ServerState, req: ChatRequest) -> Job:
-    try:
-        text = state.tokenizer.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt)
-    except Exception as e:  # a template that cannot render these messages is the request's problem
-        raise APIError(f"messages cannot be rendered with the chat template: {e}", param="messages") from e
+    text = render_chat(state, req.messages, req.add_generation_prompt)
     ids = state.to_ids(text)
     max_tokens = req.max_tokens
     if max_tokens is None:
@@ -39,16 +68,30 @@ def build_job(state: ServerState, req: ChatRequest) -> Job:
     return Job(0, ids, text, sampling(req, max_tokens, req.logprobs))
 
 
-async def create_chat(state: ServerState, request: Request) -> Any:
-    req = parse_chat(parse_json(await request.body()))
+def prepare(state: ServerState, raw: bytes, base: str, loop: asyncio.AbstractEventLoop, received: float | None
+            ) -> tuple[ChatRequest, str, Job, asyncio.Queue, dict[int, str]]:
+    """Parse, validate, render the template, tokenize and admit: on a worker thread (serving.off_loop)."""
+    req = parse_chat(parse_json(raw))
     model = state.check_model(req.model)
     job = build_job(state, req)
-    q, rids = admit(state, [job], "chatcmpl")
-    cid = new_id("chatcmpl")
+    q, rids = admit(state, [job], base, loop, received)
+    return req, model, job, q, rids
+
+
+async def create_chat(state: ServerState, request: Request) -> Any:
+    state.check_open()
+    raw = await request.body()
+    cid, base = request_ids(request, "chatcmpl")
+    req, model, job, q, rids = await off_loop(state, prepare, state, raw, base, asyncio.get_running_loop(),
+                                              received_at(request), cleanup=lambda r: abort_all(state, r[4]))
     if req.stream:
         return StreamingResponse(_stream(state, req, job, q, rids, cid, model), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"}, background=abort_task(state, rids))
     out = (await gather(state, q, rids, request))[0]
+    return Response(await off_loop(state, answer, state, req, job, out, cid, model), media_type="application/json")
+
+
+def answer(state: ServerState, req: ChatRequest, job: Job, out: Any, cid: str, model: str) -> bytes:
     lp = None
     if req.logprobs is not None:
         lp = {"content": chat_logprobs(state.tt, list(out.output_ids), list(out.logprobs or []), req.tokens_as_ids)}
@@ -58,9 +101,9 @@ async def create_chat(state: ServerState, request: Request) -> Any:
     if req.return_token_ids:
         choice["token_ids"] = list(out.output_ids)
         choice["prompt_token_ids"] = job.prompt_ids
-    return JSONResponse({"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
-                         "choices": [choice], "usage": usage(len(job.prompt_ids), len(out.output_ids)),
-                         "spec_decode": merge_spec([out.spec], state.spec_method)})
+    return json.dumps({"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
+                       "choices": [choice], "usage": usage(len(job.prompt_ids), len(out.output_ids)),
+                       "spec_decode": merge_spec([out.spec], state.spec_method)}, ensure_ascii=False).encode()
 
 
 async def _stream(state: ServerState, req: ChatRequest, job: Job, q: Any, rids: dict[int, str], cid: str,

@@ -15,18 +15,32 @@ Contract (beyond protocol.py's validation):
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from .errors import APIError
 from .formatting import legacy_logprobs, merge_spec, request_spec, usage
 from .protocol import CompletionRequest, parse_completion, parse_json
-from .serving import ChoiceStream, Job, ServerState, abort_task, admit, deltas, gather, new_id, sampling
+from .serving import (
+    ChoiceStream,
+    Job,
+    ServerState,
+    abort_all,
+    abort_task,
+    admit,
+    deltas,
+    gather,
+    off_loop,
+    received_at,
+    request_ids,
+    sampling,
+)
 
 
 def build_jobs(state: ServerState, req: CompletionRequest) -> list[Job]:
@@ -76,16 +90,18 @@ def final_choice(state: ServerState, req: CompletionRequest, job: Job, out: Any)
     return choice, len(gen_ids)
 
 
-async def create_completion(state: ServerState, request: Request) -> Any:
-    req = parse_completion(parse_json(await request.body()))
+def prepare(state: ServerState, raw: bytes, base: str, loop: asyncio.AbstractEventLoop, received: float | None
+            ) -> tuple[CompletionRequest, str, list[Job], asyncio.Queue, dict[int, str]]:
+    """Parse, validate, tokenize and admit: on a worker thread (serving.off_loop)."""
+    req = parse_completion(parse_json(raw))
     model = state.check_model(req.model)
     jobs = build_jobs(state, req)
-    q, rids = admit(state, jobs, "cmpl")
-    cid = new_id("cmpl")
-    if req.stream:
-        return StreamingResponse(_stream(state, req, jobs, q, rids, cid, model), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"}, background=abort_task(state, rids))
-    finals = await gather(state, q, rids, request)
+    q, rids = admit(state, jobs, base, loop, received)
+    return req, model, jobs, q, rids
+
+
+def answer(state: ServerState, req: CompletionRequest, jobs: list[Job], finals: dict[int, Any], cid: str,
+           model: str) -> bytes:
     choices, n_gen = [], 0
     for job in jobs:
         c, n = final_choice(state, req, job, finals[job.index])
@@ -94,7 +110,21 @@ async def create_completion(state: ServerState, request: Request) -> Any:
     body = {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": usage(sum(len(j.prompt_ids) for j in jobs), n_gen),
             "spec_decode": merge_spec([finals[j.index].spec for j in jobs], state.spec_method)}
-    return JSONResponse(body)
+    return json.dumps(body, ensure_ascii=False).encode()
+
+
+async def create_completion(state: ServerState, request: Request) -> Any:
+    state.check_open()
+    raw = await request.body()
+    cid, base = request_ids(request, "cmpl")
+    req, model, jobs, q, rids = await off_loop(state, prepare, state, raw, base, asyncio.get_running_loop(),
+                                               received_at(request), cleanup=lambda r: abort_all(state, r[4]))
+    if req.stream:
+        return StreamingResponse(_stream(state, req, jobs, q, rids, cid, model), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"}, background=abort_task(state, rids))
+    finals = await gather(state, q, rids, request)
+    return Response(await off_loop(state, answer, state, req, jobs, finals, cid, model),
+                    media_type="application/json")
 
 
 def sse(obj: dict) -> str:

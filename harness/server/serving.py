@@ -3,9 +3,18 @@
 Contract:
 - `ServerState` holds the engine loop, the tokenizer and the served model names. `check_model` answers
   404 for a name it does not serve (a missing model field means the default model).
+- Nothing slow runs on the event loop: `off_loop(state, fn)` runs a request's preparation (JSON parsing,
+  validation, chat template, tokenization, `admit`) and the building of large answers in the server's
+  worker threads, so /health and every other connection keep answering under any single request. A
+  preparation whose caller is cancelled (the client went away) still finishes, and `cleanup` aborts what
+  it admitted. A text prompt so long that it cannot fit the context whatever it tokenizes to (more
+  characters than `MAX_CHARS_PER_TOKEN` x the usable context) is refused before it is tokenized.
 - `admit(jobs)` submits every prompt of a request to the engine on one shared queue (tag = choice
-  index). If any prompt is refused, the ones already admitted are aborted and the refusal becomes an
-  `APIError`; a request is admitted whole or not at all.
+  index), from a worker thread (`loop=` the event loop the answers go to). If any prompt is refused, the
+  ones already admitted are aborted and the refusal becomes an `APIError`; a request is admitted whole or
+  not at all.
+- `request_ids(request, prefix)`: the answer's id and the engine's request-id base, from the client's
+  `x-request-id` when it sent one (middleware.py), unique per request either way.
 - `gather` waits for every choice's final output, polling the client connection so that a client that
   goes away frees its requests' KV; `deltas` yields outputs as they arrive for streaming. Both abort
   whatever is unfinished when they exit early (disconnect, cancellation, engine failure).
@@ -16,9 +25,11 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,22 +41,36 @@ from specbench.engine import SamplingParams
 from ..adapters.loop import EngineLoop
 from .errors import APIError, from_engine
 from .formatting import TokenText, holdback
+from .metrics import ServerMetrics
+from .options import ServerOptions
 from .protocol import CommonParams
 
 DISCONNECT_POLL_S = 0.5
+# No tokenizer we serve has a token longer than this many characters; a prompt with more characters than
+# this times the usable context cannot fit, so it is refused without spending seconds tokenizing it.
+MAX_CHARS_PER_TOKEN = 256
 
 
 @dataclass
 class ServerState:
     loop: EngineLoop
     served_names: list[str]
-    max_body_bytes: int = 32 * 1024 * 1024
+    options: ServerOptions = field(default_factory=ServerOptions)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
         self.engine = self.loop.engine
         self.tokenizer = self.engine.tokenizer
         self.tt = TokenText(self.tokenizer)
+        self.max_body_bytes = self.options.max_body_bytes
+        self.executor = ThreadPoolExecutor(self.options.prep_threads, thread_name_prefix="specbench-prep")
+        self.draining = False  # set on SIGTERM / SIGINT: new generation requests get 503 shutting_down
+        self.metrics = ServerMetrics(self.loop, self.model_name, k_max=int(self.engine.describe().get("k") or 16))
+
+    def check_open(self) -> None:
+        if self.draining:
+            raise APIError("the server is shutting down: send new requests to another replica", 503,
+                           "service_unavailable_error", None, "shutting_down", retry_after=1)
 
     @property
     def model_name(self) -> str:
@@ -62,6 +87,11 @@ class ServerState:
                        404, "not_found_error", "model", "model_not_found")
 
     def to_ids(self, prompt: str | list[int], index: int = 0) -> list[int]:
+        limit = self.engine.max_model_len
+        if isinstance(prompt, str) and len(prompt) > MAX_CHARS_PER_TOKEN * limit:
+            raise APIError(f"prompt[{index}] has {len(prompt)} characters: more than {MAX_CHARS_PER_TOKEN} per token "
+                           f"of this model's usable context of {limit} tokens, so it cannot fit",
+                           param="prompt", code="context_length_exceeded")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise APIError(f"prompt[{index}] tokenizes to nothing: at least one token is required",
@@ -90,6 +120,33 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
+def request_ids(request: Request, prefix: str) -> tuple[str, str]:
+    """(the answer's id, the base of the engine's request ids): `<prefix>-<x-request-id>` when the client
+    sent one, with a random suffix on the engine side so two requests with one id never collide."""
+    st = request.scope.get("state") or {}
+    if st.get("client_request_id"):
+        xid = st["request_id"]
+        return f"{prefix}-{xid}", f"{prefix}-{xid}-{uuid.uuid4().hex[:8]}"
+    cid = new_id(prefix)
+    return cid, cid
+
+
+def received_at(request: Request) -> float | None:
+    return (request.scope.get("state") or {}).get("received")
+
+
+async def off_loop(state: ServerState, fn: Callable[..., Any], *args: Any,
+                   cleanup: Callable[[Any], None] | None = None) -> Any:
+    """`fn(*args)` on a worker thread; if the caller is cancelled, `cleanup(result)` once it is done."""
+    fut = asyncio.get_running_loop().run_in_executor(state.executor, functools.partial(fn, *args))
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        if cleanup is not None:
+            fut.add_done_callback(lambda f: None if f.cancelled() or f.exception() else cleanup(f.result()))
+        raise
+
+
 @dataclass
 class Job:
     index: int
@@ -110,13 +167,15 @@ def sampling(p: CommonParams, max_tokens: int, logprobs: int | None, prompt_logp
         raise from_engine(e) from e
 
 
-def admit(state: ServerState, jobs: list[Job], prefix: str) -> tuple[asyncio.Queue, dict[int, str]]:
+def admit(state: ServerState, jobs: list[Job], base: str, loop: asyncio.AbstractEventLoop | None = None,
+          received: float | None = None) -> tuple[asyncio.Queue, dict[int, str]]:
+    """On a worker thread (`loop` = the event loop the answers go to) or on the event loop itself."""
     q: asyncio.Queue = asyncio.Queue()
     rids: dict[int, str] = {}
-    base = new_id(prefix)
     try:
         for j in jobs:
-            rid, _ = state.loop.submit(j.prompt_ids, j.params, rid=f"{base}-{j.index}", queue=q, tag=j.index)
+            rid, _ = state.loop.submit(j.prompt_ids, j.params, rid=f"{base}-{j.index}", queue=q, tag=j.index,
+                                       loop=loop, received=received)
             rids[j.index] = rid
     except Exception as e:
         for rid in rids.values():
@@ -139,6 +198,11 @@ async def deltas(state: ServerState, q: asyncio.Queue, rids: dict[int, str]) -> 
     finally:
         for i in open_:
             state.loop.abort(rids[i])
+
+
+def abort_all(state: ServerState, rids: dict[int, str]) -> None:
+    for rid in rids.values():
+        state.loop.abort(rid)
 
 
 def abort_task(state: ServerState, rids: dict[int, str]) -> BackgroundTask:

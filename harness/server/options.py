@@ -1,0 +1,65 @@
+"""`ServerOptions`: what an operator sets on a running server (auth, CORS, request ids, shutdown, limits).
+
+Contract: a frozen dataclass validated at construction; a bad value raises `ValueError` naming the
+option (as the command line spells it), the value and what would be accepted, so `specbench serve`
+refuses it in one line before loading anything. `api_key=None` (and no `SPECBENCH_API_KEY` in the
+environment, read by `from_env`) leaves every route open; with a key every route but `/health` (and
+`/metrics` unless `metrics_need_key`) answers 401 without `Authorization: Bearer <key>`.
+`allowed_origins` empty = no CORS headers at all (browsers refuse cross-origin calls); `("*",)` = any.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+
+API_KEY_ENV = "SPECBENCH_API_KEY"
+_ORIGIN = re.compile(r"^(\*|https?://[^\s/]+)$")
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    api_key: str | None = None
+    metrics_need_key: bool = False
+    allowed_origins: tuple[str, ...] = ()
+    shutdown_timeout: float = 30.0
+    max_body_bytes: int = 32 * 1024 * 1024
+    prep_threads: int = 8  # worker threads that parse, tokenize, render templates and admit requests
+
+    def __post_init__(self) -> None:
+        if self.api_key is not None and (not self.api_key.strip() or any(c.isspace() for c in self.api_key)):
+            raise ValueError(f"--api-key={self.api_key!r} is invalid: expected a non-empty key without spaces")
+        for o in self.allowed_origins:
+            if not _ORIGIN.match(o):
+                raise ValueError(f"--allowed-origins entry {o!r} is invalid: expected '*' or an origin such as "
+                                 "'https://example.com' or 'http://localhost:3000' (scheme://host[:port], no path)")
+        if not (isinstance(self.shutdown_timeout, int | float) and 0 <= self.shutdown_timeout <= 3600):
+            raise ValueError(f"--shutdown-timeout={self.shutdown_timeout!r} is invalid: expected seconds in 0..3600")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes={self.max_body_bytes} is invalid: expected >= 1024")
+        if self.prep_threads < 1:
+            raise ValueError(f"prep_threads={self.prep_threads} is invalid: expected >= 1")
+
+    @classmethod
+    def from_env(cls, api_key: str | None = None, **kw: object) -> ServerOptions:
+        """`api_key` or else `$SPECBENCH_API_KEY` (an empty variable counts as unset)."""
+        key = api_key if api_key is not None else (os.environ.get(API_KEY_ENV) or None)
+        return cls(api_key=key, **kw)  # type: ignore[arg-type]
+
+
+def parse_origins(value: str | None) -> tuple[str, ...]:
+    """`--allowed-origins`: a comma-separated list or a JSON list (vLLM's spelling); '' or None = none."""
+    if value is None or not value.strip():
+        return ()
+    v = value.strip()
+    if v.startswith("["):
+        try:
+            items = json.loads(v)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--allowed-origins={value!r} is invalid: not a JSON list ({e})") from e
+        if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
+            raise ValueError(f"--allowed-origins={value!r} is invalid: expected a JSON list of strings")
+        return tuple(x.strip().rstrip("/") for x in items)
+    return tuple(x.strip().rstrip("/") for x in v.split(",") if x.strip())
