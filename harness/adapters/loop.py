@@ -21,6 +21,7 @@ Contract:
   output delivered to a consumer; `on_abort(rid, reason)` once per request that the engine still held when it
   was aborted ("abort") or failed in a step ("error"); `on_scheduled(rid, seconds)` once per request, with
   its queue time (submit -> the start of the step that first scheduled it). Observers must not raise.
+- `cancel_all(reason)` aborts everything in flight and hands each consumer `Cancelled(reason)`.
 - `refresh_gauges()` sets the engine's running / waiting / KV-usage gauges from its scheduler and pool
   as they are now (no lock: a scrape never waits for a step); the server's /metrics and the local
   adapter call it before rendering, so gauges return to zero after aborted requests (engine/metrics.py).
@@ -54,6 +55,10 @@ class Overloaded(RuntimeError):
 
 class EngineFailure(RuntimeError):
     """The engine raised inside step(); every request in flight at that moment fails with it."""
+
+
+class Cancelled(RuntimeError):
+    """The server cancelled the request (its shutdown grace period ran out); nothing was wrong with it."""
 
 
 class NotReady(RuntimeError):
@@ -184,6 +189,14 @@ class EngineLoop:
         if known and self.on_abort is not None:
             self.on_abort(rid, "abort")
 
+    def cancel_all(self, reason: str) -> int:
+        """Abort every request in flight and hand each consumer `Cancelled(reason)` (a server's drain
+        deadline: clients get a clear error instead of a cut connection). Returns how many."""
+        with self._lock:
+            n = len(self._subs)
+        self._fail_all(Cancelled(reason), "abort")
+        return n
+
     def refresh_gauges(self) -> None:
         e = self.engine
         sched, pool, metrics = getattr(e, "scheduler", None), getattr(e, "pool", None), getattr(e, "metrics", None)
@@ -291,7 +304,7 @@ class EngineLoop:
         for rid, s in new:
             self.on_scheduled(rid, max(0.0, t_step - s.submitted))
 
-    def _fail_all(self, err: EngineFailure) -> None:
+    def _fail_all(self, err: Exception, reason: str = "error") -> None:
         with self._lock:
             subs, self._subs = self._subs, {}
         for rid, sub in subs.items():
@@ -300,5 +313,5 @@ class EngineLoop:
             except Exception:
                 pass
             if self.on_abort is not None:
-                self.on_abort(rid, "error")
+                self.on_abort(rid, reason)
             self._deliver(sub, err)

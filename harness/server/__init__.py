@@ -18,6 +18,9 @@ Contract:
   SIGTERM, then drains (lifecycle.py) and returns the one-line shutdown summary; `sock` is a socket
   bound beforehand (`lifecycle.bind`, so a busy port fails before the engine loads). The warm-up
   (`specbench serve --no-warmup` turns it off) starts before the server accepts connections.
+Importing this package is cheap (the app, and with it torch, load at the first `make_app` / attribute
+use), so `specbench serve` checks its options and binds its port (lifecycle.py, options.py) in
+milliseconds before the engine is imported.
 """
 
 from __future__ import annotations
@@ -27,15 +30,23 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..adapters.loop import EngineLoop
-from .app import create_app
 from .options import ServerOptions
-from .serving import ServerState
-from .warmup import WarmupPlan, make_warmup
+
+if TYPE_CHECKING:
+    from ..adapters.loop import EngineLoop
+    from .warmup import WarmupPlan
 
 __all__ = ["make_app", "ServerThread", "serve", "ServerState", "create_app", "WarmupPlan", "ServerOptions"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("create_app", "ServerState", "WarmupPlan"):
+        from . import app, serving, warmup
+
+        return {"create_app": app.create_app, "ServerState": serving.ServerState, "WarmupPlan": warmup.WarmupPlan}[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def served_names(model_dir: str, served_name: str | None) -> list[str]:
@@ -48,6 +59,11 @@ def served_names(model_dir: str, served_name: str | None) -> list[str]:
 def make_app(engine: Any, served_name: str | None = None, max_pending: int | None = 256,
              warmup: bool | WarmupPlan | Callable = False, options: ServerOptions | None = None
              ) -> tuple[Any, EngineLoop]:
+    from ..adapters.loop import EngineLoop
+    from .app import create_app
+    from .serving import ServerState
+    from .warmup import WarmupPlan, make_warmup
+
     if callable(warmup) and not isinstance(warmup, WarmupPlan):
         fn = warmup
     else:

@@ -54,6 +54,28 @@ def render_chat(state: ServerState, messages: list[dict], add_generation_prompt:
                        param="messages") from e
 
 
+PROBE = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+         {"role": "assistant", "content": "a"}, {"role": "user", "content": "u"}]
+
+
+def probe_template(tokenizer: Any) -> str | None:
+    """At start-up: the chat template rendered once on a plain conversation in the sandbox. Returns the
+    problem as one line when it reaches for Python internals or does not compile, else None (a template
+    that merely refuses this conversation is left to answer requests with its 400)."""
+    from jinja2.exceptions import SecurityError, TemplateSyntaxError
+
+    try:
+        tokenizer.apply_chat_template(PROBE, add_generation_prompt=True)
+    except SecurityError as e:
+        return (f"the chat template tried something jinja2's sandbox refuses ({e}); it would run code in the "
+                "server: fix tokenizer_config.json's chat_template")
+    except TemplateSyntaxError as e:
+        return f"the chat template does not compile (line {e.lineno}: {e.message}): fix tokenizer_config.json"
+    except Exception:
+        return None
+    return None
+
+
 def build_job(state: ServerState, req: ChatRequest) -> Job:
     text = render_chat(state, req.messages, req.add_generation_prompt)
     ids = state.to_ids(text)

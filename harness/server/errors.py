@@ -6,7 +6,8 @@ exception into the same JSON shape, so a client never sees a stack trace or a no
 server never goes down for one bad request. Engine errors map as: ConfigError -> 400
 invalid_request_error, AdmissionError -> 400 context_length_exceeded (the request can never fit),
 Overloaded -> 503 with Retry-After, NotReady (the warm-up is still running) -> 503 code "starting" with
-Retry-After: 5, an engine step failure -> 500.
+Retry-After: 5, Cancelled (a shutdown's grace period ran out) -> 503 code "shutting_down", an engine
+step failure -> 500.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specbench.engine import AdmissionError, ConfigError
 
-from ..adapters.loop import EngineFailure, NotReady, Overloaded
+from ..adapters.loop import Cancelled, EngineFailure, NotReady, Overloaded
 
 log = logging.getLogger("specbench.server")
 STARTING_RETRY_S = 5  # Retry-After while the warm-up runs
@@ -49,6 +50,8 @@ def from_engine(e: Exception) -> APIError:
     msg = str(e)
     if isinstance(e, Overloaded):
         return APIError(msg, 503, "service_unavailable_error", None, "overloaded")
+    if isinstance(e, Cancelled):
+        return APIError(msg, 503, "service_unavailable_error", None, "shutting_down")
     if isinstance(e, NotReady):
         return APIError(msg, 503, "service_unavailable_error", None, "starting", retry_after=STARTING_RETRY_S)
     if isinstance(e, AdmissionError):

@@ -6,8 +6,9 @@ Contract:
 - `run(app, sock, options, log_level)` serves on that socket until SIGTERM or SIGINT. Then: /health
   answers 503 "draining", new generation requests 503 `shutting_down`, the listening socket closes,
   requests in flight run to their end for up to `options.shutdown_timeout` seconds, whatever is left is
-  cancelled (its engine requests aborted, their KV freed), and `run` returns the summary line (the
-  caller writes it):
+  cancelled (its engine requests aborted, their KV freed; a stream gets an error event with code
+  `shutting_down` and `[DONE]`, a waiting client a 503), and `run` returns the summary line (the caller
+  writes it):
   `shut down on SIGTERM in 1.2 s: 3 in-flight requests finished, 1 aborted (--shutdown-timeout 30 s)`.
   Nothing is re-raised (uvicorn re-raises the captured signal by default: a KeyboardInterrupt traceback
   on SIGINT, death by SIGTERM), so the process exits 0. A second SIGINT skips the grace period.
@@ -87,6 +88,10 @@ class DrainingServer(uvicorn.Server):
             self.in_flight_at_signal = self.state.loop.num_pending
             self.aborted_before = _aborted(self.state)
             self.state.draining = True
+            timer = threading.Timer(self.state.options.shutdown_timeout, self.state.loop.cancel_all,
+                                    ("the server is shutting down: the grace period (--shutdown-timeout) ran out",))
+            timer.daemon = True
+            timer.start()
             for name in ("uvicorn.error", "uvicorn"):  # the summary line is the shutdown's one line
                 logging.getLogger(name).setLevel(logging.CRITICAL)
         super().handle_exit(sig, frame)
@@ -99,7 +104,8 @@ def _aborted(state: Any) -> int:
 def run(app: Any, sock: socket.socket, options: ServerOptions, log_level: str = "info") -> str | None:
     state = app.state.sb
     cfg = uvicorn.Config(app, log_level=log_level, access_log=log_level == "debug", lifespan="off",
-                         timeout_graceful_shutdown=max(0.001, options.shutdown_timeout))
+                         # our timer cancels the requests at the deadline; uvicorn's cut comes 2 s after that
+                         timeout_graceful_shutdown=options.shutdown_timeout + 2.0)
     server = DrainingServer(cfg, state)
     try:
         server.run(sockets=[sock])
