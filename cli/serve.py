@@ -1,9 +1,12 @@
 """`specbench serve`: the reference engine behind an OpenAI-compatible HTTP API (harness/server).
 
-Contract: loads the engine (refusing a bad model/draft/option with exit code 2 and one message naming
-it), starts the warm-up (harness/server/warmup.py: every kernel variant and CUDA graph the serving path
-uses; /health answers 503 "starting" until it is done; `--no-warmup` skips it), then serves until
-SIGINT/SIGTERM. Speculation: dflash when --draft is given, else off, unless
+Contract: checks the model and drafter directories and the options, then binds the port (cli/serve_checks.py:
+a missing directory or a bad option exits 2, a busy port 3, each in one line and within 2 s, before torch
+is imported), loads the engine (refusing a bad model/draft/option with exit code 2 and one message naming
+it) and probes its chat template in the sandbox, starts the warm-up (harness/server/warmup.py: every kernel
+variant and CUDA graph the serving path uses; /health answers 503 "starting" until it is done;
+`--no-warmup` skips it), then serves until SIGINT/SIGTERM (then drains for --shutdown-timeout seconds and
+exits 0 with one line; harness/server/lifecycle.py). Speculation: dflash when --draft is given, else off, unless
 --spec says otherwise. Endpoints and errors: docs/server.md.
 """
 
@@ -29,16 +32,43 @@ def serve(
     log_level: str = typer.Option("info", "--log-level"),
     warmup: bool = typer.Option(True, "--warmup/--no-warmup",
                                 help="Warm up (compile kernels, capture graphs) before /health reports ready."),
+    api_key: str | None = typer.Option(None, "--api-key", help="Require Authorization: Bearer <key> on every route "
+                                       "but /health (default $SPECBENCH_API_KEY; unset = open)."),
+    metrics_auth: bool = typer.Option(False, "--metrics-auth/--no-metrics-auth",
+                                      help="With --api-key, require the key on /metrics too (default: open)."),
+    allowed_origins: str | None = typer.Option(None, "--allowed-origins",
+                                               help="CORS origins: comma-separated or a JSON list, '*' = any "
+                                                    "(default: none, no CORS headers)."),
+    shutdown_timeout: float = typer.Option(30.0, "--shutdown-timeout",
+                                           help="Seconds in-flight requests get to finish after SIGTERM/SIGINT."),
 ) -> None:
     """Serve the reference engine with an OpenAI-compatible API (/v1/completions, /v1/chat/completions, ...)."""
-    from specbench.engine import ConfigError, EngineConfig, LLMEngine, SpecConfig
     from specbench.harness.engines import EngineStringError, bundled
-    from specbench.harness.server import serve as run_server
+    from specbench.harness.server.lifecycle import BindError, bind
+    from specbench.harness.server.options import ServerOptions, parse_origins
     from specbench.harness.spec_method import SPEC_METHODS, engine_method, spec_method
+
+    from .serve_checks import EXIT_BIND, EXIT_CONFIG, check_dirs
 
     if spec is not None and spec not in SPEC_METHODS:
         typer.echo(f"specbench serve: --spec={spec!r} is invalid: expected dflash, ngram or off", err=True)
         raise typer.Exit(2)
+    try:
+        opts = ServerOptions.from_env(api_key, metrics_need_key=metrics_auth,
+                                      allowed_origins=parse_origins(allowed_origins), shutdown_timeout=shutdown_timeout)
+    except ValueError as e:
+        typer.echo(f"specbench serve: {e}", err=True)
+        raise typer.Exit(EXIT_CONFIG) from None
+    bad = check_dirs(model, draft if spec in (None, "dflash") else None) if model is not None else None
+    if bad:
+        typer.echo(f"specbench serve: {bad}", err=True)
+        raise typer.Exit(EXIT_CONFIG)
+    try:
+        sock = bind(host, port)
+    except BindError as e:
+        typer.echo(f"specbench serve: {e.strerror}", err=True)
+        raise typer.Exit(EXIT_BIND) from None
+    port = sock.getsockname()[1]
     if model is None:
         try:
             model, bdraft = bundled()
@@ -46,6 +76,10 @@ def serve(
             typer.echo(f"specbench serve: {e}", err=True)
             raise typer.Exit(2) from None
         draft = draft or (bdraft if spec in (None, "dflash") else None)
+    from specbench.engine import ConfigError, EngineConfig, LLMEngine, SpecConfig
+    from specbench.harness.server import serve as run_server
+    from specbench.harness.server.chat import probe_template
+
     method = spec_method(spec, draft)
     try:
         cfg = EngineConfig(model=model, draft=draft if method == "dflash" else None, device=device, dtype=dtype,
@@ -55,7 +89,13 @@ def serve(
     except (ConfigError, ValueError, FileNotFoundError) as e:
         typer.echo(f"specbench serve: {e}", err=True)
         raise typer.Exit(2) from None
+    unsafe = probe_template(engine.tokenizer)
+    if unsafe:
+        typer.echo(f"specbench serve: --model={model!r}: {unsafe}", err=True)
+        raise typer.Exit(EXIT_CONFIG)
     typer.echo(f"specbench serve: {model} (spec={method}) on http://{host}:{port}/v1"
                + ("; warming up, /health answers 200 when ready" if warmup else "; no warm-up"), err=True)
-    run_server(engine, host=host, port=port, served_name=served_model_name, max_pending=max_pending,
-               log_level=log_level, warmup=warmup)
+    line = run_server(engine, host=host, port=port, served_name=served_model_name, max_pending=max_pending,
+                      log_level=log_level, warmup=warmup, options=opts, sock=sock)
+    if line:
+        typer.echo(f"specbench serve: {line}", err=True)
