@@ -25,10 +25,12 @@ COMMANDS: dict[str, str] = {
     "profile": "specbench.cli.profile:profile",
     "sweep": "specbench.cli.sweep:sweep",
     "report": "specbench.cli.report:report",
+    "import": "specbench.cli.import_cmd:import_cmd",
     "lossless": "specbench.cli.lossless:lossless",
     "selftest": "specbench.cli.selftest:selftest",
     "sampled": "specbench.cli.sampled:sampled",
     "bench-decode": "specbench.cli.bench:bench_decode",
+    "check-draft": "specbench.cli.check_draft:check_draft",
 }
 
 app = typer.Typer(name="specbench", no_args_is_help=True, add_completion=False,

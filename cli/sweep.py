@@ -7,6 +7,11 @@ The acceptance / metrics audit (suites/sweep/audit.py) runs over the records of 
 is printed; with --audit it is a gate: exit 1 when it FAILs, 3 when it CANNOT TEST (an arm with neither
 spec counters nor per-request draft counts), 0 on PASS. Without --audit the sweep is a measurement and
 exits 0 (2 bad usage, 130 interrupted).
+A sweep in which some measured request failed (after its retries) exits 4 and its run.json status is
+"complete_with_failures", unless --allow-failures is given (then 0); an --audit verdict other than PASS
+keeps its own code (1 or 3). The vLLM bench flags (`--dataset-name`, `--dataset-path`, `--random-input-len`
+/ `--random-output-len`, `--num-prompts`, `--max-concurrency`, `--request-rate`, `--burstiness`,
+`--endpoint`, `--save-result`, `--result-dir`) mean what they mean there (docs/sweep.md has the table).
 """
 
 from __future__ import annotations
@@ -15,7 +20,17 @@ import math
 
 import typer
 
-DATASETS = ("gsm8k", "spec_bench", "mt_bench", "sharegpt", "random")
+DATASETS = ("gsm8k", "spec_bench", "mt_bench", "sharegpt", "random", "custom")
+ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+EXIT_FAILED_REQUESTS = 4
+
+
+def _dataset_name(name: str, option: str) -> str:
+    d = name.strip().lower().replace("-", "_")
+    if d not in DATASETS:
+        raise typer.BadParameter(f"{name!r} is invalid: expected one of {', '.join(DATASETS)} (vLLM spellings such "
+                                 "as spec-bench are accepted)", param_hint=option)
+    return d
 
 
 def _levels(text: str, option: str, rate: bool) -> tuple[float, ...]:
@@ -44,12 +59,18 @@ def sweep(
                              "default: the bundled pair with spec off and spec on."),
     labels: str = typer.Option(None, "--labels", help="Arm labels, comma-separated, one per arm."),
     baseline: str = typer.Option(None, "--baseline", help="Label of the baseline arm (default: the first)."),
-    dataset: str = typer.Option("gsm8k", "--dataset", help=f"One of {', '.join(DATASETS)}."),
+    dataset: str = typer.Option(None, "--dataset", help=f"One of {', '.join(DATASETS)} (default gsm8k)."),
+    dataset_name: str = typer.Option(None, "--dataset-name", help="vLLM bench's name for --dataset: random, sharegpt, "
+                                     "custom, spec-bench, ... (custom and a file need --dataset-path)."),
+    dataset_path: str = typer.Option(None, "--dataset-path", help="Your own prompts: JSONL with a \"prompt\" per line "
+                                     "(custom), a ShareGPT JSON list (sharegpt), JSONL with \"turns\" (spec-bench)."),
     num_prompts: int = typer.Option(None, "--num-prompts", help="Prompts per cell, the same at every level."),
     prompts_per_level: int = typer.Option(None, "--prompts-per-level",
                                           help="K: each cell at level C runs max(8, K x C) prompts (K waves). "
                                                "Default 4."),
-    max_tokens: int = typer.Option(128, "--max-tokens", help="Output tokens per request (cap)."),
+    max_tokens: int = typer.Option(None, "--max-tokens", help="Output tokens per request (cap; default 128)."),
+    random_output_len: int = typer.Option(None, "--random-output-len", help="vLLM bench: output tokens per request "
+                                          "(= --max-tokens, and like vLLM's random dataset it sets --ignore-eos)."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Always generate max_tokens tokens."),
     temperature: float = typer.Option(0.0, "--temperature", help="Sampling temperature (0 = greedy)."),
     rounds: int = typer.Option(3, "--rounds", help="Interleaved rounds per level (A B A' | A B A' ...)."),
@@ -58,12 +79,28 @@ def sweep(
     request_rate: str = typer.Option(None, "--request-rate",
                                      help="Open loop: request rates (req/s), comma-separated; then "
                                           "--concurrency (one value) is only a cap if given explicitly."),
-    arrival: str = typer.Option("poisson", "--arrival", help="Open-loop arrivals: poisson or gamma."),
+    max_concurrency: str = typer.Option(None, "--max-concurrency", help="vLLM bench's name for --concurrency: "
+                                        "closed-loop levels, or with --request-rate the cap on requests in flight."),
+    arrival: str = typer.Option(None, "--arrival", help="Open-loop arrivals: poisson or gamma (default: gamma when "
+                                "--burstiness is not 1, as in vLLM bench; else poisson)."),
     burstiness: float = typer.Option(1.0, "--burstiness", help="Gamma shape (1 = Poisson, < 1 burstier)."),
     noise: bool = typer.Option(True, "--noise-floor/--no-noise-floor",
                                help="Run the baseline arm twice, interleaved, for the paired noise floor."),
     seed: int = typer.Option(0, "--seed", help="Prompt order and arrival seed."),
-    random_words: int = typer.Option(64, "--random-input-len", help="Words per prompt for --dataset random."),
+    random_input_len: int = typer.Option(64, "--random-input-len", help="Prompt length in TOKENS for --dataset random "
+                                         "(each engine's own tokenizer; words where an engine cannot tokenize)."),
+    endpoint_type: str = typer.Option(None, "--endpoint-type", help="completions (default) or chat: send each prompt "
+                                      "as a chat message (/v1/chat/completions, the server's chat template)."),
+    endpoint: str = typer.Option(None, "--endpoint", help="vLLM bench's --endpoint: /v1/completions or "
+                                 "/v1/chat/completions (= --endpoint-type)."),
+    api_key: str = typer.Option(None, "--api-key", help="Bearer key for openai arms without api_key= (default: "
+                                "$OPENAI_API_KEY). Never written to any record, log or report."),
+    allow_failures: bool = typer.Option(False, "--allow-failures", help=f"Exit 0 even when requests failed (else "
+                                        f"{EXIT_FAILED_REQUESTS}); they are counted and reported either way."),
+    save_result: bool = typer.Option(False, "--save-result", help="vLLM bench's flag: every cell's vLLM-format result "
+                                     "JSON is always written to <run>/vllm-bench/; with --result-dir also there."),
+    result_dir: str = typer.Option(None, "--result-dir", help="Also write each cell's vLLM-format JSON here, named as "
+                                   "vLLM bench names its files."),
     out: str = typer.Option(None, "--out", help="Results directory (a run folder is created in it); default "
                             "$SPECBENCH_RESULTS or ./results."),
     report: str = typer.Option(None, "--report", help="Also render the report to this markdown path."),
@@ -78,6 +115,50 @@ def sweep(
     from specbench.suites.sweep.runner import SweepConfig
     from specbench.suites.sweep.session import run_sweep, split_arms
 
+    if max_concurrency is not None:
+        if concurrency is not None:
+            raise typer.BadParameter("give --concurrency or --max-concurrency (its vLLM name), not both",
+                                     param_hint="--max-concurrency")
+        concurrency = max_concurrency
+    if dataset is not None and dataset_name is not None:
+        raise typer.BadParameter("give --dataset or --dataset-name (its vLLM name), not both", param_hint="--dataset-name")
+    dataset = _dataset_name(dataset_name, "--dataset-name") if dataset_name is not None else \
+        _dataset_name(dataset or "gsm8k", "--dataset")
+    if random_output_len is not None:
+        if max_tokens is not None and max_tokens != random_output_len:
+            raise typer.BadParameter(f"--max-tokens {max_tokens} and --random-output-len {random_output_len} disagree",
+                                     param_hint="--random-output-len")
+        max_tokens, ignore_eos = random_output_len, True
+    max_tokens = 128 if max_tokens is None else max_tokens
+    if endpoint is not None:
+        if endpoint not in ENDPOINTS:
+            raise typer.BadParameter(f"{endpoint!r} is invalid: expected one of {', '.join(ENDPOINTS)}",
+                                     param_hint="--endpoint")
+        if endpoint_type is not None and endpoint_type != ENDPOINTS[endpoint]:
+            raise typer.BadParameter(f"--endpoint {endpoint} and --endpoint-type {endpoint_type} disagree",
+                                     param_hint="--endpoint")
+        endpoint_type = ENDPOINTS[endpoint]
+    endpoint_type = endpoint_type or "completions"
+    if endpoint_type not in ENDPOINTS.values():
+        raise typer.BadParameter(f"{endpoint_type!r} is invalid: expected completions or chat", param_hint="--endpoint-type")
+    if arrival is None:
+        arrival = "gamma" if burstiness != 1.0 else "poisson"
+    elif arrival == "poisson" and burstiness != 1.0:
+        raise typer.BadParameter(f"--burstiness {burstiness} needs gamma arrivals (Poisson is burstiness 1)",
+                                 param_hint="--burstiness")
+    if dataset_path is not None:
+        from specbench.suites.sweep.workload import WorkloadError, file_texts
+
+        if dataset == "random":
+            raise typer.BadParameter("--dataset-path cannot be used with random: use custom (JSONL with \"prompt\"), "
+                                     "sharegpt or spec-bench", param_hint="--dataset-path")
+        try:
+            file_texts(dataset, dataset_path)
+        except WorkloadError as e:
+            raise typer.BadParameter(str(e).removeprefix("--dataset-path "), param_hint="--dataset-path") from None
+    elif dataset == "custom":
+        raise typer.BadParameter("custom needs --dataset-path (JSONL, one {\"prompt\": ...} per line)",
+                                 param_hint="--dataset-path")
     open_loop = request_rate is not None
     if open_loop:
         levels = _levels(request_rate, "--request-rate", rate=True)
@@ -88,13 +169,11 @@ def sweep(
         cap = int(caps[0]) if caps[0] else None
     else:
         levels, cap = _levels(concurrency or "1,8,16,32,64", "--concurrency", rate=False), None
-    if dataset not in DATASETS:
-        raise typer.BadParameter(f"{dataset!r} is invalid: expected one of {', '.join(DATASETS)}", param_hint="--dataset")
     if num_prompts is not None and prompts_per_level is not None:
         raise typer.BadParameter("give --num-prompts or --prompts-per-level, not both", param_hint="--num-prompts")
     for name, v, lo in (("--num-prompts", num_prompts, 1), ("--prompts-per-level", prompts_per_level, 1),
                         ("--max-tokens", max_tokens, 1), ("--rounds", rounds, 1), ("--warmup", warmup, 0),
-                        ("--random-input-len", random_words, 1)):
+                        ("--random-input-len", random_input_len, 1)):
         if v is not None and v < lo:
             raise typer.BadParameter(f"{v} is invalid: expected an integer >= {lo}", param_hint=name)
     if arrival not in ("poisson", "gamma"):
@@ -117,23 +196,39 @@ def sweep(
     cfg = SweepConfig(levels=levels, mode="open" if open_loop else "closed", max_concurrency=cap, dataset=dataset,
                       num_prompts=num_prompts, prompts_per_level=prompts_per_level or 4, max_tokens=max_tokens,
                       ignore_eos=ignore_eos, temperature=temperature, rounds=rounds, warmup=warmup, arrival=arrival,
-                      burstiness=burstiness, noise_floor=noise, seed=seed, random_words=random_words)
+                      burstiness=burstiness, noise_floor=noise, seed=seed, random_input_len=random_input_len,
+                      dataset_path=dataset_path, endpoint_type=endpoint_type)
+    from specbench.harness.redact import redact_text
+
     try:
         outcome = run_sweep(cfg, engines, label_list, out_dir=out, baseline=baseline, progress=progress,
-                            keep_records=True)
+                            keep_records=True, api_key=api_key, result_dir=result_dir)
     except EngineStringError as e:
-        raise typer.BadParameter(str(e), param_hint="--arms") from None
+        raise typer.BadParameter(redact_text(str(e), [api_key]), param_hint="--arms") from None
     except ValueError as e:
-        typer.echo(f"Error: {e}", err=True)
+        typer.echo(f"Error: {redact_text(str(e), [api_key])}", err=True)
         raise typer.Exit(2) from None
     if outcome.run_dir is None:
         raise typer.Exit(130)
-    status = "complete" if outcome.complete else "INCOMPLETE (interrupted; every finished record kept)"
+    acc = outcome.accounting
+    nfail = int(acc.get("failed") or 0)
+    if not outcome.complete:
+        status = "INCOMPLETE (interrupted; every finished record kept)"
+    elif nfail:
+        status = f"complete_with_failures: {nfail} of {acc['requests']} requests FAILED"
+    else:
+        status = "complete"
     typer.echo(f"records: {outcome.run_dir} ({status})")
-    failed = [r for r in outcome.records if r.get("kind") == "request" and not r.get("ok")]
-    if failed:
-        typer.echo(f"warning: {len(failed)} requests failed (first: {failed[0].get('error')}); they count as "
-                   "failed, not in any latency or throughput figure", err=True)
+    if acc:
+        typer.echo(f"requests: {acc['requests']} measured, {nfail} failed, {acc['retried']} retried "
+                   f"({acc['extra_attempts']} extra attempts; latency counted from each request's first send)")
+    if nfail:
+        typer.echo(f"warning: {nfail} requests failed (first: {acc['first_errors'][0]}); they count as failed, "
+                   "not in any latency or throughput figure"
+                   + ("" if allow_failures else f"; exit {EXIT_FAILED_REQUESTS} (--allow-failures to accept)"),
+                   err=True)
+    if save_result or result_dir:
+        typer.echo(f"vLLM bench results: {outcome.run_dir / 'vllm-bench'}" + (f" and {result_dir}" if result_dir else ""))
     if report:
         from specbench.suites.report import load_run_summary, write_report
 
@@ -155,5 +250,7 @@ def sweep(
         for x in a["arms"]:
             for prob in x["problems"][:5]:
                 typer.echo(f"  {prob}", err=True)
-        if audit:
+        if audit and exit_code(a["verdict"]) != 0:
             raise typer.Exit(exit_code(a["verdict"]))
+    if nfail and not allow_failures:
+        raise typer.Exit(EXIT_FAILED_REQUESTS)

@@ -17,6 +17,8 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+from .redact import redact_argv
+
 PACKAGES = ("specbench", "torch", "transformers", "tokenizers", "numpy", "httpx", "fastapi", "uvicorn", "pandas",
             "openai", "lm_eval", "flashinfer-python", "triton", "vllm", "sglang")
 REPO = Path(__file__).resolve().parent.parent
@@ -72,4 +74,4 @@ def device_info() -> dict:
 def provenance() -> dict:
     return {"git": git_state(), "packages": package_versions(), "device": device_info(),
             "python": sys.version.split()[0], "platform": platform.platform(), "host": socket.gethostname(),
-            "pid": os.getpid(), "argv": list(sys.argv), "time": time.time()}
+            "pid": os.getpid(), "argv": redact_argv(sys.argv), "time": time.time()}

@@ -16,6 +16,8 @@ Contract:
   open; the suite supplies suite name + version, engine descriptions per arm, sampling, dataset, seeds.
 - Times in a RequestRecord are seconds relative to its own t_send (perf_counter origins are
   arbitrary); `wall_send` is absolute (time.time()).
+- Secrets: every line written (records and run.json) passes `redact.redact_text` with the run's
+  `secrets` (open_run(secrets=...)): API keys and Authorization values never reach the store.
 - References: <results>/references/<kind>/<key>.json, one JSON object per key, written atomically by
   `write_reference` and read by `read_reference` (None when absent or unreadable): measured values a later
   run is held against (the lossless gate's acceptance, keyed by an engine / drafter / prompts / max_tokens
@@ -39,6 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .provenance import provenance
+from .redact import redact_text
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -130,8 +133,9 @@ class Terminated(KeyboardInterrupt):
 class Run:
     """An open run: append records, update the run record. Thread-safe."""
 
-    def __init__(self, path: Path, record: RunRecord) -> None:
+    def __init__(self, path: Path, record: RunRecord, secrets: tuple[str, ...] = ()) -> None:
         self.path, self.record = path, record
+        self.secrets = tuple(s for s in secrets if s)  # masked in every line written (harness/redact.py)
         self._files: dict[str, Any] = {}
         self._lock = threading.Lock()
         self.counts: dict[str, int] = {}
@@ -142,13 +146,13 @@ class Run:
 
     def _save(self) -> None:
         tmp = self.path / "run.json.tmp"
-        tmp.write_text(json.dumps(asdict(self.record), indent=2, default=str) + "\n")
+        tmp.write_text(redact_text(json.dumps(asdict(self.record), indent=2, default=str), self.secrets) + "\n")
         os.replace(tmp, self.path / "run.json")
 
     def write(self, kind: str, record: Any) -> None:
         if not kind.replace("_", "").isalnum():
             raise ValueError(f"kind={kind!r} is invalid: expected a plain name such as 'requests'")
-        line = _json(record) + "\n"
+        line = redact_text(_json(record), self.secrets) + "\n"
         with self._lock:
             fh = self._files.get(kind)
             if fh is None:
@@ -156,6 +160,15 @@ class Run:
             fh.write(line)
             fh.flush()
             self.counts[kind] = self.counts.get(kind, 0) + 1
+
+    def write_text(self, path: str | Path, text: str) -> Path:
+        """A side file of the run (another tool's format, a copy elsewhere), written whole and atomically,
+        with the run's secrets masked like every record."""
+        p = Path(path)
+        tmp = p.with_name(p.name + ".tmp")
+        tmp.write_text(redact_text(text, self.secrets), encoding="utf-8")
+        os.replace(tmp, p)
+        return p
 
     def add_request(self, rec: RequestRecord) -> None:
         self.write("requests", rec)
@@ -190,14 +203,15 @@ def new_run_id(suite: str) -> str:
 @contextlib.contextmanager
 def open_run(suite: str, suite_version: str = "1", engines: dict[str, dict] | None = None,
              sampling: dict | None = None, dataset: dict | None = None, seeds: Any = None,
-             config: dict | None = None, results: str | Path | None = None, run_id: str | None = None) -> Iterator[Run]:
+             config: dict | None = None, results: str | Path | None = None, run_id: str | None = None,
+             secrets: tuple[str, ...] | list[str] = ()) -> Iterator[Run]:
     run_id = run_id or new_run_id(suite)
     path = results_dir(results) / run_id
     path.mkdir(parents=True, exist_ok=False)
     rec = RunRecord(run_id=run_id, suite=suite, suite_version=str(suite_version), engines=dict(engines or {}),
                     sampling=dict(sampling or {}), dataset=dict(dataset or {}), seeds=seeds, config=dict(config or {}),
                     provenance=provenance())
-    run = Run(path, rec)
+    run = Run(path, rec, tuple(secrets))
     run._save()
     old = None
     if threading.current_thread() is threading.main_thread():

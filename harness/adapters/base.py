@@ -12,7 +12,8 @@ Contract:
 - `generate(requests, concurrency, on_result)` is closed-loop: at most `concurrency` requests in
   flight (None = all at once); `on_result` is called as each request finishes (completion order), so a
   suite can persist incrementally; the return value is in input order. `offsets` (seconds after the
-  start) turn it open-loop: request i is not sent before its offset.
+  start) turn it open-loop: request i is not sent before its offset. Each result's `meta["queue_time"]`:
+  seconds from when it was due (its offset, or the call) to its send (client-side waiting for a slot).
 - `score` returns teacher-forced top-k logprobs of every continuation position, or None where the
   engine cannot score. `spec_counters` returns a snapshot of cumulative speculative-decoding counters
   (or None); `tokenize` returns token ids (or None); `metrics_text` the engine's Prometheus text (a
@@ -238,6 +239,7 @@ class EngineAdapter(ABC):
                 try:
                     res = await self.generate_one(req)
                 except asyncio.CancelledError:
+            due = time.perf_counter()  # the request is due now; waiting for a slot is client-side queueing
                     raise
                 except Exception as e:  # an adapter bug must not lose the rest of the run
                     res = failed(req, req.rid or f"{self.name}-{i}", f"{type(e).__name__}: {e}", time.perf_counter())
@@ -245,6 +247,7 @@ class EngineAdapter(ABC):
             if on_result is not None:
                 r = on_result(res)
                 if inspect.isawaitable(r):
+            res.meta.setdefault("queue_time", max(0.0, res.t_send - due) if res.t_send else 0.0)
                     await r
 
         tasks = [asyncio.ensure_future(one(i, r)) for i, r in enumerate(requests)]

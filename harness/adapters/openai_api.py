@@ -12,7 +12,14 @@ Contract:
   t_send is taken just before the request is written, each SSE event is timed on arrival.
 - Connect errors, 429 and 5xx answers before any output are retried (at most `retries` times,
   exponential backoff from `backoff` s); anything else (4xx, a read timeout, a stream that breaks after
-  output started) fails that request only: ok=False with the error text, `attempts` recorded.
+  output started) fails that request only: ok=False with the error text, `attempts` recorded. A
+  retried request's clock starts at the first send of its first attempt (t_send, wall_send), so its
+  TTFT and E2EL include every failed attempt and backoff; `meta["attempt_errors"]` keeps each failed
+  attempt's error and its time after that first send.
+- The API key: `api_key=`, else $OPENAI_API_KEY (`use_api_key` sets one later, e.g. the sweep's
+  --api-key). It is sent as `Authorization: Bearer` and never appears in `describe()` (which says where
+  it came from, `config.auth`), in an error text (the key is masked in everything the server answered)
+  or in a log line.
 - One httpx.AsyncClient per event loop (an adapter may be driven by several asyncio.run calls).
 - score() uses echo + logprobs + max_tokens=0 (retried with max_tokens=1 if refused) with token-id
   prompts; spec_counters() scrapes /metrics (prom.py); tokenize() uses vLLM's POST /tokenize.
@@ -40,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -47,6 +55,7 @@ from typing import Any
 
 import httpx
 
+from ..redact import scrub
 from .base import EngineAdapter, GenRequest, GenResult, PosLogprobs, ScoreResult, failed
 from .dialect import Capabilities, LocalTokenizer, probe_endpoint
 from .openai_request import completions_body, native_body, split_url
@@ -58,7 +67,11 @@ READY_POLL_S = 1.0
 
 
 class _Retry(Exception):
-    """A failure before any output that is worth another attempt."""
+    """A failure before any output that is worth another attempt; `sent`: when that attempt was sent."""
+
+    def __init__(self, msg: str, sent: tuple[float, float]) -> None:
+        super().__init__(msg)
+        self.sent = sent
 
 
 def _json_or_none(r: httpx.Response) -> Any:
@@ -94,7 +107,13 @@ class OpenAIAdapter(EngineAdapter):
         self.stream, self.extras, self.continuous_usage = stream, extras, continuous_usage
         self.timeout = httpx.Timeout(timeout, connect=connect_timeout)
         self.retries, self.backoff = retries, backoff
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.headers: dict[str, str] = {}
+        self._key: str | None = None
+        self.auth: str | None = None  # where the key came from (never the key itself)
+        if api_key:
+            self.use_api_key(api_key, "api_key=")
+        elif os.environ.get("OPENAI_API_KEY"):
+            self.use_api_key(os.environ["OPENAI_API_KEY"], "$OPENAI_API_KEY")
         self.limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         self.extra_body = dict(extra_body or {})
         self.transport = transport  # tests inject httpx.MockTransport here
@@ -115,6 +134,19 @@ class OpenAIAdapter(EngineAdapter):
         self._ready_lock = threading.Lock()
 
     # ---- plumbing --------------------------------------------------------------------------------
+    def use_api_key(self, key: str, source: str) -> None:
+        """Send `key` as the bearer token from now on; `source` (a flag or variable name) is recorded."""
+        self._key, self.auth = key, source
+        self.headers = {"Authorization": f"Bearer {key}"}
+        self._cli, self._cli_loop = None, None  # the next request builds a client with the header
+
+    @property
+    def has_api_key(self) -> bool:
+        return self._key is not None
+
+    def _mask(self, text: str) -> str:
+        return scrub(text, [self._key] if self._key else [])
+
     def _client(self) -> httpx.AsyncClient:
         loop = asyncio.get_running_loop()
         if self._cli is None or self._cli_loop is not loop:
@@ -161,11 +193,12 @@ class OpenAIAdapter(EngineAdapter):
                         break
                     if now >= deadline:
                         rec["timed_out"] = True
-                        rec["body"] = r.text[:300]
-                        log.warning("%s: /health still 503 after %.0f s: %s", self.root, now - t0, r.text[:200])
+                        rec["body"] = self._mask(r.text[:300])
+                        log.warning("%s: /health still 503 after %.0f s: %s", self.root, now - t0,
+                                    self._mask(r.text[:200]))
                         break
                     if now >= next_log:
-                        log.info("%s: waiting for ready (%.0f s): %s", self.root, now - t0, r.text[:200])
+                        log.info("%s: waiting for ready (%.0f s): %s", self.root, now - t0, self._mask(r.text[:200]))
                         next_log = now + 10.0
                     time.sleep(min(READY_POLL_S, max(0.0, deadline - now)))
             rec["waited_s"] = round(time.monotonic() - t0, 2)
@@ -239,28 +272,46 @@ class OpenAIAdapter(EngineAdapter):
                                     continuous_usage=self.continuous_usage, extras=self.extras,
                                     extra_body=self.extra_body)
         last = ""
+        first: tuple[float, float] | None = None  # (perf_counter, time.time) of the first attempt's send
+        errors: list[dict] = []
         for attempt in range(1, self.retries + 2):
             try:
-                return await self._attempt(req, rid, url, body, attempt)
+                res = await self._attempt(req, rid, url, body, attempt, first)
             except _Retry as e:
-                last = str(e)
+                last = self._mask(str(e))
+                first = first or e.sent
+                errors.append({"attempt": attempt, "error": last, "after_s": round(time.perf_counter() - first[0], 6)})
                 if attempt <= self.retries:
                     await asyncio.sleep(self.backoff * 2 ** (attempt - 1))
-        return failed(req, rid, f"gave up after {self.retries + 1} attempts: {last}", t0, self.retries + 1)
+                continue
+            if errors:
+                res.meta["attempt_errors"] = errors
+            if res.error:
+                res.error = self._mask(res.error)
+            return res
+        t_send, wall = first if first is not None else (t0, time.time())
+        res = failed(req, rid, f"gave up after {self.retries + 1} attempts: {last}", t_send, self.retries + 1)
+        res.wall_send = wall
+        res.meta["attempt_errors"] = errors
+        return res
 
-    async def _attempt(self, req: GenRequest, rid: str, url: str, body: dict, attempt: int) -> GenResult:
+    async def _attempt(self, req: GenRequest, rid: str, url: str, body: dict, attempt: int,
+                       first: tuple[float, float] | None = None) -> GenResult:
         acc = StreamAccumulator(chat=req.messages is not None, top_k=req.logprobs, native=url.endswith("/completion"),
                                 one_token_per_chunk=self.dialect == "llamacpp")
-        res = GenResult(rid=rid, ok=True, t_send=time.perf_counter(), wall_send=time.time(), attempts=attempt,
-                        meta=dict(req.meta))
+        sent = (time.perf_counter(), time.time())
+        t_send, wall = first or sent  # the clock starts at the first send of the first attempt
+        res = GenResult(rid=rid, ok=True, t_send=t_send, wall_send=wall, attempts=attempt, meta=dict(req.meta))
         started = False
         try:
             async with self._client().stream("POST", url, json=body) as resp:
                 if resp.status_code != 200:
                     msg = _error_text(resp.status_code, await resp.aread())
                     if resp.status_code == 429 or resp.status_code >= 500:
-                        raise _Retry(msg)
-                    return failed(req, rid, msg, res.t_send, attempt)
+                        raise _Retry(msg, sent)
+                    out = failed(req, rid, msg, res.t_send, attempt)
+                    out.wall_send = res.wall_send
+                    return out
                 if not self.stream:
                     obj = json.loads(await resp.aread())
                     acc.feed(obj, time.perf_counter())
@@ -275,7 +326,7 @@ class OpenAIAdapter(EngineAdapter):
                         acc.feed(json.loads(data), time.perf_counter())
         except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError) as e:
             if not started:
-                raise _Retry(f"{type(e).__name__}: {e}") from e
+                raise _Retry(f"{type(e).__name__}: {e}", sent) from e
             return self._broken(req, rid, res, acc, f"{type(e).__name__} after output started: {e}")
         except (httpx.HTTPError, json.JSONDecodeError) as e:
             return self._broken(req, rid, res, acc, f"{type(e).__name__}: {e}")
@@ -441,7 +492,7 @@ class OpenAIAdapter(EngineAdapter):
             self._info = info
         d = {"name": self.name, "kind": self.kind, "version": self._info.get("version"), "model": self.model,
              "config": {"base_url": self.root, "stream": self.stream, "extras": self.extras,
-                        "timeout": self.timeout.read, "retries": self.retries,
+                        "timeout": self.timeout.read, "retries": self.retries, "auth": self.auth,
                         "tokenizer": self.local_tokenizer.path if self.local_tokenizer is not None else None,
                         "dtype": self.dtype},
              "server": self._info}

@@ -42,7 +42,9 @@ def run_meta(meta: dict, status: str) -> dict:
     dev = prov.get("device") or {}
     device = ", ".join(dev.get("gpus") or []) or (f"CPU {dev.get('cpu')} x{dev.get('cpu_count')}" if dev else None)
     sha = (git.get("sha") or "")[:10] + ("+dirty" if git.get("dirty") else "") if git.get("sha") else None
-    return {"run_id": meta.get("run_id"), "status": status, "incomplete": status != "complete",
+    return {"run_id": meta.get("run_id"), "status": status,
+            "incomplete": status not in ("complete", "complete_with_failures"),
+            "requests": (meta.get("summary") or {}).get("requests"),
             "started": meta.get("started"), "git_sha": sha, "device": device}
 
 

@@ -63,6 +63,15 @@ def run_header(s: RunSummary) -> list[str]:
              "(excluded)",
              f"- started {when}; git {s.meta.get('git_sha') or '—'}; device {s.meta.get('device') or '—'}"
              + ("" if s.complete else "; **INCOMPLETE run (interrupted): figures cover the cells that finished**")]
+    req = s.meta.get("requests") if isinstance(s.meta.get("requests"), dict) else None
+    if req and (req.get("failed") or req.get("retried")):
+        lines.append(f"- requests: {req['requests']} measured, **{req.get('failed', 0)} FAILED**, "
+                     f"{req.get('retried', 0)} retried ({req.get('extra_attempts', 0)} extra attempts); failed requests "
+                     "are in no latency or throughput figure, retried ones count from their first send")
+    if s.meta.get("source") == "vllm-bench":
+        lines.append(f"- imported from `vllm bench serve` result files: {', '.join(s.meta.get('files') or [])}; "
+                     "ITL there is per streamed chunk (shown as raw chunk gaps), acceptance from its spec-decode "
+                     "counters")
     if s.baseline:
         nf = f"; noise floor: `{s.noise_arm}` is `{s.baseline}` run again, interleaved" if s.noise_arm else ""
         lines.append(f"- baseline arm: `{s.baseline}`{nf}")
@@ -140,7 +149,8 @@ def acceptance_table(s: RunSummary) -> list[str]:
             if acc is None:
                 r += ["—"] * 4
                 continue
-            src = "per-request" if acc["source"] == "request" else "counters (server-wide)"
+            src = {"request": "per-request", "vllm-bench": "vLLM bench (counters, server-wide)",
+                   "counters-c1": "counter deltas per request at c1"}.get(acc["source"], "counters (server-wide)")
             tau = synthetic_tau(s, a)
             r += [_f(acc["rate"] * 100 if acc["rate"] is not None else None, "{:.1f}%"), _f(acc["length"], "{:.3f}"),
                   _f(acc["length_request_mean"], "{:.3f}"), src if tau is None else f"{src}, SYNTHETIC tau={tau}"]

@@ -91,6 +91,26 @@ def _sum_counters(items: list[dict | None]) -> dict | None:
     return out
 
 
+def _pool_given(items: list[dict]) -> dict:
+    """Imported cells' own stats over rounds: totals summed, throughput over the summed time, latency means
+    weighted by completed requests; percentiles only for a single round (they do not pool)."""
+    if len(items) == 1:
+        return items[0]
+    out: dict = {k: sum(int(x.get(k) or 0) for x in items)
+                 for k in ("requests", "completed", "failed", "output_tokens", "input_tokens")}
+    dur = sum(float(x.get("duration") or 0.0) for x in items)
+    out["duration"] = dur
+    for k, num in (("output_tok_s", "output_tokens"), ("req_s", "completed")):
+        out[k] = out[num] / dur if dur > 0 else None
+    out["total_tok_s"] = (out["output_tokens"] + out["input_tokens"]) / dur if dur > 0 else None
+    for m in ("ttft", "tpot", "e2el", "itl", "chunk_gap"):
+        w = [(x[m]["mean"], x["completed"]) for x in items if x.get(m) and x[m].get("mean") is not None]
+        n = sum(c for _, c in w)
+        out[m] = {"n": n, "mean": sum(v * c for v, c in w) / n if n else None, "median": None, "p90": None,
+                  "p99": None}
+    return out
+
+
 def _flat(r: dict) -> dict:
     """A stored request record with the sweep keys its meta carries lifted to the top."""
     m = r.get("meta") or {}
@@ -133,18 +153,24 @@ def summarize(records: list[dict], run_id: str = "run", run_meta: dict | None = 
             req_s: dict[int, float | None] = {}
             all_reqs: list[dict] = []
             total_time, counters = 0.0, []
+            given: list[dict | None] = []
             for rnd in rounds:
                 rr, c = by_cell.get((a["label"], lv, rnd), []), cell_rec.get((a["label"], lv, rnd))
                 if c is None:  # an interrupted cell: its requests stay in the pooled latencies only
                     all_reqs += rr
                     continue
-                st = cell_stats(rr, duration=c.get("duration"), counters=c.get("counters"))
+                # an imported cell (suites/sweep/vllm_import.py) carries the other tool's own figures as `stats`
+                st = c.get("stats") or cell_stats(rr, duration=c.get("duration"), counters=c.get("counters"))
                 tok_s[rnd], req_s[rnd] = st["output_tok_s"], st["req_s"]
                 all_reqs += rr
                 total_time += c.get("duration") or 0.0
                 counters.append(c.get("counters"))
+                given.append(c.get("stats"))
             summed = _sum_counters(counters)
-            pooled = cell_stats(all_reqs, duration=total_time or None, counters=summed)
+            if given and all(g is not None for g in given):
+                pooled = _pool_given(given)  # type: ignore[arg-type]
+            else:
+                pooled = cell_stats(all_reqs, duration=total_time or None, counters=summed)
             s.cells[(a["label"], lv)] = ArmLevel(a["label"], lv, tok_s, pooled, acceptance(all_reqs, summed), req_s)
     for lv in levels:
         base = s.get(baseline, lv) if baseline else None

@@ -5,7 +5,8 @@ Pipeline: `Workload` (workload.py: bundled data sets or random text, tokenized o
 interleaved across arms, the baseline run twice for the paired noise floor, every record to the
 store as it happens) -> records -> `metrics` (per request and per cell, REFERENCE.md section 3) and
 `compare` (median paired ratios, the noise floor). `run_sweep` (session.py) does it end to end from
-engine strings; suites/report renders the records.
+engine strings; suites/report renders the records. Every cell is also written in vLLM bench's result
+format (vllm_format.py), and vllm_import.py reads such files back into the store.
 """
 
 from .compare import noise_floor, paired_ratios, resolved, speedup

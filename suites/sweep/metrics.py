@@ -109,8 +109,8 @@ def acceptance(requests: Sequence[dict], counters: dict | None = None) -> dict |
     per_req = [_spec_counts(r.get("spec")) for r in ok]
     if ok and all(s is not None for s in per_req):
         return _from_counts(per_req, "request")  # type: ignore[arg-type]
-    if counters and counters.get("num_drafts") is not None:
-        return _from_counts([counters], "counters")
+    if counters and counters.get("num_drafts") is not None:  # an imported file's counters keep their origin
+        return _from_counts([counters], "vllm-bench" if counters.get("source") == "vllm-bench" else "counters")
     return None
 
 

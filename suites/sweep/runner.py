@@ -36,6 +36,7 @@ from ..metrics_audit import per_step_stream, scrape, settle
 from .workload import Workload
 
 NOISE_SUFFIX = "#2"
+ENDPOINT_TYPES = ("completions", "chat")
 
 
 class Sink(Protocol):
@@ -62,7 +63,9 @@ class SweepConfig:
     burstiness: float = 1.0  # gamma shape; 1.0 is Poisson
     noise_floor: bool = True
     seed: int = 0
-    random_words: int = 64
+    random_input_len: int = 64  # --dataset random: prompt length in tokens (each engine's own tokenizer)
+    dataset_path: str | None = None  # the user's prompts (custom JSONL, ShareGPT JSON, Spec-Bench JSONL)
+    endpoint_type: str = "completions"  # "chat": every request as chat messages (the server's template)
 
     def __post_init__(self) -> None:
         if self.mode not in ("closed", "open"):
@@ -84,6 +87,11 @@ class SweepConfig:
             raise ValueError(f"arrival={self.arrival!r} is invalid: expected poisson or gamma")
         if not self.burstiness > 0:
             raise ValueError(f"burstiness={self.burstiness} is invalid: expected a number > 0")
+        if self.endpoint_type not in ENDPOINT_TYPES:
+            raise ValueError(f"endpoint_type={self.endpoint_type!r} is invalid: expected one of "
+                             f"{', '.join(ENDPOINT_TYPES)}")
+        if self.random_input_len < 1:
+            raise ValueError(f"random_input_len={self.random_input_len} is invalid: expected an integer >= 1")
 
     def width(self, level: float) -> int:
         """Requests in flight a level aims at: C, or in open loop the cap (8 when uncapped)."""
