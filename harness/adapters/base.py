@@ -235,19 +235,19 @@ class EngineAdapter(ABC):
         async def one(i: int, req: GenRequest) -> None:
             if offsets is not None:
                 await asyncio.sleep(max(0.0, t0 + offsets[i] - time.perf_counter()))
+            due = time.perf_counter()  # the request is due now; waiting for a slot is client-side queueing
             async with sem:
                 try:
                     res = await self.generate_one(req)
                 except asyncio.CancelledError:
-            due = time.perf_counter()  # the request is due now; waiting for a slot is client-side queueing
                     raise
                 except Exception as e:  # an adapter bug must not lose the rest of the run
                     res = failed(req, req.rid or f"{self.name}-{i}", f"{type(e).__name__}: {e}", time.perf_counter())
+            res.meta.setdefault("queue_time", max(0.0, res.t_send - due) if res.t_send else 0.0)
             results[i] = res
             if on_result is not None:
                 r = on_result(res)
                 if inspect.isawaitable(r):
-            res.meta.setdefault("queue_time", max(0.0, res.t_send - due) if res.t_send else 0.0)
                     await r
 
         tasks = [asyncio.ensure_future(one(i, r)) for i, r in enumerate(requests)]
