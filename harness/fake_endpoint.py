@@ -15,6 +15,9 @@ Faults (`Faults`), decided per request in arrival order, so a test knows exactly
 - `echo_auth`: error bodies quote the request's Authorization header (a leaky server: what a client
   records from an error must still never hold the key).
 Every request's path and headers are kept in `FakeEndpoint.seen` (tests check what the client sent).
+`spec_k=K` makes it a speculating server as seen from outside: every streamed chunk of n tokens counts as
+one verify step of K drafts with n - 1 accepted, published as vLLM's `vllm:spec_decode_*` counters on
+GET /metrics (server-wide, cumulative; no per-request figures in the responses).
 
 `FakeEndpoint(...)` runs in a thread of this process (`with FakeEndpoint() as ep: ep.url`);
 `python -m specbench.harness.fake_endpoint --port P` runs it as its own process (the client benchmark,
@@ -49,6 +52,19 @@ class _State:
     attempts: dict[str, int] = field(default_factory=dict)
     seen: list[dict] = field(default_factory=list)
     keep_seen: bool = True
+    spec_k: int = 0
+    drafts: int = 0
+    accepted: int = 0
+    per_pos: list[int] = field(default_factory=list)
+
+    def metrics(self) -> str:
+        m = f'model_name="{self.model}"'
+        lines = [f"vllm:spec_decode_num_drafts_total{{{m}}} {self.drafts}",
+                 f"vllm:spec_decode_num_draft_tokens_total{{{m}}} {self.drafts * self.spec_k}",
+                 f"vllm:spec_decode_num_accepted_tokens_total{{{m}}} {self.accepted}"]
+        lines += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{m},position="{i}"}} {v}'
+                  for i, v in enumerate(self.per_pos)]
+        return "\n".join(lines) + "\n"
 
 
 def _head(status: int, ctype: str, length: int | None = None) -> bytes:
@@ -98,6 +114,10 @@ class _Handler:
         if key is not None and path != "/health" and headers.get("authorization") != f"Bearer {key}":
             w.write(_error(401, "missing or wrong API key"))
             return
+        if method == "GET" and path == "/metrics" and st.spec_k:
+            body = st.metrics().encode()
+            w.write(_head(200, "text/plain; version=0.0.4", len(body)) + body)
+            return
         if method == "GET" and path == "/v1/models":
             w.write(_json_response(200, {"object": "list", "data": [{"id": st.model, "object": "model",
                                                                       "owned_by": "fake"}]}))
@@ -143,6 +163,13 @@ class _Handler:
         while done < max_tokens:
             k = min(st.tokens_per_chunk, max_tokens - done)
             done += k
+            if st.spec_k:  # one verify step: K drafts, k - 1 of them accepted, then the bonus token
+                st.drafts += 1
+                acc = min(k - 1, st.spec_k)
+                st.accepted += acc
+                st.per_pos = st.per_pos or [0] * st.spec_k
+                for i in range(acc):
+                    st.per_pos[i] += 1
             text = "t " * k
             choice: dict[str, Any] = {"index": 0, "finish_reason": "length" if done == max_tokens else None}
             if chat:
@@ -178,9 +205,10 @@ class FakeEndpoint:
     """The fake endpoint on 127.0.0.1 in a daemon thread; `url` is its root (http://127.0.0.1:PORT)."""
 
     def __init__(self, tokens_per_chunk: int = 1, chunk_interval: float = 0.0, max_tokens: int = 16,
-                 faults: Faults | None = None, model: str = "fake-model", port: int = 0, keep_seen: bool = True) -> None:
+                 faults: Faults | None = None, model: str = "fake-model", port: int = 0, keep_seen: bool = True,
+                 spec_k: int = 0) -> None:
         self.state = _State(model=model, tokens_per_chunk=tokens_per_chunk, chunk_interval=chunk_interval,
-                            max_tokens=max_tokens, faults=faults or Faults(), keep_seen=keep_seen)
+                            max_tokens=max_tokens, faults=faults or Faults(), keep_seen=keep_seen, spec_k=spec_k)
         self.port = port
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None

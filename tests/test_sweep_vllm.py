@@ -157,3 +157,29 @@ def test_vllm_flags_drive_the_sweep(cli: CliRunner, tmp_path: Path) -> None:
     d = json.loads(next((run / "vllm-bench").glob("*.json")).read_text())
     assert d["backend"] == "openai-chat" and d["request_rate"] == 200.0 and d["max_concurrency"] == 2
     assert d["burstiness"] == 0.5
+
+
+def test_c1_spec_counts_per_request_from_counter_deltas(cli: CliRunner, tmp_path: Path) -> None:
+    """An endpoint with only server-wide counters (no per-request spec fields): at c1 each request gets the
+    counter delta around it, labelled; at c2 the cell's delta. Every chunk of 3 tokens is one verify step of
+    K = 3 drafts with 2 accepted, so each request accepts 6 of 9 draft tokens in 3 steps."""
+    with FakeEndpoint(tokens_per_chunk=3, spec_k=3, max_tokens=9) as ep:
+        code, out, run = _sweep(cli, ep.url, tmp_path / "res", "-c", "1,2", "--max-tokens", "9", "--ignore-eos")
+    assert code == 0, out
+    assert run is not None
+    reqs = [json.loads(x) for x in (run / "requests.jsonl").read_text().splitlines()]
+    c1 = [r for r in reqs if r["meta"]["level"] == 1 and r["meta"]["round"] >= 0]
+    assert len(c1) == 4 and all(r["spec"]["source"] == "counters-c1" for r in c1)
+    assert all((r["spec"]["num_drafts"], r["spec"]["num_accepted_tokens"], r["spec"]["accepted_per_pos"]) ==
+               (3, 6, [3, 3, 0]) for r in c1)
+    assert all(r["spec"] is None for r in reqs if r["meta"]["level"] == 2)
+    d1 = json.loads((run / "vllm-bench" / "fake-c1-r0.json").read_text())
+    d2 = json.loads((run / "vllm-bench" / "fake-c2-r0.json").read_text())
+    assert d1["specbench"]["acceptance"]["source"] == "counters-c1" and d2["specbench"]["acceptance"]["source"] == "counters"
+    for d in (d1, d2):
+        assert d["spec_decode_acceptance_rate"] == pytest.approx(100 * 6 / 9)  # percent, as vLLM
+        assert d["spec_decode_acceptance_length"] == pytest.approx(3.0)
+        assert d["spec_decode_per_position_acceptance_rates"] == pytest.approx([1.0, 1.0, 0.0])
+    assert d1["specbench"]["acceptance"]["length_request_mean"] == pytest.approx(3.0)
+    md = cli.invoke(app, ["report", str(run), "-o", "-"]).output
+    assert "counter deltas per request at c1" in md and "counters (server-wide)" in md

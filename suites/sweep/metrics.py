@@ -10,7 +10,8 @@ Definitions follow REFERENCE.md section 3:
 - Per-token ITL spreads each chunk gap evenly over the tokens that chunk carries; raw chunk gaps are
   reported separately (under speculation a chunk carries ~acceptance-length tokens).
 - Failed requests count in `failed` only: no tokens, no latencies.
-- Acceptance: per-request spec counts where every successful request has them (source "request"),
+- Acceptance: per-request spec counts where every successful request has them (source "request"; or
+  "counters-c1" when they are counter deltas around each request at c1, suites/sweep/runner.py),
   else the cell's spec-counter delta (source "counters": server-wide, may include other traffic),
   else none. Rate = accepted / draft tokens; length = 1 + accepted / drafts. Token-weighted length is
   pooled over all verify steps (total committed tokens per verify step, what the counters give);
@@ -108,7 +109,8 @@ def acceptance(requests: Sequence[dict], counters: dict | None = None) -> dict |
     ok = [r for r in requests if r.get("ok")]
     per_req = [_spec_counts(r.get("spec")) for r in ok]
     if ok and all(s is not None for s in per_req):
-        return _from_counts(per_req, "request")  # type: ignore[arg-type]
+        c1 = all((r.get("spec") or {}).get("source") == "counters-c1" for r in ok)
+        return _from_counts(per_req, "counters-c1" if c1 else "request")  # type: ignore[arg-type]
     if counters and counters.get("num_drafts") is not None:  # an imported file's counters keep their origin
         return _from_counts([counters], "vllm-bench" if counters.get("source") == "vllm-bench" else "counters")
     return None
@@ -129,7 +131,7 @@ def _from_counts(items: Sequence[dict], source: str) -> dict | None:
            "rate": accepted / draft_tokens if draft_tokens else None, "length": 1.0 + accepted / drafts,
            "length_request_mean": None, "rate_request_mean": None,
            "per_pos": [v / drafts for v in per_pos], "accepted_per_pos": per_pos}
-    if source == "request":
+    if source in ("request", "counters-c1"):
         lens = [1.0 + s["num_accepted_tokens"] / s["num_drafts"] for s in items if s.get("num_drafts")]
         rates = [s["num_accepted_tokens"] / s["num_draft_tokens"] for s in items if s.get("num_draft_tokens")]
         out["length_request_mean"] = float(np.mean(lens)) if lens else None

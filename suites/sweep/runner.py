@@ -12,7 +12,11 @@ Contract:
   same engine, run again) when `noise_floor` is on.
 - Every cell (level, arm, round) runs the same prompts. Around each cell the arm's spec counters are
   snapshotted; the delta is stored with the cell, so acceptance can come from counters when the
-  engine gives no per-request figures.
+  engine gives no per-request figures. At c1 (closed loop) the counters are also snapshotted after every
+  request (`c1_counters`): a request without spec counts of its own gets the delta around it, labelled
+  source "counters-c1" (per request, since nothing else of this sweep is in flight; other traffic on the
+  server and counters published after the response would shift counts between neighbours, the cell's
+  sum stays exact); the scrape time is taken off the cell's duration (`scrape_s`).
 - Records go to the sink the moment they exist: `sink.request(result, arm, idx, round)` per finished
   request (the result's meta carries level, level_kind, round, warmup, copy_of, prompt_idx) and
   `sink.cell(record)` per finished cell (duration, counters delta; `server_metrics`: the audited /metrics
@@ -66,6 +70,7 @@ class SweepConfig:
     random_input_len: int = 64  # --dataset random: prompt length in tokens (each engine's own tokenizer)
     dataset_path: str | None = None  # the user's prompts (custom JSONL, ShareGPT JSON, Spec-Bench JSONL)
     endpoint_type: str = "completions"  # "chat": every request as chat messages (the server's template)
+    c1_counters: bool = True  # at c1, per-request spec counts from counter deltas where requests carry none
 
     def __post_init__(self) -> None:
         if self.mode not in ("closed", "open"):
@@ -199,13 +204,17 @@ class SweepRunner:
             self.sink.request(res, arm.label, index.get(res.rid, -1), rnd)
             bar.update(1)  # type: ignore[attr-defined]
 
-        results = await ad.generate(reqs, concurrency=conc, on_result=record, offsets=offsets)
-        duration = time.perf_counter() - t0
+        scrape_s = 0.0
+        if cfg.mode == "closed" and conc == 1 and before is not None and cfg.c1_counters:
+            results, scrape_s = await _one_by_one(ad, reqs, before, record)
+        else:
+            results = await ad.generate(reqs, concurrency=conc, on_result=record, offsets=offsets)
+        duration = time.perf_counter() - t0 - scrape_s  # the per-request scrapes at c1 are not serving time
         after = await _counters(ad)
         after_m = await settle(ad) if before_m is not None else None
         cell = {**key, "wall_start": wall0, "duration": duration, "requests": len(reqs),
                 "completed": sum(1 for r in results if r.ok), "counters": counters_delta(before, after),
-                "concurrency": conc, "offsets": offsets is not None,
+                "concurrency": conc, "offsets": offsets is not None, "scrape_s": scrape_s,
                 "server_metrics": None if before_m is None else
                 {"before": before_m, "after": after_m, "per_step": per_step_stream(_describe(ad)), "k": _k(ad)}}
         self.sink.cell(cell)
@@ -226,6 +235,26 @@ def _k(ad: EngineAdapter) -> int | None:
     cfg = _describe(ad).get("config")
     k = cfg.get("k") if isinstance(cfg, dict) else None
     return int(k) if isinstance(k, int) and k > 0 else None
+
+
+async def _one_by_one(ad: EngineAdapter, reqs: list, before: dict, record: Callable[[GenResult], None]
+                      ) -> tuple[list[GenResult], float]:
+    """c1 with a counter snapshot after every request: a request that reports no spec counts of its own
+    gets the counter delta around it (source "counters-c1"). Returns the results and the time spent
+    scraping (taken off the cell's duration)."""
+    out, prev, scrape = [], before, 0.0
+    for r in reqs:
+        res = (await ad.generate([r]))[0]
+        t = time.perf_counter()
+        after = await _counters(ad)
+        scrape += time.perf_counter() - t
+        d = counters_delta(prev, after)
+        if res.ok and res.spec is None and d is not None and d.get("num_drafts") is not None:
+            res.spec = {**d, "source": "counters-c1"}
+        prev = after if after is not None else prev
+        record(res)
+        out.append(res)
+    return out, scrape
 
 
 async def _counters(ad: EngineAdapter) -> dict | None:
