@@ -323,3 +323,6 @@ class EngineConfig:
             v = getattr(self, f.name)
             out[f.name] = v.__dict__ if isinstance(v, SpecConfig) else v
         return out
+    # Streamed text of unfinished requests in O(new tokens) per step (engine/detok.py); False decodes the whole
+    # output every step (default from SPECBENCH_INCREMENTAL_DETOK, else on)
+    incremental_detok: bool = field(default_factory=lambda: env_flag("SPECBENCH_INCREMENTAL_DETOK", True))

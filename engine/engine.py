@@ -86,7 +86,7 @@ class LLMEngine:
         self.ranges = ProfilerRanges() if cfg.trace_ranges else NO_RANGES
         self.synthetic = SyntheticAcceptance(cfg.spec.synthetic_tau, self.k, cfg.seed) \
             if (cfg.spec.synthetic_tau is not None and self.spec_on) else None
-        self.output = OutputWriter(self.tokenizer, self.eos_ids, self.metrics)
+        self.output = OutputWriter(self.tokenizer, self.eos_ids, self.metrics, incremental=cfg.incremental_detok)
         self.accept_step = AcceptStep(self._gens, self.faults, self.synthetic, kernel=cfg.triton)
         self.commit_step = CommitStep(self.pool, self.scheduler, self.proposer, self.spec, self.metrics, self.output,
                                       self.faults, self._release)

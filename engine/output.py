@@ -7,7 +7,8 @@ include_stop_str_in_output), or max_tokens. Nothing is appended after a finish, 
 accepted run of drafts ends the request there (`past_stop` and `stop_ids_at_end` are the self-test's knobs
 that break this: tokens past a stop emitted; EOS and stop ids seen only as a run's last token).
 `build(req, new)` is the request's snapshot after a step: the text is decoded in full once finished,
-else up to the last complete character (`Tokenizer.decode_prefix_safe`).
+else up to the last complete character, incrementally (engine/detok.py; `incremental=False` decodes the whole
+output each step with `Tokenizer.decode_prefix_safe`). Stop strings are searched in the same partial text.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import ModelConfig
+from .detok import IncrementalText
 from .metrics import EngineMetrics
 from .request import Request
 from .tokenizer import Tokenizer
@@ -64,8 +66,17 @@ def _generation_eos(model_dir: str) -> set[int]:
 
 
 class OutputWriter:
-    def __init__(self, tokenizer: Tokenizer, eos: set[int], metrics: EngineMetrics) -> None:
+    def __init__(self, tokenizer: Tokenizer, eos: set[int], metrics: EngineMetrics, incremental: bool = True) -> None:
         self.tokenizer, self.eos, self.metrics = tokenizer, eos, metrics
+        self.incremental = incremental  # engine/detok.py: O(new tokens) text per step; False = decode in full
+
+    def partial_text(self, req: Request) -> str:
+        """The text of an unfinished request: incremental (engine/detok.py) or, off, decoded in full."""
+        if not self.incremental:
+            return self.tokenizer.decode_prefix_safe(req.output_ids)
+        if req.detok is None:
+            req.detok = IncrementalText()
+        return req.detok.advance(self.tokenizer, req.output_ids)
 
     def append(self, req: Request, toks: list[int], lps: list | None, past_stop: bool = False,
                stop_ids_at_end: bool = False) -> None:
@@ -95,7 +106,7 @@ class OutputWriter:
             req.finish("length")
 
     def _stop_string(self, req: Request) -> bool:
-        text = self.tokenizer.decode(req.output_ids)
+        text = self.partial_text(req) if self.incremental else self.tokenizer.decode(req.output_ids)
         best: tuple[int, str] | None = None
         for stop in req.params.stop:
             i = text.find(stop, max(0, req.output_text_len - len(stop)))
@@ -117,7 +128,7 @@ class OutputWriter:
         n_new = min(len(new), len(req.output_ids))
         return RequestOutput(
             rid=req.rid, prompt_ids=req.prompt_ids, output_ids=list(req.output_ids),
-            text=self.text_of(req) if req.finished else self.tokenizer.decode_prefix_safe(req.output_ids),
+            text=self.text_of(req) if req.finished else self.partial_text(req),
             finished=req.finished, finish_reason=req.finish_reason, stop_reason=req.stop_reason,
             new_ids=req.output_ids[len(req.output_ids) - n_new:] if n_new else [],
             logprobs=list(req.logprobs) if req.params.logprobs is not None else None,

@@ -41,6 +41,11 @@ class Tokenizer:
         self.name = str(d)
         self._compiled: Any = None
 
+    @property
+    def backend(self) -> _HFTok:
+        """The tokenizers library object (engine/detok.py streams through it)."""
+        return self._tok
+
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
