@@ -394,7 +394,7 @@ def test_serve_command_subprocess(tiny_pair, tmp_path):
                                                       "temperature": 0}, timeout=30)
         assert r.status_code == 200 and r.json()["choices"][0]["index"] == 0
         p.send_signal(signal.SIGINT)
-        assert p.wait(timeout=30) in (0, 130), p.stdout.read()
+        assert p.wait(timeout=30) == 0, p.stdout.read()  # a drained shutdown, not a KeyboardInterrupt
     finally:
         if p.poll() is None:
             p.kill()
