@@ -34,6 +34,7 @@ from .loader import torch_dtype
 from .memory import measure, plan_memory
 from .metrics import EngineMetrics
 from .models.dflash import DFlashDraftModel
+from .models.dflash2 import drafter_class, load_draft_config
 from .models.qwen3 import Qwen3ForCausalLM
 from .output import OutputWriter, RequestOutput, eos_ids
 from .ranges import NO_RANGES, ProfilerRanges
@@ -103,11 +104,12 @@ class LLMEngine:
         cfg = self.cfg
         if not cfg.draft:
             return None, None
-        draft_cfg = ModelConfig.from_dir(cfg.draft)
+        draft_cfg = load_draft_config(cfg.draft)  # DFlash2's flat fields accepted
         if not draft_cfg.is_dflash:
             raise ConfigError(f"draft={cfg.draft!r}: config.architectures={list(draft_cfg.architectures)!r}, "
-                              "expected DFlashDraftModel")
-        return draft_cfg, DFlashDraftModel.load(cfg.draft, draft_cfg, self.mcfg, self.dtype, cfg.device)
+                              "expected DFlashDraftModel or DFlash2DraftModel")
+        # The class `architectures` names: a DFlash2 checkpoint never drafts through DFlash1's code.
+        return draft_cfg, drafter_class(draft_cfg).load(cfg.draft, draft_cfg, self.mcfg, self.dtype, cfg.device)
 
     # ---- requests --------------------------------------------------------------------------------
     def describe(self) -> dict:

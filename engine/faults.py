@@ -50,6 +50,20 @@ class DraftKnobs:
     """How one step's draft pass departs from the rule (see DFlashProposer.propose)."""
 
     tile_starts: bool = False  # block positions from the request starts tiled, not repeated per row
+    selector: bool = True  # False: a DFlash2 drafter drafts the logits' argmax, its candidate selector skipped
+    causal: bool | None = None  # True / False: the draft layers' causality forced, not the config's
+
+    def overrides(self, variants: tuple[str, ...] = ()) -> dict[str, bool]:
+        """The knobs that depart from the rule, as keyword arguments for `Proposer.propose`; `selector` and
+        `causal` only for a proposer that names them in `variants` (elsewhere they change nothing)."""
+        out: dict[str, bool] = {}
+        if self.tile_starts:
+            out["tile_starts"] = True
+        if not self.selector and "selector" in variants:
+            out["selector"] = False
+        if self.causal is not None and "causal" in variants:
+            out["causal"] = self.causal
+        return out
 
 
 NO_DRAFT_KNOBS = DraftKnobs()
@@ -223,6 +237,32 @@ class BatchedDraftPos(Fault):
         return replace(knobs, tile_starts=True)
 
 
+class SelectorSkipped(Fault):
+    name = "selector_skipped"
+    description = "a DFlash2 drafter drafts its logits' argmax: the candidate selector is skipped (lossless; " \
+                  "only acceptance moves, caught by check-draft's acceptance sanity test)"
+
+    def draft(self, spans: list[Span], knobs: DraftKnobs) -> DraftKnobs:
+        return replace(knobs, selector=False)
+
+
+class CausalDraft(Fault):
+    name = "causal_draft"
+    description = "the draft layers run causal inside the block (causality taken from layer_types, not " \
+                  "is_causal: lossless; only acceptance moves, caught by check-draft)"
+
+    def draft(self, spans: list[Span], knobs: DraftKnobs) -> DraftKnobs:
+        return replace(knobs, causal=True)
+
+
+class AcceptTolerance(Fault):
+    name = "accept_tolerance"
+    description = "a greedy draft is accepted when its target logit is within 0.1 of the max"
+
+    def rule(self, rule: AcceptRule) -> AcceptRule:
+        return replace(rule, greedy_tol=0.1)
+
+
 class AcceptTolerance(Fault):
     name = "accept_tolerance"
     description = "a greedy draft is accepted when its target logit is within 0.1 of the max"
@@ -283,7 +323,11 @@ class BonusResidual(_RuleFlag):
 _REGISTRY: tuple[type[Fault], ...] = (KVOffset, SkipRollback, WrongBonus, AcceptOffByOne, DraftCtxMisaligned,
                                       MaskLeak, StaleShape, EmitPastStop, RollbackKeepsPage, VerifyPosShift,
                                       BatchedDraftPos, AcceptTolerance, EosInRun,
-                                      BiasedAccept, ResampleFromP, ReusedUniform, QNextRow, BonusResidual)
+                                      BiasedAccept, ResampleFromP, ReusedUniform, QNextRow, BonusResidual,
+                                      SelectorSkipped, CausalDraft)
+# Faults that leave the output lossless and move only a drafter's acceptance: no greedy or sampled gate can
+# catch them; `specbench check-draft` does (harness/checkdraft.py), so the gates' self-tests skip them.
+DRAFT_VARIANT_FAULTS = frozenset({"selector_skipped", "causal_draft"})
 FAULTS: dict[str, str] = {f.name: f.description for f in _REGISTRY}
 # The order armed faults' hooks run in where two touch the same values: one more accepted draft first, then
 # the bonus taken late (as the engine always applied them).

@@ -45,9 +45,23 @@ def weight_files(model_dir: str | Path) -> list[Path]:
     raise ConfigError(f"{d}: no weights found (expected model.safetensors or model.safetensors.index.json)")
 
 
+class Checkpoint(dict[str, torch.Tensor]):
+    """The tensors of a checkpoint by name, remembering which ones `take` handed out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.taken: set[str] = set()
+
+
+def unused(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """The names `take` never handed out (sorted); empty for a plain dict."""
+    taken = getattr(tensors, "taken", None)
+    return [] if taken is None else sorted(set(tensors) - taken)
+
+
 def load_tensors(model_dir: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu",
                  strip_prefix: str = "") -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
+    out = Checkpoint()
     for f in weight_files(model_dir):
         with safe_open(str(f), framework="pt", device="cpu") as fh:
             for name in fh.keys():
@@ -60,6 +74,8 @@ def take(tensors: dict[str, torch.Tensor], name: str, shape: tuple[int, ...], so
     if name not in tensors:
         raise ConfigError(f"{source}: tensor {name!r} is missing from the checkpoint")
     t = tensors[name]
+    if isinstance(tensors, Checkpoint):
+        tensors.taken.add(name)
     if tuple(t.shape) != tuple(shape):
         raise ConfigError(f"{source}: tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(shape)}")
     return t

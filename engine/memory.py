@@ -49,7 +49,24 @@ def draft_weight_bytes(draft: ModelConfig, target: ModelConfig, dtype: torch.dty
     h, q, kv, inter, d = draft.hidden_size, draft.q_size, draft.kv_size, draft.intermediate_size, draft.head_dim
     taps = len(draft.target_layer_ids or ())
     per_layer = (q + 2 * kv) * h + h * q + 2 * inter * h + h * inter + 2 * d + 2 * h
-    return (h * taps * target.hidden_size + 2 * h + draft.num_hidden_layers * per_layer) * elem_size(dtype)
+    extra = dflash2_extra_params(draft)  # DFlash2's convolutions and the selector's two codebooks
+    return (h * taps * target.hidden_size + 2 * h + draft.num_hidden_layers * per_layer + extra) * elem_size(dtype)
+
+
+def dflash2_extra_params(draft: ModelConfig) -> int:
+    """Parameters a DFlash2 drafter holds beyond DFlash1's (0 for DFlash1): per layer two convolutions of
+    2*K*H static + 2*K*(H/group)*H dynamic taps; the selector's [R, H] projection and two [V, R] codebooks
+    (about 207 MB in bf16 at Z Lab's vocabulary, R = 256)."""
+    if "DFlash2DraftModel" not in draft.architectures:
+        return 0
+    from .models.dflash2 import draft_field  # noqa: PLC0415
+
+    h, v, raw = draft.hidden_size, draft.vocab_size, draft.raw
+    k = int(draft_field(raw, "conv_kernel_size", 0))  # type: ignore[call-overload]
+    g = int(draft_field(raw, "conv_group_size", 1))  # type: ignore[call-overload]
+    r = int(draft_field(raw, "selector_rank", 0))  # type: ignore[call-overload]
+    conv = 2 * (2 * k * h + 2 * k * (h // max(g, 1)) * h)
+    return draft.num_hidden_layers * conv + r * h + 2 * v * r
 
 
 def step_row_bytes(mcfg: ModelConfig, dtype: torch.dtype) -> int:

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ConfigError, ModelConfig
-from ..loader import load_tensors, take
+from ..loader import load_tensors, take, unused
 from ..rope import RotaryCache
 from .layers import rms_norm, swiglu
 from .qwen3 import Qwen3Layer
@@ -51,6 +51,7 @@ class DFlashDraftModel(nn.Module):
         self.scale = cfg.head_dim ** -0.5
         dc = cfg.raw.get("dflash_config") or {}
         self.input_embedding_scale = float(dc.get("input_embedding_scale", 1.0))
+        self.unused_tensors: list[str] = []  # checkpoint tensors `load` did not take (see harness/checkdraft.py)
 
     @classmethod
     def load(cls, draft_dir: str | Path, cfg: ModelConfig, target_cfg: ModelConfig, dtype: torch.dtype,
@@ -66,14 +67,20 @@ class DFlashDraftModel(nn.Module):
         t = load_tensors(draft_dir, dtype, device, strip_prefix="model.")
         with torch.device("meta"):
             m = cls(cfg, target_cfg.hidden_size)
-        h = cfg.hidden_size
-        P = lambda x: nn.Parameter(x, requires_grad=False)  # noqa: E731
-        m.fc_w = P(take(t, "fc.weight", (h, len(m.target_layer_ids) * target_cfg.hidden_size), src))
-        m.hidden_norm = P(take(t, "hidden_norm.weight", (h,), src))
-        m.norm = P(take(t, "norm.weight", (h,), src))
-        for i, layer in enumerate(m.layers):
-            layer.load_weights(t, f"layers.{i}.", src)
+        m._take_weights(t, src, target_cfg.hidden_size)
+        # What this class read of the checkpoint: a tensor it never took is a weight it silently ignores
+        # (a DFlash2 checkpoint through this class leaves its convolutions and selector here).
+        m.unused_tensors = unused(t)
         return m
+
+    def _take_weights(self, t: dict[str, torch.Tensor], src: str, target_hidden: int) -> None:
+        h = self.cfg.hidden_size
+        P = lambda x: nn.Parameter(x, requires_grad=False)  # noqa: E731
+        self.fc_w = P(take(t, "fc.weight", (h, len(self.target_layer_ids) * target_hidden), src))
+        self.hidden_norm = P(take(t, "hidden_norm.weight", (h,), src))
+        self.norm = P(take(t, "norm.weight", (h,), src))
+        for i, layer in enumerate(self.layers):
+            layer.load_weights(t, f"layers.{i}.", src)
 
     # ---- pieces ----------------------------------------------------------------------------------
     def project_context(self, taps: torch.Tensor) -> torch.Tensor:

@@ -91,9 +91,9 @@ def make_proposer(plan: SpecPlan, spec: SpecConfig, draft: DFlashDraftModel | No
     if not plan.enabled:
         return None
     if plan.method == "dflash":
-        from .dflash import DFlashProposer  # noqa: PLC0415  (the drafter's code only when it runs)
+        from .dflash2 import dflash_proposer  # noqa: PLC0415  (the drafter's code only when it runs)
 
         assert draft is not None  # resolve_spec refused dflash without a drafter
-        return DFlashProposer(plan.k, draft, target, runner, pool, batched=spec.batched_draft)
+        return dflash_proposer(plan.k, draft, target, runner, pool, batched=spec.batched_draft)  # by architecture
     return NgramProposer(plan.k, spec.ngram_min, spec.ngram_max, mix=spec.ngram_mix,
                          vocab_size=target.cfg.vocab_size)

@@ -31,10 +31,7 @@ def propose(plan: StepPlan, proposer: Proposer | None, ks: dict[str, int], fault
     if not spans or proposer is None:
         return
     knobs = faults.on_propose(spans)
-    if knobs.tile_starts:
-        proposer.propose(spans, [ks[s.req.rid] for s in spans], tile_starts=True)
-    else:
-        proposer.propose(spans, [ks[s.req.rid] for s in spans])
+    proposer.propose(spans, [ks[s.req.rid] for s in spans], **knobs.overrides(getattr(proposer, "variants", ())))
     for s in spans:
         if s.drafts:
             s.tokens = s.tokens + list(s.drafts)

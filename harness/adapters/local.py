@@ -195,9 +195,12 @@ class LocalAdapter(EngineAdapter):
         return self.engine.tokenizer.encode(text)
 
     def armable_faults(self) -> dict[str, str]:
+        """The faults a gate's self-test arms: all but the drafter variants (lossless by construction, so no
+        gate can catch them; check-draft's acceptance sanity test arms those through `with_faults`)."""
+        from specbench.engine.faults import DRAFT_VARIANT_FAULTS
         from specbench.engine.faults import FAULTS as CATALOGUE
 
-        return dict(CATALOGUE)
+        return {k: v for k, v in CATALOGUE.items() if k not in DRAFT_VARIANT_FAULTS}
 
     def with_faults(self, faults: Sequence[str], name: str | None = None) -> LocalAdapter:
         faults = tuple(faults)
