@@ -263,14 +263,6 @@ class AcceptTolerance(Fault):
         return replace(rule, greedy_tol=0.1)
 
 
-class AcceptTolerance(Fault):
-    name = "accept_tolerance"
-    description = "a greedy draft is accepted when its target logit is within 0.1 of the max"
-
-    def rule(self, rule: AcceptRule) -> AcceptRule:
-        return replace(rule, greedy_tol=0.1)
-
-
 class EosInRun(Fault):
     name = "eos_in_run"
     description = "EOS and stop_token_ids are honoured only as the last token of an accepted run"
