@@ -31,6 +31,7 @@ COMMANDS: dict[str, str] = {
     "sampled": "specbench.cli.sampled:sampled",
     "bench-decode": "specbench.cli.bench:bench_decode",
     "check-draft": "specbench.cli.check_draft:check_draft",
+    "check-draft": "specbench.cli.check_draft:check_draft",
 }
 
 app = typer.Typer(name="specbench", no_args_is_help=True, add_completion=False,

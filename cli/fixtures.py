@@ -19,6 +19,8 @@ def fixtures(
     shape: str = typer.Option("tiny", "--shape", help="tiny or qwen3-4b"),
     device: str = typer.Option("cpu", "--device", help="Where qwen3-4b weights are drawn (cpu or cuda); "
                                                        "the tiny pair always trains on CPU."),
+    dflash2: bool = typer.Option(False, "--dflash2", help="qwen3-4b only: also write DIR/draft-dflash2, a random "
+                                                          "DFlash2 drafter at the same geometry (for timing)."),
 ) -> None:
     """Build model fixtures into DIR/target and DIR/draft.
 
@@ -28,6 +30,7 @@ def fixtures(
 
     qwen3-4b: random bf16 weights with exactly the configs and tensor shapes of
     Qwen3-4B and Qwen3-4B-DFlash-b16 (about 9 GB), for speed work on a GPU.
+    With --dflash2, also DIR/draft-dflash2: a random DFlash2 drafter of that shape.
     """
     if shape not in SHAPES:
         typer.echo(f"error: --shape={shape!r} is invalid: expected one of {', '.join(SHAPES)}", err=True)
@@ -48,3 +51,7 @@ def fixtures(
         tdir, ddir = build_qwen3_4b_shape(out, seed=seed, device=device)
     typer.echo(f"target: {tdir}")
     typer.echo(f"draft:  {ddir}")
+    if dflash2 and shape == "qwen3-4b":
+        from specbench.harness.fixtures.shape4b_dflash2 import build_qwen3_4b_dflash2
+
+        typer.echo(f"draft-dflash2: {build_qwen3_4b_dflash2(out / 'draft-dflash2', seed=seed, device=device)}")

@@ -43,6 +43,7 @@ def lossless(
     report: Path | None = typer.Option(None, "--report", help="Write the markdown report here."),
     results: Path | None = typer.Option(None, "--results", help="Results directory (default $SPECBENCH_RESULTS or ./results)."),
     no_record: bool = typer.Option(False, "--no-record", help="Do not write a results run."),
+    check_draft: bool = typer.Option(True, "--check-draft/--no-check-draft", help="Run the checkpoint checks of specbench check-draft on a local candidate's drafter first (a FAIL there fails the run)."),
     tokenizer: Path | None = typer.Option(None, "--tokenizer", help="The model's tokenizer directory (tokenizer.json), used locally, round-trip checked, for an openai endpoint that cannot tokenize."),
     rate_test: bool = typer.Option(False, "--rate-test", help="Also run the divergence-rate gate: spec-on divergences per compared token vs the baseline's own spec-off batch noise on the same prompts (one-sided exact test)."),
     batch_invariance: bool = typer.Option(False, "--batch-invariance", help="Also run the batch-invariance gates: both arms at every --batch-levels level vs their own c1 run (regret rule), and the spec-on vs spec-off batch-rate test."),
@@ -91,6 +92,11 @@ def lossless(
     except (EngineStringError, LosslessError, ValueError, FileNotFoundError) as e:
         raise bad(str(e)) from None
     log = (lambda s: typer.echo(s, err=True)) if json_out else typer.echo
+    from specbench.cli.check_draft import local_draft_verdict
+
+    # A local drafter's checkpoint checks first (a DFlash2 checkpoint drafted as DFlash1, causal layers):
+    # lossless either way, so no gate below could see it.
+    draft_verdict = local_draft_verdict(cspec, log) if check_draft else None
 
     async def main(run):
         try:
@@ -121,3 +127,6 @@ def lossless(
             typer.echo(f"report: {report}")
     if not out.ok:
         raise typer.Exit(out.exit_code)
+    if draft_verdict is not None and draft_verdict != "PASS":
+        typer.echo(f"check-draft: {draft_verdict} (see above): the drafter checkpoint is run wrong", err=True)
+        raise typer.Exit(1)

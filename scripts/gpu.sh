@@ -38,6 +38,9 @@
 #                Triton dirs), "rerun" (the cold run's own dirs again: a persistent ~/.cache); SERVE_READY_ARGS
 #                adds serve flags, SERVE_READY_WARM_S / SERVE_READY_COLD_S cap the runs (90 / 240 s). Needs the
 #                server stack (fastapi, uvicorn, pydantic): carry .whl-eval (scripts/fetch-eval-wheels.sh) JSON lines in $W/serve_ready.jsonl and $OUT/serve_ready.jsonl
+#   dflash2      benchmarks/dflash2_step.py (issue 25): the DFlash2 draft step vs DFlash1 (graph and eager) at batch 1 on the
+#                Qwen3-4B-shaped pair, the random DFlash2 drafter built in $SPEC_WORKDIR/draft-dflash2 when absent;
+#                $W/dflash2_step.{json,log}, copied to $OUT/h200-dflash2/; DFLASH2_ARGS adds flags (--batch, --context)
 # Knobs: TEST_TIMEOUT, BENCH_TIMEOUT, BENCH_BUDGET (decode); SPEC_TIMEOUT, SPEC_BUDGET (steps), SWEEP_TIMEOUT
 # (the sweep is interrupted like Ctrl-C at it: records kept), SWEEP_LEVELS, SWEEP_TAUS, SWEEP_ROUNDS, SWEEP_PPL,
 # SWEEP_MAX_TOKENS, SPEC_WORKDIR (the Qwen3-4B-shaped pair; built there when absent).
@@ -116,6 +119,15 @@ if [ "$what" = spec-sweep ] || [ "$what" = spec ]; then
     --out "$W/spec_sweep.json" "$@" 2>&1 | tee "$W/spec_sweep.log"
   r=${PIPESTATUS[0]}; [ "$r" = 0 ] || rc=$r
   log "spec sweep rc=$r"
+fi
+if [ "$what" = dflash2 ]; then
+  pair "$SPEC_WORKDIR"
+  log "dflash2 draft step benchmark"
+  timeout $(cap ${DFLASH2_TIMEOUT:-420}) python3 -m specbench.benchmarks.dflash2_step --workdir "$SPEC_WORKDIR" \
+    --out "$W/dflash2_step.json" ${DFLASH2_ARGS:-} 2>&1 | tee "$W/dflash2_step.log"
+  r=${PIPESTATUS[0]}; [ "$r" = 0 ] || rc=$r
+  mkdir -p "$OUT/h200-dflash2" && cp "$W"/dflash2_step.* "$OUT/h200-dflash2/" 2>/dev/null
+  log "dflash2 rc=$r"
 fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
   log "pytest -m gpu"

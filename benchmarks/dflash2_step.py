@@ -1,0 +1,123 @@
+"""The DFlash2 draft step against the DFlash1 draft step at batch 1 (issue 25 item 3's measurement).
+
+`python -m specbench.benchmarks.dflash2_step [--workdir DIR] [--batch 1] [--context 512] [--reps 30]` on the
+Qwen3-4B-shaped pair (DIR/target + DIR/draft, built by `specbench fixtures --shape qwen3-4b`) and the random
+DFlash2 drafter of the same shape (DIR/draft-dflash2, built here when missing: harness/fixtures/
+shape4b_dflash2.py). One engine per drafter; after prefill the benchmark calls the proposer's `propose` on
+verify spans of the live requests (drafts read back to the host, as the engine's step does), median ms of
+`--reps` calls after warm-up, with a device sync after each:
+
+    dflash1-graph      DFlash1, draft graphs (the engine's default on CUDA)
+    dflash1-eager      DFlash1, the plain eager pass
+    dflash2            DFlash2: eager convolved pass + the selector's path walk (one set of ops per slot)
+    dflash2-argmax     DFlash2 with the selector skipped (the convolutions' share)
+
+The table gives each against dflash1-graph; the issue's target is dflash2 within 1.3x. Last stdout line:
+one JSON document (harness/benchdoc.py). Random weights: acceptance is meaningless, only time counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from specbench.harness.benchdoc import emit_document
+
+from .spec_step import ensure_pair, timed
+
+TARGET_RATIO = 1.3
+
+
+def ensure_dflash2(workdir: Path, device: str) -> str:
+    d2 = workdir / "draft-dflash2"
+    if not (d2 / "config.json").is_file():
+        from specbench.harness.fixtures.shape4b_dflash2 import build_qwen3_4b_dflash2
+
+        print(f"building the DFlash2 drafter in {d2}", flush=True)
+        build_qwen3_4b_dflash2(d2, device=device)
+    return str(d2)
+
+
+def draft_times(target: str, draft: str, variants: dict[str, dict], batch: int, context: int, reps: int,
+                device: str) -> dict[str, float]:
+    """Median ms of one propose() over `batch` live requests at `context` tokens, per variant (a dict of
+    knobs: graphs True/False, selector True/False)."""
+    from specbench.engine import EngineConfig, LLMEngine, SamplingParams, SpecConfig
+    from specbench.engine.scheduler import Span
+
+    cuda = device.startswith("cuda")
+    eng = LLMEngine(EngineConfig(model=target, draft=draft, device=device, dtype="bfloat16" if cuda else "float32",
+                                 max_num_seqs=batch, gpu_memory_utilization=0.6, spec=SpecConfig(method="dflash")))
+    p = eng.proposer
+    assert p is not None
+    g = torch.Generator().manual_seed(0)
+    vocab = min(eng.mcfg.vocab_size, 100_000)
+    rids = [eng.add_request(torch.randint(2, vocab, (context,), generator=g).tolist(),
+                            SamplingParams(max_tokens=1000, ignore_eos=True)) for _ in range(batch)]
+    while any(eng.requests[r].in_prefill for r in rids):
+        eng.step()
+    reqs = [eng.requests[r] for r in rids]
+    spans = [Span(r, [r.all_ids[r.num_computed]], r.num_computed, "verify") for r in reqs]
+    ks = [eng.k] * batch
+    out: dict[str, float] = {}
+    for name, knobs in variants.items():
+        keep = (p.graphs, p.use_graphs)
+        if not knobs.get("graphs", True):
+            p.graphs, p.use_graphs = None, False
+        kw = {} if knobs.get("selector", True) else {"selector": False}
+
+        def fn(kw: dict = kw) -> None:
+            p.propose(spans, ks, **kw)  # the drafts come back to the host inside (lists on the spans)
+
+        try:
+            out[name] = timed(fn, warm=3, reps=reps)
+        finally:
+            p.graphs, p.use_graphs = keep
+    for r in rids:
+        eng.abort(r)
+    return out
+
+
+def render(res: dict) -> str:
+    base = res["ms"].get("dflash1-graph") or res["ms"].get("dflash1-eager")
+    lines = [f"DFlash2 vs DFlash1 draft step, batch {res['batch']}, context {res['context']}, {res['device']}",
+             "| variant | ms | vs dflash1-graph |", "|---|---:|---:|"]
+    for k, v in res["ms"].items():
+        lines.append(f"| {k} | {v:.3f} | {v / base:.2f}x |")
+    lines.append(f"dflash2 / dflash1-graph = {res['ratio']:.2f} (target <= {TARGET_RATIO})")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workdir", default="/tmp/q3-4b-pair")
+    ap.add_argument("--target", help="target dir (default: WORKDIR/target)")
+    ap.add_argument("--draft", help="DFlash1 drafter dir (default: WORKDIR/draft)")
+    ap.add_argument("--draft2", help="DFlash2 drafter dir (default: WORKDIR/draft-dflash2, built when missing)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--out", help="also write the JSON document here")
+    a = ap.parse_args(argv)
+    wd = Path(a.workdir)
+    if a.target and a.draft:
+        target, draft = a.target, a.draft
+    else:
+        target, draft = ensure_pair(wd, a.device)
+    draft2 = a.draft2 or ensure_dflash2(wd, a.device)
+    ms = draft_times(target, draft, {"dflash1-graph": {}, "dflash1-eager": {"graphs": False}}, a.batch, a.context,
+                     a.reps, a.device)
+    ms.update(draft_times(target, draft2, {"dflash2": {}, "dflash2-argmax": {"selector": False}}, a.batch, a.context,
+                          a.reps, a.device))
+    res = {"batch": a.batch, "context": a.context, "device": a.device, "reps": a.reps, "ms": ms,
+           "ratio": ms["dflash2"] / ms["dflash1-graph"], "target_ratio": TARGET_RATIO}
+    print(render(res), flush=True)
+    emit_document(res, a.out)
+    return res
+
+
+if __name__ == "__main__":
+    main()
