@@ -227,6 +227,11 @@ def sweep(
                    "not in any latency or throughput figure"
                    + ("" if allow_failures else f"; exit {EXIT_FAILED_REQUESTS} (--allow-failures to accept)"),
                    err=True)
+    if acc.get("client_saturated"):
+        cells = acc["client_saturated"]
+        typer.echo(f"warning: the client was saturated (its event loop busy >= 90 % of the time) in {len(cells)} "
+                   f"cell(s): {', '.join(cells[:6])}{' ...' if len(cells) > 6 else ''}; their figures may measure "
+                   "the client, not the engine (benchmarks/client.py shows what this client absorbs)", err=True)
     if save_result or result_dir:
         typer.echo(f"vLLM bench results: {outcome.run_dir / 'vllm-bench'}" + (f" and {result_dir}" if result_dir else ""))
     if report:

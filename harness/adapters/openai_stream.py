@@ -116,9 +116,9 @@ class StreamAccumulator:
                 self.ids += list(ch["token_ids"])
                 n, method = len(ch["token_ids"]), "token_ids"
             lp = ch.get("logprobs")
-            chat_shaped = isinstance(lp, dict) and isinstance(lp.get("content"), list)
-            pos = chat_positions(lp, self.top_k) if (self.chat or chat_shaped) else legacy_positions(lp, self.top_k)
             if lp is not None:
+                chat_shaped = isinstance(lp, dict) and isinstance(lp.get("content"), list)
+                pos = chat_positions(lp, self.top_k) if (self.chat or chat_shaped) else legacy_positions(lp, self.top_k)
                 self.have_lps = True
                 self.positions += pos
                 if n is None:

@@ -180,11 +180,13 @@ def counts_table(s: RunSummary) -> list[str]:
             if c is None:
                 continue
             st = c.stats
+            busy = c.client_busy
+            load = "—" if busy is None else f"{busy * 100:.0f}%" + (" **SATURATED**" if c.client_saturated else "")
             rows.append([_lv(s, lv), f"`{a}`", str(len(c.tok_s)), str(st["completed"]), str(st["failed"]),
                          str(st["input_tokens"]), str(st["output_tokens"]),
-                         " ".join(_f(c.tok_s[r]) for r in sorted(c.tok_s))])
+                         " ".join(_f(c.tok_s[r]) for r in sorted(c.tok_s)), load])
     return _table([s.level_kind, "arm", "rounds", "completed", "failed", "input tokens", "output tokens",
-                   "tok/s per round"], rows, left=2)
+                   "tok/s per round", "client busy (max)"], rows, left=2)
 
 
 def render_run(s: RunSummary, images: dict[str, str] | None = None) -> list[str]:

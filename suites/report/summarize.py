@@ -31,6 +31,8 @@ class ArmLevel:
     stats: dict
     acceptance: dict | None
     req_s: dict[int, float | None] = field(default_factory=dict)
+    client_busy: float | None = None  # the client's event loop, busiest round (cell `client.busy`)
+    client_saturated: bool = False  # some round's cell says the client was saturated
 
     @property
     def tok_s_median(self) -> float | None:
@@ -154,6 +156,8 @@ def summarize(records: list[dict], run_id: str = "run", run_meta: dict | None = 
             all_reqs: list[dict] = []
             total_time, counters = 0.0, []
             given: list[dict | None] = []
+            busy: list[float] = []
+            sat = False
             for rnd in rounds:
                 rr, c = by_cell.get((a["label"], lv, rnd), []), cell_rec.get((a["label"], lv, rnd))
                 if c is None:  # an interrupted cell: its requests stay in the pooled latencies only
@@ -166,12 +170,17 @@ def summarize(records: list[dict], run_id: str = "run", run_meta: dict | None = 
                 total_time += c.get("duration") or 0.0
                 counters.append(c.get("counters"))
                 given.append(c.get("stats"))
+                b = (c.get("client") or {}).get("busy")
+                if b is not None:
+                    busy.append(float(b))
+                sat = sat or bool((c.get("client") or {}).get("saturated"))
             summed = _sum_counters(counters)
             if given and all(g is not None for g in given):
                 pooled = _pool_given(given)  # type: ignore[arg-type]
             else:
                 pooled = cell_stats(all_reqs, duration=total_time or None, counters=summed)
-            s.cells[(a["label"], lv)] = ArmLevel(a["label"], lv, tok_s, pooled, acceptance(all_reqs, summed), req_s)
+            s.cells[(a["label"], lv)] = ArmLevel(a["label"], lv, tok_s, pooled, acceptance(all_reqs, summed), req_s,
+                                                 max(busy) if busy else None, sat)
     for lv in levels:
         base = s.get(baseline, lv) if baseline else None
         for a in s.compared_arms:

@@ -17,6 +17,9 @@ Contract:
   source "counters-c1" (per request, since nothing else of this sweep is in flight; other traffic on the
   server and counters published after the response would shift counts between neighbours, the cell's
   sum stays exact); the scrape time is taken off the cell's duration (`scrape_s`).
+- Every cell records the client's own load (`client`: `client_load`): the event-loop thread's CPU over
+  the cell, its share of the wall time, the headroom and CPU per chunk; `saturated` when the loop was busy
+  >= 90 % of the time (the client, not the engine, may have set the pace).
 - Records go to the sink the moment they exist: `sink.request(result, arm, idx, round)` per finished
   request (the result's meta carries level, level_kind, round, warmup, copy_of, prompt_idx) and
   `sink.cell(record)` per finished cell (duration, counters delta; `server_metrics`: the audited /metrics
@@ -197,7 +200,7 @@ class SweepRunner:
             r.rid = f"{arm.label}/{_level_name(cfg, level)}/r{rnd}/{i}"
         before = await _counters(ad)
         before_m = await scrape(ad)  # the client-side metrics audit (suites/metrics_audit.py)
-        t0, wall0 = time.perf_counter(), time.time()
+        t0, wall0, cpu0 = time.perf_counter(), time.time(), time.thread_time()
         index = {r.rid: i for i, r in enumerate(reqs)}
 
         def record(res: GenResult) -> None:
@@ -209,12 +212,14 @@ class SweepRunner:
             results, scrape_s = await _one_by_one(ad, reqs, before, record)
         else:
             results = await ad.generate(reqs, concurrency=conc, on_result=record, offsets=offsets)
+        cpu = time.thread_time() - cpu0  # this thread runs the event loop: the client's own CPU
         duration = time.perf_counter() - t0 - scrape_s  # the per-request scrapes at c1 are not serving time
         after = await _counters(ad)
         after_m = await settle(ad) if before_m is not None else None
         cell = {**key, "wall_start": wall0, "duration": duration, "requests": len(reqs),
                 "completed": sum(1 for r in results if r.ok), "counters": counters_delta(before, after),
                 "concurrency": conc, "offsets": offsets is not None, "scrape_s": scrape_s,
+                "client": client_load(cpu, time.perf_counter() - t0, sum(len(r.chunk_times) for r in results)),
                 "server_metrics": None if before_m is None else
                 {"before": before_m, "after": after_m, "per_step": per_step_stream(_describe(ad)), "k": _k(ad)}}
         self.sink.cell(cell)
@@ -222,6 +227,20 @@ class SweepRunner:
         if self.on_cell is not None:
             self.on_cell(cell)
         return cell
+
+
+CLIENT_SATURATED = 0.9  # the event loop busy this share of a cell's wall time: the client set the pace
+
+
+def client_load(cpu_s: float, wall_s: float, chunks: int) -> dict:
+    """The client's own load in one cell: CPU of the event-loop thread (request building, SSE parsing,
+    timing, records; an in-process engine steps on its own thread and is not counted), its share of the
+    wall time (`busy`), the headroom left (1 - busy), CPU per streamed chunk, and `saturated` when busy >=
+    CLIENT_SATURATED (then the figures may measure the client, not the server)."""
+    busy = cpu_s / wall_s if wall_s > 0 else 0.0
+    return {"cpu_s": round(cpu_s, 6), "busy": round(busy, 4), "headroom": round(max(0.0, 1.0 - busy), 4),
+            "cpu_us_per_chunk": round(cpu_s / chunks * 1e6, 2) if chunks else None,
+            "saturated": busy >= CLIENT_SATURATED}
 
 
 def _describe(ad: EngineAdapter) -> dict:

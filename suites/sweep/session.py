@@ -178,12 +178,15 @@ class _StoreSink:
         self.vllm_files: list[Path] = []
         self.n = self.retried = self.extra = 0
         self.failed: list[str] = []
+        self.busy_max = 0.0
+        self.saturated: list[str] = []  # measured cells where the client's event loop was the bottleneck
 
     def accounting(self) -> dict:
         """Requests of the measured cells (warm-up excluded): how many failed, were retried, extra attempts;
         the first errors."""
         return {"requests": self.n, "failed": len(self.failed), "retried": self.retried,
-                "extra_attempts": self.extra, "first_errors": self.failed[:5]}
+                "extra_attempts": self.extra, "first_errors": self.failed[:5],
+                "client_busy_max": round(self.busy_max, 4), "client_saturated": list(self.saturated)}
 
     def request(self, res: Any, arm: str, idx: int, round: int) -> None:
         rec = self.run.add_result(res, arm=arm, idx=idx, round=round, item_id=str(res.meta.get("prompt_idx")),
@@ -204,6 +207,12 @@ class _StoreSink:
         if self.keep:
             self.outcome.records.append({"kind": "cell", **record})
         reqs = self.pending.pop((record["arm"], float(record["level"]), record["round"]), [])
+        load = record.get("client") or {}
+        if not record.get("warmup"):
+            self.busy_max = max(self.busy_max, float(load.get("busy") or 0.0))
+            if load.get("saturated"):
+                tag = _level_tag(float(record["level"]), record.get("level_kind") == "concurrency")
+                self.saturated.append(f"{record['arm']} {tag} r{record['round']}")
         if not record.get("warmup") and self.cfg is not None:
             self._write_vllm(record, reqs)
 
@@ -218,7 +227,7 @@ class _StoreSink:
             f"specbench-{kind}"
         name = _level_tag(level, closed)
         extras = {"run_id": self.run.run_id, "arm": arm, "copy_of": cell.get("copy_of"), "level": level,
-                  "level_kind": cell.get("level_kind"), "round": cell["round"]}
+                  "level_kind": cell.get("level_kind"), "round": cell["round"], "client": cell.get("client")}
         res = to_vllm(reqs, cell, label=arm, model_id=self.models.get(src), backend=backend,
                       num_prompts=len(reqs), request_rate=None if closed else level, burstiness=cfg.burstiness,
                       max_concurrency=int(level) if closed else cfg.max_concurrency, extras=extras)

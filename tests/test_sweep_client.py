@@ -1,0 +1,103 @@
+"""The client's own load: every cell records the event loop's CPU share (headroom), a client that burns
+CPU shows it, a saturated cell is warned about and marked in the report; benchmarks/client.py's logic."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from specbench.cli.app import _register, app
+from specbench.harness import engines
+from specbench.harness.adapters.base import EngineAdapter, GenRequest, GenResult
+from specbench.suites.sweep import runner
+from specbench.suites.sweep.runner import client_load
+
+
+class BusyAdapter(EngineAdapter):
+    """Streams 4 chunks; with `spin`, burns `spin` s of this thread's CPU per chunk on the event loop."""
+
+    kind = "fake"
+
+    def __init__(self, name: str, spin: float = 0.0) -> None:
+        super().__init__(name)
+        self.spin = spin
+
+    async def generate_one(self, req: GenRequest) -> GenResult:
+        res = GenResult(rid=self._rid(req), ok=True, t_send=time.perf_counter(), wall_send=time.time(),
+                        meta=dict(req.meta), prompt_tokens=3)
+        for _ in range(4):
+            if self.spin:
+                t = time.thread_time()
+                while time.thread_time() - t < self.spin:
+                    pass
+            else:
+                await asyncio.sleep(0.005)
+            res.chunk_times.append(time.perf_counter())
+            res.chunk_tokens.append(1)
+        res.t_first, res.t_end, res.completion_tokens = res.chunk_times[0], res.chunk_times[-1], 4
+        return res
+
+    async def tokenize(self, text: str) -> list[int]:
+        return [1, 2, 3]
+
+    def describe(self) -> dict:
+        return {"name": self.name, "kind": self.kind, "version": "0", "model": "fake", "config": {}}
+
+
+def test_client_load_arithmetic() -> None:
+    assert client_load(0.5, 1.0, 100) == {"cpu_s": 0.5, "busy": 0.5, "headroom": 0.5, "cpu_us_per_chunk": 5000.0,
+                                          "saturated": False}
+    assert client_load(0.95, 1.0, 0)["saturated"] and client_load(0.95, 1.0, 0)["cpu_us_per_chunk"] is None
+    assert client_load(1.2, 1.0, 10)["headroom"] == 0.0
+
+
+def _run(cli: CliRunner, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, fakes: dict) -> tuple[int, str, Path]:
+    monkeypatch.setattr(engines, "build_adapter", lambda spec, name=None: fakes[name])
+    r = cli.invoke(app, ["sweep", "-c", "2", "--num-prompts", "4", "--max-tokens", "4", "--rounds", "1", "--warmup",
+                         "0", "--no-progress", "--no-noise-floor", "--arms",
+                         ",".join(f"openai:http://{k},name={k}" for k in fakes), "--out", str(tmp_path)])
+    return r.exit_code, r.output, next(tmp_path.glob("sweep-*"))
+
+
+def test_cells_record_the_clients_cpu_share(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    _register()
+    cli = CliRunner()
+    code, out, run = _run(cli, monkeypatch, tmp_path, {"idle": BusyAdapter("idle"), "busy": BusyAdapter("busy", 0.01)})
+    assert code == 0, out
+    cells = {c["arm"]: c for c in map(json.loads, (run / "cells.jsonl").read_text().splitlines()) if c["round"] >= 0}
+    idle, busy = cells["idle"]["client"], cells["busy"]["client"]
+    assert 0.0 <= idle["busy"] < 0.5 and idle["headroom"] > 0.5
+    assert busy["busy"] > idle["busy"] + 0.2  # 10 ms of CPU per chunk on the loop shows as the client's load
+    assert busy["cpu_us_per_chunk"] >= 10_000 * 0.99
+    vb = json.loads((run / "vllm-bench" / "busy-c2-r0.json").read_text())
+    assert vb["specbench"]["client"]["busy"] == busy["busy"]
+
+
+def test_a_saturated_client_is_warned_about_and_marked(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    _register()
+    cli = CliRunner()
+    monkeypatch.setattr(runner, "CLIENT_SATURATED", 0.0)  # every cell counts as saturated
+    code, out, run = _run(cli, monkeypatch, tmp_path, {"a": BusyAdapter("a")})
+    assert code == 0, out
+    assert "warning: the client was saturated" in out and "a c2 r0" in out
+    assert json.loads((run / "run.json").read_text())["summary"]["requests"]["client_saturated"] == ["a c2 r0"]
+    md = cli.invoke(app, ["report", str(run), "-o", "-"]).output
+    assert "**SATURATED**" in md and "client busy (max)" in md
+
+
+def test_client_benchmark_logic(capsys: pytest.CaptureFixture[str]) -> None:
+    from specbench.benchmarks.client import main
+
+    doc = main(["--levels", "1,2", "--max-tokens", "8", "--tokens-per-chunk", "2", "--min-requests", "2"])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert json.loads(last) == json.loads(json.dumps(doc, default=str))
+    rows = {(r["client"], r["concurrency"]): r for r in doc["rows"]}
+    assert set(rows) == {("adapter", 1), ("raw", 1), ("adapter", 2), ("raw", 2)}
+    for r in rows.values():
+        assert r["tokens"] == r["requests"] * 8 and r["chunks"] == r["requests"] * 4  # 2 tokens per chunk
+        assert r["chunks_s"] > 0 and r["cpu_us_per_chunk"] > 0
