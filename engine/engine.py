@@ -51,6 +51,7 @@ from .tokenizer import Tokenizer
 __all__ = ["LLMEngine", "RequestOutput", "AdmissionError", "InvariantError"]
 log = logging.getLogger("specbench.engine")
 
+from .teardown import KEEP_AT_CLOSE, EngineClosed, dismantle
 
 class LLMEngine:
     def __init__(self, cfg: EngineConfig, proposer: Proposer | None = None) -> None:
@@ -109,6 +110,31 @@ class LLMEngine:
             raise ConfigError(f"draft={cfg.draft!r}: config.architectures={list(draft_cfg.architectures)!r}, "
                               "expected DFlashDraftModel or DFlash2DraftModel")
         # The class `architectures` names: a DFlash2 checkpoint never drafts through DFlash1's code.
+        if self.spec.policy == "auto" and self.proposer is not None:  # the cost model, with the graphs it times
+            saved = os.environ.get(COSTS_ENV)
+            self.policy.costs = load_costs(saved) if saved else \
+                measure_costs(self.runner, self.proposer, self.spec.span_variants, cfg.max_num_seqs)
+
+    def _prefix_index(self) -> PrefixIndex | None:
+        """The prefix cache's index (None with `prefix_cache` off): at most `prefix_cache_pages` pages, and the
+        capture budget in blocks, `spec_capture_cache_mb` over the drafter's context bytes per block."""
+        cfg, mem = self.cfg, self.memory
+        if not cfg.prefix_cache:
+            return None
+        if cfg.prefix_cache_pages is not None and cfg.prefix_cache_pages > mem.num_pages:
+            raise ConfigError(f"prefix_cache_pages={cfg.prefix_cache_pages} is invalid: expected an integer in "
+                              f"[1, {mem.num_pages}] (the pool's pages)")
+        blocks = None
+        if cfg.spec_capture_cache_mb is not None:
+            per_block = cfg.page_size * mem.draft_bytes_per_token
+            blocks = int(cfg.spec_capture_cache_mb * 2**20 // per_block) if per_block else None
+        return PrefixIndex(cfg.page_size, cfg.prefix_cache_pages, blocks)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's POST /reset_prefix_cache); False, changing nothing, while a running
+        request holds a cached page."""
+        with self._lock:
+            return self.pool.reset_prefix()
         return draft_cfg, drafter_class(draft_cfg).load(cfg.draft, draft_cfg, self.mcfg, self.dtype, cfg.device)
 
     # ---- requests --------------------------------------------------------------------------------
@@ -162,6 +188,7 @@ class LLMEngine:
             if rid in self.requests:
                 raise ConfigError(f"request id {rid!r} is already in use")
             req = Request(rid, ids, params)
+        self._check_open()
             try:
                 self.scheduler.add(req)
             except AdmissionError:
@@ -203,11 +230,35 @@ class LLMEngine:
             if plan.spans:
                 with self.ranges.phase("draft"):
                     propose(plan, self.proposer, ks, self.faults)
+    # ---- teardown --------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Give back the weights, the KV pool, the graphs and every buffer now, without waiting for the cycle
+        collector (engine/teardown.py); idempotent. Afterwards step/add_request raise EngineClosed."""
+        if self.__dict__.get("_closed"):
+            return
+        with self._lock:
+            cuda = self.device.type == "cuda"
+            keep: dict[str, object] = {k: self.__dict__[k] for k in ("cfg", "tokenizer", "_lock", "device")
+                                       if k in self.__dict__}
+            parts = [v for k, v in vars(self).items() if k not in keep]
+            vars(self).clear()
+            self.__dict__.update(keep, _closed=True)
+            dismantle(parts, keep=KEEP_AT_CLOSE)
+            del parts
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
+    def _check_open(self) -> None:
+        if self.__dict__.get("_closed"):
+            raise EngineClosed("this engine was closed (LLM.close / del llm): build a new one")
+
                 with self.ranges.phase("verify" if plan.has_verify else "forward"):
                     fwd = run_forward(plan, self.runner, self.proposer, self.faults)
                 with self.ranges.phase("accept"):
                     results = self.accept_step.accept(plan, fwd)
                 with self.ranges.phase("commit"):
+        self._check_open()
                     outs = self.commit_step.commit(plan, results, fwd.taps)
             if self.invariants is not None:
                 self.invariants.check(self.step_count)

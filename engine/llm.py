@@ -1,6 +1,7 @@
 """The vLLM-style front door: `LLM(model, draft=None, device=..., dtype=...)` and `LLM.generate`.
 
-`spec` picks speculation: "dflash" (default when a drafter is given), "ngram", or None/"off".
+`spec` picks speculation: "dflash" (default when a drafter is given), "ngram", or None/"off"; `spec_gate`,
+`spec_trim`, `spec_policy` the load-aware levers (spec/policy.py).
 """
 
 from __future__ import annotations
@@ -27,3 +28,22 @@ class LLM:
         if isinstance(prompts, str):
             prompts = [prompts]
         return self.engine.generate(prompts, params)
+
+    def close(self) -> None:
+        """Give the engine's memory back now (weights, KV pool, graphs; engine/teardown.py). Also at `del llm`
+        and at the end of a `with LLM(...) as llm:` block. The LLM is unusable after."""
+        engine = self.__dict__.get("engine")
+        if engine is not None:
+            engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: torch may already be half torn down
+            pass

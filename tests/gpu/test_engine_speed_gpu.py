@@ -1,0 +1,61 @@
+"""Issue 19 on the device: teardown gives the GPU back (a second engine at the default memory share starts in
+the same process, no gc.collect), and the fast paths of the engine-speed work equal their simple paths token
+for token (incremental detokenization on vs off, bf16 with every graph on).
+Run with `pytest -m gpu tests/gpu/test_engine_speed_gpu.py -s` (scripts/gpu.sh tests)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from specbench.harness.fixtures import bundled_pair
+
+    target, draft = bundled_pair()
+    return str(target), str(draft)
+
+
+def test_del_llm_gives_the_gpu_back_and_a_second_engine_starts(tiny):
+    from specbench.engine import LLM, SamplingParams
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    gc.disable()  # reference counting alone must free it
+    try:
+        llm = LLM(tiny[0], draft=tiny[1], device="cuda", dtype="bfloat16")  # default gpu_memory_utilization
+        held = torch.cuda.memory_allocated() - base
+        assert held > (1 << 30), f"the engine should hold its KV pool: {held / 2**30:.2f} GiB"
+        first = llm.generate(["Question: what is 2 + 2?"], SamplingParams(max_tokens=16, temperature=0.0))
+        del llm
+        left = torch.cuda.memory_allocated() - base
+        print(f"held {held / 2**30:.2f} GiB; after del llm {left / 2**20:.1f} MiB", flush=True)
+        assert left < (64 << 20), f"{left / 2**20:.1f} MiB still allocated after del llm"
+        again = LLM(tiny[0], draft=tiny[1], device="cuda", dtype="bfloat16")
+        second = again.generate(["Question: what is 2 + 2?"], SamplingParams(max_tokens=16, temperature=0.0))
+        assert second[0].output_ids == first[0].output_ids
+        again.close()
+        assert torch.cuda.memory_allocated() - base < (64 << 20)
+    finally:
+        gc.enable()
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def test_incremental_detok_equals_full_decode_on_cuda(tiny):
+    from specbench.engine import LLM, SamplingParams
+
+    prompts = ["The quick brown fox", "Once upon a time, there was", "Question: what is 2 + 2?"]
+    sp = SamplingParams(max_tokens=48, temperature=0.0, stop=[" the", "."])
+    got = {}
+    for on in (True, False):
+        with LLM(tiny[0], draft=tiny[1], device="cuda", dtype="bfloat16", incremental_detok=on,
+                 gpu_memory_utilization=0.3) as llm:
+            got[on] = [(o.output_ids, o.text, o.finish_reason) for o in llm.generate(prompts, sp)]
+    assert got[True] == got[False]
