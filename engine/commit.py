@@ -6,7 +6,10 @@ of the rejected speculative tail); the new tokens are appended with stop handlin
 inside an accepted run ends the request there; a finished request leaves the scheduler and frees its
 pages. Before that loop the proposer appends the committed rows to its context: after m accepted drafts
 exactly m + 1 rows (anchor + accepted drafts); the bonus token has no features yet and becomes the next
-anchor. The armed faults' knobs for the step come from one `Faults.on_commit` call.
+anchor. After each span's commit the request's full blocks inside its committed length are sealed into the
+prefix cache (engine/prefix_share.py), finished requests included, before their pages are freed (publish on
+finish: a retired request's last blocks reach the cache with their drafter capture). The armed faults' knobs
+for the step come from one `Faults.on_commit` call.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from .faults import CommitKnobs, Faults
 from .kv_cache import PagePool
 from .metrics import EngineMetrics
 from .output import OutputWriter, RequestOutput
+from .prefix_share import PrefixSharing
 from .request import Request
 from .scheduler import Scheduler, Span, StepPlan
 from .spec.plan import SpecPlan
@@ -29,10 +33,12 @@ from .spec.proposer import Proposer
 class CommitStep:
     def __init__(self, pool: PagePool, scheduler: Scheduler, proposer: Proposer | None, spec: SpecPlan,
                  metrics: EngineMetrics, output: OutputWriter, faults: Faults,
-                 release: Callable[[Request], None]) -> None:
-        """release: frees a finished request's pages, proposer state and generator (the engine's)."""
+                 release: Callable[[Request], None], prefix: PrefixSharing | None = None) -> None:
+        """release: frees a finished request's pages, proposer state and generator (the engine's); prefix: seals
+        committed blocks into the prefix cache (None: off)."""
         self.pool, self.scheduler, self.proposer, self.spec = pool, scheduler, proposer, spec
         self.metrics, self.output, self.faults, self.release = metrics, output, faults, release
+        self.prefix = prefix
 
     def commit(self, plan: StepPlan, results: list[SpanResult], taps: torch.Tensor | None) -> list[RequestOutput]:
         """The outputs of the requests that got new tokens or finished this step."""
@@ -65,6 +71,8 @@ class CommitStep:
             self.output.append(req, r.tokens, r.logprobs, knobs.emit_past_stop, knobs.stop_ids_at_end)
         # new_ids = what this step appended: a stop inside the run drops the tokens after it (not r.tokens)
         out = self.output.build(req, req.output_ids[n0:]) if r.tokens or req.finished else None
+        if self.prefix is not None:
+            self.prefix.seal(req, ahead=knobs.seal_ahead, publish=knobs.publish_on_finish or not req.finished)
         if req.finished:
             self.scheduler.finish(req)
             self.release(req)

@@ -182,6 +182,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     max_logprobs: int = 20
+    # prefix-cache salt (vLLM's cache_salt): requests share cached blocks only under equal salts (None = the
+    # shared cache); a fresh salt per request keeps it off every other request's blocks
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -213,6 +216,8 @@ class SamplingParams:
             v = getattr(self, name)
             _need(v is None or (isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= self.max_logprobs),
                   name, v, f"null or an integer in [0, {self.max_logprobs}]")
+        _need(self.cache_salt is None or isinstance(self.cache_salt, str), "cache_salt", self.cache_salt,
+              "a string or null")
 
     @property
     def greedy(self) -> bool:
@@ -295,6 +300,14 @@ class EngineConfig:
     # SPECBENCH_INVARIANTS (the tests set it), else off; gate commands turn it on (engine string invariants=1).
     check_invariants: bool = field(default_factory=lambda: env_flag("SPECBENCH_INVARIANTS", False))
     trace_ranges: bool = False  # NVTX / record_function ranges around step phases (for profiling)
+    # Prefix caching (engine/prefix_cache.py, docs/prefix-cache.md): full KV pages shared between requests with
+    # the same token prefix, on by default (SPECBENCH_PREFIX_CACHE=0 turns the default off); prefix_cache_pages:
+    # the most pages the cache indexes (None = the whole pool); spec_capture_cache_mb: the drafter's context rows
+    # kept for cached blocks, in MiB (None = sized from the KV budget: every cached block; 0 = off: a warm request
+    # decodes without drafts)
+    prefix_cache: bool = field(default_factory=lambda: env_flag("SPECBENCH_PREFIX_CACHE", True))
+    prefix_cache_pages: int | None = None
+    spec_capture_cache_mb: float | None = None
 
     def __post_init__(self) -> None:
         _need(self.dtype in ("float32", "bfloat16", "float16"), "dtype", self.dtype,
@@ -309,6 +322,13 @@ class EngineConfig:
               "a number in (0, 1]")
         _need(self.attention_backend in ("auto", "torch", "flashinfer"), "attention_backend",
               self.attention_backend, "auto, torch or flashinfer")
+        _need(self.prefix_cache_pages is None or (isinstance(self.prefix_cache_pages, int)
+                                                  and not isinstance(self.prefix_cache_pages, bool)
+                                                  and self.prefix_cache_pages >= 1),
+              "prefix_cache_pages", self.prefix_cache_pages, "null or an integer >= 1 (at most num_pages)")
+        mb = self.spec_capture_cache_mb
+        _need(mb is None or (isinstance(mb, int | float) and not isinstance(mb, bool) and math.isfinite(mb) and mb >= 0),
+              "spec_capture_cache_mb", mb, "null or a number >= 0 (0 = off)")
         _need(self.decode_attention in ("flashinfer", "triton"), "decode_attention", self.decode_attention,
               "flashinfer or triton")
         if isinstance(self.faults, list):

@@ -33,6 +33,8 @@ from .kv_cache import PagePool
 from .loader import torch_dtype
 from .memory import measure, plan_memory
 from .metrics import EngineMetrics
+from .prefix_cache import PrefixIndex
+from .prefix_share import PrefixSharing
 from .models.dflash import DFlashDraftModel
 from .models.dflash2 import drafter_class, load_draft_config
 from .models.qwen3 import Qwen3ForCausalLM
@@ -51,7 +53,6 @@ from .tokenizer import Tokenizer
 __all__ = ["LLMEngine", "RequestOutput", "AdmissionError", "InvariantError"]
 log = logging.getLogger("specbench.engine")
 
-from .teardown import KEEP_AT_CLOSE, EngineClosed, dismantle
 
 class LLMEngine:
     def __init__(self, cfg: EngineConfig, proposer: Proposer | None = None) -> None:
@@ -74,13 +75,17 @@ class LLMEngine:
         dflash_cfg = self.draft_cfg if self.spec.drafter else None
         # The drafter's weights and per-token state are reserved before the pool is sized (memory.py).
         self.memory = plan_memory(cfg, self.mcfg, dflash_cfg, self.dtype, context, k=self.spec.draft_tokens)
-        self.pool = PagePool(self.memory.num_pages, cfg.page_size)
+        self.pool = PagePool(self.memory.num_pages, cfg.page_size, self._prefix_index())
         self.scheduler = Scheduler(cfg, self.pool, self.max_model_len, self.spec.headroom)
         self.runner = ModelRunner(cfg, self.mcfg, self.model, self.pool, self.device, self.dtype, dflash_cfg,
                                   spec_span=self.spec.verify_span)
         self.proposer = proposer if proposer is not None else \
             make_proposer(self.spec, cfg.spec, self.draft_model, self.model, self.runner, self.pool)
         self.metrics = EngineMetrics()
+        # prefix hits at admission, sealing at commit (prefix_share.py); blocks carry the drafter's capture
+        self.prefix = PrefixSharing(self.pool, self.metrics, drafter=self.spec.drafter and proposer is None)
+        self.prefix.proposer = self.proposer
+        self.scheduler.prefix = self.prefix
         self.requests: dict[str, Request] = {}
         self._gens: dict[str, torch.Generator] = {}
         if self.proposer is not None:
@@ -91,7 +96,7 @@ class LLMEngine:
         self.output = OutputWriter(self.tokenizer, self.eos_ids, self.metrics, incremental=cfg.incremental_detok)
         self.accept_step = AcceptStep(self._gens, self.faults, self.synthetic, kernel=cfg.triton)
         self.commit_step = CommitStep(self.pool, self.scheduler, self.proposer, self.spec, self.metrics, self.output,
-                                      self.faults, self._release)
+                                      self.faults, self._release, prefix=self.prefix)
         self.invariants = InvariantChecker(self.pool, self.scheduler, self.proposer, self.spec) \
             if cfg.check_invariants else None
         self.step_count = 0  # step() calls so far (the step an InvariantError names)
@@ -100,20 +105,6 @@ class LLMEngine:
         self._lock = threading.RLock()
         measure(self.memory, self.model, self.draft_model if dflash_cfg else None, self.runner, self.device)
         log.info("memory: %s", self.memory.summary())
-
-    def _load_drafter(self) -> tuple[ModelConfig | None, DFlashDraftModel | None]:
-        cfg = self.cfg
-        if not cfg.draft:
-            return None, None
-        draft_cfg = load_draft_config(cfg.draft)  # DFlash2's flat fields accepted
-        if not draft_cfg.is_dflash:
-            raise ConfigError(f"draft={cfg.draft!r}: config.architectures={list(draft_cfg.architectures)!r}, "
-                              "expected DFlashDraftModel or DFlash2DraftModel")
-        # The class `architectures` names: a DFlash2 checkpoint never drafts through DFlash1's code.
-        if self.spec.policy == "auto" and self.proposer is not None:  # the cost model, with the graphs it times
-            saved = os.environ.get(COSTS_ENV)
-            self.policy.costs = load_costs(saved) if saved else \
-                measure_costs(self.runner, self.proposer, self.spec.span_variants, cfg.max_num_seqs)
 
     def _prefix_index(self) -> PrefixIndex | None:
         """The prefix cache's index (None with `prefix_cache` off): at most `prefix_cache_pages` pages, and the
@@ -135,6 +126,16 @@ class LLMEngine:
         request holds a cached page."""
         with self._lock:
             return self.pool.reset_prefix()
+
+    def _load_drafter(self) -> tuple[ModelConfig | None, DFlashDraftModel | None]:
+        cfg = self.cfg
+        if not cfg.draft:
+            return None, None
+        draft_cfg = load_draft_config(cfg.draft)  # DFlash2's flat fields accepted
+        if not draft_cfg.is_dflash:
+            raise ConfigError(f"draft={cfg.draft!r}: config.architectures={list(draft_cfg.architectures)!r}, "
+                              "expected DFlashDraftModel or DFlash2DraftModel")
+        # The class `architectures` names: a DFlash2 checkpoint never drafts through DFlash1's code.
         return draft_cfg, drafter_class(draft_cfg).load(cfg.draft, draft_cfg, self.mcfg, self.dtype, cfg.device)
 
     # ---- requests --------------------------------------------------------------------------------
@@ -151,6 +152,9 @@ class LLMEngine:
                 "draft_graph": self.cfg.draft_graph, "faults": sorted(self.faults.names),
                 "check_invariants": self.invariants is not None,
                 "synthetic_tau": self.cfg.spec.synthetic_tau if self.synthetic else None,
+                "prefix_cache": self.pool.prefix is not None,
+                "prefix_cache_pages": self.pool.prefix.capacity if self.pool.prefix is not None else None,
+                "capture_blocks": self.pool.prefix.capture_blocks if self.pool.prefix is not None else None,
                 "memory": self.memory.describe()}
 
     def memory_report(self) -> dict:
@@ -188,7 +192,6 @@ class LLMEngine:
             if rid in self.requests:
                 raise ConfigError(f"request id {rid!r} is already in use")
             req = Request(rid, ids, params)
-        self._check_open()
             try:
                 self.scheduler.add(req)
             except AdmissionError:
@@ -230,35 +233,11 @@ class LLMEngine:
             if plan.spans:
                 with self.ranges.phase("draft"):
                     propose(plan, self.proposer, ks, self.faults)
-    # ---- teardown --------------------------------------------------------------------------------
-    def close(self) -> None:
-        """Give back the weights, the KV pool, the graphs and every buffer now, without waiting for the cycle
-        collector (engine/teardown.py); idempotent. Afterwards step/add_request raise EngineClosed."""
-        if self.__dict__.get("_closed"):
-            return
-        with self._lock:
-            cuda = self.device.type == "cuda"
-            keep: dict[str, object] = {k: self.__dict__[k] for k in ("cfg", "tokenizer", "_lock", "device")
-                                       if k in self.__dict__}
-            parts = [v for k, v in vars(self).items() if k not in keep]
-            vars(self).clear()
-            self.__dict__.update(keep, _closed=True)
-            dismantle(parts, keep=KEEP_AT_CLOSE)
-            del parts
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-
-    def _check_open(self) -> None:
-        if self.__dict__.get("_closed"):
-            raise EngineClosed("this engine was closed (LLM.close / del llm): build a new one")
-
                 with self.ranges.phase("verify" if plan.has_verify else "forward"):
                     fwd = run_forward(plan, self.runner, self.proposer, self.faults)
                 with self.ranges.phase("accept"):
                     results = self.accept_step.accept(plan, fwd)
                 with self.ranges.phase("commit"):
-        self._check_open()
                     outs = self.commit_step.commit(plan, results, fwd.taps)
             if self.invariants is not None:
                 self.invariants.check(self.step_count)

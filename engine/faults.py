@@ -78,6 +78,8 @@ class CommitKnobs:
     keep_pages: tuple[int, ...] = ()  # per span: pages past the committed length the rollback keeps anyway
     emit_past_stop: bool = False  # tokens after a stop inside an accepted run are emitted too
     stop_ids_at_end: bool = False  # EOS / stop_token_ids end a request only as the last token of a step's run
+    seal_ahead: int = 0  # prefix cache: blocks sealed this many tokens past the committed length (not forwarded)
+    publish_on_finish: bool = True  # False: a request finishing this step seals its blocks without the capture
 
     def leak(self, i: int) -> bool:
         return i < len(self.leak_pages) and self.leak_pages[i]
@@ -263,6 +265,24 @@ class AcceptTolerance(Fault):
         return replace(rule, greedy_tol=0.1)
 
 
+class RegisterBeforeForward(Fault):
+    name = "register_before_forward"
+    description = "prefix cache: a block is registered once its last token is known, before that token is " \
+                  "forwarded (a verify's bonus completes a block whose last row holds a rejected draft's KV or none)"
+
+    def commit(self, spans: list[Span], knobs: CommitKnobs) -> CommitKnobs:
+        return replace(knobs, seal_ahead=1)
+
+
+class NoPublishOnFinish(Fault):
+    name = "no_publish_on_finish"
+    description = "prefix cache: the blocks a request seals in its last step reach the cache without the " \
+                  "drafter's capture (a later hit on them decodes without drafts)"
+
+    def commit(self, spans: list[Span], knobs: CommitKnobs) -> CommitKnobs:
+        return replace(knobs, publish_on_finish=False)
+
+
 class EosInRun(Fault):
     name = "eos_in_run"
     description = "EOS and stop_token_ids are honoured only as the last token of an accepted run"
@@ -316,10 +336,13 @@ _REGISTRY: tuple[type[Fault], ...] = (KVOffset, SkipRollback, WrongBonus, Accept
                                       MaskLeak, StaleShape, EmitPastStop, RollbackKeepsPage, VerifyPosShift,
                                       BatchedDraftPos, AcceptTolerance, EosInRun,
                                       BiasedAccept, ResampleFromP, ReusedUniform, QNextRow, BonusResidual,
-                                      SelectorSkipped, CausalDraft)
+                                      RegisterBeforeForward, NoPublishOnFinish, SelectorSkipped, CausalDraft)
 # Faults that leave the output lossless and move only a drafter's acceptance: no greedy or sampled gate can
 # catch them; `specbench check-draft` does (harness/checkdraft.py), so the gates' self-tests skip them.
 DRAFT_VARIANT_FAULTS = frozenset({"selector_skipped", "causal_draft"})
+# Prefix-cache faults: every gate request but the prefix gate's is salted off the cache, so the prefix gate's
+# self-test (suites/lossless/prefix.py) proves them caught, not the greedy gates'.
+PREFIX_FAULTS = frozenset({"register_before_forward", "no_publish_on_finish"})
 FAULTS: dict[str, str] = {f.name: f.description for f in _REGISTRY}
 # The order armed faults' hooks run in where two touch the same values: one more accepted draft first, then
 # the bonus taken late (as the engine always applied them).

@@ -24,7 +24,16 @@ reserved by the propose / forward phases and rolled back by the commit, so the e
    drafts, at positions start..start+m); the bonus token, the next anchor at position num_computed, has
    no features yet. A prefill chunk appends one row per prompt token. So after every step both the
    drafter's tracked context length and the end of the positions its last rows were written at equal
-   num_computed (before a request's first chunk both are 0).
+   num_computed (before a request's first chunk both are 0). A prefix hit starts both at the hit's end
+   when its blocks carry the drafter's capture; a capture miss has no context (`context` None: exempt).
+4. Prefix cache (engine/prefix_cache.py), when on. Refcounts: every owned page's refcount is the number of
+   page tables holding it, no table holds a page twice, a page is in two tables only when registered,
+   and no refcount names a page no table holds (nothing freed while referenced, nothing lost). Cached,
+   unreferenced pages (evictable) are registered, neither free nor owned, and count in the partition:
+   free + evictable + distinct owned == num_pages. A request's registered pages are the blocks its own
+   token prefix keys (a hit on another prefix's page would read the wrong KV). Every block registered
+   since the last check was sealed at a committed length covering it (`sealed_at >= block end`: no block
+   registered before all its rows were forwarded, the register_before_forward fault).
 
 Cost, measured on CPU (bundled tiny pair, DFlash, fp32, 2 threads; `python -m
 specbench.benchmarks.invariants_cost`): inside a generate of 8 requests x 64 tokens (7.5 ms steps) the
@@ -68,6 +77,8 @@ class InvariantChecker:
 
     def __init__(self, pool: PagePool, scheduler: Scheduler, proposer: Proposer | None, spec: SpecPlan) -> None:
         self.pool, self.scheduler, self.proposer, self.spec = pool, scheduler, proposer, spec
+        if pool.prefix is not None:
+            pool.prefix.recent = []  # the index lists its new registrations for `_prefix`
 
     def check(self, step: int) -> None:
         pool, ps = self.pool, self.pool.page_size
@@ -92,6 +103,8 @@ class InvariantChecker:
             raise InvariantError(step, rid, "holds pages but is not running (finished, aborted or never admitted)",
                                  pages=len(owned[rid]), stray_requests=len(stray))
         self._partition(step, owned)
+        if pool.prefix is not None:
+            self._prefix(step, owned)
         if self.proposer is not None:
             self._draft_context(step, running)
 
@@ -105,24 +118,37 @@ class InvariantChecker:
             raise InvariantError(step, None, "has pages on its free list twice", pages=_few(extra), free=len(free),
                                  distinct=len(free_set))
         seen: dict[int, str] = {}
+        parked = pool.evictable()
+        shared = pool.prefix.blocks if pool.prefix is not None else {}
         for rid, table in owned.items():
+            in_table: set[int] = set()
             for p in table:
-                if p in seen:
+                if p in in_table:
+                    raise InvariantError(step, rid, f"holds page {p} twice in its page table", page=p)
+                in_table.add(p)
+                if p in seen and p not in shared:
                     raise InvariantError(step, rid, f"owns page {p}, which {seen[p]!r} owns too", page=p,
                                          other=seen[p])
-                seen[p] = rid
+                seen.setdefault(p, rid)
                 if p in free_set:
                     raise InvariantError(step, rid, f"owns page {p}, which is on the free list too", page=p)
+                if p in parked:
+                    raise InvariantError(step, rid, f"owns page {p}, which the prefix cache holds as unreferenced "
+                                         "(evictable) too", page=p)
                 if not 0 <= p < n:
                     raise InvariantError(step, rid, f"owns page {p}, outside the pool of {n}", page=p, num_pages=n)
-        if len(seen) + len(free_set) == n:
+        small, large = (parked, free_set) if len(parked) <= len(free_set) else (free_set, parked)
+        both = [p for p in small if p in large]
+        if both:
+            raise InvariantError(step, None, "has pages both free and cached (evictable)", pages=_few(both))
+        if len(seen) + len(free_set) + len(parked) == n:
             return  # distinct, disjoint, in range (owned) and n in all: a partition unless the free list
             # holds ids outside the pool, which only a page table could have put there (checked above)
         outside = [p for p in free_set if not 0 <= p < n]
         if outside:
             raise InvariantError(step, None, "has pages outside the pool on its free list", pages=_few(outside),
                                  num_pages=n)
-        lost = set(range(n)) - free_set - seen.keys()
+        lost = set(range(n)) - free_set - seen.keys() - set(parked)
         by: dict[str, list[int]] = {}
         for p in sorted(lost):
             by.setdefault(pool.last_owner(p) or "?", []).append(p)
@@ -130,7 +156,45 @@ class InvariantChecker:
         mine = by[first] if first is not None else sorted(lost)
         raise InvariantError(step, first, f"lost {len(mine)} page(s): neither free nor owned", lost=_few(mine),
                              lost_in_all=len(lost), last_owners=sorted(by), free=len(free_set), owned=len(seen),
-                             num_pages=n)
+                             evictable=len(parked), num_pages=n)
+
+    def _prefix(self, step: int, owned: dict[str, list[int]]) -> None:
+        """Invariant 4: refcounts, evictable pages, keys of shared pages, new registrations sealed. O(owned
+        pages + evictable pages + registrations since the last check)."""
+        pool = self.pool
+        index = pool.prefix
+        assert index is not None
+        ps, refs = pool.page_size, pool.refs()
+        count: dict[int, int] = {}
+        for rid, table in owned.items():
+            keys = pool.entry_keys(rid)
+            for i, p in enumerate(table):
+                count[p] = count.get(p, 0) + 1
+                b = index.blocks.get(p)
+                if b is not None and i < len(keys) and b.key != keys[i]:
+                    raise InvariantError(step, rid, f"holds cached page {p} as its block {i}, but the page caches "
+                                         f"another prefix's block {b.index}", page=p, block=i)
+        for p, c in count.items():
+            if refs.get(p) != c:
+                raise InvariantError(step, pool.last_owner(p), f"page {p} has refcount {refs.get(p)} but "
+                                     f"{c} page table(s) hold it", page=p, refcount=refs.get(p), holders=c)
+        stale = [p for p in refs if p not in count]
+        if stale:
+            p = stale[0]
+            raise InvariantError(step, pool.last_owner(p), f"page {p} has refcount {refs[p]} but no page table "
+                                 "holds it", page=p, refcount=refs[p], pages=_few(stale))
+        for p in pool.evictable():
+            if p not in index.blocks:
+                raise InvariantError(step, pool.last_owner(p), f"page {p} is evictable but not a cached block",
+                                     page=p)
+        recent, index.recent = index.recent or [], []
+        for p in recent:
+            b = index.blocks.get(p)
+            if b is not None and b.sealed_at < (b.index + 1) * ps:
+                raise InvariantError(step, pool.last_owner(p), f"registered page {p} as block {b.index} (positions "
+                                     f"{b.index * ps}..{(b.index + 1) * ps - 1}) at committed length {b.sealed_at}: "
+                                     "a row of it had not been forwarded", page=p, block=b.index,
+                                     sealed_at=b.sealed_at, page_size=ps)
 
     def _draft_context(self, step: int, running: dict[str, Request]) -> None:
         assert self.proposer is not None
@@ -139,7 +203,7 @@ class InvariantChecker:
                 continue
             ctx = self.proposer.context(rid)
             if ctx is None:
-                return  # this proposer keeps no per-position context for any request
+                continue  # no per-position context (n-gram, oracle; a prefix hit without its capture)
             tracked, end = ctx
             if tracked != req.num_computed or end != req.num_computed:
                 raise InvariantError(step, rid, f"has drafter context rows to {end} (tracked {tracked}) where its "

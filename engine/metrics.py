@@ -32,6 +32,12 @@ class EngineMetrics:
     num_running: int = 0
     num_waiting: int = 0
     kv_usage: float = 0.0
+    # prefix caching (engine/prefix_share.py): prompt tokens looked up and found (vLLM's counters, in tokens), and
+    # prefix hits whose drafter capture was restored or missing (a miss decodes without drafts)
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    capture_hits: int = 0
+    capture_fallbacks: int = 0
 
     def reset(self) -> None:
         """Every counter and gauge back to zero (the server's warm-up requests are not served traffic)."""
@@ -60,6 +66,8 @@ class EngineMetrics:
             "num_full_accepts": self.num_full_accepts,
             "prompt_tokens": self.prompt_tokens, "generation_tokens": self.generation_tokens,
             "requests_finished": self.requests_finished, "steps": self.steps,
+            "prefix_queries": self.prefix_queries, "prefix_hits": self.prefix_hits,
+            "capture_hits": self.capture_hits, "capture_fallbacks": self.capture_fallbacks,
         }
 
     def prometheus(self, model: str) -> str:
@@ -82,6 +90,12 @@ class EngineMetrics:
         counter("vllm:prompt_tokens_total", self.prompt_tokens, "Number of prefill tokens processed.")
         counter("vllm:generation_tokens_total", self.generation_tokens, "Number of generation tokens processed.")
         counter("vllm:request_success_total", self.requests_finished, "Count of successfully processed requests.")
+        counter("vllm:prefix_cache_queries_total", self.prefix_queries, "Prefix cache queries, in queried tokens.")
+        counter("vllm:prefix_cache_hits_total", self.prefix_hits, "Prefix cache hits, in cached tokens.")
+        counter("specbench:spec_capture_hits_total", self.capture_hits,
+                "Prefix hits whose drafter context was restored from the capture cache.")
+        counter("specbench:spec_capture_fallbacks_total", self.capture_fallbacks,
+                "Prefix hits without the drafter's capture: the request decodes without drafts.")
         for gname, val, h in (("vllm:num_requests_running", self.num_running, "Requests running."),
                               ("vllm:num_requests_waiting", self.num_waiting, "Requests waiting."),
                               ("vllm:kv_cache_usage_perc", self.kv_usage, "KV-cache usage, 0..1.")):

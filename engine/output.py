@@ -133,4 +133,5 @@ class OutputWriter:
             new_ids=req.output_ids[len(req.output_ids) - n_new:] if n_new else [],
             logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
             prompt_logprobs=list(req.prompt_logprobs) if req.params.prompt_logprobs is not None else None,
-            arrival=req.arrival, token_times=list(req.token_times), spec=req.spec.as_dict())
+            arrival=req.arrival, token_times=list(req.token_times),
+            spec=req.spec.as_dict() | {"cached_tokens": req.cached_tokens, "capture_fallback": req.capture_fallback})

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from .config import EngineConfig
 from .kv_cache import PagePool
+from .prefix_share import PrefixSharing
 from .request import Phase, Request
 
 if TYPE_CHECKING:  # the plan is host bookkeeping: torch only names the draft probabilities' type
@@ -62,6 +63,7 @@ class Scheduler:
         self.headroom = spec_headroom
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.prefix = PrefixSharing(pool)  # prefix hits at admission (the engine installs one with its counters)
 
     def lifetime(self, req: Request) -> int:
         return req.prompt_len + req.params.max_tokens + self.headroom
@@ -98,10 +100,12 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[0]
-            if not self.pool.can_admit(self.lifetime(req)):
+            hit = self.prefix.lookup(req)  # cached pages of its prompt prefix (engine/prefix_share.py)
+            if not self.pool.can_admit(self.lifetime(req), hit):
                 break
             self.waiting.popleft()
-            self.pool.admit(req.rid, self.lifetime(req))
+            self.pool.admit(req.rid, self.lifetime(req), hit, req.params.cache_salt)
+            self.prefix.admitted(req, hit)
             req.phase = Phase.RUNNING
             self.running.append(req)
 

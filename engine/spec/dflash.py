@@ -53,6 +53,7 @@ class DFlashProposer(Proposer):
                                 max_pos=max(draft.cfg.max_position_embeddings, runner.mcfg.max_position_embeddings))
         self.ctx_len: dict[str, int] = {}
         self.ctx_end: dict[str, int] = {}  # one past the last position whose slot got a context row
+        self.no_context: set[str] = set()  # prefix hits without a capture: never draft-ready (prefix_share.py)
         self.graphs: DraftGraphs | None = None  # built at the first draft on the graph path
         self.use_graphs = runner.use_graph_runner and runner.cfg.draft_graph
 
@@ -101,8 +102,21 @@ class DFlashProposer(Proposer):
     def release(self, req):
         self.ctx_len.pop(req.rid, None)
         self.ctx_end.pop(req.rid, None)
+        self.no_context.discard(req.rid)
+
+    def restore(self, req: Request, n: int, captured: bool) -> None:
+        """The context rows of a prefix hit's blocks live in their pages' slots of the drafter's cache (the
+        same slot space as the target's), written when the blocks were first computed: a captured hit has
+        context up to n at once. A capture miss leaves the request without context for good (its rows
+        below n are missing and the drafter attends to all of them)."""
+        if captured:
+            self.ctx_len[req.rid] = self.ctx_end[req.rid] = n
+        else:
+            self.no_context.add(req.rid)
 
     def context(self, rid: str) -> tuple[int, int] | None:
+        if rid in self.no_context:
+            return None  # a capture miss: no context to hold to the committed length
         return self.ctx_len.get(rid, 0), self.ctx_end.get(rid, 0)
 
     # ---- draft ----------------------------------------------------------------------------------

@@ -43,6 +43,12 @@ class Proposer:
     def release(self, req: Request) -> None:
         """The request finished or was aborted."""
 
+    def restore(self, req: Request, n: int, captured: bool) -> None:
+        """A prefix hit gave the request the KV of positions [0, n) (engine/prefix_share.py). `captured`: the
+        cached blocks also carry this proposer's context for them, so it has context up to n (the first
+        draft round after the prefill drafts); otherwise the request never drafts (a capture miss). A proposer
+        without per-position context has nothing to restore."""
+
     def context(self, rid: str) -> tuple[int, int] | None:
         """A proposer with per-position context (the DFlash drafter's K/V rows): (the context length it
         tracks, one past the last position its rows were written at), both 0 before any; None for a

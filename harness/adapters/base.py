@@ -18,6 +18,10 @@ Contract:
   engine cannot score. `spec_counters` returns a snapshot of cumulative speculative-decoding counters
   (or None); `tokenize` returns token ids (or None); `metrics_text` the engine's Prometheus text (a
   server's /metrics; None where there is none); `describe` returns provenance.
+- Prefix caches: `reset_prefix_cache` flushes the engine's prefix cache (True), or returns None where the
+  engine has no such control (False: it refused, e.g. while requests hold cached blocks); `cold_requests`
+  says whether `GenRequest.prompt_cache=False` keeps a request off every cached block (a fresh salt per
+  request: the local engine's `cache_salt`, vLLM's `cache_salt`, llama.cpp's `cache_prompt`).
 - All async methods are bound to no particular event loop; the `*_sync` wrappers run one in a fresh
   loop and must not be called from inside a running loop.
 
@@ -275,6 +279,14 @@ class EngineAdapter(ABC):
     async def metrics_text(self) -> str | None:
         """The engine's Prometheus text (a server's /metrics), or None where it publishes none."""
         return None
+
+    async def reset_prefix_cache(self) -> bool | None:
+        """Flush the engine's prefix cache: True when flushed, False when it refused, None where it cannot."""
+        return None
+
+    def cold_requests(self) -> bool:
+        """Whether a request with prompt_cache=False shares no cached block (module docstring)."""
+        return False
 
     @abstractmethod
     def describe(self) -> dict:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -48,10 +49,12 @@ from .loop import EngineFailure, EngineLoop
 
 
 def sampling_params(req: GenRequest, **extra: Any) -> SamplingParams:
+    """prompt_cache=False: a fresh cache salt, so the request shares no block of the engine's prefix cache."""
+    salt = f"cold-{uuid.uuid4().hex}" if req.prompt_cache is False else None
     return SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
                           top_k=req.top_k, seed=req.seed, stop=tuple(req.stop),
                           stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos,
-                          logprobs=req.logprobs, **extra)
+                          logprobs=req.logprobs, cache_salt=salt, **extra)
 
 
 def engine_version() -> str:
@@ -193,6 +196,16 @@ class LocalAdapter(EngineAdapter):
 
     async def tokenize(self, text: str) -> list[int] | None:
         return self.engine.tokenizer.encode(text)
+
+    async def reset_prefix_cache(self) -> bool | None:
+        """The engine's `reset_prefix_cache` (False while a request holds a cached page); None when its prefix
+        cache is off (nothing to flush: every request is cold)."""
+        if self.engine.pool.prefix is None:
+            return None
+        return self.engine.reset_prefix_cache()
+
+    def cold_requests(self) -> bool:
+        return True
 
     def armable_faults(self) -> dict[str, str]:
         """The faults a gate's self-test arms: all but the drafter variants (lossless by construction, so no
