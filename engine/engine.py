@@ -33,13 +33,13 @@ from .kv_cache import PagePool
 from .loader import torch_dtype
 from .memory import measure, plan_memory
 from .metrics import EngineMetrics
-from .prefix_cache import PrefixIndex
-from .prefix_share import PrefixSharing
 from .models.dflash import DFlashDraftModel
 from .models.dflash2 import drafter_class, load_draft_config
 from .models.qwen3 import Qwen3ForCausalLM
 from .output import OutputWriter, RequestOutput, eos_ids
 from .ranges import NO_RANGES, ProfilerRanges
+from .prefix_cache import PrefixIndex
+from .prefix_share import PrefixSharing
 from .request import Request
 from .runner import ModelRunner
 from .sampler import make_generator
@@ -51,6 +51,7 @@ from .spec.synthetic import SyntheticAcceptance
 from .tokenizer import Tokenizer
 
 __all__ = ["LLMEngine", "RequestOutput", "AdmissionError", "InvariantError"]
+from .teardown import KEEP_AT_CLOSE, EngineClosed, dismantle
 log = logging.getLogger("specbench.engine")
 
 
@@ -187,6 +188,7 @@ class LLMEngine:
         bad = [t for t in ids if not 0 <= t < self.mcfg.vocab_size]
         if bad:
             raise ConfigError(f"prompt token ids {bad[:5]} are out of range: expected 0 <= id < {self.mcfg.vocab_size}")
+        self._check_open()
         with self._lock:
             rid = rid if rid is not None else f"req-{next(self._ids)}"
             if rid in self.requests:
@@ -228,11 +230,35 @@ class LLMEngine:
             self.step_count += 1
             with self.ranges.phase("schedule"):
                 ks = draft_lens(self.scheduler.running, self.proposer, self.spec)
+    # ---- teardown --------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Give back the weights, the KV pool, the graphs and every buffer now, without waiting for the cycle
+        collector (engine/teardown.py); idempotent. Afterwards step/add_request raise EngineClosed."""
+        if self.__dict__.get("_closed"):
+            return
+        with self._lock:
+            cuda = self.device.type == "cuda"
+            keep: dict[str, object] = {k: self.__dict__[k] for k in ("cfg", "tokenizer", "_lock", "device")
+                                       if k in self.__dict__}
+            parts = [v for k, v in vars(self).items() if k not in keep]
+            vars(self).clear()
+            self.__dict__.update(keep, _closed=True)
+            dismantle(parts, keep=KEEP_AT_CLOSE)
+            del parts
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
+    def _check_open(self) -> None:
+        if self.__dict__.get("_closed"):
+            raise EngineClosed("this engine was closed (LLM.close / del llm): build a new one")
+
                 plan = self.scheduler.schedule(ks)
             outs: list[RequestOutput] = []
             if plan.spans:
                 with self.ranges.phase("draft"):
                     propose(plan, self.proposer, ks, self.faults)
+        self._check_open()
                 with self.ranges.phase("verify" if plan.has_verify else "forward"):
                     fwd = run_forward(plan, self.runner, self.proposer, self.faults)
                 with self.ranges.phase("accept"):
