@@ -7,7 +7,8 @@ it) and probes its chat template in the sandbox, starts the warm-up (harness/ser
 variant and CUDA graph the serving path uses; /health answers 503 "starting" until it is done;
 `--no-warmup` skips it), then serves until SIGINT/SIGTERM (then drains for --shutdown-timeout seconds and
 exits 0 with one line; harness/server/lifecycle.py). Speculation: dflash when --draft is given, else off, unless
---spec says otherwise. Endpoints and errors: docs/server.md.
+--spec says otherwise; --spec-gate / --spec-trim / --spec-policy are the load-aware levers (engine/spec/policy.py),
+refused at start (exit 2, naming the knob) when out of range. Endpoints and errors: docs/server.md.
 """
 
 from __future__ import annotations
@@ -30,6 +31,15 @@ def serve(
     max_model_len: int | None = typer.Option(None, "--max-model-len", min=1),
     num_pages: int | None = typer.Option(None, "--num-pages", min=1, help="KV pages (default: sized by the engine)."),
     log_level: str = typer.Option("info", "--log-level"),
+    spec_gate: int | None = typer.Option(None, "--spec-gate", min=0,
+                                         help="Max-batch gate: one-token rounds (drafter context kept) while more than N "
+                                              "requests run (0 = off; default $SPECBENCH_SPEC_GATE)."),
+    spec_trim: int | None = typer.Option(None, "--spec-trim", min=0,
+                                         help="Draft trim: k <= K drafts enter each verify span (0 = off; default "
+                                              "$SPECBENCH_SPEC_TRIM)."),
+    spec_policy: str | None = typer.Option(None, "--spec-policy",
+                                           help="off | auto: each step's span from the start-up cost model and the "
+                                                "running acceptance (default $SPECBENCH_SPEC_POLICY, else off)."),
     warmup: bool = typer.Option(True, "--warmup/--no-warmup",
                                 help="Warm up (compile kernels, capture graphs) before /health reports ready."),
     api_key: str | None = typer.Option(None, "--api-key", help="Require Authorization: Bearer <key> on every route "
@@ -77,14 +87,16 @@ def serve(
             raise typer.Exit(2) from None
         draft = draft or (bdraft if spec in (None, "dflash") else None)
     from specbench.engine import ConfigError, EngineConfig, LLMEngine, SpecConfig
+    from specbench.engine.config import lever_kw
     from specbench.harness.server import serve as run_server
     from specbench.harness.server.chat import probe_template
 
     method = spec_method(spec, draft)
+    levers = lever_kw(spec_gate, spec_trim, spec_policy)
     try:
         cfg = EngineConfig(model=model, draft=draft if method == "dflash" else None, device=device, dtype=dtype,
                            max_model_len=max_model_len, num_pages=num_pages,
-                           spec=SpecConfig(method=engine_method(method), num_speculative_tokens=k))
+                           spec=SpecConfig(method=engine_method(method), num_speculative_tokens=k, **levers))
         engine = LLMEngine(cfg)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         typer.echo(f"specbench serve: {e}", err=True)

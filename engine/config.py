@@ -228,6 +228,29 @@ class SamplingParams:
 
 
 SPEC_METHODS = ("dflash", "ngram", "oracle")
+SPEC_POLICIES = ("off", "auto")  # SpecConfig.policy: fixed spans, or the cost-model span choice (spec/policy.py)
+# The load-aware levers (issue 20) from the environment when not given: unset, "" and 0 mean off.
+LEVER_ENV = {"gate": "SPECBENCH_SPEC_GATE", "trim": "SPECBENCH_SPEC_TRIM", "policy": "SPECBENCH_SPEC_POLICY"}
+
+
+def lever_kw(gate: int | None = None, trim: int | None = None, policy: str | None = None) -> dict[str, Any]:
+    """SpecConfig keyword arguments for the levers given (None: left to its LEVER_ENV default)."""
+    return {k: v for k, v in (("gate", gate), ("trim", trim), ("policy", policy)) if v is not None}
+
+
+def _env_lever(name: str) -> Any:
+    """A lever's value from its environment variable (LEVER_ENV), refused with the variable's name when bad."""
+    env = LEVER_ENV[name]
+    raw = os.environ.get(env, "").strip()
+    if name == "policy":
+        if raw in ("", "0", "off"):
+            return "off"
+        _need(raw in ("1", "auto"), env, raw, "off, auto, 0 or 1")
+        return "auto"
+    if raw == "":
+        return 0
+    _need(raw.isdigit(), env, raw, "an integer >= 0 (0 = off)")
+    return int(raw)
 
 
 @dataclass(frozen=True)
@@ -245,8 +268,21 @@ class SpecConfig:
     ngram_mix: float = 0.0
     synthetic_tau: float | None = None  # speed curves on random weights; refused by lossless suites
     sampling: bool = True  # speculative (rejection) sampling for T > 0; False = sampled requests run span-1
+    # Load-aware levers (spec/policy.py; 0 / "off" = off; defaults from LEVER_ENV). gate=N: a step with more than N
+    # running requests is a one-token verify round (no draft; the drafter's context still advances one row per
+    # request, so speculation resumes without a prefill once N or fewer run); trim=k: only the first k drafts
+    # enter the verify span (1 <= k <= K; the drafter still rolls its whole block); policy="auto": each step's
+    # span from the start-up cost model and the running per-position acceptance.
+    gate: int = field(default_factory=lambda: _env_lever("gate"))
+    trim: int = field(default_factory=lambda: _env_lever("trim"))
+    policy: str = field(default_factory=lambda: _env_lever("policy"))
 
     def __post_init__(self) -> None:
+        for name in ("gate", "trim"):
+            v = getattr(self, name)
+            _need(isinstance(v, int) and not isinstance(v, bool) and v >= 0, f"spec.{name}", v,
+                  "an integer >= 0 (0 = off)")
+        _need(self.policy in SPEC_POLICIES, "spec.policy", self.policy, "off or auto")
         _need(self.method is None or self.method in SPEC_METHODS, "spec.method", self.method,
               f"one of {', '.join(SPEC_METHODS)} or null")
         k = self.num_speculative_tokens

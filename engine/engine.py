@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 from collections.abc import Sequence
 
@@ -44,8 +45,10 @@ from .request import Request
 from .runner import ModelRunner
 from .sampler import make_generator
 from .scheduler import AdmissionError, Scheduler
+from .spec.costs import COSTS_ENV, load_costs, measure_costs
 from .spec.plan import make_proposer, resolve_spec
-from .spec.propose import draft_lens, propose
+from .spec.policy import SpanPolicy
+from .spec.propose import propose
 from .spec.proposer import Proposer
 from .spec.synthetic import SyntheticAcceptance
 from .tokenizer import Tokenizer
@@ -79,7 +82,7 @@ class LLMEngine:
         self.pool = PagePool(self.memory.num_pages, cfg.page_size, self._prefix_index())
         self.scheduler = Scheduler(cfg, self.pool, self.max_model_len, self.spec.headroom)
         self.runner = ModelRunner(cfg, self.mcfg, self.model, self.pool, self.device, self.dtype, dflash_cfg,
-                                  spec_span=self.spec.verify_span)
+                                  spec_span=self.spec.verify_span, span_variants=self.spec.span_variants)
         self.proposer = proposer if proposer is not None else \
             make_proposer(self.spec, cfg.spec, self.draft_model, self.model, self.runner, self.pool)
         self.metrics = EngineMetrics()
@@ -87,6 +90,7 @@ class LLMEngine:
         self.prefix = PrefixSharing(self.pool, self.metrics, drafter=self.spec.drafter and proposer is None)
         self.prefix.proposer = self.proposer
         self.scheduler.prefix = self.prefix
+        self.policy = SpanPolicy(self.spec, None, self.metrics)  # the gate, the trim, the automatic span policy
         self.requests: dict[str, Request] = {}
         self._gens: dict[str, torch.Generator] = {}
         if self.proposer is not None:
@@ -106,6 +110,10 @@ class LLMEngine:
         self._lock = threading.RLock()
         measure(self.memory, self.model, self.draft_model if dflash_cfg else None, self.runner, self.device)
         log.info("memory: %s", self.memory.summary())
+        if self.spec.policy == "auto" and self.proposer is not None:  # the cost model, with the graphs it times
+            saved = os.environ.get(COSTS_ENV)
+            self.policy.costs = load_costs(saved) if saved else \
+                measure_costs(self.runner, self.proposer, self.spec.span_variants, cfg.max_num_seqs)
 
     def _prefix_index(self) -> PrefixIndex | None:
         """The prefix cache's index (None with `prefix_cache` off): at most `prefix_cache_pages` pages, and the
@@ -156,6 +164,8 @@ class LLMEngine:
                 "prefix_cache": self.pool.prefix is not None,
                 "prefix_cache_pages": self.pool.prefix.capacity if self.pool.prefix is not None else None,
                 "capture_blocks": self.pool.prefix.capture_blocks if self.pool.prefix is not None else None,
+                "gate": self.spec.gate, "trim": self.spec.trim, "policy": self.spec.policy,
+                "levers": self.policy.describe() if self.spec.policy == "auto" else None,
                 "memory": self.memory.describe()}
 
     def memory_report(self) -> dict:
@@ -253,7 +263,18 @@ class LLMEngine:
         if self.__dict__.get("_closed"):
             raise EngineClosed("this engine was closed (LLM.close / del llm): build a new one")
 
-                plan = self.scheduler.schedule(ks)
+    # ---- the step --------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One step: schedule -> propose -> forward -> accept -> commit. Returns the outputs of the requests
+        that got new tokens or finished. With `check_invariants` the run-time invariants are checked after
+        the commit (engine/invariants.py; InvariantError on a violation)."""
+        self._check_open()
+        with self._lock:
+            self.metrics.steps += 1
+            self.step_count += 1
+            with self.ranges.phase("schedule"):
+                ks, states = self.policy.choose(self.scheduler.running, self.proposer, self.step_count)
+                plan = self.scheduler.schedule(ks, states)
             outs: list[RequestOutput] = []
             if plan.spans:
                 with self.ranges.phase("draft"):
@@ -263,6 +284,7 @@ class LLMEngine:
                     fwd = run_forward(plan, self.runner, self.proposer, self.faults)
                 with self.ranges.phase("accept"):
                     results = self.accept_step.accept(plan, fwd)
+                    self.policy.record(plan, results)
                 with self.ranges.phase("commit"):
                     outs = self.commit_step.commit(plan, results, fwd.taps)
             if self.invariants is not None:

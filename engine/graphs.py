@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention.base import AttentionMetadata
-from .piecewise import PiecewiseStack
+from .piecewise import PiecewiseStack, median_time
 
 if TYPE_CHECKING:  # the runner imports this module
     from torch.cuda import _POOL_HANDLE  # the graph-pool handle's type in torch's stubs
@@ -241,6 +241,33 @@ class DecodeGraphs:
         else:
             out = logits[torch.tensor(logit_rows, dtype=torch.long, device=logits.device)]
         return out, (taps[:n].clone() if taps is not None else None)
+
+
+    @torch.inference_mode()
+    def time_padded(self, b: int, reps: int = 3) -> float:
+        """Median seconds of one replay (or eager run) of bucket b on padding rows only (spec/costs.py)."""
+        assert b in self.buckets
+        self.io[0, :b].zero_()
+        self.io[1, :b].zero_()
+        self.io[2, :b].fill_(self.runner.dummy_slot)
+        meta = self._meta(b, [], [])
+
+        def once() -> None:
+            if self.full:
+                self.backend.prepare_replay(meta)
+            else:
+                self.backend.plan(meta)
+            if not self.capture:
+                self._whole(b) if self.full else self._piecewise_eager(b)
+            elif self.full:
+                self._graphs[b][0].replay()
+            else:
+                segs, attns, _ = self._segments(b)
+                for i, a in enumerate(attns):
+                    self._graphs[b][i].replay()
+                    a()
+                self._graphs[b][-1].replay()
+        return median_time(once, self.runner.device, reps)
 
 
 class TargetStack(PiecewiseStack):

@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from .config import EngineConfig, SamplingParams, SpecConfig
+from .config import EngineConfig, SamplingParams, SpecConfig, lever_kw
 from .engine import LLMEngine, RequestOutput
 from .spec.plan import spec_method
 from .spec.proposer import Proposer
@@ -16,9 +16,14 @@ class LLM:
     def __init__(self, model: str, draft: str | None = None, device: str = "cpu", dtype: str = "float32",
                  spec: str | None = "auto", num_speculative_tokens: int | None = None,
                  batched_draft: bool = True, proposer: Proposer | None = None, synthetic_tau: float | None = None,
-                 spec_sampling: bool = True, **engine_kw) -> None:
+                 spec_sampling: bool = True, spec_gate: int | None = None, spec_trim: int | None = None,
+                 spec_policy: str | None = None, **engine_kw) -> None:
+        """spec_gate / spec_trim / spec_policy: the load-aware levers (SpecConfig.gate / trim / policy; None =
+        from SPECBENCH_SPEC_GATE / _TRIM / _POLICY, unset = off)."""
+        levers = lever_kw(spec_gate, spec_trim, spec_policy)
         spec_cfg = SpecConfig(method=spec_method(spec, draft), num_speculative_tokens=num_speculative_tokens,
-                              batched_draft=batched_draft, synthetic_tau=synthetic_tau, sampling=spec_sampling)
+                              batched_draft=batched_draft, synthetic_tau=synthetic_tau, sampling=spec_sampling,
+                              **levers)
         self.engine = LLMEngine(EngineConfig(model=str(model), draft=str(draft) if draft else None, device=device,
                                              dtype=dtype, spec=spec_cfg, **engine_kw), proposer=proposer)
         self.tokenizer = self.engine.tokenizer

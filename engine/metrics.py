@@ -32,6 +32,10 @@ class EngineMetrics:
     num_running: int = 0
     num_waiting: int = 0
     kv_usage: float = 0.0
+    # load-aware speculation (spec/policy.py): steps whose draft-ready requests were held to one token (the gate
+    # or the policy), and steps per chosen span (1 + drafts)
+    gated_rounds: int = 0
+    span_hist: dict[int, int] = field(default_factory=dict)
     # prefix caching (engine/prefix_share.py): prompt tokens looked up and found (vLLM's counters, in tokens), and
     # prefix hits whose drafter capture was restored or missing (a miss decodes without drafts)
     prefix_queries: int = 0
@@ -55,6 +59,10 @@ class EngineMetrics:
         for i in range(m):
             self.accepted_per_pos[i] += 1
 
+    def record_span(self, span: int, gated: bool) -> None:
+        self.span_hist[span] = self.span_hist.get(span, 0) + 1
+        self.gated_rounds += int(gated)
+
     def set_gauges(self, running: int, waiting: int, free_pages: int, total_pages: int) -> None:
         self.num_running, self.num_waiting = int(running), int(waiting)
         self.kv_usage = 1.0 - free_pages / total_pages if total_pages else 0.0
@@ -66,6 +74,7 @@ class EngineMetrics:
             "num_full_accepts": self.num_full_accepts,
             "prompt_tokens": self.prompt_tokens, "generation_tokens": self.generation_tokens,
             "requests_finished": self.requests_finished, "steps": self.steps,
+            "gated_rounds": self.gated_rounds, "span_hist": dict(self.span_hist),
             "prefix_queries": self.prefix_queries, "prefix_hits": self.prefix_hits,
             "capture_hits": self.capture_hits, "capture_fallbacks": self.capture_fallbacks,
         }
@@ -96,6 +105,12 @@ class EngineMetrics:
                 "Prefix hits whose drafter context was restored from the capture cache.")
         counter("specbench:spec_capture_fallbacks_total", self.capture_fallbacks,
                 "Prefix hits without the drafter's capture: the request decodes without drafts.")
+        counter("specbench:spec_gated_rounds_total", self.gated_rounds,
+                "Steps whose draft-ready requests verified one token (max-batch gate or span policy).")
+        name = "specbench:spec_step_span_total"
+        lines += [f"# HELP {name} Steps per chosen verify span (1 + drafts).", f"# TYPE {name} counter"]
+        for span in sorted(self.span_hist):
+            lines.append(f'{name}{{{lab},span="{span}"}} {self.span_hist[span]}')
         for gname, val, h in (("vllm:num_requests_running", self.num_running, "Requests running."),
                               ("vllm:num_requests_waiting", self.num_waiting, "Requests waiting."),
                               ("vllm:kv_cache_usage_perc", self.kv_usage, "KV-cache usage, 0..1.")):

@@ -162,6 +162,37 @@ class PiecewiseStack:
         self._stored[rows] = stored
         log.debug("%s: captured %d segments at %d rows", self.name, len(graphs), rows)
 
+    @torch.inference_mode()
+    def time_padded(self, rows: int, dummy_slot: int, dummy_page: int, page_size: int, causal: bool = True,
+                    reps: int = 3) -> float:
+        """Median seconds of `run(rows)` on a step of padding rows only (token 0, position 0, the dummy slot,
+        each a one-token sequence on the dummy page), after one untimed run (the capture on CUDA): the
+        dense work and launches of that row count, for the span cost model (spec/costs.py)."""
+        from .attention.base import AttentionMetadata  # noqa: PLC0415
+
+        self.io[0, :rows].zero_()
+        self.io[1, :rows].zero_()
+        self.io[2, :rows].fill_(dummy_slot)
+        self.backend.plan(AttentionMetadata(q_lens=[1] * rows, kv_lens=[1] * rows, slot_mapping=self.io[2, :rows],
+                                            page_tables=[[dummy_page]] * rows, page_size=page_size, causal=causal))
+        return median_time(lambda: self.run(rows), self.io.device, reps)
+
     @property
     def captured(self) -> list[int]:
         return sorted(self._graphs)
+
+
+def median_time(fn, device: torch.device, reps: int) -> float:
+    """Median wall seconds of fn() over `reps` runs after one untimed run, synchronised on CUDA."""
+    import time  # noqa: PLC0415
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fn()
+    sync()
+    times = []
+    for _ in range(max(1, reps)):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]

@@ -94,10 +94,12 @@ def select_ops(cfg: EngineConfig, device: torch.device):
 class ModelRunner:
     def __init__(self, cfg: EngineConfig, mcfg: ModelConfig, model: Qwen3ForCausalLM, pool: PagePool,
                  device: torch.device, dtype: torch.dtype, draft_cfg: ModelConfig | None = None,
-                 spec_span: int = 0) -> None:
-        """spec_span: the longest verify span (K + 1) when speculation is on, else 0."""
+                 spec_span: int = 0, span_variants: tuple[int, ...] = ()) -> None:
+        """spec_span: the longest verify span (K + 1) when speculation is on, else 0; span_variants: every
+        verify span length a step may take (SpecPlan.span_variants; default: spec_span alone)."""
         self.cfg, self.mcfg, self.model, self.pool = cfg, mcfg, model, pool
         self.spec_span = spec_span
+        self.span_variants = tuple(span_variants)
         self.device, self.dtype = device, dtype
         slots = (pool.num_pages + 1) * pool.page_size  # + the dummy page
         self.dummy_page = pool.num_pages
@@ -188,5 +190,6 @@ class ModelRunner:
         vg = self.verify_graphs
         if vg is None or vg.tap != tap or vg.stack.backend is not self.backend or vg.stack.ops is not self.model.ops:
             span = self.spec_span if self.spec_span > 1 else NO_SPEC_SPAN
-            vg = self.verify_graphs = VerifyGraphs(self, tap, (span,), capture=not self.cfg.eager)
+            spans = tuple(s for s in self.span_variants if s > 1) or (span,)  # span 1 steps: the decode graphs
+            vg = self.verify_graphs = VerifyGraphs(self, tap, spans, capture=not self.cfg.eager)
         return vg

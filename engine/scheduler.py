@@ -36,6 +36,10 @@ class Span:
     kind: str  # "prefill" | "decode" | "verify"
     drafts: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None  # [K, V] draft distributions for speculative sampling (sampled drafts)
+    # a decode-phase span's draft state (spec/policy.py DraftState): "spec", "gated" (draft-ready, held to one
+    # token by the gate or the policy: its drafter context still advances), "not_ready" (no drafter context:
+    # plain decode), "ineligible" (cannot speculate); "" for prefill chunks and runs without a proposer
+    state: str = ""
 
     @property
     def completes_prefill(self) -> bool:
@@ -109,8 +113,9 @@ class Scheduler:
             req.phase = Phase.RUNNING
             self.running.append(req)
 
-    def schedule(self, draft_len: dict[str, int]) -> StepPlan:
-        """`draft_len[rid]` is how many drafts a decode-phase request will carry (0 = plain decode)."""
+    def schedule(self, draft_len: dict[str, int], states: dict[str, str] | None = None) -> StepPlan:
+        """`draft_len[rid]` is how many drafts a decode-phase request will carry (0 = plain decode);
+        `states[rid]` its draft state (Span.state: gated is told apart from not ready)."""
         self._admit()
         budget = self.cfg.max_num_batched_tokens
         spans: list[Span] = []
@@ -122,7 +127,8 @@ class Scheduler:
             if n > budget and spans:
                 continue  # next step; always make progress with at least one span
             last = req.all_ids[req.num_computed]
-            spans.append(Span(req, [last], req.num_computed, "verify" if k else "decode"))
+            spans.append(Span(req, [last], req.num_computed, "verify" if k else "decode",
+                              state=states.get(req.rid, "") if states else ""))
             budget -= n
         for req in self.running:
             if not req.in_prefill or budget <= 0:

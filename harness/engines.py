@@ -4,11 +4,13 @@ Forms (options are comma-separated key=value after the target):
   local[:<model_dir>][,draft=<dir>][,spec=off|dflash|ngram][,k=N][,device=cpu|cuda[:i]][,dtype=D]
         [,num_pages=N][,faults=a+b][,name=X][,tau=T][,max_num_seqs=N][,attention=auto|torch|flashinfer]
         [,eager=0|1][,verify_graph=0|1][,draft_graph=0|1][,triton=0|1][,decode_tensor_cores=0|1][,gemv=0|1]
-        [,decode_attention=flashinfer|triton][,invariants=0|1]
+        [,decode_attention=flashinfer|triton][,invariants=0|1][,gate=N][,trim=K][,policy=off|auto]
         (no model_dir = the bundled tiny pair; tau = synthetic acceptance length for speed curves on random
         weights, labelled, never lossless; eager / verify_graph / draft_graph / triton: the GPU fast-path
         switches, docs/gpu.md; invariants: the engine's run-time invariants after every step,
-        engine/invariants.py, on by default in gate commands: `gate_specs`)
+        engine/invariants.py, on by default in gate commands: `gate_specs`; gate / trim / policy: the load-aware
+        speculation levers, engine/spec/policy.py: one-token rounds above N running requests, k drafts per
+        verify span, the cost-model span choice; 0 / off = off)
   openai:<base_url>[,model=M][,stream=0|1][,extras=0|1][,timeout=S][,retries=N][,api_key=K][,name=X]
         [,tokenizer=<dir>][,dialect=llamacpp|vllm|sglang|specbench|openai][,probe=0|1][,ready_timeout=S][,dtype=D]
         (probe: detect the endpoint's dialect and capabilities first, default on; dialect forces one;
@@ -44,13 +46,16 @@ FORMS = ("local[:<model_dir>][,draft=<dir>][,spec=off|dflash|ngram][,k=N][,devic
 OPTIONS = {
     "local": ("draft", "spec", "k", "device", "dtype", "num_pages", "faults", "name", "max_model_len", "tau",
               "max_num_seqs", "attention", "eager", "verify_graph", "draft_graph", "triton", "gemv",
-              "decode_tensor_cores", "decode_attention", "gpu_memory_utilization", "invariants", "mix"),
+              "decode_tensor_cores", "decode_attention", "gpu_memory_utilization", "invariants", "mix",
+              "gate", "trim", "policy"),
     "openai": ("model", "stream", "extras", "timeout", "retries", "api_key", "name", "tokenizer", "dialect", "probe",
                "ready_timeout", "dtype"),
     "hf": ("assistant", "lookup", "device", "dtype", "name"),
 }
 SPECS = SPEC_METHODS
 ATTENTION = ("auto", "torch", "flashinfer")
+POLICIES = ("off", "auto")  # SpecConfig.policy
+LEVERS = {"gate": "spec_gate", "trim": "spec_trim", "policy": "spec_policy"}  # option -> LocalAdapter.from_dirs
 DECODE_ATTENTION = ("flashinfer", "triton")  # EngineConfig.decode_attention: FlashInfer's decode steps
 BOOLS = ("0", "1", "true", "false", "yes", "no", "on", "off")
 SWITCHES = ("eager", "verify_graph", "draft_graph", "triton", "decode_tensor_cores", "gemv")  # local engine switches (EngineConfig fields)
@@ -134,8 +139,10 @@ def parse_engine(raw: str) -> EngineSpec:
     if dev is not None and not (dev == "cpu" or dev == "cuda" or (dev.startswith("cuda:") and dev[5:].isdigit())):
         raise _fail(raw, f"device={dev!r} is invalid: expected cpu, cuda or cuda:<index>")
     for key, lo in (("k", 1), ("lookup", 1), ("retries", 0), ("num_pages", 1), ("max_model_len", 1),
-                    ("max_num_seqs", 1), ("ready_timeout", 0)):
+                    ("max_num_seqs", 1), ("ready_timeout", 0), ("gate", 0), ("trim", 0)):
         _check_int(raw, opts, key, lo)
+    if opts.get("policy") is not None and opts["policy"] not in POLICIES:
+        raise _fail(raw, f"policy={opts['policy']!r} is invalid: expected one of {', '.join(POLICIES)}")
     if opts.get("attention") is not None and opts["attention"] not in ATTENTION:
         raise _fail(raw, f"attention={opts['attention']!r} is invalid: expected one of {', '.join(ATTENTION)}")
     if opts.get("decode_attention") is not None and opts["decode_attention"] not in DECODE_ATTENTION:
@@ -184,7 +191,7 @@ def bundled() -> tuple[str, str | None]:
 
 # Options of a local engine that belong to its speculation or to the arm, not to the engine under it:
 # the spec-off twin drops them (a twin is clean and carries its own label).
-TWIN_DROPS = ("draft", "spec", "k", "tau", "faults", "name", "mix")
+TWIN_DROPS = ("draft", "spec", "k", "tau", "faults", "name", "mix", "gate", "trim", "policy")
 
 
 def spec_off_twin(spec: EngineSpec, name: str = "baseline") -> EngineSpec:
@@ -309,6 +316,9 @@ def build_adapter(spec: EngineSpec | str, name: str | None = None) -> EngineAdap
                 kw[key] = spec.opt_bool(key, False)
         if "invariants" in o:
             kw["check_invariants"] = spec.opt_bool("invariants", False)
+        for key, arg in LEVERS.items():
+            if key in o:
+                kw[arg] = o[key] if key == "policy" else int(o[key])
         return LocalAdapter.from_dirs(target, draft=draft, spec=method, k=spec.opt_int("k"),
                                       device=o.get("device", "cpu"), dtype=o.get("dtype", "float32"), name=name, **kw)
     if spec.kind == "openai":

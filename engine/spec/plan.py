@@ -11,6 +11,11 @@ The one home of these rules on the engine side:
   context is the model's context minus it, and admission promises prompt + max_tokens + headroom slots;
 - `SpecPlan.can_speculate`: a request speculates unless it asked for logprobs or prompt logprobs, or it
   samples while speculative sampling is off (`SpecConfig.sampling`);
+- levers (issue 20, spec/policy.py): `gate` (a step with more running requests than that is a one-token
+  round), `trim` (k <= K drafts per verify span; refused at start when > K), `policy` ("auto": the cost-model
+  span choice); `fixed_drafts` is the draft count without the automatic policy (trim, else K) and
+  `span_variants` the verify span lengths a run can take (1, trim + 1, K + 1 and, with the automatic policy,
+  `AUTO_SPANS`): the verify graphs hold one graph set per variant and batch bucket;
 - `make_proposer`: the proposer the method names.
 """
 
@@ -29,6 +34,7 @@ if TYPE_CHECKING:
     from ..runner import ModelRunner
 
 DEFAULT_K = 4  # drafts per step for a method without a block (n-gram)
+AUTO_SPANS = (2, 4, 8)  # verify spans the automatic policy may pick besides 1, trim + 1 and K + 1
 
 
 def spec_method(spec: str | None, draft: str | None) -> str | None:
@@ -47,6 +53,24 @@ class SpecPlan:
     headroom: int  # positions past the committed length one step may touch; 0 when off
     drafter: bool  # the DFlash drafter's context K/V and memory reservation exist
     sampling: bool  # sampled requests speculate (rejection sampling)
+    gate: int = 0  # SpecConfig.gate: above this many running requests a step is a one-token round (0 = off)
+    trim: int = 0  # SpecConfig.trim: drafts per verify span (0 = off: K)
+    policy: str = "off"  # SpecConfig.policy
+
+    @property
+    def fixed_drafts(self) -> int:
+        """Drafts per verify span without the automatic policy: trim when set, else K."""
+        return self.trim or self.k
+
+    @property
+    def span_variants(self) -> tuple[int, ...]:
+        """Every verify span length (1 + drafts) a step of this run may take, ascending (() when off)."""
+        if not self.enabled:
+            return ()
+        spans = {1, self.fixed_drafts + 1}
+        if self.policy == "auto":
+            spans |= {self.k + 1} | {s for s in AUTO_SPANS if s <= self.k + 1}
+        return tuple(sorted(spans))
 
     @property
     def draft_tokens(self) -> int:
@@ -80,9 +104,11 @@ def resolve_spec(spec: SpecConfig, draft_cfg: ModelConfig | None, proposer: Prop
             raise ConfigError(f"spec.num_speculative_tokens={k} is invalid: expected <= block_size - 1 = {block - 1}")
     else:
         k = spec.num_speculative_tokens or DEFAULT_K
+    if enabled and spec.trim > k:
+        raise ConfigError(f"spec.trim={spec.trim} is invalid: expected 0 (off) or 1..K={k} (num_speculative_tokens)")
     headroom = max(k + 1, block or 0) if enabled else 0
     drafter = enabled and spec.method == "dflash" and draft_cfg is not None
-    return SpecPlan(enabled, spec.method, k, headroom, drafter, spec.sampling)
+    return SpecPlan(enabled, spec.method, k, headroom, drafter, spec.sampling, spec.gate, spec.trim, spec.policy)
 
 
 def make_proposer(plan: SpecPlan, spec: SpecConfig, draft: DFlashDraftModel | None, target: Qwen3ForCausalLM,

@@ -352,4 +352,9 @@ def counters_delta(before: dict | None, after: dict | None) -> dict | None:
     n = max(len(a), len(b))
     a, b = a + [0] * (n - len(a)), b + [0] * (n - len(b))
     out["accepted_per_pos"] = [x - y for x, y in zip(a, b, strict=True)]
+    if after.get("gated_rounds") is not None and before.get("gated_rounds") is not None:  # load-aware levers
+        out["gated_rounds"] = after["gated_rounds"] - before["gated_rounds"]
+    if isinstance(after.get("span_hist"), dict):
+        hb = before.get("span_hist") or {}
+        out["span_hist"] = {s: n - hb.get(s, 0) for s, n in after["span_hist"].items() if n - hb.get(s, 0)}
     return out

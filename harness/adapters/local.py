@@ -30,6 +30,7 @@ from dataclasses import replace
 from typing import Any
 
 from specbench.engine import ConfigError, EngineConfig, LLMEngine, SamplingParams, SpecConfig
+from specbench.engine.config import lever_kw
 from specbench.engine.scheduler import AdmissionError
 
 from ..spec_method import engine_method, spec_method
@@ -89,14 +90,17 @@ class LocalAdapter(EngineAdapter):
     @classmethod
     def from_dirs(cls, model: str, draft: str | None = None, spec: str | None = None, k: int | None = None,
                   device: str = "cpu", dtype: str = "float32", name: str | None = None,
-                  synthetic_tau: float | None = None, ngram_mix: float = 0.0, **engine_kw: Any) -> LocalAdapter:
+                  synthetic_tau: float | None = None, ngram_mix: float = 0.0, spec_gate: int | None = None,
+                  spec_trim: int | None = None, spec_policy: str | None = None, **engine_kw: Any) -> LocalAdapter:
         """spec: resolved by `spec_method` (harness/spec_method.py). synthetic_tau: draw acceptance for
-        speed curves on random weights (labelled in describe(); never for lossless)."""
+        speed curves on random weights (labelled in describe(); never for lossless). spec_gate / spec_trim /
+        spec_policy: the load-aware levers (SpecConfig.gate / trim / policy; None = from the environment)."""
         method = spec_method(spec, draft)
+        levers = lever_kw(spec_gate, spec_trim, spec_policy)
         cfg = EngineConfig(model=str(model), draft=str(draft) if draft and method == "dflash" else None,
                            device=device, dtype=dtype,
                            spec=SpecConfig(method=engine_method(method), num_speculative_tokens=k,
-                                           synthetic_tau=synthetic_tau, ngram_mix=ngram_mix),
+                                           synthetic_tau=synthetic_tau, ngram_mix=ngram_mix, **levers),
                            **engine_kw)
         return cls(LLMEngine(cfg), name=name)
 
@@ -179,7 +183,8 @@ class LocalAdapter(EngineAdapter):
         return {"num_drafts": snap["num_drafts"], "num_draft_tokens": snap["num_draft_tokens"],
                 "num_accepted_tokens": snap["num_accepted_tokens"],
                 "accepted_per_pos": list(snap["accepted_per_pos"]), "generation_tokens": snap["generation_tokens"],
-                "num_full_accepts": snap["num_full_accepts"], "source": "engine"}
+                "num_full_accepts": snap["num_full_accepts"], "gated_rounds": snap["gated_rounds"],
+                "span_hist": dict(snap["span_hist"]), "source": "engine"}
 
     async def metrics_text(self) -> str | None:
         """The engine's Prometheus text, as `specbench serve` publishes it (gauges refreshed first)."""

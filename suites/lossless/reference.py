@@ -33,6 +33,9 @@ KIND = "lossless-acceptance"
 LOCAL_KEYS = ("draft", "spec", "k", "dtype", "device", "attention", "triton", "eager", "verify_graph",
               "draft_graph", "decode_attention", "decode_tensor_cores", "gemv")
 REMOTE_KEYS = ("dialect",)
+# the load-aware levers change acceptance legitimately (a trimmed span accepts fewer drafts): part of the identity
+# when set, absent when off (so a lever-free engine keeps the fingerprint it had before the levers existed)
+LEVER_KEYS = ("gate", "trim", "policy")
 
 
 def dir_signature(path: object) -> str | None:
@@ -54,6 +57,7 @@ def engine_identity(describe: dict) -> dict:
     out: dict = {"kind": describe.get("kind"), "model": describe.get("model")}
     if describe.get("kind") == "local":
         out.update({k: cfg.get(k) for k in LOCAL_KEYS if k in cfg})
+        out.update({k: cfg[k] for k in LEVER_KEYS if cfg.get(k) not in (None, 0, "off")})
         out["model_sig"] = dir_signature(describe.get("model"))
         out["draft_sig"] = dir_signature(cfg.get("draft"))
         out["model"] = Path(str(describe.get("model"))).name if describe.get("model") else None

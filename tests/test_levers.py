@@ -1,0 +1,291 @@
+"""Load-aware speculation (issue 20) on CPU with the tiny pair: the max-batch gate that keeps the drafter's
+context, the draft trim, span-variant verify graphs and the automatic span policy; each lever forced through
+the greedy, concurrent and sampled gates; the resume case per request id; bad knobs refused by name."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from specbench.cli import app as cli
+from specbench.engine import LLM, SamplingParams
+from specbench.engine.config import ConfigError, SpecConfig
+from specbench.engine.spec.costs import CostModel, monotone
+from specbench.engine.spec.plan import SpecPlan
+from specbench.engine.spec.policy import Acceptance, DraftState, SpanPolicy
+from specbench.engine.spec.propose import draft_lens
+from specbench.harness.engines import EngineStringError, parse_engine
+
+cli._register()
+runner = CliRunner()
+BUDGETS = [3, 8, 13, 22]  # staggered: the batch shrinks, spans truncate near max_tokens
+
+
+@pytest.fixture(scope="module")
+def prompts(gsm8k_prompts):
+    return gsm8k_prompts[: len(BUDGETS)]
+
+
+@pytest.fixture(scope="module")
+def params():
+    return [SamplingParams(max_tokens=b, ignore_eos=True) for b in BUDGETS]
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_target, prompts, params):
+    return [o.output_ids for o in LLM(tiny_target, num_pages=256).generate(prompts, params)]
+
+
+def _llm(pair, fast: bool = False, **kw) -> LLM:
+    llm = LLM(pair[0], draft=pair[1], num_pages=256, max_num_seqs=8, **kw)
+    if fast:  # the padded verify / draft bodies the CUDA graphs capture, run eagerly
+        llm.engine.runner.use_graph_runner = True
+        llm.engine.proposer.use_graphs = True
+    return llm
+
+
+# ---- bad knobs ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kw,name", [({"gate": -1}, "spec.gate"), ({"trim": 1.5}, "spec.trim"),
+                                     ({"gate": True}, "spec.gate"), ({"policy": "sometimes"}, "spec.policy")])
+def test_bad_levers_refused_by_name(kw, name):
+    with pytest.raises(ConfigError, match=name):
+        SpecConfig(method="dflash", **kw)
+
+
+@pytest.mark.parametrize("env,val", [("SPECBENCH_SPEC_GATE", "-2"), ("SPECBENCH_SPEC_TRIM", "2.5"),
+                                     ("SPECBENCH_SPEC_GATE", "many"), ("SPECBENCH_SPEC_POLICY", "maybe")])
+def test_bad_lever_env_refused_by_name(monkeypatch, env, val):
+    monkeypatch.setenv(env, val)
+    with pytest.raises(ConfigError, match=env):
+        SpecConfig()
+
+
+def test_env_levers_and_trim_beyond_k(monkeypatch, tiny_pair):
+    monkeypatch.setenv("SPECBENCH_SPEC_GATE", "3")
+    monkeypatch.setenv("SPECBENCH_SPEC_POLICY", "auto")
+    cfg = SpecConfig()
+    assert (cfg.gate, cfg.trim, cfg.policy) == (3, 0, "auto")
+    monkeypatch.delenv("SPECBENCH_SPEC_GATE")
+    monkeypatch.delenv("SPECBENCH_SPEC_POLICY")
+    with pytest.raises(ConfigError, match=r"spec.trim=9 .*1..K=7"):
+        LLM(tiny_pair[0], draft=tiny_pair[1], spec_trim=9)
+    with pytest.raises(ConfigError, match=r"spec.trim=5 .*1..K=4"):
+        LLM(tiny_pair[0], draft=tiny_pair[1], num_speculative_tokens=4, spec_trim=5)
+
+
+@pytest.mark.parametrize("opt", ["gate=-1", "trim=x", "trim=1.5", "policy=on"])
+def test_bad_lever_engine_strings(opt):
+    with pytest.raises(EngineStringError, match=opt.split("=")[0]):
+        parse_engine(f"local,spec=dflash,{opt}")
+
+
+def test_serve_refuses_a_bad_lever_by_name(tiny_pair):
+    from specbench.cli.app import app
+
+    for args, name in ((["--spec-trim", "99"], "spec.trim"), (["--spec-gate", "-1"], "--spec-gate"),
+                       (["--spec-policy", "x"], "spec.policy")):
+        r = runner.invoke(app, ["serve", "--model", tiny_pair[0], "--draft", tiny_pair[1], "--no-warmup", "--port", "0",
+                                *args])
+        assert r.exit_code == 2 and name in r.output, (args, r.output)
+
+
+# ---- the policy's decisions --------------------------------------------------------------------------
+def _plan(**kw) -> SpecPlan:
+    base = {"enabled": True, "method": "dflash", "k": 7, "headroom": 8, "drafter": True, "sampling": True}
+    return SpecPlan(**{**base, **kw})
+
+
+def test_span_variants():
+    assert _plan().span_variants == (1, 8)
+    assert _plan(trim=2).span_variants == (1, 3)
+    assert _plan(policy="auto").span_variants == (1, 2, 4, 8)
+    assert _plan(policy="auto", trim=4).span_variants == (1, 2, 4, 5, 8)
+    assert _plan(enabled=False).span_variants == ()
+
+
+def test_acceptance_expected_tokens():
+    a = Acceptance(3, prior=(1.0, 1.0), decay=1.0)
+    assert a.expected(3) == 4.0
+    a = Acceptance(3, prior=(0.5, 1e-9), decay=1.0)
+    a.record([(3, 1)] * 4)  # position 0 always accepted, position 1 never
+    assert a.conditional()[:2] == pytest.approx([1.0, 0.0], abs=1e-6) and a.expected(3) == pytest.approx(2.0)
+
+
+def _costs(verify, draft=0.0) -> CostModel:
+    batches, spans = [1, 8, 64], [1, 2, 4, 8]
+    return CostModel(batches, spans, {s: [verify(b, s) for b in batches] for s in spans}, [draft * b for b in batches])
+
+
+def test_policy_chooses_long_spans_when_rows_are_free_and_one_when_they_cost():
+    class Req:
+        def __init__(self, i):
+            self.rid, self.in_prefill, self.remaining = f"r{i}", False, 100
+            self.params = SamplingParams()
+
+    class Ready:
+        def ready(self, r):
+            return True
+
+    reqs = [Req(i) for i in range(8)]
+    flat = SpanPolicy(_plan(policy="auto"), _costs(lambda b, s: 1e-3))  # launch-bound: every row free
+    ks, states = flat.choose(reqs, Ready())
+    assert set(ks.values()) == {7} and set(states.values()) == {DraftState.SPEC.value}
+    linear = SpanPolicy(_plan(policy="auto"), _costs(lambda b, s: 1e-3 * b * s))  # compute-bound
+    ks, states = linear.choose(reqs, Ready())
+    assert ks == {} and set(states.values()) == {DraftState.GATED.value}
+    # the held policy explores now and then, so its acceptance estimate cannot freeze
+    explored = [bool(linear.choose(reqs, Ready())[0]) for _ in range(200)]
+    assert 1 <= sum(explored) <= 200 // 32
+
+
+def test_lever_free_policy_is_draft_lens(tiny_pair, prompts):
+    llm = _llm(tiny_pair)
+    eng = llm.engine
+    for i, p in enumerate(prompts):
+        eng.add_request(p, SamplingParams(max_tokens=BUDGETS[i], logprobs=1 if i == 2 else None))
+    while eng.has_unfinished():
+        ks, _ = eng.policy.choose(eng.scheduler.running, eng.proposer)
+        assert ks == draft_lens(eng.scheduler.running, eng.proposer, eng.spec)
+        eng.step()
+    states = {e["requests"].get("req-2", {}).get("state") for e in eng.policy.trace}
+    assert DraftState.INELIGIBLE.value in states  # logprobs: never speculates, never turns the others off
+
+
+# ---- each lever against the spec-off oracle ----------------------------------------------------------
+LEVERS = [{"spec_gate": 1}, {"spec_trim": 2}, {"spec_policy": "auto"}]  # gate=3: the resume case; trim=4: the gates
+
+
+@pytest.mark.parametrize("kw", LEVERS, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
+def test_levers_are_lossless_and_counted(tiny_pair, prompts, params, baseline, kw):
+    llm = _llm(tiny_pair, **kw)
+    out = [o.output_ids for o in llm.generate(prompts, params)]
+    assert out == baseline
+    m = llm.engine.metrics
+    trim = kw.get("spec_trim")
+    if trim:
+        assert max(m.span_hist) == trim + 1 and len(m.accepted_per_pos) <= trim
+    if "spec_gate" in kw:
+        assert m.gated_rounds > 0
+    text = m.prometheus("x")
+    assert "specbench:spec_gated_rounds_total" in text and 'specbench:spec_step_span_total{model_name="x",span="' in text
+
+
+def test_resume_after_the_gate_per_request(tiny_pair, prompts, params, baseline):
+    """A batch of 4 starts above the gate (2) and shrinks to it: a request gated first must later
+    speculate and accept a draft, without a prefill in between (its drafter context kept)."""
+    llm = _llm(tiny_pair, spec_gate=2)
+    eng = llm.engine
+    rids = [eng.add_request(p, sp, rid=f"q{i}") for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
+    prefill_steps: dict[str, int] = {}
+    done: dict[str, list[int]] = {}
+    while eng.has_unfinished():
+        for r in eng.scheduler.running:
+            if r.in_prefill:
+                prefill_steps[r.rid] = prefill_steps.get(r.rid, 0) + 1
+        for o in eng.step():
+            if o.finished:
+                done[o.rid] = o.output_ids
+    assert [done[r] for r in rids] == baseline
+    trace = list(eng.policy.trace)
+    assert any(e["reason"] == "gate" for e in trace) and any(e["reason"] == "fixed" for e in trace)
+    resumed = []
+    for rid in rids:
+        seen = [e["requests"][rid] for e in trace if rid in e["requests"]]
+        gated = [i for i, x in enumerate(seen) if x["state"] == DraftState.GATED.value]
+        later = [x for x in seen[gated[0]:] if x["state"] == DraftState.SPEC.value and (x["accepted"] or 0) >= 1] \
+            if gated else []
+        if later:
+            resumed.append(rid)
+        assert all(x["state"] != DraftState.NOT_READY.value for x in seen[1:]), rid  # the capture never dropped
+    assert resumed, "no request was gated and then speculated with an accepted draft"
+    assert all(n == 1 for n in prefill_steps.values())  # one prefill each: resuming needs none
+
+
+def test_span_variant_changes_between_steps_mixed_batches(tiny_pair, prompts, params, baseline):
+    """The automatic policy's span cycles 1 -> 4 -> 2 -> 8 -> ... over mixed batches (truncated spans, decode
+    spans among verify spans) through the padded verify runner: every variant replays at its own row counts
+    and the output stays the spec-off output."""
+    llm = _llm(tiny_pair, fast=True, spec_policy="auto")
+    eng = llm.engine
+    cycle = itertools.cycle([1, 4, 2, 8, 8, 1])
+    eng.policy._best = lambda b, ready: (next(cycle) - 1, "policy", {})
+    out = [o.output_ids for o in llm.generate(prompts, params)]
+    assert out == baseline
+    assert set(eng.metrics.span_hist) == {1, 2, 4, 8}
+    vg = eng.runner.verify_graphs
+    assert vg is not None and vg.spans == (2, 4, 8) and vg.stats["steps"] > 0
+    assert eng.policy.costs is not None and eng.policy.costs.spans == [1, 2, 4, 8]
+
+
+def test_cost_model_monotone_and_interpolated():
+    t = monotone({1: [1.0, 5.0, 3.0], 2: [2.0, 1.5, 4.0]})  # noise: 5.0 at b=8, 2.0 above 1.5
+    assert t == {1: [1.0, 1.5, 3.0], 2: [1.5, 1.5, 4.0]}
+    cm = CostModel([1, 8, 64], [1, 2], t, [0.0, 0.0, 0.0])
+    assert cm.verify(4, 2) == pytest.approx(1.5) and cm.verify(128, 1) == pytest.approx(6.0)
+    assert cm.verify(3, 3) == cm.verify(3, 2)  # an unmeasured span takes the next longer one (or the last)
+
+
+# ---- the gates with each lever forced ----------------------------------------------------------------
+GATE_LEVERS = ["gate=1", "trim=4", "trim=2", "policy=auto"]
+
+
+@pytest.fixture
+def fixed_costs(tmp_path, monkeypatch):
+    """The automatic policy under a saved cost model (SPECBENCH_SPEC_COSTS) instead of CPU timings on a
+    shared machine: a launch-bound 1 ms step plus 0.002 ms per row, so a few requests speculate whatever the
+    measured host overhead and the acceptance (> 1.1 tokens per span) come to."""
+    batches, spans = [1, 2, 4, 8, 16, 32, 64], [1, 2, 4, 8]
+    model = {"batches": batches, "verify_ms": {str(s): [1.0 + 0.002 * b * s for b in batches] for s in spans},
+             "draft_ms": [0.05 for _ in batches]}
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps(model))
+    monkeypatch.setenv("SPECBENCH_SPEC_COSTS", str(path))
+    return path
+
+
+@pytest.mark.parametrize("lever", GATE_LEVERS)
+def test_greedy_and_concurrent_gates_pass_with_the_lever(tiny_pair, lever, fixed_costs):
+    """The greedy gate sends its prompts one at a time (gate=1 never fires for a request alone: it speculates);
+    the concurrent gate sends them together with staggered max_tokens: gated rounds, then speculation."""
+    t, d = tiny_pair
+    res = runner.invoke(cli.app, ["lossless", "--margin-tol", "0.20", "--baseline", f"local:{t},spec=off",
+                                  "--candidate", f"local:{t},draft={d},spec=dflash,{lever}", "--num-prompts", "3",
+                                  "--max-tokens", "16", "--concurrent", "--no-record", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["verdict"] == "PASS" and out["summary"]["gates"] == {"greedy": "PASS", "concurrent": "PASS"}
+
+
+@pytest.mark.parametrize("lever,conc", [("gate=1", 1), ("gate=1", 48), ("trim=4", 48), ("trim=2", 48),
+                                        ("policy=auto", 4)])
+def test_sampled_gate_with_the_lever(tiny_pair, lever, conc, fixed_costs):
+    """gate=1 with 48 samples in flight gates every round of the batch: little or nothing is drafted (the
+    verdict says so) and the distributions still match cell for cell; alone (concurrency 1) the same engine
+    speculates and passes."""
+    t, d = tiny_pair
+    res = runner.invoke(cli.app, ["sampled", "--baseline", f"local:{t},spec=off",
+                                  "--candidate", f"local:{t},draft={d},spec=dflash,{lever}", "--num-prompts", "1",
+                                  "--positions", "4", "--samples", "48", "--configs", "t=0.5", "--permutations", "99",
+                                  "--concurrency", str(conc), "--no-record", "--json"])
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert not any(c["rejected"] for c in out["comparisons"].values()), out
+    if lever == "gate=1" and conc > 1:  # drafts only where a request happens to run alone (prefill order)
+        assert out["verdict"] in ("PASS", "NOT SPECULATING", "NO DRAFT ACCEPTED"), out["verdict"]
+    else:
+        assert res.exit_code == 0 and out["verdict"] == "PASS", res.output
+
+
+def test_saved_cost_model(tiny_pair, fixed_costs, monkeypatch):
+    llm = _llm(tiny_pair, spec_policy="auto")
+    costs = llm.engine.policy.costs
+    assert costs is not None and costs.source.startswith("file:") and costs.verify(1, 8) == pytest.approx(1.016e-3)
+    assert llm.engine.describe()["levers"]["costs"]["verify_ms"]["8"][0] == pytest.approx(1.016)
+    fixed_costs.write_text("{}")
+    with pytest.raises(ConfigError, match="SPECBENCH_SPEC_COSTS"):
+        _llm(tiny_pair, spec_policy="auto")
+    monkeypatch.setenv("SPECBENCH_SPEC_COSTS", str(fixed_costs) + ".missing")
+    with pytest.raises(ConfigError, match="SPECBENCH_SPEC_COSTS"):
+        _llm(tiny_pair, spec_policy="auto")
