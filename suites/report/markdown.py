@@ -55,12 +55,17 @@ def run_header(s: RunSummary) -> list[str]:
     started = s.meta.get("started")
     when = time.strftime("%Y-%m-%d %H:%M", time.localtime(started)) if isinstance(started, int | float) else \
         (started or "—")
-    lines = [f"## Run `{s.run_id}`", "",
-             f"- {loop}; dataset **{wl.get('dataset', cfg.get('dataset'))}** ({wl.get('kept', '?')} prompts kept, "
-             f"seed {cfg.get('seed')}); max_tokens {cfg.get('max_tokens')}"
-             f"{' (ignore_eos)' if cfg.get('ignore_eos') else ''}; temperature {cfg.get('temperature')}; "
-             f"{cfg.get('rounds')} interleaved rounds; {cfg.get('warmup')} warm-up wave(s) per engine and level "
-             "(excluded)",
+    if s.meta.get("source") == "vllm-bench":  # an import: the workload and sampling are vLLM bench's own
+        setup = (f"- {loop}; a `vllm bench serve` run: {wl.get('kept', '?')} prompts per file, its own data set and "
+                 "sampling (not recorded in its result file); one file per cell")
+    else:
+        setup = (f"- {loop}; dataset **{wl.get('dataset', cfg.get('dataset'))}** ({wl.get('kept', '?')} prompts kept, "
+                 f"seed {cfg.get('seed')}); max_tokens {cfg.get('max_tokens')}"
+                 f"{' (ignore_eos)' if cfg.get('ignore_eos') else ''}; temperature {cfg.get('temperature')}; "
+                 f"{cfg.get('rounds')} interleaved rounds; {cfg.get('warmup')} warm-up wave(s) per engine and level "
+                 "(excluded)" + ("; chat endpoint (the server's chat template)" if cfg.get("endpoint_type") == "chat"
+                                 else ""))
+    lines = [f"## Run `{s.run_id}`", "", setup,
              f"- started {when}; git {s.meta.get('git_sha') or '—'}; device {s.meta.get('device') or '—'}"
              + ("" if s.complete else "; **INCOMPLETE run (interrupted): figures cover the cells that finished**")]
     req = s.meta.get("requests") if isinstance(s.meta.get("requests"), dict) else None
