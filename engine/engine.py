@@ -38,9 +38,9 @@ from .models.dflash import DFlashDraftModel
 from .models.dflash2 import drafter_class, load_draft_config
 from .models.qwen3 import Qwen3ForCausalLM
 from .output import OutputWriter, RequestOutput, eos_ids
-from .ranges import NO_RANGES, ProfilerRanges
 from .prefix_cache import PrefixIndex
 from .prefix_share import PrefixSharing
+from .ranges import NO_RANGES, ProfilerRanges
 from .request import Request
 from .runner import ModelRunner
 from .sampler import make_generator
@@ -51,10 +51,10 @@ from .spec.policy import SpanPolicy
 from .spec.propose import propose
 from .spec.proposer import Proposer
 from .spec.synthetic import SyntheticAcceptance
+from .teardown import KEEP_AT_CLOSE, EngineClosed, dismantle
 from .tokenizer import Tokenizer
 
 __all__ = ["LLMEngine", "RequestOutput", "AdmissionError", "InvariantError"]
-from .teardown import KEEP_AT_CLOSE, EngineClosed, dismantle
 log = logging.getLogger("specbench.engine")
 
 
@@ -188,6 +188,7 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     rid: str | None = None) -> str:
+        self._check_open()
         params = params or SamplingParams()
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
@@ -198,7 +199,6 @@ class LLMEngine:
         bad = [t for t in ids if not 0 <= t < self.mcfg.vocab_size]
         if bad:
             raise ConfigError(f"prompt token ids {bad[:5]} are out of range: expected 0 <= id < {self.mcfg.vocab_size}")
-        self._check_open()
         with self._lock:
             rid = rid if rid is not None else f"req-{next(self._ids)}"
             if rid in self.requests:
@@ -230,16 +230,6 @@ class LLMEngine:
         self.requests.pop(req.rid, None)
         self._gens.pop(req.rid, None)
 
-    # ---- the step --------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """One step: schedule -> propose -> forward -> accept -> commit. Returns the outputs of the requests
-        that got new tokens or finished. With `check_invariants` the run-time invariants are checked after
-        the commit (engine/invariants.py; InvariantError on a violation)."""
-        with self._lock:
-            self.metrics.steps += 1
-            self.step_count += 1
-            with self.ranges.phase("schedule"):
-                ks = draft_lens(self.scheduler.running, self.proposer, self.spec)
     # ---- teardown --------------------------------------------------------------------------------
     def close(self) -> None:
         """Give back the weights, the KV pool, the graphs and every buffer now, without waiting for the cycle
@@ -279,7 +269,6 @@ class LLMEngine:
             if plan.spans:
                 with self.ranges.phase("draft"):
                     propose(plan, self.proposer, ks, self.faults)
-        self._check_open()
                 with self.ranges.phase("verify" if plan.has_verify else "forward"):
                     fwd = run_forward(plan, self.runner, self.proposer, self.faults)
                 with self.ranges.phase("accept"):
