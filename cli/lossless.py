@@ -51,6 +51,10 @@ def lossless(
     batch_prompts: int | None = typer.Option(None, "--batch-prompts", min=1, help="Prompts (mixed lengths) of the batch-invariance gates. Default: the largest level."),
     rate_alpha: float = typer.Option(0.01, "--rate-alpha", help="Significance level of the divergence-rate tests."),
     rate_detect: float = typer.Option(5.0, "--rate-detect", help="Power rule: the rate (per 1,000 tokens, at least 2x the noise) the rate test must be able to see; below it CANNOT TEST."),
+    suite: str = typer.Option("greedy", "--suite", help="greedy: spec on vs spec off (this page). prefix: the warm-vs-cold prefix-cache gate on the candidate alone (docs/prefix-cache.md): repeats, a shared system prompt, two-turn conversations ending at block boundary -1/0/+1, one-block-short matches; --num-prompts conversations."),
+    block_sizes: str | None = typer.Option(None, "--block-sizes", help="--suite prefix: the block sizes to place the boundary cases at, comma-separated (default: the local engine's page size; for an endpoint 16, vLLM's default; SGLang matches per token)."),
+    prefix_selftest: bool = typer.Option(False, "--selftest", help="--suite prefix: the gate's self-test instead: --repeat clean engines must PASS without fallbacks, register_before_forward must FAIL, no_publish_on_finish must show fallbacks (a local candidate)."),
+    repeat: int = typer.Option(5, "--repeat", min=1, help="--suite prefix --selftest: clean runs."),
 ) -> None:
     """Is speculation lossless? Greedy spec-on vs spec-off, every divergence judged by its regret.
 
@@ -71,6 +75,12 @@ def lossless(
     from specbench.suites.lossless.suite import SUITE_VERSION, LosslessConfig, LosslessError, run_lossless
 
     bad = usage_errors("lossless")
+    if suite not in ("greedy", "prefix"):
+        raise bad(f"--suite {suite!r} is invalid: expected greedy or prefix")
+    if suite == "prefix":
+        _prefix(candidate, tokenizer, dataset, num_prompts, max_tokens, block_sizes, prefix_selftest, repeat,
+                json_out, report, bad)
+        return
 
     if dataset not in DATASETS:
         raise bad(f"--dataset {dataset!r} is invalid: expected one of {', '.join(DATASETS)}")
@@ -130,3 +140,51 @@ def lossless(
     if draft_verdict is not None and draft_verdict != "PASS":
         typer.echo(f"check-draft: {draft_verdict} (see above): the drafter checkpoint is run wrong", err=True)
         raise typer.Exit(1)
+
+
+def _prefix(candidate, tokenizer, dataset, num_prompts, max_tokens, block_sizes, selftest, repeat, json_out,
+            report, bad) -> None:
+    """`--suite prefix`: the warm-vs-cold gate (or its self-test) on the candidate alone."""
+    from specbench.harness.engines import EngineStringError, baseline_and_candidate, build_adapter, gate_specs
+    from specbench.harness.verdicts import exit_code
+    from specbench.suites.lossless.prefix import (
+        PrefixGateOptions,
+        render_markdown,
+        render_selftest,
+        run_prefix_gate,
+        run_prefix_selftest,
+    )
+    from specbench.suites.lossless.prompts import load_prompts
+
+    try:
+        sizes = tuple(int(x) for x in block_sizes.split(",") if x.strip()) if block_sizes else None
+        if sizes is not None and (not sizes or min(sizes) < 1):
+            raise ValueError(f"--block-sizes {block_sizes!r} is invalid: expected positive integers, comma-separated")
+        from specbench.harness.adapters.dialect import with_tokenizer
+
+        _, cspec = gate_specs(with_tokenizer(list(baseline_and_candidate(None, candidate)), tokenizer))
+        cand = build_adapter(cspec, name="candidate")
+        texts = load_prompts(dataset, num_prompts)
+    except (EngineStringError, ValueError, FileNotFoundError) as e:
+        raise bad(str(e)) from None
+    opts = PrefixGateOptions(block_sizes=sizes, max_tokens=min(max_tokens, 32))
+    log = (lambda s: typer.echo(s, err=True)) if json_out else typer.echo
+
+    async def main():
+        try:
+            convs = [(pid, ids) for pid, text in texts if (ids := await cand.tokenize(text))]
+            if selftest:
+                return await run_prefix_selftest(cand, convs, opts, repeat=repeat, log=log)
+            return await run_prefix_gate(cand, convs, opts, log=log)
+        finally:
+            await cand.aclose()
+
+    out = asyncio.run(main())
+    text = render_selftest(out) if selftest else render_markdown(out)
+    if report is not None:
+        report.parent.mkdir(parents=True, exist_ok=True)
+        report.write_text(text, encoding="utf-8")
+    typer.echo(json.dumps(out.to_dict(), default=str) if json_out else text)
+    code = (0 if out.ok else 1) if selftest else exit_code(out.verdict)
+    if code:
+        raise typer.Exit(code)

@@ -13,6 +13,8 @@ refused at start (exit 2, naming the knob) when out of range. Endpoints and erro
 
 from __future__ import annotations
 
+from typing import Any
+
 import typer
 
 
@@ -40,6 +42,15 @@ def serve(
     spec_policy: str | None = typer.Option(None, "--spec-policy",
                                            help="off | auto: each step's span from the start-up cost model and the "
                                                 "running acceptance (default $SPECBENCH_SPEC_POLICY, else off)."),
+    prefix_cache: bool | None = typer.Option(None, "--prefix-cache/--no-prefix-cache",
+                                             help="Share the KV of full blocks between requests with the same prefix "
+                                                  "(default $SPECBENCH_PREFIX_CACHE, else on; docs/prefix-cache.md)."),
+    prefix_cache_pages: int | None = typer.Option(None, "--prefix-cache-pages", min=1,
+                                                  help="The most KV pages the prefix cache indexes (default: the pool)."),
+    spec_capture_cache_mb: float | None = typer.Option(None, "--spec-capture-cache-mb", min=0.0,
+                                                       help="The drafter's context kept for cached blocks, in MiB "
+                                                            "(default: every cached block; 0 = off: warm requests "
+                                                            "decode without drafts)."),
     warmup: bool = typer.Option(True, "--warmup/--no-warmup",
                                 help="Warm up (compile kernels, capture graphs) before /health reports ready."),
     api_key: str | None = typer.Option(None, "--api-key", help="Require Authorization: Bearer <key> on every route "
@@ -93,10 +104,13 @@ def serve(
 
     method = spec_method(spec, draft)
     levers = lever_kw(spec_gate, spec_trim, spec_policy)
+    prefix_kw: dict[str, Any] = {k_: v for k_, v in (("prefix_cache", prefix_cache), ("prefix_cache_pages",
+                                 prefix_cache_pages), ("spec_capture_cache_mb", spec_capture_cache_mb)) if v is not None}
     try:
         cfg = EngineConfig(model=model, draft=draft if method == "dflash" else None, device=device, dtype=dtype,
                            max_model_len=max_model_len, num_pages=num_pages,
-                           spec=SpecConfig(method=engine_method(method), num_speculative_tokens=k, **levers))
+                           spec=SpecConfig(method=engine_method(method), num_speculative_tokens=k, **levers),
+                           **prefix_kw)
         engine = LLMEngine(cfg)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         typer.echo(f"specbench serve: {e}", err=True)

@@ -5,6 +5,7 @@ Forms (options are comma-separated key=value after the target):
         [,num_pages=N][,faults=a+b][,name=X][,tau=T][,max_num_seqs=N][,attention=auto|torch|flashinfer]
         [,eager=0|1][,verify_graph=0|1][,draft_graph=0|1][,triton=0|1][,decode_tensor_cores=0|1][,gemv=0|1]
         [,decode_attention=flashinfer|triton][,invariants=0|1][,gate=N][,trim=K][,policy=off|auto]
+        [,prefix_cache=0|1][,prefix_cache_pages=N][,capture_mb=M]
         (no model_dir = the bundled tiny pair; tau = synthetic acceptance length for speed curves on random
         weights, labelled, never lossless; eager / verify_graph / draft_graph / triton: the GPU fast-path
         switches, docs/gpu.md; invariants: the engine's run-time invariants after every step,
@@ -47,7 +48,7 @@ OPTIONS = {
     "local": ("draft", "spec", "k", "device", "dtype", "num_pages", "faults", "name", "max_model_len", "tau",
               "max_num_seqs", "attention", "eager", "verify_graph", "draft_graph", "triton", "gemv",
               "decode_tensor_cores", "decode_attention", "gpu_memory_utilization", "invariants", "mix",
-              "gate", "trim", "policy"),
+              "gate", "trim", "policy", "prefix_cache", "prefix_cache_pages", "capture_mb"),
     "openai": ("model", "stream", "extras", "timeout", "retries", "api_key", "name", "tokenizer", "dialect", "probe",
                "ready_timeout", "dtype"),
     "hf": ("assistant", "lookup", "device", "dtype", "name"),
@@ -148,7 +149,14 @@ def parse_engine(raw: str) -> EngineSpec:
     if opts.get("decode_attention") is not None and opts["decode_attention"] not in DECODE_ATTENTION:
         raise _fail(raw, f"decode_attention={opts['decode_attention']!r} is invalid: expected one of "
                     f"{', '.join(DECODE_ATTENTION)}")
-    for key in (*SWITCHES, "invariants"):
+    _check_int(raw, opts, "prefix_cache_pages", 1)
+    if "capture_mb" in opts:
+        try:
+            assert float(opts["capture_mb"]) >= 0.0
+        except (ValueError, AssertionError):
+            raise _fail(raw, f"capture_mb={opts['capture_mb']!r} is invalid: expected a number of MiB >= 0 "
+                        "(0 = the drafter's capture cache off)") from None
+    for key in (*SWITCHES, "invariants", "prefix_cache"):
         if key in opts and opts[key] not in BOOLS:
             raise _fail(raw, f"{key}={opts[key]!r} is invalid: expected 0 or 1")
     if "gpu_memory_utilization" in opts:
@@ -316,6 +324,12 @@ def build_adapter(spec: EngineSpec | str, name: str | None = None) -> EngineAdap
                 kw[key] = spec.opt_bool(key, False)
         if "invariants" in o:
             kw["check_invariants"] = spec.opt_bool("invariants", False)
+        if "prefix_cache" in o:  # docs/prefix-cache.md
+            kw["prefix_cache"] = spec.opt_bool("prefix_cache", True)
+        if "prefix_cache_pages" in o:
+            kw["prefix_cache_pages"] = int(o["prefix_cache_pages"])
+        if "capture_mb" in o:
+            kw["spec_capture_cache_mb"] = float(o["capture_mb"])
         for key, arg in LEVERS.items():
             if key in o:
                 kw[arg] = o[key] if key == "policy" else int(o[key])

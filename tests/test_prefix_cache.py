@@ -213,3 +213,36 @@ def test_prefix_gate_cannot_test_without_a_cold_path():
 
     out = asyncio.run(run_prefix_gate(FakeAdapter(), [("p", [1, 2, 3])]))
     assert out.verdict.startswith("CANNOT TEST") and "prefix_reset" in out.verdict
+
+
+def test_prefix_gate_cannot_test_an_engine_without_a_prefix_cache(tiny_pair):
+    from specbench.harness.adapters.local import LocalAdapter
+
+    t, d = tiny_pair
+    out = _gate(LocalAdapter.from_dirs(t, d, spec="dflash", prefix_cache=False), n=1)
+    assert out.verdict == "CANNOT TEST (prefix cache)", out.verdict
+
+
+def test_prefix_gate_through_specbench_serve(tiny_pair):
+    """The endpoint path: POST /reset_prefix_cache, cache_salt, the hit counters scraped from /metrics."""
+    import httpx
+
+    from specbench.engine import EngineConfig, LLMEngine, SpecConfig
+    from specbench.harness.adapters.openai_api import OpenAIAdapter
+    from specbench.harness.server import ServerThread, make_app
+
+    t, d = tiny_pair
+    eng = LLMEngine(EngineConfig(model=t, draft=d, spec=SpecConfig(method="dflash"), num_pages=256))
+    app, loop = make_app(eng, served_name="tiny", max_pending=64)
+    srv = ServerThread(app).start()
+    try:
+        bad = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "a", "cache_salt": 3})
+        assert bad.status_code == 400 and "cache_salt" in bad.text
+        out = _gate(OpenAIAdapter(srv.url + "/v1", model="tiny", tokenizer=t), n=1)
+        assert out.verdict == "PASS" and out.cold_method == "reset", out.reason
+        assert all(c.cached_tokens for c in out.cases)  # from vllm:prefix_cache_hits deltas
+        assert any(c.drafted == "drafted" for c in out.cases)
+        assert "vllm:prefix_cache_hits_total" in httpx.get(srv.url + "/metrics").text
+    finally:
+        srv.stop()
+        loop.close()

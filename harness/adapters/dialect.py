@@ -272,7 +272,7 @@ def probe_endpoint(client: httpx.Client, root: str, api: str, model: str | None,
             caps.sampler_defaults = {"top_k": 40, "top_p": 0.95, "min_p": 0.05}
         caps.notes.append("every request sends its own top_k / top_p / min_p (the server's defaults would "
                           f"apply otherwise: {caps.sampler_defaults})")
-    elif caps.dialect == "vllm":
+    elif caps.dialect in ("vllm", "specbench"):  # specbench serve takes vLLM's cache_salt (docs/prefix-cache.md)
         caps.prompt_cache = "cache_salt"
         caps.notes.append("prompt_cache=False requests carry a fresh cache_salt each (vLLM >= 0.9): no prefix-cache "
                           "hit, so a gate's request is computed cold")

@@ -45,7 +45,7 @@ def pin_samplers(body: dict, req: GenRequest, dialect: str, extras: bool, extra_
     elif dialect in ("vllm", "specbench", "sglang") and extras:
         body["top_k"] = req.top_k if req.top_k and req.top_k > 0 else -1
         body["min_p"] = 0.0
-    if dialect == "vllm" and req.prompt_cache is False and "cache_salt" not in extra_body:
+    if dialect in ("vllm", "specbench") and req.prompt_cache is False and "cache_salt" not in extra_body:
         body["cache_salt"] = f"specbench-cold-{uuid.uuid4().hex}"  # no block shared with any other request
 
 

@@ -85,6 +85,13 @@ def create_app(state: ServerState) -> FastAPI:
                 "chat_template": tok.chat_template, "model_max_length": state.engine.max_model_len,
                 "vocab_size": tok.vocab_size, "add_bos_token": bool(cfg.get("add_bos_token", False))}
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Any:
+        """vLLM's route: forget every cached block; 409 while a running request holds one."""
+        if not await off_loop(state, state.engine.reset_prefix_cache):
+            return APIError("running requests hold cached blocks; retry when idle", 409, "conflict_error").response()
+        return JSONResponse({"reset": True})
+
     @app.get("/metrics")
     async def metrics() -> Any:
         body, ctype = state.metrics.render()

@@ -84,6 +84,15 @@ class EngineCollector(Collector):
         yield per_pos
         yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", m.prompt_tokens)
         yield counter("vllm:generation_tokens", "Number of generation tokens processed.", m.generation_tokens)
+        yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+                      getattr(m, "prefix_queries", 0))
+        yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                      getattr(m, "prefix_hits", 0))
+        yield counter("specbench:spec_capture_hits", "Prefix hits whose drafter context was restored.",
+                      getattr(m, "capture_hits", 0))
+        yield counter("specbench:spec_capture_fallbacks",
+                      "Prefix hits without the drafter's capture: the request decodes without drafts.",
+                      getattr(m, "capture_fallbacks", 0))
         sched, pool = getattr(e, "scheduler", None), getattr(e, "pool", None)
         running = len(sched.running) if sched is not None else m.num_running
         waiting = len(sched.waiting) if sched is not None else m.num_waiting

@@ -120,6 +120,7 @@ class CommonParams:
     continuous_usage: bool
     return_token_ids: bool
     tokens_as_ids: bool
+    cache_salt: str | None = None  # vLLM's: requests share prefix-cache blocks only under equal salts
 
 
 @dataclass
@@ -182,7 +183,15 @@ def _common(body: dict, max_tokens_default: int | None, max_tokens_key: str = "m
         continuous_usage=stream and get_bool(so, "continuous_usage_stats", False),
         return_token_ids=get_bool(body, "return_token_ids", False),
         tokens_as_ids=get_bool(body, "return_tokens_as_token_ids", False),
+        cache_salt=_cache_salt(body),
     )
+
+
+def _cache_salt(body: dict) -> str | None:
+    v = body.get("cache_salt")
+    if v is not None and (not isinstance(v, str) or not v):
+        raise APIError(f"cache_salt={v!r:.80} is invalid: expected a non-empty string", param="cache_salt")
+    return v
 
 
 def _prompts(v: Any) -> list[str | list[int]]:

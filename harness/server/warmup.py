@@ -222,6 +222,9 @@ def run_warmup(engine: Any, stop: threading.Event | None = None, progress: Calla
         reset = getattr(engine.metrics, "reset", None)
         if callable(reset):
             reset()
+        flush = getattr(engine, "reset_prefix_cache", None)
+        if callable(flush):  # warm-up prompts are not served traffic: the first real request finds no block of theirs
+            flush()
     seconds = time.perf_counter() - t0
     fast = engine.fast_path_stats() if hasattr(engine, "fast_path_stats") else {}
     missing: list[int] = []

@@ -36,7 +36,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from specbench.harness.adapters.base import EngineAdapter, GenRequest, GenResult, counters_delta
-from specbench.harness.verdicts import CANNOT_TEST, FAIL, PASS, CannotTest
+from specbench.harness.adapters.prom import parse_prometheus
+from specbench.harness.verdicts import CANNOT_TEST, EXIT_OK, FAIL, PASS, CannotTest, exit_code
 
 from .greedy import GreedyGateOptions, engine_dtype, resolve_rule
 from .regret import MARGIN_TOL, STRICT_FP32_TOL, first_divergence, judge_pick, merged_dist
@@ -117,7 +118,7 @@ class PrefixOutcome:
 
     @property
     def ok(self) -> bool:
-        return self.verdict == PASS
+        return exit_code(self.verdict) == EXIT_OK
 
     def to_dict(self) -> dict:
         return {"suite": "lossless-prefix", "verdict": self.verdict, "reason": self.reason, "engine": self.engine,
@@ -184,6 +185,17 @@ def drift_of(a: dict[int, float], b: dict[int, float]) -> float | None:
     return max(abs(a[t] - b[t]) for t in common)
 
 
+HIT_COUNTERS = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_hits")  # vLLM's, in tokens (specbench too)
+
+
+def prefix_hits(text: str | None) -> float | None:
+    """The prefix-cache hit counter (tokens) in a /metrics text, summed over labels; None when absent."""
+    if not text:
+        return None
+    vals = [v for name, _, v in parse_prometheus(text) if name in HIT_COUNTERS]
+    return sum(vals) if vals else None
+
+
 def _accept(res: GenResult, delta: dict | None) -> tuple[int | None, int | None]:
     """(drafts, accepted) of one request: its own spec stats, else the counters' delta around it."""
     s = res.spec or {}
@@ -229,9 +241,13 @@ class _Gate:
             c.boundary = total - round(total / c.block) * c.block  # as it ended (an early EOS moves it)
             c.warm = c.warmup + list(first.output_ids) + self.follow_up
         assert c.warm is not None
+        h0 = prefix_hits(await self.ad.metrics_text())
         warm, wd, wa = await self.spec_run(c.warm, cold=False)
+        h1 = prefix_hits(await self.ad.metrics_text())
         wlp = await _one(self.ad, self.req(c.warm, 1, logprobs=o.top_k))
         c.cached_tokens = (warm.spec or {}).get("cached_tokens")
+        if c.cached_tokens is None and h0 is not None and h1 is not None:
+            c.cached_tokens = int(h1 - h0)  # the counters' delta around the warm request (other traffic adds)
         cold1 = await self.cold(c.warm, 1, logprobs=o.top_k)
         cold2 = await self.cold(c.warm, 1, logprobs=o.top_k)
         cold, cd, ca = await self.spec_run(c.warm, cold=True)
@@ -325,6 +341,14 @@ async def run_prefix_gate(adapter: EngineAdapter, conversations: Sequence[tuple[
             f"{c.name}: {c.reason}" for c in out.failed[:3])
     elif not any(c.drift is not None for c in out.cases):
         out.verdict, out.reason = f"{CANNOT_TEST} (logprobs)", "no case had first-token logprobs in common"
+    elif any(c.cached_tokens is not None for c in out.cases) and not any(c.cached_tokens for c in out.cases):
+        out.verdict = f"{CANNOT_TEST} (prefix cache)"
+        out.reason = ("no warm request was served from the prefix cache (0 cached tokens in every case): the engine's "
+                      "cache is off or never matched, so warm and cold were the same computation")
+    elif all(c.cached_tokens is None for c in out.cases):
+        out.verdict = f"{PASS} (cache hits unverified)"
+        out.reason = (f"{len(out.cases)} cases, drift within {out.tolerance:.3g} nat, but the engine reports no "
+                      "cached-token counts (per request or vllm:prefix_cache_hits): a warm hit is not shown")
     else:
         out.verdict = PASS
         out.reason = f"{len(out.cases)} cases, drift within {out.tolerance:.3g} nat; {len(out.fallbacks)} fell back"
@@ -339,7 +363,7 @@ class PrefixSelftest:
     def problems(self) -> list[str]:
         out = []
         for i, c in enumerate(self.clean, 1):
-            if c.verdict != PASS or c.fallbacks:
+            if not c.ok or c.fallbacks:
                 out.append(f"clean #{i}: {c.verdict}, {len(c.fallbacks)} fell back ({c.reason[:120]})")
         for name, o in self.faults.items():
             want = PREFIX_FAULTS.get(name, "fail")
