@@ -128,3 +128,26 @@ def test_check_draft_cli_and_selftest(tiny_target, tiny_draft):
     assert r.exit_code == 3, r.output
     assert _cli(["check-draft", "/nonexistent"]).exit_code == 2
     assert _cli(["check-draft", str(FIXTURE), "--arch", "Nope"]).exit_code == 2
+
+
+def test_acceptance_sanity_over_http_names_the_variant_a_server_runs(tiny_target):
+    """For any engine: a `specbench serve` endpoint whose engine skips the selector is matched, from its
+    /metrics counters alone, to the 'selector skipped' variant."""
+    pytest.importorskip("fastapi")
+    from specbench.engine import EngineConfig, LLMEngine, SpecConfig
+    from specbench.harness.adapters.openai_api import OpenAIAdapter
+    from specbench.harness.draft_variants import run_variants
+    from specbench.harness.server import ServerThread, make_app
+
+    eng = LLMEngine(EngineConfig(model=tiny_target, draft=str(FIXTURE), spec=SpecConfig(method="dflash"),
+                                 num_pages=256, faults=("selector_skipped",)))
+    app, loop = make_app(eng, served_name="tiny", max_pending=64)
+    srv = ServerThread(app).start()
+    try:
+        oa = OpenAIAdapter(srv.url, model="tiny", probe=True)
+        rep = run_variants(tiny_target, str(FIXTURE), engine=oa, num_prompts=4, max_tokens=32)
+        oa.close()
+    finally:
+        srv.stop()
+        loop.close()
+    assert rep.verdict == "FAIL" and rep.nearest == "selector skipped", rep.render()
