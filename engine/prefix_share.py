@@ -72,6 +72,9 @@ class PrefixSharing:
     def seal(self, req: Request, ahead: int = 0, publish: bool = True) -> None:
         if self.pool.prefix is None or req.rid not in self.pool:
             return
+        ps = self.pool.page_size
+        if min(req.num_computed + ahead, req.num_tokens) // ps <= len(self.pool.entry_keys(req.rid)):
+            return  # no new full block (most steps): no token list built, nothing hashed
         captured: int | None = None
         if self.drafter:
             ctx = self.proposer.context(req.rid) if self.proposer is not None and publish else None
