@@ -13,7 +13,10 @@ Faults (`Faults`), decided per request in arrival order, so a test knows exactly
   succeed), unless it asks for a single token (the sweep's one-token probe);
 - `api_key`: every route but /health requires `Authorization: Bearer <key>` (else 401);
 - `echo_auth`: error bodies quote the request's Authorization header (a leaky server: what a client
-  records from an error must still never hold the key).
+  records from an error must still never hold the key);
+- `drop_idle`: close every connection right after its response without saying so (a server whose
+  keep-alive timeout beat the client's next request: the client must reconnect, not fail).
+`FakeEndpoint.state.connections` counts the connections accepted.
 Every request's path and headers are kept in `FakeEndpoint.seen` (tests check what the client sent).
 `spec_k=K` makes it a speculating server as seen from outside: every streamed chunk of n tokens counts as
 one verify step of K drafts with n - 1 accepted, published as vLLM's `vllm:spec_decode_*` counters on
@@ -40,6 +43,7 @@ class Faults:
     fail_marker: str | None = None
     api_key: str | None = None
     echo_auth: bool = False
+    drop_idle: bool = False
 
 
 @dataclass
@@ -52,6 +56,7 @@ class _State:
     attempts: dict[str, int] = field(default_factory=dict)
     seen: list[dict] = field(default_factory=list)
     keep_seen: bool = True
+    connections: int = 0
     spec_k: int = 0
     drafts: int = 0
     accepted: int = 0
@@ -89,6 +94,7 @@ class _Handler:
         self.st = st
 
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.st.connections += 1
         try:
             while True:
                 try:
@@ -101,6 +107,9 @@ class _Handler:
                 n = int(headers.get("content-length") or 0)
                 body = await reader.readexactly(n) if n else b""
                 await self.route(method, path, headers, body, writer)
+                if self.st.faults.drop_idle:
+                    await writer.drain()
+                    return
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
             return
         finally:

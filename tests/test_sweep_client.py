@@ -101,3 +101,39 @@ def test_client_benchmark_logic(capsys: pytest.CaptureFixture[str]) -> None:
     for r in rows.values():
         assert r["tokens"] == r["requests"] * 8 and r["chunks"] == r["requests"] * 4  # 2 tokens per chunk
         assert r["chunks_s"] > 0 and r["cpu_us_per_chunk"] > 0
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_raw_http_client_matches_httpx(monkeypatch: pytest.MonkeyPatch, chat: bool) -> None:
+    """sse_http.py against httpx on the same endpoint: the same tokens, chunks, usage and errors, streamed and
+    not; keep-alive connections reused; a connection the server dropped while idle is replaced, not failed."""
+    from specbench.harness.adapters.openai_api import OpenAIAdapter
+    from specbench.harness.fake_endpoint import FakeEndpoint, Faults
+
+    def reqs() -> list[GenRequest]:
+        mk = (lambda t: GenRequest(messages=[{"role": "user", "content": t}], max_tokens=7)) if chat else \
+            (lambda t: GenRequest(prompt=t, max_tokens=7))
+        return [mk(f"prompt {i}") for i in range(6)] + [mk("BOOM 400?")]
+
+    out = {}
+    for http in ("1", "0"):
+        monkeypatch.setenv("SPECBENCH_RAW_HTTP", http)
+        with FakeEndpoint(tokens_per_chunk=3, faults=Faults(fail_marker="BOOM")) as ep:
+            for stream in (True, False):
+                ad = OpenAIAdapter(ep.url, model="fake-model", stream=stream, retries=0)
+                assert ad.describe()["config"]["http"] == ("raw" if http == "1" else "httpx")
+                res = ad.generate_sync(reqs(), concurrency=1)
+                out[(http, stream)] = [(r.ok, r.completion_tokens, r.chunk_tokens, r.text, r.finish_reason,
+                                        (r.error or "")[:60]) for r in res]
+            conns = ep.state.connections
+        if http == "1":
+            assert conns <= 4, conns  # keep-alive: not one connection per request (14 requests, 2 adapters)
+    assert out[("1", True)] == out[("0", True)] and out[("1", False)] == out[("0", False)]
+    ok, failed = out[("1", True)][:-1], out[("1", True)][-1]
+    assert all(o[0] and o[1] == 7 and o[2] == [3, 3, 1] for o in ok)
+    assert not failed[0] and "HTTP 500: injected failure" in failed[5]
+    monkeypatch.setenv("SPECBENCH_RAW_HTTP", "1")
+    with FakeEndpoint(faults=Faults(drop_idle=True)) as ep:
+        ad = OpenAIAdapter(ep.url, model="fake-model", retries=0)
+        res = ad.generate_sync(reqs()[:4], concurrency=1)
+        assert all(r.ok and r.attempts == 1 for r in res) and ep.state.connections == 4

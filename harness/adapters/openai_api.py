@@ -9,7 +9,11 @@ Contract:
   default), vLLM's `return_token_ids` and `return_tokens_as_token_ids`, which make output ids and
   per-chunk token counts exact; servers that ignore them fall back as openai_stream.py documents.
   The request bodies (and the sampler settings pinned per dialect) are built in openai_request.py.
-  t_send is taken just before the request is written, each SSE event is timed on arrival.
+  t_send is taken just before the request is written, each SSE event is timed on arrival (the events of
+  one network read share that read's time). Generation requests go through sse_http.py's minimal
+  HTTP/1.1 client on plain http:// roots (httpx's per-chunk parsing was most of the client's CPU per
+  chunk; `describe()["config"]["http"]` says which; SPECBENCH_RAW_HTTP=0 is the off switch), through
+  httpx otherwise (https, proxies, an injected test transport) and for every other route.
 - Connect errors, 429 and 5xx answers before any output are retried (at most `retries` times,
   exponential backoff from `backoff` s); anything else (4xx, a read timeout, a stream that breaks after
   output started) fails that request only: ok=False with the error text, `attempts` recorded. A
@@ -50,6 +54,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +66,7 @@ from .dialect import Capabilities, LocalTokenizer, probe_endpoint
 from .openai_request import completions_body, native_body, split_url
 from .openai_stream import StreamAccumulator, chat_positions, legacy_positions
 from .prom import spec_counters_from_metrics
+from .sse_http import ConnectFailed, RawHTTP, ReadFailed, usable
 
 log = logging.getLogger("specbench.adapters")
 READY_POLL_S = 1.0
@@ -74,14 +80,17 @@ class _Retry(Exception):
         self.sent = sent
 
 
-async def _read_sse(resp: httpx.Response, acc: StreamAccumulator) -> bool:
-    """Feed every `data:` event of an SSE body to `acc` until [DONE]; whether any event came. Bytes are split
-    into lines here (no text decoding, no per-line regex: the client's per-chunk cost, benchmarks/client.py);
-    every event of one network read is timed once, at that read's arrival. A failure mid-stream raises with
-    `started` set on the exception (so it is not retried once output has arrived)."""
-    pending, started = b"", False
+async def _read_sse(pieces: AsyncIterator[bytes], acc: StreamAccumulator) -> bool:
+    """Feed every `data:` event of an SSE body (its bytes, in network-sized pieces) to `acc` until [DONE];
+    whether any event came. Bytes are split into lines here (no text decoding, no per-line regex: the
+    client's per-chunk cost, benchmarks/client.py); every event of one network read is timed once, at that
+    read's arrival. After [DONE] the rest of the body is read (so a keep-alive connection can be reused). A
+    failure mid-stream raises with `started` set on the exception (not retried once output has arrived)."""
+    pending, started, done = b"", False, False
     try:
-        async for data in resp.aiter_bytes():
+        async for data in pieces:
+            if done:
+                continue
             now = time.perf_counter()
             pending += data
             if b"\n" not in data:
@@ -92,11 +101,12 @@ async def _read_sse(resp: httpx.Response, acc: StreamAccumulator) -> bool:
                     continue
                 payload = line[5:].strip()
                 if payload == b"[DONE]":
-                    return True
+                    done = True
+                    break
                 started = True
                 acc.feed(json.loads(payload), now)
         line = pending.strip()
-        if line[:5] == b"data:" and line[5:].strip() not in (b"", b"[DONE]"):
+        if not done and line[:5] == b"data:" and line[5:].strip() not in (b"", b"[DONE]"):
             started = True
             acc.feed(json.loads(line[5:].strip()), time.perf_counter())
     except BaseException as e:
@@ -150,6 +160,8 @@ class OpenAIAdapter(EngineAdapter):
         self.transport = transport  # tests inject httpx.MockTransport here
         self._cli: httpx.AsyncClient | None = None
         self._cli_loop: asyncio.AbstractEventLoop | None = None
+        self._raw: RawHTTP | None = None
+        self._raw_loop: asyncio.AbstractEventLoop | None = None
         self._tokenize_ok: bool | None = None
         self._tokenize_body: str | None = None  # "prompt" | "content": the /tokenize body that answered
         self._info: dict | None = None
@@ -170,6 +182,7 @@ class OpenAIAdapter(EngineAdapter):
         self._key, self.auth = key, source
         self.headers = {"Authorization": f"Bearer {key}"}
         self._cli, self._cli_loop = None, None  # the next request builds a client with the header
+        self._raw, self._raw_loop = None, None
 
     @property
     def has_api_key(self) -> bool:
@@ -177,6 +190,17 @@ class OpenAIAdapter(EngineAdapter):
 
     def _mask(self, text: str) -> str:
         return scrub(text, [self._key] if self._key else [])
+
+    def _raw_client(self) -> RawHTTP | None:
+        """The minimal HTTP/1.1 client for generation requests (sse_http.py), or None where httpx serves
+        (an injected test transport, https, a proxy, SPECBENCH_RAW_HTTP=0)."""
+        if self.transport is not None or not usable(self.root):
+            return None
+        loop = asyncio.get_running_loop()
+        if self._raw is None or self._raw_loop is not loop:
+            self._raw = RawHTTP(self.root, self.headers, self.timeout.connect or 10.0, self.timeout.read or 600.0)
+            self._raw_loop = loop
+        return self._raw
 
     def _client(self) -> httpx.AsyncClient:
         loop = asyncio.get_running_loop()
@@ -330,9 +354,13 @@ class OpenAIAdapter(EngineAdapter):
                        first: tuple[float, float] | None = None) -> GenResult:
         acc = StreamAccumulator(chat=req.messages is not None, top_k=req.logprobs, native=url.endswith("/completion"),
                                 one_token_per_chunk=self.dialect == "llamacpp")
+        raw = self._raw_client()
+        data = json.dumps(body).encode() if raw is not None else b""
         sent = (time.perf_counter(), time.time())
         t_send, wall = first or sent  # the clock starts at the first send of the first attempt
         res = GenResult(rid=rid, ok=True, t_send=t_send, wall_send=wall, attempts=attempt, meta=dict(req.meta))
+        if raw is not None:
+            return await self._attempt_raw(raw, req, rid, url[len(self.root):], data, attempt, sent, acc, res)
         started = False
         try:
             async with self._client().stream("POST", url, json=body) as resp:
@@ -347,7 +375,7 @@ class OpenAIAdapter(EngineAdapter):
                     obj = json.loads(await resp.aread())
                     acc.feed(obj, time.perf_counter())
                 else:
-                    started = await _read_sse(resp, acc)
+                    started = await _read_sse(resp.aiter_bytes(), acc)
         except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError) as e:
             if not (started or getattr(e, "started", False)):
                 raise _Retry(f"{type(e).__name__}: {e}", sent) from e
@@ -357,6 +385,42 @@ class OpenAIAdapter(EngineAdapter):
         res.t_end = time.perf_counter()
         acc.finish(res)
         if not self.stream:  # one body: everything arrived at once
+            res.t_first = res.t_end
+        return res
+
+    async def _attempt_raw(self, raw: RawHTTP, req: GenRequest, rid: str, path: str, data: bytes, attempt: int,
+                           sent: tuple[float, float], acc: StreamAccumulator, res: GenResult) -> GenResult:
+        """`_attempt` over sse_http.py: the same outcomes (retry before output, broken after, 4xx fails)."""
+        try:
+            resp = await raw.post(path, data)
+        except ConnectFailed as e:
+            raise _Retry(str(e), sent) from e
+        except (TimeoutError, ReadFailed) as e:
+            return self._broken(req, rid, res, acc, f"{type(e).__name__}: {e or 'read timeout'}")
+        started = False
+        try:
+            if resp.status != 200:
+                msg = _error_text(resp.status, await resp.body())
+                if resp.status == 429 or resp.status >= 500:
+                    raise _Retry(msg, sent)
+                out = failed(req, rid, msg, res.t_send, attempt)
+                out.wall_send = res.wall_send
+                return out
+            if not self.stream:
+                acc.feed(json.loads(await resp.body()), time.perf_counter())
+            else:
+                started = await _read_sse(resp.iter_bytes(), acc)
+        except (ConnectionError, asyncio.IncompleteReadError) as e:
+            if not (started or getattr(e, "started", False)):
+                raise _Retry(f"{type(e).__name__}: {e}", sent) from e
+            return self._broken(req, rid, res, acc, f"{type(e).__name__} after output started: {e}")
+        except (TimeoutError, json.JSONDecodeError) as e:
+            return self._broken(req, rid, res, acc, f"{type(e).__name__}: {e or 'read timeout'}")
+        finally:
+            resp.release()
+        res.t_end = time.perf_counter()
+        acc.finish(res)
+        if not self.stream:
             res.t_first = res.t_end
         return res
 
@@ -517,6 +581,7 @@ class OpenAIAdapter(EngineAdapter):
         d = {"name": self.name, "kind": self.kind, "version": self._info.get("version"), "model": self.model,
              "config": {"base_url": self.root, "stream": self.stream, "extras": self.extras,
                         "timeout": self.timeout.read, "retries": self.retries, "auth": self.auth,
+                        "http": "raw" if self.transport is None and usable(self.root) else "httpx",
                         "tokenizer": self.local_tokenizer.path if self.local_tokenizer is not None else None,
                         "dtype": self.dtype},
              "server": self._info}
@@ -532,4 +597,7 @@ class OpenAIAdapter(EngineAdapter):
     async def aclose(self) -> None:
         if self._cli is not None and self._cli_loop is asyncio.get_running_loop():
             await self._cli.aclose()
+        if self._raw is not None and self._raw_loop is asyncio.get_running_loop():
+            await self._raw.aclose()
         self._cli, self._cli_loop = None, None
+        self._raw, self._raw_loop = None, None
