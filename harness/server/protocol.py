@@ -173,7 +173,7 @@ def _common(body: dict, max_tokens_default: int | None, max_tokens_key: str = "m
         top_p=get_num(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
         top_k=get_int(body, "top_k", 0, lo=-1) or 0,
         min_p=get_num(body, "min_p", 0.0, 0.0, 1.0),
-        seed=get_int(body, "seed", None),
+        seed=get_int(body, "seed", None, lo=-(2**63), hi=2**63 - 1),  # int64, as vLLM (torch refuses more)
         stop=get_stop(body),
         stop_token_ids=get_ids(body, "stop_token_ids"),
         ignore_eos=get_bool(body, "ignore_eos", False),
