@@ -204,13 +204,16 @@ class LLMEngine:
             if rid in self.requests:
                 raise ConfigError(f"request id {rid!r} is already in use")
             req = Request(rid, ids, params)
+            # before the scheduler sees it: a generator that cannot be made (a seed torch refuses) must not
+            # leave a scheduled request without one, which failed every later step
+            gen = make_generator(params.seed, self.device, self._gen)
             try:
                 self.scheduler.add(req)
             except AdmissionError:
                 self.metrics.requests_rejected += 1
                 raise
             self.requests[rid] = req
-            self._gens[rid] = make_generator(params.seed, self.device, self._gen)
+            self._gens[rid] = gen
             return rid
 
     def abort(self, rid: str) -> None:
