@@ -183,3 +183,28 @@ def test_c1_spec_counts_per_request_from_counter_deltas(cli: CliRunner, tmp_path
     assert d1["specbench"]["acceptance"]["length_request_mean"] == pytest.approx(3.0)
     md = cli.invoke(app, ["report", str(run), "-o", "-"]).output
     assert "counter deltas per request at c1" in md and "counters (server-wide)" in md
+
+
+def test_dataset_files_in_vllm_benchs_formats(tmp_path: Path) -> None:
+    """--dataset-path for sharegpt (a JSON list, first human turn) and spec-bench (JSONL turns, first turn),
+    and the errors that name the file, the line and the field."""
+    from specbench.suites.sweep.workload import WorkloadError, file_texts, load_texts
+
+    sg = tmp_path / "sg.json"
+    sg.write_text(json.dumps([{"id": "a", "conversations": [{"from": "human", "value": "hi there"},
+                                                            {"from": "gpt", "value": "hello"}]},
+                              {"id": "b", "conversations": [{"from": "gpt", "value": "no human turn"}]},
+                              {"id": "c", "conversations": [{"from": "human", "value": "second"}]}]))
+    assert file_texts("sharegpt", sg) == ["hi there", "second"]
+    sb = tmp_path / "q.jsonl"
+    sb.write_text(json.dumps({"question_id": 1, "category": "x", "turns": ["first turn", "second turn"]}) + "\n\n")
+    assert file_texts("spec_bench", sb) == ["first turn"]
+    texts, reps = load_texts("spec_bench", 3, 0, path=sb)
+    assert texts == ["first turn"] * 3 and reps == 3  # a file smaller than n is cycled, and says so
+    with pytest.raises(WorkloadError, match="expected a JSON list of conversations"):
+        file_texts("sharegpt", sb)
+    sb.write_text('{"turns": "not a list"}\n')
+    with pytest.raises(WorkloadError, match=r"line 1: field 'turns' is 'not a list'"):
+        file_texts("spec_bench", sb)
+    with pytest.raises(WorkloadError, match="works with --dataset-name custom, sharegpt"):
+        file_texts("gsm8k", sb)
