@@ -146,11 +146,14 @@ def build_cases(conversations: Sequence[tuple[str, list[int]]], system: list[int
     cases: list[Case] = []
     for i, (cid, ids) in enumerate(conversations):
         nxt = conversations[(i + 1) % len(conversations)][1]
-        cases.append(Case(cid, "repeat", block, None, list(ids), opts.max_tokens, warm=list(ids)))
-        cases.append(Case(cid, "system", block, None, system + list(nxt), opts.max_tokens, warm=system + list(ids)))
-        for b in BOUNDARIES:
+        # The turns first, boundary 0 first: a later case of this conversation computes the same greedy tokens,
+        # and the KV it leaves in freed pages would be the right KV for a block registered a row early (an
+        # engine reuses freed pages in the same order), hiding the register-before-forward defect.
+        for b in sorted(BOUNDARIES, key=abs):
             m = first_turn_tokens(len(ids), block, b, opts.first_turn_tokens)
             cases.append(Case(cid, "turn", block, b, list(ids), m))
+        cases.append(Case(cid, "repeat", block, None, list(ids), opts.max_tokens, warm=list(ids)))
+        cases.append(Case(cid, "system", block, None, system + list(nxt), opts.max_tokens, warm=system + list(ids)))
         shared = (system + list(ids))[: max(block, (len(system) // block) * block) - 1]  # ends 1 short of a block
         tail_a, tail_b = list(nxt[:8]) or [1], list(ids[:8]) or [2]
         if tail_a[0] == tail_b[0]:
