@@ -24,6 +24,7 @@ COMMANDS: dict[str, str] = {
     "eval": "specbench.cli.eval:eval_cmd",
     "profile": "specbench.cli.profile:profile",
     "sweep": "specbench.cli.sweep:sweep",
+    "tune": "specbench.cli.tune:tune",
     "report": "specbench.cli.report:report",
     "import": "specbench.cli.import_cmd:import_cmd",
     "lossless": "specbench.cli.lossless:lossless",

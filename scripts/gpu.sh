@@ -18,6 +18,10 @@
 #   gemv         benchmarks/gemv.py (Triton GEMVs vs cuBLAS per decode shape, config search; GEMV_ARGS)
 #   accept       benchmarks/accept_cost.py at batch 1 and 64 (issue 11: sampling vs greedy accept step)
 #   profile      specbench profile on the pair: spec off/on (synthetic tau 6.5) x eager/graphs (issue 9)
+#   levers       scripts/levers.sh on the pair (issue 20): per synthetic tau (LEVERS_TAUS, default "6.5 3.5 2.0";
+#                one tau per call fits the deadline) one `specbench tune --each` sweep of plain, spec without levers,
+#                trim 4 / 2, gate 16 and the automatic policy at c1..c64, merged into $OUT/h200-levers/levers.{json,md}
+#                (and into reports/h200-levers/levers.json when the tree carries one); LEVERS_* knobs: scripts/levers.sh
 #   speed        benchmarks/speed.py (issue 19): plain decode per step vs the dense floor by concurrency, step
 #                benches b1, spec vs plain at synthetic tau 6.5, decode step vs context; writes $W/h200-engine/
 #                speed.json + speed.md (copied to $OUT/h200-engine/); SPEED_ARGS adds benchmark flags
@@ -169,6 +173,16 @@ if [ "$what" = lossless ]; then
     --num-prompts ${LOSSLESS_PROMPTS:-16} --max-tokens ${LOSSLESS_TOKENS:-64} --no-record \
     --report "$W/lossless-4b.md" 2>&1 | tee "$W/lossless.log"
   r=${PIPESTATUS[0]}; log "lossless rc=$r (NOT SPECULATING is expected: a random drafter accepts nothing)"
+fi
+if [ "$what" = levers ]; then  # issue 20: scripts/levers.sh on the 4B-shaped pair -> $OUT/h200-levers/levers.{json,md}
+  pair "$SPEC_WORKDIR"
+  mkdir -p "$W/levers" "$OUT/h200-levers"
+  # earlier taus' sections (committed under reports/h200-levers) are kept: each call merges into them
+  [ -f reports/h200-levers/levers.json ] && [ ! -f "$W/levers/levers.json" ] && cp reports/h200-levers/levers.json "$W/levers/"
+  log "levers: taus ${LEVERS_TAUS:-6.5 3.5 2.0} at c ${LEVERS_LEVELS:-1,8,16,32,64}"
+  LEVERS_PAIR="$SPEC_WORKDIR" LEVERS_BUDGET=$(( $(left) - 30 )) bash scripts/levers.sh "$W/levers" 2>&1 | tee "$W/levers.log"
+  r=${PIPESTATUS[0]}; [ "$r" = 0 ] || rc=$r; log "levers rc=$r"
+  cp "$W"/levers/levers.json "$W"/levers/levers.md "$OUT/h200-levers/" 2>/dev/null
 fi
 if [ "$what" = profile ]; then
   pair "$SPEC_WORKDIR"

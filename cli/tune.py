@@ -1,0 +1,104 @@
+"""`specbench tune`: the sweep over concurrency for spec off and a grid of settings, the crossover and the best
+setting per concurrency with noise floors (suites/tune.py).
+
+Thin: parses and validates options (a bad value exits 2 naming the option), builds the arms (bundled engine:
+--base plus the --k / --trim / --gate / --policy grid; any engine: --arms label=engine;...), runs the sweep with
+a progress line and an ETA, prints the table and writes --json / --report / --merge-into. Ctrl-C keeps every
+record already written and exits 130.
+"""
+
+from __future__ import annotations
+
+import json
+
+import typer
+
+
+def _ints(text: str | None, option: str, lo: int) -> list[int]:
+    if text is None:
+        return []
+    out = []
+    for p in text.split(","):
+        p = p.strip()
+        if not p.lstrip("-").isdigit() or int(p) < lo:
+            raise typer.BadParameter(f"{p!r} in {text!r} is invalid: expected comma-separated integers >= {lo}",
+                                     param_hint=option)
+        out.append(int(p))
+    return out
+
+
+def tune(
+    base: str = typer.Option(None, "--base", help="The bundled engine the grid varies (an engine string, e.g. "
+                             "local:<dir>,draft=<dir>,device=cuda,tau=6.5); default: the bundled tiny pair."),
+    arms: str = typer.Option(None, "--arms", help="Instead of a grid: label=engine;label=engine;... (any engines, e.g. "
+                             "several vLLM servers); the first is the spec-off baseline unless --baseline names one."),
+    baseline: str = typer.Option(None, "--baseline", help="Label of the spec-off arm with --arms (default: the first)."),
+    k: str = typer.Option(None, "--k", help="Grid: K values, comma-separated (default: the engine's own K)."),
+    trim: str = typer.Option("0", "--trim", help="Grid: draft trims, comma-separated (0 = no trim)."),
+    gate: str = typer.Option("0", "--gate", help="Grid: max-batch gate thresholds, comma-separated (0 = no gate)."),
+    policy: str = typer.Option("off,auto", "--policy", help="Grid: span policies, comma-separated (off, auto)."),
+    each: bool = typer.Option(False, "--each/--product", help="Grid: one lever at a time (spec without levers, then "
+                              "each value of each knob alone) instead of every combination."),
+    concurrency: str = typer.Option("1,8,16,32,64", "--concurrency", "-c", help="Concurrency levels."),
+    dataset: str = typer.Option("gsm8k", "--dataset"),
+    prompts_per_level: int = typer.Option(4, "--prompts-per-level", min=1),
+    max_tokens: int = typer.Option(128, "--max-tokens", min=1),
+    rounds: int = typer.Option(2, "--rounds", min=1, help="Interleaved rounds per level."),
+    warmup: int = typer.Option(1, "--warmup", min=0),
+    ignore_eos: bool = typer.Option(True, "--ignore-eos/--no-ignore-eos"),
+    out: str = typer.Option(None, "--out", help="Results directory (default $SPECBENCH_RESULTS or ./results)."),
+    json_out: str = typer.Option(None, "--json", help="Write the analysis as JSON here."),
+    report: str = typer.Option(None, "--report", help="Write the markdown here."),
+    merge_into: str = typer.Option(None, "--merge-into", help="Add this run as a section of a combined JSON (and its "
+                                   ".md beside it), e.g. reports/h200-levers/levers.json."),
+    section: str = typer.Option(None, "--section", help="The section's name with --merge-into (default: the arms)."),
+    progress: bool = typer.Option(True, "--progress/--no-progress"),
+) -> None:
+    """Find the crossover concurrency and the best speculation setting per concurrency."""
+    import os
+
+    from specbench.harness.engines import EngineStringError
+    from specbench.suites.sweep.runner import SweepConfig
+    from specbench.suites.tune import merge, remote_arms, render, run_tune, tune_arms
+
+    from .sweep import _levels
+
+    levels = _levels(concurrency, "--concurrency", rate=False)
+    pols = [p.strip() for p in policy.split(",") if p.strip()]
+    bad = [p for p in pols if p not in ("off", "auto")]
+    if bad or not pols:
+        raise typer.BadParameter(f"{policy!r} is invalid: expected off and/or auto", param_hint="--policy")
+    if arms and (base or k):
+        raise typer.BadParameter("give --arms or a grid (--base, --k), not both", param_hint="--arms")
+    try:
+        if arms:
+            engines, labels = remote_arms(arms)
+            base_label = baseline or labels[0]
+        else:
+            engines, labels = tune_arms(base or "local", [*_ints(k, "--k", 1)] or [None], _ints(trim, "--trim", 0),
+                                        _ints(gate, "--gate", 0), pols, each=each)
+            base_label = labels[0]
+        cfg = SweepConfig(levels=levels, dataset=dataset, prompts_per_level=prompts_per_level, max_tokens=max_tokens,
+                          rounds=rounds, warmup=warmup, ignore_eos=ignore_eos)
+        res = run_tune(cfg, engines, labels, out or os.environ.get("SPECBENCH_RESULTS") or "results",
+                       baseline=base_label, progress=progress)
+    except EngineStringError as e:
+        raise typer.BadParameter(str(e), param_hint="--arms" if arms else "--base") from None
+    except ValueError as e:
+        typer.echo(f"specbench tune: {e}", err=True)
+        raise typer.Exit(2) from None
+    except KeyboardInterrupt:
+        typer.echo("specbench tune: interrupted; every finished record kept", err=True)
+        raise typer.Exit(130) from None
+    typer.echo(render(res))
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+    if report:
+        with open(report, "w") as f:
+            f.write("# specbench tune\n\n" + render(res))
+    if merge_into:
+        j, md = merge(merge_into, section or ", ".join(labels), res)
+        typer.echo(f"merged into {j} and {md}")
+    if not res.get("complete"):
+        raise typer.Exit(130)

@@ -1,0 +1,111 @@
+"""`specbench tune` (suites/tune.py): the arms a grid makes, the analysis on a known summary (ratios, noise floor,
+crossover, best arm, chosen spans, recommendation), rendering and merging, the ETA, bad options, and one tiny
+end-to-end run on CPU."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+from typer.testing import CliRunner
+
+from specbench.cli import app as cli
+from specbench.suites.sweep.runner import SweepConfig
+from specbench.suites.tune import PLAIN, Progress, analyze, merge, remote_arms, render, tune_arms
+
+cli._register()
+runner = CliRunner()
+
+
+def test_tune_arms_grid_and_each(tiny_pair):
+    t, d = tiny_pair
+    base = f"local:{t},draft={d},spec=dflash,tau=6.5,device=cpu"
+    engines, labels = tune_arms(base, [None], [0, 2], [0, 8], ["off", "auto"])
+    assert labels[0] == PLAIN and "spec=off" in engines[0] and "tau" not in engines[0]
+    assert len(labels) == 1 + 8 and "spec-trim2-gate8-auto" in labels and "spec" in labels
+    assert all("tau=6.5" in e and f"name={lab}" in e for e, lab in zip(engines[1:], labels[1:], strict=True))
+    _, each = tune_arms(base, [None, 3], [4, 2], [16], ["off", "auto"], each=True)
+    assert each == [PLAIN, "spec", "spec-k3", "spec-trim4", "spec-trim2", "spec-gate16", "spec-auto"]
+    _, dropped = tune_arms(base, [3], [0, 4], [0], ["off"])  # trim 4 >= K 3: no such arm
+    assert dropped == [PLAIN, "spec-k3"]
+    with pytest.raises(ValueError, match="bundled engine"):
+        tune_arms("openai:http://127.0.0.1:1")
+    e, lab = remote_arms("off=openai:http://a:1/v1;k4=openai:http://b:1/v1,model=m")
+    assert lab == ["off", "k4"] and e[1] == "openai:http://b:1/v1,model=m"
+
+
+def _summary(ratios: dict[str, list[float]], noise: list[float], levels=(1, 8, 32)):
+    cells = {("plain", lv): SimpleNamespace(tok_s_median=100.0 * lv) for lv in levels}
+    speedups = {}
+    for a, rs in ratios.items():
+        for lv, r in zip(levels, rs, strict=True):
+            cells[(a, lv)] = SimpleNamespace(tok_s_median=100.0 * lv * r)
+            speedups[(a, lv)] = {"median": r}
+    return SimpleNamespace(baseline="plain", compared_arms=["plain", *ratios], levels=list(levels),
+                           noise={lv: {"noise": n} for lv, n in zip(levels, noise, strict=True)},
+                           speedups=speedups, get=lambda a, lv: cells.get((a, lv)))
+
+
+def test_analyze_crossover_best_and_recommendation():
+    s = _summary({"spec": [2.4, 1.3, 0.8], "spec-auto": [2.3, 1.35, 1.01], "spec-gate16": [2.4, 1.3, 0.99]},
+                 [0.02, 0.02, 0.02])
+    recs = [{"kind": "cell", "arm": "spec-auto", "level": 32, "counters": {"span_hist": {"1": 90, "16": 10}}},
+            {"kind": "cell", "arm": "spec-auto", "level": 32, "warmup": True, "counters": {"span_hist": {"1": 5}}}]
+    res = analyze(s, recs)
+    assert res["crossover"] == {"spec": 32, "spec-auto": None, "spec-gate16": None}
+    assert [r["best"] for r in res["per_level"]] == ["spec", "spec-auto", "plain"]  # 1.01 is inside the noise
+    assert res["per_level"][2]["arms"]["spec-auto"] == {"tok_s": pytest.approx(3232.0), "ratio": 1.01,
+                                                        "resolved": False, "spans": {"1": 90, "16": 10}}
+    assert res["recommendation"]["one_setting"] == "spec-auto"
+    md = render(res)
+    assert "| 32 | 3200.0 | 0.020 | 0.800 | 1.010* | 0.990* | plain |" in md
+    assert "spec c32" in md and "| spec-auto | 32 | 1: 90, 16: 10 |" in md and "`spec-auto` never loses" in md
+    none = analyze(_summary({"spec": [2.0, 0.5, 0.5]}, [0.01] * 3), [])
+    assert none["recommendation"]["one_setting"] is None and "no single setting" in render(none)
+
+
+def test_merge_sections(tmp_path):
+    res = analyze(_summary({"spec": [2.0, 1.1, 0.9]}, [0.01] * 3), [])
+    j, md = merge(tmp_path / "lv" / "levers.json", "tau 6.5", res)
+    merge(j, "tau 2.0", res)
+    merge(j, "tau 6.5", res)  # replaced, not repeated
+    doc = json.loads(j.read_text())
+    assert list(doc["sections"]) == ["tau 6.5", "tau 2.0"]
+    text = md.read_text()
+    assert text.count("## tau 6.5") == 1 and "## tau 2.0" in text
+
+
+def test_progress_eta(tmp_path):
+    cfg = SweepConfig(levels=(1, 4), rounds=2, warmup=0, prompts_per_level=2, max_tokens=10)
+    p = Progress(tmp_path, cfg, n_arms=2, stream=open("/dev/null", "w"))
+    assert "ETA unknown" in p.tick()
+    run = tmp_path / "run1"
+    run.mkdir()
+    (run / "cells.jsonl").write_text(json.dumps({"level": 4, "arm": "a", "round": 0}) + "\n")
+    line = p.tick()  # at least 8 prompts a cell: one cell of 2 arms x 2 rounds x 2 levels, all alike
+    assert "12.5% of the sweep's work" in line and "ETA" in line and "unknown" not in line
+
+
+@pytest.mark.parametrize("args,hint", [(["--trim", "x"], "--trim"), (["--gate", "-1"], "--gate"),
+                                       (["--policy", "sometimes"], "--policy"), (["-c", "0"], "--concurrency"),
+                                       (["--arms", "a=openai:http://x:1", "--k", "3"], "--arms")])
+def test_bad_options_exit_2(args, hint):
+    r = runner.invoke(cli.app, ["tune", *args])
+    assert r.exit_code == 2 and hint in r.output, r.output
+
+
+def test_tune_end_to_end_on_cpu(tiny_pair, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECBENCH_INVARIANTS", "0")
+    t, d = tiny_pair
+    r = runner.invoke(cli.app, ["tune", "--base", f"local:{t},draft={d},num_pages=128,max_num_seqs=4", "--gate", "1",
+                                "--policy", "off", "--each", "-c", "1,2", "--max-tokens", "6", "--prompts-per-level",
+                                "1", "--rounds", "1", "--warmup", "0", "--no-progress", "--out", str(tmp_path / "res"),
+                                "--json", str(tmp_path / "t.json"), "--merge-into", str(tmp_path / "levers.json"),
+                                "--section", "cpu"])
+    assert r.exit_code == 0, r.output
+    res = json.loads((tmp_path / "t.json").read_text())
+    assert [a["label"] for a in res["arms"]] == [PLAIN, "spec", "spec-gate1"]
+    gated = res["per_level"][1]["arms"]["spec-gate1"]["spans"]  # c2 > gate 1: one-token rounds were counted
+    assert gated.get("1", 0) > 0
+    assert "## cpu" in (tmp_path / "levers.md").read_text()
