@@ -45,6 +45,10 @@
 #   dflash2      benchmarks/dflash2_step.py (issue 25): the DFlash2 draft step vs DFlash1 (graph and eager) at batch 1 on the
 #                Qwen3-4B-shaped pair, the random DFlash2 drafter built in $SPEC_WORKDIR/draft-dflash2 when absent;
 #                $W/dflash2_step.{json,log}, copied to $OUT/h200-dflash2/; DFLASH2_ARGS adds flags (--batch, --context)
+#   prefix       issue 21: the prefix gate on the bundled pair on CUDA (bf16), then benchmarks/prefix.py (a multi-turn
+#                workload behind a PREFIX_TOKENS (1000) shared prefix, prefix cache on vs off): the bundled pair
+#                (its real drafter: acceptance on warm turns vs cold) and the Qwen3-4B-shaped pair at synthetic tau
+#                PREFIX_TAU (6.5: speed); $W/h200-prefix/*, copied to $OUT/h200-prefix/ (reports/h200-prefix/)
 # Knobs: TEST_TIMEOUT, BENCH_TIMEOUT, BENCH_BUDGET (decode); SPEC_TIMEOUT, SPEC_BUDGET (steps), SWEEP_TIMEOUT
 # (the sweep is interrupted like Ctrl-C at it: records kept), SWEEP_LEVELS, SWEEP_TAUS, SWEEP_ROUNDS, SWEEP_PPL,
 # SWEEP_MAX_TOKENS, SPEC_WORKDIR (the Qwen3-4B-shaped pair; built there when absent).
@@ -123,6 +127,29 @@ if [ "$what" = spec-sweep ] || [ "$what" = spec ]; then
     --out "$W/spec_sweep.json" "$@" 2>&1 | tee "$W/spec_sweep.log"
   r=${PIPESTATUS[0]}; [ "$r" = 0 ] || rc=$r
   log "spec sweep rc=$r"
+fi
+if [ "$what" = prefix ]; then  # issue 21 -> $OUT/h200-prefix/
+  mkdir -p "$W/h200-prefix" "$OUT/h200-prefix"
+  log "prefix gate, bundled pair, cuda bf16"
+  timeout $(cap ${PREFIX_GATE_TIMEOUT:-150}) python3 -m specbench lossless --suite prefix --num-prompts ${PREFIX_CONVS:-4} \
+    --candidate "local,spec=dflash,device=cuda,dtype=bfloat16" --report "$W/h200-prefix/gate-tiny-bf16.md" 2>&1 \
+    | tee "$W/h200-prefix/gate.log"
+  r=${PIPESTATUS[0]}; [ "$r" = 0 ] || rc=$r; log "prefix gate rc=$r"
+  log "prefix benchmark, bundled pair (real drafter), cuda bf16"
+  timeout $(cap ${PREFIX_TIMEOUT:-150}) python3 -m specbench.benchmarks.prefix --device cuda --dtype bfloat16 \
+    --prefix-tokens ${PREFIX_TOKENS:-1000} --conversations ${PREFIX_CONVS_BENCH:-16} --turns ${PREFIX_TURNS:-3} \
+    --max-tokens ${PREFIX_MAX_TOKENS:-64} --rounds ${PREFIX_ROUNDS:-3} --out "$W/h200-prefix/prefix-tiny.json" \
+    --report "$W/h200-prefix/prefix-tiny.md" 2>&1 | tail -12 | tee "$W/h200-prefix/prefix-tiny.log"
+  r=${PIPESTATUS[0]}; [ "$r" = 0 ] || rc=$r; log "prefix benchmark (tiny) rc=$r"
+  pair "$SPEC_WORKDIR"
+  log "prefix benchmark, Qwen3-4B-shaped pair, synthetic tau ${PREFIX_TAU:-6.5}"
+  timeout $(cap ${PREFIX_TIMEOUT:-240}) python3 -m specbench.benchmarks.prefix --target "$SPEC_WORKDIR/target" \
+    --draft "$SPEC_WORKDIR/draft" --device cuda --dtype bfloat16 --tau ${PREFIX_TAU:-6.5} \
+    --prefix-tokens ${PREFIX_TOKENS:-1000} --conversations ${PREFIX_CONVS_BENCH:-16} --turns ${PREFIX_TURNS:-3} \
+    --max-tokens ${PREFIX_MAX_TOKENS:-64} --rounds ${PREFIX_ROUNDS:-3} --out "$W/h200-prefix/prefix-4b.json" \
+    --report "$W/h200-prefix/prefix-4b.md" 2>&1 | tail -12 | tee "$W/h200-prefix/prefix-4b.log"
+  r=${PIPESTATUS[0]}; [ "$r" = 0 ] || rc=$r; log "prefix benchmark (4b) rc=$r"
+  cp "$W"/h200-prefix/* "$OUT/h200-prefix/" 2>/dev/null
 fi
 if [ "$what" = dflash2 ]; then
   pair "$SPEC_WORKDIR"

@@ -246,3 +246,14 @@ def test_prefix_gate_through_specbench_serve(tiny_pair):
     finally:
         srv.stop()
         loop.close()
+
+
+def test_prefix_benchmark_logic_on_cpu(capsys):
+    """benchmarks/prefix.py on a small workload: warm turns hit the cache and draft as the cold arm does."""
+    from specbench.benchmarks.prefix import main
+
+    doc = main(["--prefix-tokens", "40", "--conversations", "2", "--turns", "2", "--max-tokens", "8", "--rounds", "1"])
+    rows = doc["turns_summary"]
+    assert len(rows) == 2 and all(r["on_cached_tokens_mean"] >= 32 and r["off_cached_tokens_mean"] == 0 for r in rows)
+    assert all(r["on_fallbacks"] == 0 and r["on_accept_len"] == r["off_accept_len"] for r in rows)
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith('{"benchmark": "prefix"')
