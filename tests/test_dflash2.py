@@ -102,14 +102,17 @@ def test_sampled_path_q_is_the_draw_distribution():
     proj, pred, succ = torch.randn(n, s, r), torch.randn(v, r), torch.randn(v, r)
     anchor = torch.tensor([1, 2])
     temps = torch.tensor([0.7, 1.3])
-    counts = torch.zeros(v)
-    draws = 4000
-    for _ in range(draws):
-        d, q = sel.sampled_path(unary, ids, proj, anchor, pred, succ, temps, torch.rand(n, s), v)
-        counts[d[0, 0]] += 1
+    d, q = sel.sampled_path(unary, ids, proj, anchor, pred, succ, temps, torch.rand(n, s), v)
     torch.testing.assert_close(q.sum(-1), torch.ones(n, s))
     assert bool(((q > 0).sum(-1) <= k).all())
-    # slot 0's q depends on the anchor only: the empirical frequencies of the draws match it
+    # slot 0's q depends on the anchor only: the empirical frequencies of 4000 draws (one batch of copies of
+    # request 0) match it
+    draws = 4000
+    rep = lambda t: t[:1].expand(draws, *t.shape[1:])  # noqa: E731
+    dd, qq = sel.sampled_path(rep(unary), rep(ids), rep(proj), rep(anchor), pred, succ, rep(temps),
+                              torch.rand(draws, s), v)
+    torch.testing.assert_close(qq[:, 0], q[:1, 0].expand(draws, v))
+    counts = torch.bincount(dd[:, 0], minlength=v).float()
     assert float((counts / draws - q[0, 0]).abs().max()) < 0.03
     # greedy at T -> 0 is the argmax path
     g = sel.greedy_path(unary, ids, proj, anchor, pred, succ)
@@ -214,3 +217,40 @@ def test_qwen3_4b_shaped_dflash2_drafter(tmp_path):
     assert full["layers.4.mlp_conv.kernel_projection.weight"] == (640, 2560)
     assert full["layers.0.attention_conv.base_kernel"] == (2, 2, 2560)
     assert full["candidate_selector.predecessor_codebook"] == (151936, 256)
+
+
+@pytest.mark.parametrize("causal", [None, True])
+def test_padded_graph_body_equals_plain_pass(tiny_target, rand2, prompts, causal):
+    """DraftGraphs2 (the padded piecewise body, eager on CPU) == the plain pass: logits, hidden, the greedy
+    walk inside the tail, for a batch padded to its bucket; causal forced too."""
+    from specbench.engine.scheduler import Span
+    from specbench.engine.spec.dflash2_graphs import DraftGraphs2
+
+    llm = LLM(tiny_target, draft=rand2, num_pages=256)
+    eng, p = llm.engine, llm.engine.proposer
+    for i, q in enumerate(prompts):
+        eng.add_request(eng.tokenizer.encode(q), SamplingParams(max_tokens=4, ignore_eos=True), rid=f"g{i}")
+    while any(r.in_prefill or not r.output_ids for r in eng.scheduler.running) or eng.scheduler.waiting:
+        eng.step()
+    spans = [Span(r, [r.all_ids[r.num_computed]], r.num_computed, "verify") for r in eng.scheduler.running]
+    logits, hidden, path = p._draft(spans, False, causal)  # plain
+    assert path is None
+    g = p.graphs2 = DraftGraphs2(p, capture=False, buckets=[1, 4])
+    glogits, ghidden, gpath = p._draft(spans, False, causal)
+    assert g.stats["padded_rows"] == (4 - len(spans)) * p.block > 0
+    torch.testing.assert_close(ghidden, hidden, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(glogits, logits, atol=1e-4, rtol=1e-4)
+    d = eng.draft_model
+    anchors = torch.tensor([s.tokens[0] for s in spans])
+    unary, ids = sel.candidates(logits, d.selector_top_k)
+    assert gpath.tolist() == sel.greedy_path(unary, ids, sel.project(hidden, d.sel_proj), anchors, d.sel_pred,
+                                             d.sel_succ).tolist()
+    if causal is not None:
+        return
+    # and the engine drafts through it: spec on == spec off with the graph body installed
+    plain = LLM(tiny_target, num_pages=256)
+    sp = SamplingParams(max_tokens=16, ignore_eos=True)
+    llm2 = LLM(tiny_target, draft=rand2, num_pages=256)
+    llm2.engine.proposer.graphs2 = DraftGraphs2(llm2.engine.proposer, capture=False)
+    assert [o.output_ids for o in llm2.generate(prompts, sp)] == [o.output_ids for o in plain.generate(prompts, sp)]
+    assert llm2.engine.proposer.graphs2.stats["steps"] > 0

@@ -7,8 +7,9 @@ around each sublayer and the candidate selector choosing the drafts (engine/spec
 - The block pass (`draft_hidden`) is DFlashProposer's plain path with each layer's attention and MLP
   wrapped by the grouped dynamic convolution along the block ([N, B] rows, zero taps before slot 0, so one
   request's block never reads another's). Causal inside the block iff the config declares it
-  (`DFlash2DraftModel.causal`, read from `is_causal` first). It always runs eager (the draft graphs are
-  DFlash1's body; the compiled DFlash2 body is issue 25 item 3).
+  (`DFlash2DraftModel.causal`, read from `is_causal` first). On the graph path (CUDA with `draft_graph`)
+  the same function runs padded through `dflash2_graphs.DraftGraphs2`, convolutions and the greedy walk
+  inside the captured segments; `draft_hidden` is what it is checked against.
 - Greedy requests: `sel.greedy_path` from the anchor. Sampled requests: `sel.sampled_path` with
   the request's temperature and its own generator; `span.draft_probs` is the walk's q (zero off the
   candidates), which AcceptStep's rejection sampling reads, so T > 0 stays lossless.
@@ -33,6 +34,7 @@ from ..sampler import draw_rows, sampling_probs_rows, uniforms
 from ..scheduler import Span
 from . import selector as sel
 from .dflash import DFlashProposer
+from .dflash2_graphs import DraftGraphs2
 from .dflash_graphs import block_positions
 
 
@@ -51,7 +53,7 @@ class DFlash2Proposer(DFlashProposer):
     def __init__(self, k: int, draft: DFlashDraftModel, target: Qwen3ForCausalLM, runner: ModelRunner,
                  pool: PagePool, batched: bool = True) -> None:
         super().__init__(k, draft, target, runner, pool, batched=batched)
-        self.use_graphs = False  # eager body (see the module docstring)
+        self.graphs2: DraftGraphs2 | None = None  # built at the first draft on the graph path
 
     def propose(self, spans, ks, tile_starts=False, selector: bool = True, causal: bool | None = None):
         if not spans:
@@ -64,8 +66,7 @@ class DFlash2Proposer(DFlashProposer):
     @torch.inference_mode()
     def _propose_group(self, g: list[Span], kmap: dict[int, int], tile_starts: bool, selector_on: bool,
                        causal: bool | None) -> None:
-        hidden = self.draft_hidden(g, tile_starts, causal)  # [N, B - 1, H]
-        logits = self.draft.draft_logits(hidden, self.target.lm_head_w)  # [N, B - 1, V] fp32
+        logits, hidden, path = self._draft(g, tile_starts, causal)  # [N, B-1, V] fp32, [N, B-1, H], [N, B-1]
         dev, slots, v = logits.device, logits.shape[1], logits.shape[2]
         anchor = torch.tensor([s.tokens[0] for s in g], dtype=torch.long, device=dev)
         proj_w, pred, succ = self.draft.selector_weights()
@@ -73,7 +74,9 @@ class DFlash2Proposer(DFlashProposer):
         sampled = [i for i, s in enumerate(g) if not s.req.params.greedy]
         if greedy:
             rows = torch.tensor(greedy, device=dev)
-            if selector_on:
+            if selector_on and path is not None:  # the graph's tail walked it already
+                drafts = path[rows].tolist()
+            elif selector_on:
                 unary, ids = sel.candidates(logits[rows], self.draft.selector_top_k)
                 drafts = sel.greedy_path(unary, ids, sel.project(hidden[rows], proj_w), anchor[rows],
                                               pred, succ).tolist()
@@ -100,6 +103,20 @@ class DFlash2Proposer(DFlashProposer):
                 k = kmap[id(g[i])]
                 g[i].drafts = drawn[j][:k]
                 g[i].draft_probs = q[j, :k]
+
+    def _draft(self, spans: list[Span], tile_starts: bool, causal: bool | None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(logits, hidden, greedy path or None): the padded graph body on the graph path (CUDA with
+        `draft_graph`, or a test that installed `graphs2`), else the plain pass."""
+        r = self.runner
+        if self.use_graphs or self.graphs2 is not None:
+            g = self.graphs2
+            if g is None or g.stack.backend is not r.backend or g.stack.ops is not r.model.ops:
+                g = self.graphs2 = DraftGraphs2(self, capture=not r.cfg.eager)
+            if g.can_run(spans):
+                return g.run2(spans, tile_starts, causal)
+        hidden = self.draft_hidden(spans, tile_starts, causal)
+        return self.draft.draft_logits(hidden, self.target.lm_head_w), hidden, None
 
     def draft_logits(self, spans: list[Span], tile_starts: bool = False) -> torch.Tensor:
         """Draft logits [N, B - 1, V] (the selector's unary scores; what check-draft's tensor probe reads)."""
