@@ -13,7 +13,9 @@ Contract:
   proportional to b); a span that was not measured takes the next longer measured one. Numbers are
   seconds; only their ratios matter to the policy. The table is made monotone (`monotone`: each point the
   least cost measured at this or more rows), which removes a shared machine's timing spikes.
-- A proposer without a drafter pass (n-gram, oracle) drafts on the host: its draft cost is 0.
+- A proposer without a drafter pass (n-gram, oracle) drafts on the host: its draft cost is 0. A DFlash
+  subclass with its own graphs (DFlash2) is timed on the shared DFlash body, eagerly: an approximation
+  (its convolutions and selector are not in it), recorded in the model's notes.
 - `SPECBENCH_SPEC_COSTS=<file>`: a model saved from an earlier start's `describe()` (the engine's
   `describe()["levers"]["costs"]`) is loaded instead of measured (`load_costs`; a bad file refuses to
   start, naming the variable): a start without the measurement, and a fixed model for tests.
@@ -123,6 +125,8 @@ def _draft_stack(proposer: Proposer | None, runner: ModelRunner):
 
     if not isinstance(proposer, DFlashProposer):
         return None
+    if type(proposer) is not DFlashProposer:  # a subclass (DFlash2) drafts through its own graphs: time the
+        return DraftGraphs(proposer, capture=False).stack  # shared DFlash body eagerly (an approximation)
     g = proposer.graphs
     if g is None and proposer.use_graphs:
         g = proposer.graphs = DraftGraphs(proposer, capture=not runner.cfg.eager)
@@ -158,8 +162,10 @@ def measure_costs(runner: ModelRunner, proposer: Proposer | None, spans: tuple[i
         draft = _fill_nan(batches, [stack.time_padded(b * blk, *geom, causal=False, reps=reps)
                                     if b * blk <= stack.max_rows else float("nan") for b in batches])
     verify, draft = monotone(verify), monotone({0: draft})[0]
+    draft_body = "none" if stack is None else ("dflash-eager-approx" if type(proposer).__name__ != "DFlashProposer"
+                                               else f"dflash-{'graphs' if stack.capture else 'eager'}")
     cm = CostModel(batches, sorted(verify), verify, draft, time.perf_counter() - t0,
-                   notes={"device": str(runner.device), "graphs": vg.mode})
+                   notes={"device": str(runner.device), "graphs": vg.mode, "draft_body": draft_body})
     log.info("span cost model: %s", cm.describe())
     return cm
 
