@@ -254,3 +254,21 @@ def test_padded_graph_body_equals_plain_pass(tiny_target, rand2, prompts, causal
     llm2.engine.proposer.graphs2 = DraftGraphs2(llm2.engine.proposer, capture=False)
     assert [o.output_ids for o in llm2.generate(prompts, sp)] == [o.output_ids for o in plain.generate(prompts, sp)]
     assert llm2.engine.proposer.graphs2.stats["steps"] > 0
+
+
+def test_prefix_cache_hits_with_the_dflash2_drafter(tiny_target, gsm8k_prompts):
+    """A prefix hit restores the drafter's captured context rows (DFlash2's context path is DFlash1's: the
+    convolutions act on the block only), so warm requests draft and equal cold ones."""
+    fixture = Path(__file__).resolve().parent.parent / "harness" / "data" / "fixtures" / "tiny-dflash2" / "draft"
+    warm_llm = LLM(tiny_target, draft=str(fixture), prefix_cache=True)
+    cold_llm = LLM(tiny_target, draft=str(fixture), prefix_cache=False)
+    tok, sp = warm_llm.tokenizer, SamplingParams(max_tokens=24, ignore_eos=True)
+    first = [tok.encode(p) for p in gsm8k_prompts[:2]]
+    outs = warm_llm.generate(first, sp)
+    second = [f + o.output_ids + tok.encode("\nQuestion: and half of it?\nAnswer:") for f, o in zip(first, outs, strict=True)]
+    caps0 = warm_llm.engine.metrics.capture_hits
+    warm, cold = warm_llm.generate(second, sp), cold_llm.generate(second, sp)
+    assert [w.output_ids for w in warm] == [c.output_ids for c in cold]
+    assert all(w.spec["cached_tokens"] > 0 for w in warm) and warm_llm.engine.metrics.capture_hits - caps0 == 2
+    acc = lambda outs: sum(o.spec["num_accepted_tokens"] for o in outs)  # noqa: E731
+    assert acc(warm) == acc(cold) > 0  # the restored context drafts exactly as the recomputed one
