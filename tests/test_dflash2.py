@@ -272,3 +272,25 @@ def test_prefix_cache_hits_with_the_dflash2_drafter(tiny_target, gsm8k_prompts):
     assert all(w.spec["cached_tokens"] > 0 for w in warm) and warm_llm.engine.metrics.capture_hits - caps0 == 2
     acc = lambda outs: sum(o.spec["num_accepted_tokens"] for o in outs)  # noqa: E731
     assert acc(warm) == acc(cold) > 0  # the restored context drafts exactly as the recomputed one
+
+
+def test_mixed_greedy_and_sampled_batch(tiny_target, rand2, prompts):
+    """Greedy and T > 0 requests in one DFlash2 draft batch: the greedy ones equal spec-off greedy, the sampled
+    ones draft from the selector's walk (their q rows sum to 1 over at most K candidates)."""
+    plain = LLM(tiny_target, num_pages=256)
+    spec = LLM(tiny_target, draft=rand2, num_pages=256)
+    g = SamplingParams(max_tokens=20, ignore_eos=True)
+    t = SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.8, seed=7)
+    seen = []
+    prop = spec.engine.proposer
+    orig = prop._propose_group
+
+    def spy(grp, kmap, tile_starts, selector, causal):
+        orig(grp, kmap, tile_starts, selector, causal)
+        seen.extend(s.draft_probs for s in grp if not s.req.params.greedy and s.drafts)
+
+    prop._propose_group = spy
+    out = spec.generate(prompts + prompts[:1], [g] * len(prompts) + [t])
+    assert [o.output_ids for o in out[:-1]] == [o.output_ids for o in plain.generate(prompts, g)]
+    assert seen and all(torch.allclose(q.sum(-1), torch.ones(q.shape[0])) and bool(((q > 0).sum(-1) <= 8).all())
+                        for q in seen)
