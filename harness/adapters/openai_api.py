@@ -70,6 +70,7 @@ from .sse_http import ConnectFailed, RawHTTP, ReadFailed, usable
 
 log = logging.getLogger("specbench.adapters")
 READY_POLL_S = 1.0
+DRAIN_S = 1.0  # after [DONE], how long the raw client waits for the body's end before dropping the connection
 
 
 class _Retry(Exception):
@@ -84,13 +85,12 @@ async def _read_sse(pieces: AsyncIterator[bytes], acc: StreamAccumulator) -> boo
     """Feed every `data:` event of an SSE body (its bytes, in network-sized pieces) to `acc` until [DONE];
     whether any event came. Bytes are split into lines here (no text decoding, no per-line regex: the
     client's per-chunk cost, benchmarks/client.py); every event of one network read is timed once, at that
-    read's arrival. After [DONE] the rest of the body is read (so a keep-alive connection can be reused). A
-    failure mid-stream raises with `started` set on the exception (not retried once output has arrived)."""
-    pending, started, done = b"", False, False
+    read's arrival. It returns at [DONE] without waiting for the body's end (the raw client then drains it
+    with a deadline to keep the connection). A failure mid-stream raises with `started` set on the
+    exception (not retried once output has arrived)."""
+    pending, started = b"", False
     try:
         async for data in pieces:
-            if done:
-                continue
             now = time.perf_counter()
             pending += data
             if b"\n" not in data:
@@ -101,12 +101,11 @@ async def _read_sse(pieces: AsyncIterator[bytes], acc: StreamAccumulator) -> boo
                     continue
                 payload = line[5:].strip()
                 if payload == b"[DONE]":
-                    done = True
-                    break
+                    return True
                 started = True
                 acc.feed(json.loads(payload), now)
         line = pending.strip()
-        if not done and line[:5] == b"data:" and line[5:].strip() not in (b"", b"[DONE]"):
+        if line[:5] == b"data:" and line[5:].strip() not in (b"", b"[DONE]"):
             started = True
             acc.feed(json.loads(line[5:].strip()), time.perf_counter())
     except BaseException as e:
@@ -410,6 +409,9 @@ class OpenAIAdapter(EngineAdapter):
                 acc.feed(json.loads(await resp.body()), time.perf_counter())
             else:
                 started = await _read_sse(resp.iter_bytes(), acc)
+                t_end = time.perf_counter()
+                await resp.finish(DRAIN_S)  # the body's end after [DONE]: keep the connection if it comes
+                res.t_end = t_end
         except (ConnectionError, asyncio.IncompleteReadError) as e:
             if not (started or getattr(e, "started", False)):
                 raise _Retry(f"{type(e).__name__}: {e}", sent) from e
@@ -418,7 +420,7 @@ class OpenAIAdapter(EngineAdapter):
             return self._broken(req, rid, res, acc, f"{type(e).__name__}: {e or 'read timeout'}")
         finally:
             resp.release()
-        res.t_end = time.perf_counter()
+        res.t_end = res.t_end or time.perf_counter()
         acc.finish(res)
         if not self.stream:
             res.t_first = res.t_end

@@ -48,13 +48,31 @@ class RawResponse:
                  headers: dict[str, str], rest: bytes) -> None:
         self._client, self._conn, self.status, self.headers, self._rest = client, conn, status, headers, rest
         self._done = False
+        self._it: AsyncIterator[bytes] | None = None
 
     async def _read(self) -> bytes:
         async with asyncio.timeout(self._client.read_timeout):
             return await self._conn[0].read(READ)
 
-    async def iter_bytes(self) -> AsyncIterator[bytes]:
-        """The decoded body, one piece per network read (the last piece may be empty)."""
+    def iter_bytes(self) -> AsyncIterator[bytes]:
+        """The decoded body, one piece per network read; one iterator per response (a caller that stopped
+        early can resume it, e.g. through `finish`)."""
+        if self._it is None:
+            self._it = self._pieces()
+        return self._it
+
+    async def finish(self, timeout: float) -> None:
+        """Read what is left of the body (at most `timeout` s), so the connection can be reused; a body that
+        does not end in time closes the connection instead."""
+        try:
+            async with asyncio.timeout(timeout):
+                async for _ in self.iter_bytes():
+                    pass
+        except (TimeoutError, ConnectionError, asyncio.IncompleteReadError):
+            self._done = False
+        self.release()
+
+    async def _pieces(self) -> AsyncIterator[bytes]:
         try:
             te = self.headers.get("transfer-encoding", "").lower()
             if "chunked" in te:
@@ -118,7 +136,7 @@ class RawResponse:
             buf += data
 
     async def body(self) -> bytes:
-        return b"".join([x async for x in self.iter_bytes()])
+        return b"".join([x async for x in self.iter_bytes()])  # noqa: C416 (an async iterator)
 
     def release(self) -> None:
         conn, self._conn = self._conn, None  # type: ignore[assignment]
