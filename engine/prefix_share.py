@@ -8,7 +8,8 @@ Contract:
   share blocks only under equal salts.
 - `admitted(req, pages)`: the request's committed length starts at the hit's end (`num_computed`,
   `cached_tokens`); the queries / hits counters take the prompt's tokens and the hit's (vLLM's
-  `prefix_cache_queries` / `prefix_cache_hits`, in tokens). With a drafter, a hit whose every block keeps
+  `prefix_cache_queries` / `prefix_cache_hits`, in tokens), and the hit's tokens count as prompt tokens
+  (`vllm:prompt_tokens_total` is every prompt token, cached or computed, as in vLLM). With a drafter, a hit whose every block keeps
   its capture restores the drafter's context to the hit length (`Proposer.restore`), so the first draft
   round after the prefill drafts (a capture hit); otherwise (a capture miss) the KV hit is kept and the
   request decodes without drafts for its lifetime (`Request.capture_fallback`; the DFlash drafter attends
@@ -53,6 +54,7 @@ class PrefixSharing:
         if m is not None and self.pool.prefix is not None and req.params.prompt_logprobs is None:
             m.prefix_queries += req.prompt_len
             m.prefix_hits += n
+            m.prompt_tokens += n  # vLLM's prompt_tokens counts every prompt token, cached ones included
         if not pages or self.proposer is None:
             return
         prefix = self.pool.prefix
