@@ -40,8 +40,10 @@ class CommitStep:
         self.metrics, self.output, self.faults, self.release = metrics, output, faults, release
         self.prefix = prefix
 
-    def commit(self, plan: StepPlan, results: list[SpanResult], taps: torch.Tensor | None) -> list[RequestOutput]:
-        """The outputs of the requests that got new tokens or finished this step."""
+    def commit(self, plan: StepPlan, results: list[SpanResult], taps: torch.Tensor | None,
+               finished_only: bool = False) -> list[RequestOutput]:
+        """The outputs of the requests that got new tokens or finished this step (finished_only: of those that
+        finished; nothing is built for the others)."""
         spans = plan.spans
         knobs = self.faults.on_commit(spans)
         if self.proposer is not None:
@@ -49,7 +51,7 @@ class CommitStep:
                                   [self.spec.can_speculate(s.req.params) for s in spans], ctx_shift=knobs.draft_shift)
         outs = []
         for i, (s, r) in enumerate(zip(spans, results, strict=True)):
-            out = self._commit_span(s, r, knobs, i)
+            out = self._commit_span(s, r, knobs, i, finished_only)
             if out is not None:
                 outs.append(out)
         self.metrics.num_running = len(self.scheduler.running)
@@ -57,7 +59,8 @@ class CommitStep:
         self.metrics.kv_usage = 1.0 - self.pool.num_free / self.pool.num_pages
         return outs
 
-    def _commit_span(self, s: Span, r: SpanResult, knobs: CommitKnobs, i: int) -> RequestOutput | None:
+    def _commit_span(self, s: Span, r: SpanResult, knobs: CommitKnobs, i: int,
+                     finished_only: bool = False) -> RequestOutput | None:
         req = s.req
         if r.accepted is not None:
             self.metrics.record_verify(r.drafts, r.accepted)
@@ -70,7 +73,8 @@ class CommitStep:
         if r.tokens:
             self.output.append(req, r.tokens, r.logprobs, knobs.emit_past_stop, knobs.stop_ids_at_end)
         # new_ids = what this step appended: a stop inside the run drops the tokens after it (not r.tokens)
-        out = self.output.build(req, req.output_ids[n0:]) if r.tokens or req.finished else None
+        emit = req.finished or (bool(r.tokens) and not finished_only)
+        out = self.output.build(req, req.output_ids[n0:]) if emit else None
         if self.prefix is not None:
             self.prefix.seal(req, ahead=knobs.seal_ahead, publish=knobs.publish_on_finish or not req.finished)
         if req.finished:

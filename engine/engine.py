@@ -257,10 +257,11 @@ class LLMEngine:
             raise EngineClosed("this engine was closed (LLM.close / del llm): build a new one")
 
     # ---- the step --------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """One step: schedule -> propose -> forward -> accept -> commit. Returns the outputs of the requests
-        that got new tokens or finished. With `check_invariants` the run-time invariants are checked after
-        the commit (engine/invariants.py; InvariantError on a violation)."""
+        that got new tokens or finished; with `finished_only`, of the finished ones alone (`generate`: no
+        per-step snapshot of a running request is built). With `check_invariants` the run-time invariants are
+        checked after the commit (engine/invariants.py; InvariantError on a violation)."""
         self._check_open()
         with self._lock:
             self.metrics.steps += 1
@@ -278,7 +279,7 @@ class LLMEngine:
                     results = self.accept_step.accept(plan, fwd)
                     self.policy.record(plan, results)
                 with self.ranges.phase("commit"):
-                    outs = self.commit_step.commit(plan, results, fwd.taps)
+                    outs = self.commit_step.commit(plan, results, fwd.taps, finished_only)
             if self.invariants is not None:
                 self.invariants.check(self.step_count)
             return outs
@@ -293,8 +294,7 @@ class LLMEngine:
                for i, (p, sp) in enumerate(zip(prompts, plist, strict=True))]
         final: dict[str, RequestOutput] = {}
         while len(final) < len(ids):
-            for out in self.step():
-                if out.finished:
-                    final[out.rid] = out
+            for out in self.step(finished_only=True):
+                final[out.rid] = out
         return [final[r] for r in ids]
 
