@@ -20,7 +20,7 @@ import math
 
 import typer
 
-DATASETS = ("gsm8k", "spec_bench", "mt_bench", "sharegpt", "random", "custom")
+DATASETS = ("gsm8k", "spec_bench", "mt_bench", "sharegpt", "random", "custom", "shared_prefix")
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 EXIT_FAILED_REQUESTS = 4
 
@@ -101,6 +101,8 @@ def sweep(
                                      "JSON is always written to <run>/vllm-bench/; with --result-dir also there."),
     result_dir: str = typer.Option(None, "--result-dir", help="Also write each cell's vLLM-format JSON here, named as "
                                    "vLLM bench names its files."),
+    client_procs: str = typer.Option("1", "--client-procs", help="Client processes per openai arm: N, or auto (one per "
+                                     "64 requests in flight, up to the cores - 1), so the client never sets the pace."),
     out: str = typer.Option(None, "--out", help="Results directory (a run folder is created in it); default "
                             "$SPECBENCH_RESULTS or ./results."),
     report: str = typer.Option(None, "--report", help="Also render the report to this markdown path."),
@@ -141,6 +143,16 @@ def sweep(
     endpoint_type = endpoint_type or "completions"
     if endpoint_type not in ENDPOINTS.values():
         raise typer.BadParameter(f"{endpoint_type!r} is invalid: expected completions or chat", param_hint="--endpoint-type")
+    if client_procs.strip().lower() == "auto":
+        nprocs = 0
+    else:
+        try:
+            nprocs = int(client_procs)
+        except ValueError:
+            nprocs = -1
+        if nprocs < 1:
+            raise typer.BadParameter(f"{client_procs!r} is invalid: expected an integer >= 1 or auto",
+                                     param_hint="--client-procs")
     if arrival is None:
         arrival = "gamma" if burstiness != 1.0 else "poisson"
     elif arrival == "poisson" and burstiness != 1.0:
@@ -197,7 +209,7 @@ def sweep(
                       num_prompts=num_prompts, prompts_per_level=prompts_per_level or 4, max_tokens=max_tokens,
                       ignore_eos=ignore_eos, temperature=temperature, rounds=rounds, warmup=warmup, arrival=arrival,
                       burstiness=burstiness, noise_floor=noise, seed=seed, random_input_len=random_input_len,
-                      dataset_path=dataset_path, endpoint_type=endpoint_type)
+                      dataset_path=dataset_path, endpoint_type=endpoint_type, client_procs=nprocs)
     from specbench.harness.redact import redact_text
 
     try:

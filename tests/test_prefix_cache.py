@@ -257,3 +257,10 @@ def test_prefix_benchmark_logic_on_cpu(capsys):
     assert len(rows) == 2 and all(r["on_cached_tokens_mean"] >= 32 and r["off_cached_tokens_mean"] == 0 for r in rows)
     assert all(r["on_fallbacks"] == 0 and r["on_accept_len"] == r["off_accept_len"] for r in rows)
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith('{"benchmark": "prefix"')
+
+
+def test_shared_prefix_sweep_workload():
+    from specbench.suites.sweep.workload import SHARED_PREFIX, load_texts
+
+    texts, _ = load_texts("shared_prefix", 4)
+    assert len(texts) == 4 and all(t.startswith(SHARED_PREFIX) and len(t) > len(SHARED_PREFIX) for t in texts)

@@ -19,6 +19,9 @@ Contract:
 - `random` prompts are `random_input_len` TOKENS long for every engine that tokenizes: words are drawn,
   tokenized by that engine, and the ids cut to exactly that length (an engine that cannot tokenize gets
   that many words, and `describe()["random_exact"]` says so per arm).
+- `shared_prefix`: the gsm8k questions behind one shared system prompt of about 1,000 tokens
+  (`SHARED_PREFIX`), the workload of docs/prefix-cache.md: with a prefix cache every request after the first
+  computes only its question (arms `local,...` and `local,...,prefix_cache=0` give warm against off).
 - `chat=True` (--endpoint-type chat) sends every prompt as one user message, so the server applies its
   chat template; ids are then used for lengths only and prompt tokens come from usage.
 """
@@ -36,7 +39,11 @@ import numpy as np
 from specbench.harness.adapters.base import EngineAdapter, GenRequest
 from specbench.harness.datasets import bundled_prompts
 
-DATASETS = ("gsm8k", "spec_bench", "mt_bench", "sharegpt", "random", "custom")
+DATASETS = ("gsm8k", "spec_bench", "mt_bench", "sharegpt", "random", "custom", "shared_prefix")
+_SYSTEM = ("You are a careful assistant for grade-school mathematics. Read each question twice, write down the "
+           "quantities it gives, reason one step at a time, check every calculation, and end with the answer on "
+           "its own line. ")
+SHARED_PREFIX = _SYSTEM * 20  # ~4,000 characters: about 1,000 tokens with a BPE tokenizer of English
 FILE_DATASETS = ("custom", "sharegpt", "spec_bench", "mt_bench")  # the ones --dataset-path can feed
 
 
@@ -97,6 +104,8 @@ def dataset_texts(dataset: str) -> list[str]:
     if dataset not in DATASETS or dataset == "random":
         raise WorkloadError(f"--dataset {dataset!r} is invalid: expected one of {', '.join(DATASETS)}")
     try:
+        if dataset == "shared_prefix":
+            return [SHARED_PREFIX + text for _, text in bundled_prompts("gsm8k")]
         return [text for _, text in bundled_prompts(dataset)]
     except FileNotFoundError as e:
         raise WorkloadError(str(e)) from None
