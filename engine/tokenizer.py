@@ -47,7 +47,10 @@ class Tokenizer:
         return self._tok
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        # encode_batch, not encode: the library's encode holds the GIL for the whole call, so one long
+        # prompt tokenized on a server's worker thread stalled its event loop (/health 1.5-2.4 s behind a
+        # 500k-character prompt); encode_batch releases it and returns the same ids
+        return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
 
     def token_to_id(self, tok: str) -> int | None:
         return self._tok.token_to_id(tok)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -64,6 +65,13 @@ class ServerState:
         self.tt = TokenText(self.tokenizer)
         self.max_body_bytes = self.options.max_body_bytes
         self.executor = ThreadPoolExecutor(self.options.prep_threads, thread_name_prefix="specbench-prep")
+        # every worker started now: the executor otherwise starts one inside submit(), on the event loop, and
+        # Thread.start() waits there for the new thread, which can take seconds while a worker tokenizes
+        # (measured: /health stalled 1.5-3 s behind the first 500k-character prompt)
+        ready = threading.Barrier(self.options.prep_threads + 1)
+        for _ in range(self.options.prep_threads):
+            self.executor.submit(ready.wait)
+        ready.wait()
         self.draining = False  # set on SIGTERM / SIGINT: new generation requests get 503 shutting_down
         self.metrics = ServerMetrics(self.loop, self.model_name, k_max=int(self.engine.describe().get("k") or 16))
 
