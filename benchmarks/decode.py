@@ -250,7 +250,9 @@ class Bench:
 
 
 def hf_peer(model_dir: str, new_tokens: int = 128) -> dict:
-    from transformers import AutoModelForCausalLM
+    from specbench.extras import need
+
+    AutoModelForCausalLM = need("transformers", "hf", "the hf peer of benchmarks/decode.py").AutoModelForCausalLM
 
     m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
     ids = torch.randint(2, 4000, (1, 32), generator=torch.Generator().manual_seed(0)).cuda()

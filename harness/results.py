@@ -318,7 +318,9 @@ class LoadedRun:
         return read_jsonl(self.path / f"{kind}.jsonl")
 
     def frame(self, kind: str = "requests") -> pd.DataFrame:
-        import pandas as pd
+        from specbench.extras import need
+
+        pd = need("pandas", "frames", "LoadedRun.frame")
 
         rows = self.records(kind)
         df = pd.json_normalize(rows, max_level=1) if rows else pd.DataFrame()
@@ -344,7 +346,9 @@ def load_stored_run(run: str | Path, results: str | Path | None = None) -> Loade
 
 def list_runs(results: str | Path | None = None, suite: str | None = None) -> pd.DataFrame:
     """One row per run under the results dir, newest first."""
-    import pandas as pd
+    from specbench.extras import need
+
+    pd = need("pandas", "frames", "list_runs")
 
     rows = []
     root = results_dir(results)

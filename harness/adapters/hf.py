@@ -57,9 +57,11 @@ class HFAdapter(EngineAdapter):
     def __init__(self, model_dir: str, assistant: str | None = None, lookup: int | None = None,
                  device: str = "cpu", dtype: str = "float32", name: str | None = None) -> None:
         import torch
-        from transformers import AutoModelForCausalLM
 
         from specbench.engine.tokenizer import Tokenizer
+        from specbench.extras import need
+
+        AutoModelForCausalLM = need("transformers", "hf", "the hf: adapter").AutoModelForCausalLM
 
         super().__init__(name or ("hf-assisted" if assistant else "hf-lookup" if lookup else "hf"))
         self.model_dir, self.assistant_dir, self.lookup = str(model_dir), assistant, lookup

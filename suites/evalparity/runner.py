@@ -43,7 +43,7 @@ SUITE_VERSION = "1"
 LM_EVAL_MAX_GEN_TOKS = 256  # TemplateAPI.max_gen_toks default in lm-eval 0.4.x
 BACKENDS = ("auto", "remote", "none")
 INSTALL_HINT = ("lm-eval is not installed: `pip install 'specbench[eval]'` (or `pip install 'lm-eval[api]>=0.4.4,<0.5' "
-                "datasets`), then run `specbench eval` again.")
+                "pyyaml`), then run `specbench eval` again.")
 
 
 class EvalError(RuntimeError):
@@ -66,7 +66,7 @@ class EvalConfig:
 
 
 def check_lm_eval() -> str | None:
-    missing = [m for m in ("lm_eval", "datasets", "aiohttp", "tenacity", "requests")
+    missing = [m for m in ("lm_eval", "datasets", "aiohttp", "tenacity", "requests", "yaml")
                if importlib.util.find_spec(m) is None]
     if missing:
         return INSTALL_HINT + f" (missing: {', '.join(missing)})"

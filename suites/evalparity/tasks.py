@@ -16,8 +16,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 TASK_DIR = Path(__file__).resolve().parent.parent.parent / "harness" / "data" / "lm_eval_tasks"
 LOCAL_LOADERS = ("json", "csv", "parquet", "text", "arrow")
 
@@ -27,6 +25,8 @@ class TaskError(ValueError):
 
 
 def _load(path: Path) -> dict[str, Any]:
+    import yaml  # the eval extra (pyyaml): imported here so `specbench eval` can name the extra when it is missing
+
     try:
         cfg = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (OSError, yaml.YAMLError) as e:
@@ -77,6 +77,8 @@ def _absolute(cfg: dict[str, Any], base: Path, src: Path) -> dict[str, Any]:
 
 def render_tasks(names: list[str], out_dir: Path) -> Path:
     """Write the named bundled tasks with absolute data paths into out_dir; return out_dir."""
+    import yaml
+
     files = task_files()
     unknown = [n for n in names if n not in files]
     if unknown:
