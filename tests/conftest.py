@@ -8,9 +8,21 @@ import pytest
 import torch
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+GPU_SKIP = "needs a CUDA GPU (run on the device: scripts/gpu.sh)"
 # Every engine a test builds checks its run-time invariants after every step (engine/invariants.py), unless
 # the test says otherwise (EngineConfig.check_invariants=False, or the engine string invariants=0).
 os.environ.setdefault("SPECBENCH_INVARIANTS", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    """A `gpu` test is shown as skipped, with the reason, where no CUDA device is visible: never run on CPU,
+    never silently deselected."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason=GPU_SKIP)
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")
