@@ -138,3 +138,29 @@ def test_raw_http_client_matches_httpx(monkeypatch: pytest.MonkeyPatch, chat: bo
         ad = OpenAIAdapter(ep.url, model="fake-model", retries=0)
         res = ad.generate_sync(reqs()[:4], concurrency=1)
         assert all(r.ok and r.attempts == 1 for r in res) and ep.state.connections == 4
+
+
+def test_client_procs_shard_the_load(tmp_path: Path) -> None:
+    """--client-procs 2: the requests of a cell go out from two client processes (spawned, each with its own
+    adapter and the key), come back complete and in order, and the cell records both processes' CPU."""
+    from specbench.harness.fake_endpoint import FakeEndpoint, Faults
+
+    _register()
+    cli = CliRunner()
+    key = "sk-sharded-test-12345678"
+    with FakeEndpoint(tokens_per_chunk=2, max_tokens=6, faults=Faults(api_key=key)) as ep:
+        r = cli.invoke(app, ["sweep", "-c", "1,4", "--num-prompts", "6", "--max-tokens", "6", "--rounds", "1",
+                             "--warmup", "0", "--no-progress", "--no-noise-floor", "--client-procs", "2",
+                             "--api-key", key, "--arms", f"openai:{ep.url},name=fake", "--out", str(tmp_path)])
+        conns = ep.state.connections
+    assert r.exit_code == 0, r.output
+    run = next(tmp_path.glob("sweep-*"))
+    reqs = [json.loads(x) for x in (run / "requests.jsonl").read_text().splitlines()]
+    measured = [x for x in reqs if x["meta"]["round"] >= 0]
+    assert len(measured) == 12 and all(x["ok"] and x["completion_tokens"] == 6 for x in measured)
+    cells = {c["level"]: c for c in map(json.loads, (run / "cells.jsonl").read_text().splitlines())}
+    assert cells[1]["client"]["procs"] == 1 and cells[4]["client"]["procs"] == 2  # c1 stays in process
+    assert cells[4]["completed"] == 6 and conns >= 3
+    assert json.loads((run / "run.json").read_text())["engines"]["fake"]["client_procs"] == 2
+    r = cli.invoke(app, ["sweep", "--client-procs", "0", "--out", str(tmp_path / "x")])
+    assert r.exit_code == 2 and "--client-procs" in r.output

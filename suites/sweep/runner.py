@@ -74,6 +74,7 @@ class SweepConfig:
     dataset_path: str | None = None  # the user's prompts (custom JSONL, ShareGPT JSON, Spec-Bench JSONL)
     endpoint_type: str = "completions"  # "chat": every request as chat messages (the server's template)
     c1_counters: bool = True  # at c1, per-request spec counts from counter deltas where requests carry none
+    client_procs: int = 1  # client processes per openai arm (0 = auto: one per 64 in flight, up to cores - 1)
 
     def __post_init__(self) -> None:
         if self.mode not in ("closed", "open"):
@@ -98,6 +99,8 @@ class SweepConfig:
         if self.endpoint_type not in ENDPOINT_TYPES:
             raise ValueError(f"endpoint_type={self.endpoint_type!r} is invalid: expected one of "
                              f"{', '.join(ENDPOINT_TYPES)}")
+        if self.client_procs < 0:
+            raise ValueError(f"client_procs={self.client_procs} is invalid: expected an integer >= 1, or 0 (auto)")
         if self.random_input_len < 1:
             raise ValueError(f"random_input_len={self.random_input_len} is invalid: expected an integer >= 1")
 
@@ -219,7 +222,8 @@ class SweepRunner:
         cell = {**key, "wall_start": wall0, "duration": duration, "requests": len(reqs),
                 "completed": sum(1 for r in results if r.ok), "counters": counters_delta(before, after),
                 "concurrency": conc, "offsets": offsets is not None, "scrape_s": scrape_s,
-                "client": client_load(cpu, time.perf_counter() - t0, sum(len(r.chunk_times) for r in results)),
+                "client": client_load(cpu, time.perf_counter() - t0, sum(len(r.chunk_times) for r in results),
+                                      list(getattr(ad, "client_cpu_by_proc", None) or [])),
                 "server_metrics": None if before_m is None else
                 {"before": before_m, "after": after_m, "per_step": per_step_stream(_describe(ad)), "k": _k(ad)}}
         self.sink.cell(cell)
@@ -232,15 +236,18 @@ class SweepRunner:
 CLIENT_SATURATED = 0.9  # the event loop busy this share of a cell's wall time: the client set the pace
 
 
-def client_load(cpu_s: float, wall_s: float, chunks: int) -> dict:
+def client_load(cpu_s: float, wall_s: float, chunks: int, procs_cpu: list[float] | None = None) -> dict:
     """The client's own load in one cell: CPU of the event-loop thread (request building, SSE parsing,
-    timing, records; an in-process engine steps on its own thread and is not counted), its share of the
-    wall time (`busy`), the headroom left (1 - busy), CPU per streamed chunk, and `saturated` when busy >=
-    CLIENT_SATURATED (then the figures may measure the client, not the server)."""
-    busy = cpu_s / wall_s if wall_s > 0 else 0.0
-    return {"cpu_s": round(cpu_s, 6), "busy": round(busy, 4), "headroom": round(max(0.0, 1.0 - busy), 4),
-            "cpu_us_per_chunk": round(cpu_s / chunks * 1e6, 2) if chunks else None,
-            "saturated": busy >= CLIENT_SATURATED}
+    timing, records; an in-process engine steps on its own thread and is not counted) and, with client
+    processes (--client-procs, harness/adapters/sharded.py), each one's loop CPU; `busy` is the busiest
+    loop's share of the wall time, the headroom 1 - busy, CPU per streamed chunk over all of them, and
+    `saturated` when busy >= CLIENT_SATURATED (then the figures may measure the client, not the server)."""
+    procs = list(procs_cpu or [])
+    busy = max([cpu_s, *procs]) / wall_s if wall_s > 0 else 0.0
+    total = cpu_s + sum(procs)
+    return {"cpu_s": round(total, 6), "busy": round(busy, 4), "headroom": round(max(0.0, 1.0 - busy), 4),
+            "cpu_us_per_chunk": round(total / chunks * 1e6, 2) if chunks else None,
+            "saturated": busy >= CLIENT_SATURATED, "procs": max(1, len(procs))}
 
 
 def _describe(ad: EngineAdapter) -> dict:

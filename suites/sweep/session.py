@@ -148,6 +148,11 @@ def run_sweep(cfg: SweepConfig, engines: list[str] | None = None, labels: list[s
             use = getattr(ad, "use_api_key", None)
             if api_key and callable(use) and not s.options.get("api_key"):
                 use(api_key, "--api-key")
+            if cfg.client_procs != 1 and ad.kind == "openai":  # the client's load over several processes
+                from specbench.harness.adapters.sharded import ShardedAdapter
+
+                key = api_key if not s.options.get("api_key") else None
+                adapters[a.label] = ShardedAdapter(ad, s.raw, cfg.client_procs, key)
         asyncio.run(_main(cfg, arms, adapters, workload, out_dir, baseline or arms[0].label, progress,
                           keep_records, outcome, secrets_t, result_dir))
     except KeyboardInterrupt:
