@@ -181,7 +181,7 @@ class LLMEngine:
             out["decode"] = {"mode": self.runner.graphs.mode, "buckets": self.runner.graphs.buckets}
         if self.runner.verify_graphs is not None:
             out["verify"] = self.runner.verify_graphs.describe()
-        dg = getattr(self.proposer, "graphs", None)
+        dg = getattr(self.proposer, "graphs2", None) or getattr(self.proposer, "graphs", None)  # DFlash2's, else DFlash1's
         if dg is not None:
             out["draft"] = dg.describe()
         return out

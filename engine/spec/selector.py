@@ -14,17 +14,41 @@ slot 1) to a candidate c at slot j scores
   target saw is the one q_j was conditioned on, so the emitted tokens are distributed as the target's
   (engine/spec/sampling.py). A q from the unselected logits would make the verify lossy.
 The walk is sequential in j (S = B - 1 small steps) and batched over requests: one set of ops per slot.
+The top-K over the vocabulary is torch.topk, or FlashInfer's radix kernel with SPECBENCH_FLASHINFER_TOPK=1.
 """
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import torch.nn.functional as F
+
+TOPK_ENV = "SPECBENCH_FLASHINFER_TOPK"  # 1: FlashInfer's radix top-k on CUDA where it exists (off by default)
+
+
+@functools.cache
+def _flashinfer_topk():
+    """flashinfer.top_k when switched on, importable and present (0.5.3 may lack it), else None. Off by
+    default until tests/gpu/test_dflash2_gpu.py has shown it capture-safe and equal to torch.topk there."""
+    if os.environ.get(TOPK_ENV, "0").strip() not in ("1", "on"):
+        return None
+    try:
+        import flashinfer  # noqa: PLC0415
+    except ImportError:
+        return None
+    return getattr(flashinfer, "top_k", None)
 
 
 def candidates(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [N, S, V] -> (unary [N, S, K] fp32, candidate ids [N, S, K]), descending by logit."""
-    unary, ids = torch.topk(logits.float(), k, dim=-1, sorted=True)
+    x = logits.float()
+    fi = _flashinfer_topk() if x.is_cuda else None
+    if fi is not None:
+        v, i = fi(x.reshape(-1, x.shape[-1]), k, sorted=True)
+        return v.view(*x.shape[:-1], k), i.view(*x.shape[:-1], k).long()
+    unary, ids = torch.topk(x, k, dim=-1, sorted=True)
     return unary, ids
 
 
