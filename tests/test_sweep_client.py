@@ -51,7 +51,9 @@ class BusyAdapter(EngineAdapter):
 
 def test_client_load_arithmetic() -> None:
     assert client_load(0.5, 1.0, 100) == {"cpu_s": 0.5, "busy": 0.5, "headroom": 0.5, "cpu_us_per_chunk": 5000.0,
-                                          "saturated": False}
+                                          "saturated": False, "procs": 1}
+    two = client_load(0.1, 1.0, 100, [0.3, 0.95])  # client processes: the busiest loop decides, CPU is summed
+    assert two["busy"] == 0.95 and two["saturated"] and two["procs"] == 2 and two["cpu_s"] == pytest.approx(1.35)
     assert client_load(0.95, 1.0, 0)["saturated"] and client_load(0.95, 1.0, 0)["cpu_us_per_chunk"] is None
     assert client_load(1.2, 1.0, 10)["headroom"] == 0.0
 
