@@ -294,3 +294,11 @@ def test_mixed_greedy_and_sampled_batch(tiny_target, rand2, prompts):
     assert [o.output_ids for o in out[:-1]] == [o.output_ids for o in plain.generate(prompts, g)]
     assert seen and all(torch.allclose(q.sum(-1), torch.ones(q.shape[0])) and bool(((q > 0).sum(-1) <= 8).all())
                         for q in seen)
+
+
+def test_span_cost_model_times_the_dflash2_body(tiny_target, rand2):
+    """The automatic span policy's start-up cost model (engine/spec/costs.py) times DFlash2's own padded body."""
+    llm = LLM(tiny_target, draft=rand2, num_pages=256, spec_policy="auto", max_num_seqs=2)
+    costs = llm.engine.policy.costs
+    assert costs is not None and costs.notes["draft_body"] == "dflash2-eager"
+    assert all(t > 0 for t in costs.draft_s)

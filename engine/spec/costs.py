@@ -125,8 +125,15 @@ def _draft_stack(proposer: Proposer | None, runner: ModelRunner):
 
     if not isinstance(proposer, DFlashProposer):
         return None
-    if type(proposer) is not DFlashProposer:  # a subclass (DFlash2) drafts through its own graphs: time the
-        return DraftGraphs(proposer, capture=False).stack  # shared DFlash body eagerly (an approximation)
+    if hasattr(proposer, "graphs2"):  # DFlash2: its own padded body (convolutions, the walk in the tail)
+        from .dflash2_graphs import DraftGraphs2  # noqa: PLC0415
+
+        g2 = getattr(proposer, "graphs2", None)
+        if g2 is None and proposer.use_graphs:
+            g2 = proposer.graphs2 = DraftGraphs2(proposer, capture=not runner.cfg.eager)  # type: ignore[arg-type]
+        return (g2 or DraftGraphs2(proposer, capture=False)).stack  # type: ignore[arg-type]
+    if type(proposer) is not DFlashProposer:  # another subclass: time the shared DFlash body eagerly
+        return DraftGraphs(proposer, capture=False).stack  # (an approximation)
     g = proposer.graphs
     if g is None and proposer.use_graphs:
         g = proposer.graphs = DraftGraphs(proposer, capture=not runner.cfg.eager)
@@ -162,8 +169,9 @@ def measure_costs(runner: ModelRunner, proposer: Proposer | None, spans: tuple[i
         draft = _fill_nan(batches, [stack.time_padded(b * blk, *geom, causal=False, reps=reps)
                                     if b * blk <= stack.max_rows else float("nan") for b in batches])
     verify, draft = monotone(verify), monotone({0: draft})[0]
-    draft_body = "none" if stack is None else ("dflash-eager-approx" if type(proposer).__name__ != "DFlashProposer"
-                                               else f"dflash-{'graphs' if stack.capture else 'eager'}")
+    kind = {"DFlashProposer": "dflash", "DFlash2Proposer": "dflash2"}.get(type(proposer).__name__)
+    draft_body = "none" if stack is None else ("dflash-eager-approx" if kind is None
+                                               else f"{kind}-{'graphs' if stack.capture else 'eager'}")
     cm = CostModel(batches, sorted(verify), verify, draft, time.perf_counter() - t0,
                    notes={"device": str(runner.device), "graphs": vg.mode, "draft_body": draft_body})
     log.info("span cost model: %s", cm.describe())
