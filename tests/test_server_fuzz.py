@@ -129,6 +129,7 @@ COMMON = {
     "presence_penalty": f(st.just(0), numbers),
     "frequency_penalty": f(st.just(0.0), numbers),
     "repetition_penalty": f(st.none() | st.just(1.0), numbers),
+    "cache_salt": f(st.none() | small_text.filter(bool), st.just("") | st.integers()),
     "zz_unknown_field": f(any_json),
 }
 max_tokens = f(st.integers(1, 6), st.integers(-3, 0) | st.sampled_from([10**9, 2**63]))
@@ -223,6 +224,7 @@ def fuzz(served, path: str, fields: tuple[dict, dict], examples: int) -> None:
             post(served, path, body)
 
         one()
+    print(f"fuzz {path}: {len(names) * per + 2 * per} examples at most; answers so far {sorted(served.seen.items())}")
 
 
 def test_fuzz_completions(served):
