@@ -67,11 +67,13 @@ class Acceptance:
         self.acc = [p * w] * k
         self.off = [w] * k
         self.decay = decay
+        self._exp: list[float] | None = None  # expected_all, until the next record
 
     def record(self, pairs: list[tuple[int, int]]) -> None:
         """(drafts, accepted) of this step's verify spans."""
         if not pairs:
             return
+        self._exp = None
         self.acc = [a * self.decay for a in self.acc]
         self.off = [o * self.decay for o in self.off]
         for k, m in pairs:
@@ -85,11 +87,19 @@ class Acceptance:
 
     def expected(self, d: int) -> float:
         """Expected committed tokens of a verify span with d drafts (the bonus included)."""
-        e, run = 1.0, 1.0
-        for c in self.conditional()[:d]:
+        return self.expected_all()[min(max(d, 0), len(self.off))]
+
+    def expected_all(self) -> list[float]:
+        """expected(d) for d = 0..K, in one pass (cached until the next record)."""
+        if self._exp is not None:
+            return self._exp
+        out, e, run = [1.0], 1.0, 1.0
+        for c in self.conditional():
             run *= c
             e += run
-        return e
+            out.append(e)
+        self._exp = out
+        return out
 
 
 @dataclass
@@ -99,13 +109,17 @@ class StepChoice:
     ready: int  # draft-ready among them
     span: int  # 1 + the drafts a ready request carries (1 = gated / plain)
     reason: str  # "fixed", "gate", "policy", "explore", "no_ready"
-    requests: dict[str, dict] = field(default_factory=dict)  # rid -> {"state", "drafts", "accepted"}
+    states: dict[str, str] = field(default_factory=dict)  # rid -> DraftState value
+    drafts: dict[str, int] = field(default_factory=dict)  # rid -> drafts carried (verify spans)
+    accepted: dict[str, int] = field(default_factory=dict)  # rid -> accepted drafts (filled after the accept)
     expected: dict[int, float] | None = None  # policy: span -> expected tokens / s (for explaining)
     t0: float = 0.0
 
     def as_dict(self) -> dict:
+        reqs = {rid: {"state": st, "drafts": self.drafts.get(rid, 0), "accepted": self.accepted.get(rid)}
+                for rid, st in self.states.items()}
         out = {"step": self.step, "running": self.running, "ready": self.ready, "span": self.span,
-               "reason": self.reason, "requests": self.requests}
+               "reason": self.reason, "requests": reqs}
         if self.expected is not None:
             out["expected_tps"] = {str(s): round(v, 3) for s, v in self.expected.items()}
         return out
@@ -116,19 +130,29 @@ def trace_len() -> int:
     return int(raw) if raw.isdigit() else 4096
 
 
+_SPEC, _GATED, _NOT_READY, _INELIGIBLE = (DraftState.SPEC.value, DraftState.GATED.value, DraftState.NOT_READY.value,
+                                          DraftState.INELIGIBLE.value)
+
+
 class SpanPolicy:
     def __init__(self, spec: SpecPlan, costs: CostModel | None = None, metrics: EngineMetrics | None = None) -> None:
         self.spec, self.costs, self.metrics = spec, costs, metrics
         self.acceptance = Acceptance(max(spec.k, 1))
         n = trace_len()
-        self.trace: deque[dict] | None = deque(maxlen=n) if n else None
+        self._trace: deque[StepChoice] | None = deque(maxlen=n) if n else None
         self.overhead = 0.0  # running mean host seconds per step beyond the cost model
         self._held = 0  # policy steps in a row at span 1 with ready requests (for exploration)
         self._choice: StepChoice | None = None
+        self._spans = spec.span_variants
 
     @property
     def auto(self) -> bool:
         return self.spec.policy == "auto" and self.costs is not None
+
+    @property
+    def trace(self) -> list[dict]:
+        """The step trace, oldest first (empty with SPECBENCH_STEP_TRACE=0); built when read."""
+        return [c.as_dict() for c in self._trace] if self._trace is not None else []
 
     # ---- schedule ---------------------------------------------------------------------------------
     def choose(self, running: list[Request], proposer: Proposer | None, step: int = 0
@@ -138,45 +162,57 @@ class SpanPolicy:
         if proposer is None:
             return {}, {}
         spec = self.spec
-        decode = [r for r in running if not r.in_prefill]
         states: dict[str, str] = {}
-        ready: list[Request] = []
-        for r in decode:
-            if not (spec.can_speculate(r.params) and r.remaining >= 2):
-                states[r.rid] = DraftState.INELIGIBLE.value
+        ready: list[tuple[str, int]] = []  # (rid, remaining)
+        n_decode = 0
+        for r in running:
+            if r.in_prefill:
+                continue
+            n_decode += 1
+            rem = r.remaining
+            if rem < 2 or not spec.can_speculate(r.params):
+                states[r.rid] = _INELIGIBLE
             elif not proposer.ready(r):
-                states[r.rid] = DraftState.NOT_READY.value
+                states[r.rid] = _NOT_READY
             else:
-                ready.append(r)
+                ready.append((r.rid, rem))
         expected = None
         if not ready:
             d, reason = 0, "no_ready"
         elif spec.gate and len(running) > spec.gate:
             d, reason = 0, "gate"
         elif self.auto:
-            d, reason, expected = self._best(len(decode), ready)
+            d, reason, expected = self._best(n_decode, [rem for _, rem in ready])
         else:
             d, reason = spec.fixed_drafts, "fixed"
         ks: dict[str, int] = {}
-        for r in ready:
-            k = min(d, r.remaining - 1)
-            states[r.rid] = DraftState.SPEC.value if k > 0 else DraftState.GATED.value
-            if k > 0:
-                ks[r.rid] = k
-        self._choice = StepChoice(step, len(decode), len(ready), d + 1, reason,
-                                  {rid: {"state": st, "drafts": ks.get(rid, 0), "accepted": None}
-                                   for rid, st in states.items()} if self.trace is not None else {},
-                                  expected, time.perf_counter())
+        if d:
+            for rid, rem in ready:
+                k = d if d < rem else rem - 1
+                states[rid] = _SPEC
+                ks[rid] = k
+        else:
+            for rid, _ in ready:
+                states[rid] = _GATED
+        self._choice = StepChoice(step, n_decode, len(ready), d + 1, reason, states, ks, {}, expected,
+                                  time.perf_counter())
         return ks, states
 
-    def _best(self, b: int, ready: list[Request]) -> tuple[int, str, dict[int, float]]:
+    def _best(self, b: int, remaining: list[int]) -> tuple[int, str, dict[int, float]]:
         assert self.costs is not None
-        others = b - len(ready)
+        n_ready = len(remaining)
+        others = b - n_ready
+        exp = self.acceptance.expected_all()
+        top = len(exp) - 1
+        hist = [0] * (top + 1)  # ready requests by the drafts they can take (capped at K)
+        for rem in remaining:
+            hist[rem - 1 if rem - 1 < top else top] += 1
         rate: dict[int, float] = {}
-        for s in self.spec.span_variants:
-            d = s - 1
-            tokens = others + sum(self.acceptance.expected(min(d, r.remaining - 1)) for r in ready)
-            t = self.costs.verify(b, s) + (self.costs.draft(len(ready)) if d else 0.0) + self.overhead
+        draft = self.costs.draft(n_ready)
+        for s in self._spans:
+            d = s - 1 if s - 1 < top else top
+            tokens = others + sum(hist[x] * exp[x] for x in range(d)) + sum(hist[d:]) * exp[d]
+            t = self.costs.verify(b, s) + (draft if d else 0.0) + self.overhead
             rate[s] = tokens / t if t > 0 else 0.0
         best = max(rate, key=lambda s: (rate[s], -s))
         if best > 1:
@@ -192,26 +228,24 @@ class SpanPolicy:
     # ---- after the accept phase ------------------------------------------------------------------
     def record(self, plan: StepPlan, results: list[SpanResult]) -> None:
         """The step's verify outcomes: acceptance estimate, trace entry, span metrics, host overhead."""
-        pairs = [(r.drafts, r.accepted) for s, r in zip(plan.spans, results, strict=True)
-                 if s.kind == "verify" and r.accepted is not None and r.drafts]
-        self.acceptance.record(pairs)
+        pairs = []
         c = self._choice
+        for sp, r in zip(plan.spans, results, strict=True):
+            if sp.kind == "verify" and r.accepted is not None and r.drafts:
+                pairs.append((r.drafts, r.accepted))
+                if c is not None:
+                    c.accepted[sp.req.rid] = r.accepted
+        self.acceptance.record(pairs)
         if c is None:
             return
         self._choice = None
-        if self.trace is not None:
-            for s, r in zip(plan.spans, results, strict=True):
-                e = c.requests.get(s.req.rid)
-                if e is not None:
-                    e["drafts"] = r.drafts if s.kind == "verify" else 0
-                    e["accepted"] = r.accepted if s.kind == "verify" else None
-            self.trace.append(c.as_dict())
+        if self._trace is not None:
+            self._trace.append(c)
         if c.running and self.metrics is not None:
             self.metrics.record_span(c.span, gated=c.span == 1 and c.ready > 0)
-        if self.auto and not any(s.kind == "prefill" for s in plan.spans) and c.running:
+        if self.auto and c.running and not any(sp.kind == "prefill" for sp in plan.spans):
             assert self.costs is not None
-            d = c.span - 1
-            model = self.costs.verify(c.running, c.span) + (self.costs.draft(c.ready) if d else 0.0)
+            model = self.costs.verify(c.running, c.span) + (self.costs.draft(c.ready) if c.span > 1 else 0.0)
             extra = max(0.0, time.perf_counter() - c.t0 - model)
             self.overhead = extra if self.overhead == 0.0 else 0.9 * self.overhead + 0.1 * extra
 
