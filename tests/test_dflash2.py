@@ -66,6 +66,14 @@ def test_config_nested_and_flat_and_causality(tiny_target, tmp_path):
     assert declared_causal({"is_causal": True}) is True and declared_causal({}) is False
     assert drafter_class(ModelConfig.from_dir(Path(__file__).parent.parent / "harness/data/fixtures/tiny/draft")) \
         is DFlashDraftModel
+    # the engine drafts a flat config exactly as the nested one (same weights: same seed)
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    runs = []
+    for d in (tmp_path / "n", tmp_path / "f"):
+        llm = LLM(tiny_target, draft=str(d), num_pages=128)
+        runs.append((llm.generate(["Question: 2 + 3?\nAnswer:"], sp)[0].output_ids,
+                     llm.engine.metrics.snapshot()["num_accepted_tokens"]))
+    assert runs[0] == runs[1]
     raw = {**nested.raw, "dflash_config": {**nested.raw["dflash_config"], "conv_group_size": 7}}
     with pytest.raises(ConfigError, match="conv_group_size=7"):
         DFlash2DraftModel(ModelConfig.from_dict(raw), 128)
