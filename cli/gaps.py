@@ -23,6 +23,8 @@ def gaps(
     plot: Path | None = typer.Option(None, "--plot", help="Also write a PNG bar chart of idle by kernel class (per phase)."),
     phase_filter: str | None = typer.Option(None, "--phase-filter", help="Only ranges whose name matches this regex count as phases."),
     outermost: bool = typer.Option(False, "--outermost", help="Attribute ops to the outermost covering range, not the innermost."),
+    results: Path | None = typer.Option(None, "--results", help="Results directory (default $SPECBENCH_RESULTS or ./results)."),
+    record: bool = typer.Option(True, "--record/--no-record", help="Write the analysis to the results store (`specbench report` renders it)."),
 ) -> None:
     """Where did the GPU sit idle, and which kernels paid for it?
 
@@ -42,6 +44,13 @@ def gaps(
         raise typer.Exit(code=2) from None
     report = g.analyze(tr, classifier, phases=phases, phase_pick=pick, phase_filter=phase_filter)
     g.check_invariants(report)
+    if record:
+        from specbench.harness.results import open_run
+
+        with open_run("gaps", "1", config={"trace": str(trace), "phases": phases, "rules": str(rules) if rules else None,
+                                           "phase_filter": phase_filter, "pick": pick}, results=results) as run:
+            run.update(summary=g.to_json(report))
+        typer.echo(f"run: {run.path}", err=True)
     if plot is not None:
         g.plot_idle_by_class(report, plot)
     if markdown is not None:

@@ -4,7 +4,8 @@ Contract: builds the clean candidate from --candidate (a local engine string; de
 with speculation on; faults= dropped) and its speculation-off twin as the baseline, and calls
 specbench.suites.lossless.selftest.run_selftest, which arms each fault on a fresh engine through the
 candidate's "faults" capability.
-Prints the fault -> gates matrix (one JSON document with --json), writes the markdown with --report.
+Prints the fault -> gates matrix (one JSON document with --json), writes the markdown with --report, and
+records the run in the results store (`specbench report` renders it; --no-record skips it).
 Exit codes: 0 every fault caught and the clean engine passed every gate in every repetition; 1 a fault
 was missed or the clean engine raised an alarm; 2 bad input.
 """
@@ -30,6 +31,9 @@ def selftest(
     expect_accept_len: float | None = typer.Option(None, "--expect-accept-len", min=1.0, help="Reference acceptance (default: clean run 1)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON document instead of the table."),
     report: Path | None = typer.Option(None, "--report", help="Write the markdown matrix here."),
+    results: Path | None = typer.Option(None, "--results", help="Results directory (default $SPECBENCH_RESULTS "
+                                        "or ./results)."),
+    record: bool = typer.Option(True, "--record/--no-record", help="Write the run to the results store."),
 ) -> None:
     """Prove the lossless gates have teeth: every named fault caught, no false alarm on the clean engine.
 
@@ -86,6 +90,15 @@ def selftest(
     except (ValueError, UnsupportedCapability) as e:
         raise bad(str(e)) from None
     md = render_selftest(out)
+    if record:
+        from specbench.harness.results import open_run
+
+        with open_run("selftest", "1", engines={"baseline": baseline.describe(), "candidate": cand.describe()},
+                      config={"repeat": repeat, "faults": names, "num_prompts": num_prompts, "max_tokens": max_tokens,
+                              "margin_tol": margin_tol, "expect_accept_len": expect_accept_len},
+                      results=results) as run:
+            run.update(summary=out.to_dict())
+        typer.echo(f"run: {run.path}", err=True)
     if report is not None:
         report.parent.mkdir(parents=True, exist_ok=True)
         report.write_text(md, encoding="utf-8")

@@ -125,7 +125,7 @@ def test_report_command(tmp_path: Path) -> None:
     assert res.exit_code == 0 and "| c1 | 100.0 | 150.0 | 1.50× [1.40–1.60] |" in res.output
     bad = cli.invoke(app, ["report", str(tmp_path / "nope")])
     assert bad.exit_code == 2 and "nope" in bad.output
-    with open_run("lossless", results=tmp_path, run_id="other"):
+    with open_run("mystery", results=tmp_path, run_id="other"):  # every suite's runs render (test_report_kinds.py)
         pass
     bad = cli.invoke(app, ["report", str(tmp_path / "other")])
     assert bad.exit_code == 2 and "sweep" in bad.output
