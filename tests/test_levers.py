@@ -294,3 +294,21 @@ def test_saved_cost_model(tiny_pair, fixed_costs, monkeypatch):
     monkeypatch.setenv("SPECBENCH_SPEC_COSTS", str(fixed_costs) + ".missing")
     with pytest.raises(ConfigError, match="SPECBENCH_SPEC_COSTS"):
         _llm(tiny_pair, spec_policy="auto")
+
+
+def test_span_counters_round_trip_through_metrics_text():
+    """`specbench serve`'s /metrics -> the openai adapter's counters -> a sweep cell's delta (span histogram)."""
+    from specbench.engine.metrics import EngineMetrics
+    from specbench.harness.adapters.base import counters_delta
+    from specbench.harness.adapters.prom import spec_counters_from_metrics
+
+    m = EngineMetrics()
+    m.record_verify(4, 2)
+    m.record_span(5, gated=False)
+    before = spec_counters_from_metrics(m.prometheus("x"), "x")
+    for _ in range(3):
+        m.record_span(1, gated=True)
+    after = spec_counters_from_metrics(m.prometheus("x"), "x")
+    assert after["span_hist"] == {"1": 3, "5": 1} and after["gated_rounds"] == 3
+    d = counters_delta(before, after)
+    assert d["span_hist"] == {"1": 3} and d["gated_rounds"] == 3

@@ -100,5 +100,13 @@ def spec_counters_from_metrics(text: str, model: str | None = None) -> dict | No
         out["gauges"] = gauges
         if "sglang:spec_accept_length" in gauges:
             out["accept_length"] = gauges["sglang:spec_accept_length"]
+    # `specbench serve`'s load-aware speculation counters (engine/spec/policy.py): one-token rounds, steps per span
+    spans = {labels["span"]: _num(v) for name, labels, v in samples
+             if name == "specbench:spec_step_span_total" and "span" in labels}
+    if spans:
+        out["span_hist"] = dict(sorted(spans.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else 0))
+    gated = [v for name, _, v in samples if name == "specbench:spec_gated_rounds_total"]
+    if gated:
+        out["gated_rounds"] = _num(sum(gated))
     out["source"] = "metrics"
     return out
