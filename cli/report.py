@@ -36,7 +36,7 @@ def report(
         loaded = [load_stored_run(r, results) for r in runs]
     except FileNotFoundError as e:
         raise typer.BadParameter(str(e), param_hint="RUNS") from None
-    kinds = [lr.meta.get("suite") for lr in loaded]
+    kinds = [str(lr.meta.get("suite")) for lr in loaded]
     unknown = [f"{lr.path} ({k!r})" for lr, k in zip(loaded, kinds, strict=True) if k not in KINDS]
     if unknown:
         raise typer.BadParameter(f"no report for {', '.join(unknown)}: expected runs of {', '.join(KINDS)}",
