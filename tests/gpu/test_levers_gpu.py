@@ -1,0 +1,82 @@
+"""Issue 20 on the device: the load-aware levers with every fast path on (captured decode, verify and draft
+graphs), on the bundled tiny pair in fp32, where spec on must equal spec off token for token.
+
+- each lever (gate 1 and 3, trim 2, the automatic policy) against spec off, staggered max_tokens so the
+  batch shrinks, spans truncate and decode spans ride with verify spans;
+- the automatic policy with its span cycled over every variant between steps: each variant replays its own
+  captured row counts (VerifyGraphs.stack.shapes keyed by rows) and the output stays the spec-off output;
+- the start-up cost model measured on the captured graphs: positive, monotone, the graphs it timed captured.
+Run with `pytest -m gpu tests/gpu/test_levers_gpu.py -s` (scripts/gpu.sh tests).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from specbench.engine import LLM, SamplingParams
+
+pytestmark = pytest.mark.gpu
+BUDGETS = [3, 9, 16, 30, 48, 64]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from specbench.harness.fixtures import bundled_pair
+
+    target, draft = bundled_pair()
+    if not (target / "model.safetensors").is_file():
+        pytest.skip(f"bundled tiny fixture not built at {target}")
+    return str(target), str(draft)
+
+
+@pytest.fixture(scope="module")
+def prompts(gsm8k_prompts):
+    return gsm8k_prompts[: len(BUDGETS)]
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny, prompts):
+    llm = LLM(tiny[0], device="cuda", num_pages=512, max_num_seqs=8)
+    out = [o.output_ids for o in llm.generate(prompts, [SamplingParams(max_tokens=b, ignore_eos=True) for b in BUDGETS])]
+    close = getattr(llm.engine, "close", None)
+    if close is not None:
+        close()
+    return out
+
+
+@pytest.mark.parametrize("kw", [{"spec_gate": 1}, {"spec_gate": 3}, {"spec_trim": 2}, {"spec_policy": "auto"}],
+                         ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
+def test_levers_with_captured_graphs_equal_spec_off(tiny, prompts, baseline, kw):
+    llm = LLM(tiny[0], draft=tiny[1], device="cuda", num_pages=512, max_num_seqs=8, **kw)
+    out = [o.output_ids for o in llm.generate(prompts, [SamplingParams(max_tokens=b, ignore_eos=True)
+                                                         for b in BUDGETS])]
+    assert out == baseline
+    eng = llm.engine
+    stats = eng.fast_path_stats()
+    print(kw, eng.metrics.span_hist, "gated", eng.metrics.gated_rounds, stats.get("verify"))
+    if "spec_gate" in kw:
+        assert eng.metrics.gated_rounds > 0 and eng.metrics.num_drafts > 0  # gated, then speculating again
+    if "spec_trim" in kw:
+        assert max(eng.metrics.span_hist) == 3
+
+
+def test_span_variants_replay_their_own_rows(tiny, prompts, baseline):
+    llm = LLM(tiny[0], draft=tiny[1], device="cuda", num_pages=512, max_num_seqs=8, spec_policy="auto")
+    eng = llm.engine
+    costs = eng.policy.costs
+    assert costs is not None and costs.source == "measured"
+    for s in costs.spans:
+        vs = costs.verify_s[s]
+        assert all(v > 0 for v in vs) and vs == sorted(vs)
+    vg = eng.runner.verify_graphs
+    assert vg is not None and vg.stack.captured, "the measurement captures the verify graphs it times"
+    print("cost model", costs.describe())
+    cycle = itertools.cycle([1, 8, 2, 4, 8, 1, 4])
+    eng.policy._best = lambda b, remaining: (next(cycle) - 1, "policy", {})
+    out = [o.output_ids for o in llm.generate(prompts, [SamplingParams(max_tokens=b, ignore_eos=True)
+                                                         for b in BUDGETS])]
+    assert out == baseline
+    assert set(eng.metrics.span_hist) == {1, 2, 4, 8}
+    assert all(vg.stack.shapes[r] == r for r in vg.stack.shapes)  # every row count replayed only at itself
