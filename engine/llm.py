@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from .config import EngineConfig, SamplingParams, SpecConfig, lever_kw
 from .engine import LLMEngine, RequestOutput
 from .spec.plan import spec_method
@@ -48,7 +50,9 @@ class LLM:
         self.close()
 
     def __del__(self) -> None:
+        if sys.is_finalizing():  # at interpreter exit CUDA may already be torn down (closing then segfaulted)
+            return
         try:
             self.close()
-        except Exception:  # interpreter shutdown: torch may already be half torn down
+        except Exception:  # a half-built LLM (its constructor raised) has nothing to close
             pass
