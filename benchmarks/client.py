@@ -7,14 +7,16 @@ For each level C: C requests in flight (closed loop), `--requests` = max(2 C, --
   adapter: OpenAIAdapter.generate (what `specbench sweep` runs: SSE parsing, per-chunk timing, token
            counting, GenResult), dialect probing off;
   raw:     one keep-alive HTTP/1.1 connection per in-flight request on asyncio streams, chunked SSE split on
-           b"\\n\\n", each event timed and json-decoded, nothing else: the ceiling of a Python asyncio client.
+           b"\\n\\n", each event timed and json-decoded, nothing else: the ceiling of a Python asyncio client;
+  sharded: the adapter behind --client-procs 2 (harness/adapters/sharded.py; CPU counts both workers'
+           event loops; the processes are started once, before the first level, and not measured).
 Columns: chunks/s and tokens/s over the level's wall time, CPU us per chunk (the client process's own CPU
 time / chunks; the server runs in another process) and client CPU busy (process CPU / wall: near 100 %
 means the client, not the server, set the rate). On a shared machine the server and the client compete
 for cores, so compare the two clients within one run.
 
 Usage: python -m specbench.benchmarks.client [--levels 1,4,16,64,256] [--max-tokens 256]
-       [--tokens-per-chunk 1] [--min-requests 16] [--clients adapter,raw]
+       [--tokens-per-chunk 1] [--min-requests 16] [--clients adapter,raw[,sharded]]
 Prints a table, then one JSON document as the last line.
 """
 
@@ -96,13 +98,34 @@ async def adapter_client(url: str, conc: int, n: int, max_tokens: int) -> tuple[
     return sum(len(r.chunk_times) for r in res), sum(r.completion_tokens or 0 for r in res)
 
 
-CLIENTS = {"adapter": adapter_client, "raw": raw_client}
+async def sharded_client(url: str, conc: int, n: int, max_tokens: int, procs: int = 2) -> tuple[int, int]:
+    """The adapter behind --client-procs (harness/adapters/sharded.py): `procs` client processes."""
+    from specbench.harness.adapters.base import GenRequest
+    from specbench.harness.adapters.openai_api import OpenAIAdapter
+    from specbench.harness.adapters.sharded import ShardedAdapter
+
+    if url not in SHARDED:  # the workers are started once per benchmark run (their start-up is not measured)
+        engine = f"openai:{url},model=fake-model,probe=0,retries=0"
+        SHARDED[url] = ShardedAdapter(OpenAIAdapter(url, model="fake-model", probe=False, retries=0), engine, procs)
+    ad = SHARDED[url]
+    res = await ad.generate([GenRequest(prompt="hello", max_tokens=max_tokens) for _ in range(n)], concurrency=conc)
+    bad = [r.error for r in res if not r.ok]
+    if bad:
+        raise RuntimeError(f"{len(bad)} requests failed: {bad[0]}")
+    SHARD_CPU[:] = ad.client_cpu_by_proc
+    return sum(len(r.chunk_times) for r in res), sum(r.completion_tokens or 0 for r in res)
+
+
+SHARD_CPU: list[float] = []  # the worker processes' loop CPU of the last sharded measurement
+SHARDED: dict[str, Any] = {}  # url -> the ShardedAdapter kept across levels
+CLIENTS = {"adapter": adapter_client, "raw": raw_client, "sharded": sharded_client}
 
 
 def measure(kind: str, url: str, conc: int, n: int, max_tokens: int) -> dict[str, Any]:
     cpu0, t0 = time.process_time(), time.perf_counter()
+    SHARD_CPU.clear()
     chunks, tokens = asyncio.run(CLIENTS[kind](url, conc, n, max_tokens))
-    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0 + sum(SHARD_CPU)
     return {"client": kind, "concurrency": conc, "requests": n, "chunks": chunks, "tokens": tokens, "wall_s": wall,
             "cpu_s": cpu, "chunks_s": chunks / wall, "tokens_s": tokens / wall, "cpu_us_per_chunk": cpu / chunks * 1e6,
             "client_busy": cpu / wall}
@@ -121,11 +144,12 @@ def main(argv: list[str] | None = None) -> dict:
     kinds = [k.strip() for k in a.clients.split(",")]
     for k in kinds:
         if k not in CLIENTS:
-            ap.error(f"--clients {k!r} is invalid: expected adapter or raw")
+            ap.error(f"--clients {k!r} is invalid: expected adapter, raw or sharded")
     proc, url = start_server(a.tokens_per_chunk, a.max_tokens)
     rows = []
     try:
-        measure(kinds[0], url, 4, 8, a.max_tokens)  # warm: imports, connections, the server's first requests
+        for k in kinds:  # warm: imports, connections, client processes, the server's first requests
+            measure(k, url, 4, 8, a.max_tokens)
         print(f"{'client':<8} {'C':>4} {'requests':>8} {'chunks/s':>10} {'tokens/s':>10} {'CPU us/chunk':>12} "
               f"{'client busy':>11}")
         for c in levels:
@@ -135,6 +159,9 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"{k:<8} {c:>4} {r['requests']:>8} {r['chunks_s']:>10.0f} {r['tokens_s']:>10.0f} "
                       f"{r['cpu_us_per_chunk']:>12.1f} {r['client_busy'] * 100:>10.0f}%", flush=True)
     finally:
+        for ad in SHARDED.values():
+            ad.close()
+        SHARDED.clear()
         proc.terminate()
         proc.wait(10)
     doc = {"benchmark": "client", "max_tokens": a.max_tokens, "tokens_per_chunk": a.tokens_per_chunk, "rows": rows}
