@@ -2,13 +2,15 @@
 
 - `scrub(text, secrets)`: every occurrence of each known secret (4 characters or more) -> `MASK`.
 - `redact_text(text)`: what looks like a secret without knowing it: an engine string's `api_key=...`
-  option, a `--api-key VALUE` / `--api-key=VALUE` flag, an `Authorization: ...` header value and a
-  `Bearer ...` token.
+  option, a `--api-key VALUE` / `--api-key=VALUE` flag, and the token of an `Authorization: [Bearer]
+  ...` header or a `Bearer ...` value when it looks like a key (8+ characters with a digit: "bearer bonds"
+  is left alone). For configuration, argv and error texts; generated text is only `scrub`bed.
 - `redact_argv(argv)`: a command line with the value after `--api-key` and every `api_key=` masked
   (what provenance records as argv).
 - `redact(obj, secrets)`: the same over a JSON-like object (strings inside dicts and lists, keys too).
-The results store (harness/results.py `open_run(secrets=...)`) applies `scrub` and `redact_text` to
-every line it writes, so a record that carries a secret by accident is masked on its way to disk.
+The results store (harness/results.py `open_run(secrets=...)`) applies `scrub` to every record line and
+`redact_text` to run.json and side files, so a record that carries a known key by accident is masked on its
+way to disk.
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ from typing import Any
 
 MASK = "***"
 SECRET_FLAGS = ("--api-key",)
+_TOKEN = r"(?!\*\*\*)(?=[A-Za-z0-9._~+/=-]*\d)[A-Za-z0-9._~+/=-]{8,}"  # key-like: 8+ characters, a digit
 _PATTERNS = (
-    (re.compile(r"(api_key=)[^,;\s\"']+"), r"\1" + MASK),
-    (re.compile(r"(--api-key[= ])[^\s\"',;]+"), r"\1" + MASK),
-    (re.compile(r"((?i:authorization)[\"']?\s*[:=]\s*[\"']?)(?!\*\*\*)[^\"'\n,}]+"), r"\1" + MASK),
-    (re.compile(r"((?i:bearer)\s+)(?!\*\*\*)[A-Za-z0-9._~+/=-]+"), r"\1" + MASK),
+    (re.compile(r"(api_key=)(?!\*\*\*)[^,;\s\"']+"), r"\1" + MASK),
+    (re.compile(r"(--api-key[= ])(?!\*\*\*)[^\s\"',;]+"), r"\1" + MASK),
+    (re.compile(r"((?i:authorization)[\"']?\s*[:=]\s*[\"']?(?:(?i:bearer|basic)\s+)?)" + _TOKEN), r"\1" + MASK),
+    (re.compile(r"((?i:bearer)\s+)" + _TOKEN), r"\1" + MASK),
 )
 
 

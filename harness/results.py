@@ -16,8 +16,10 @@ Contract:
   open; the suite supplies suite name + version, engine descriptions per arm, sampling, dataset, seeds.
 - Times in a RequestRecord are seconds relative to its own t_send (perf_counter origins are
   arbitrary); `wall_send` is absolute (time.time()).
-- Secrets: every line written (records and run.json) passes `redact.redact_text` with the run's
-  `secrets` (open_run(secrets=...)): API keys and Authorization values never reach the store.
+- Secrets: every record line has the run's `secrets` (open_run(secrets=...)) masked (`redact.scrub`:
+  exact strings, so no recorded output text is touched); run.json and side files (`write_text`), which
+  hold configuration, argv and error texts but no generated text, also pass `redact.redact_text`
+  (`api_key=`, `--api-key`, Authorization / Bearer tokens). API keys never reach the store.
 - References: <results>/references/<kind>/<key>.json, one JSON object per key, written atomically by
   `write_reference` and read by `read_reference` (None when absent or unreadable): measured values a later
   run is held against (the lossless gate's acceptance, keyed by an engine / drafter / prompts / max_tokens
@@ -41,7 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .provenance import provenance
-from .redact import redact_text
+from .redact import redact_text, scrub
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -152,7 +154,7 @@ class Run:
     def write(self, kind: str, record: Any) -> None:
         if not kind.replace("_", "").isalnum():
             raise ValueError(f"kind={kind!r} is invalid: expected a plain name such as 'requests'")
-        line = redact_text(_json(record), self.secrets) + "\n"
+        line = scrub(_json(record), self.secrets) + "\n"  # exact keys only: record text stays as generated
         with self._lock:
             fh = self._files.get(kind)
             if fh is None:

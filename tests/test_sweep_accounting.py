@@ -109,7 +109,7 @@ def test_api_key_reaches_no_artifact(cli: CliRunner, tmp_path: Path, monkeypatch
     # what the leaky server echoed is kept, masked: the failure is still explained
     errors = [json.loads(x)["error"] for f in files if f.name == "requests.jsonl" for x in f.read_text().splitlines()
               if not json.loads(x)["ok"]]
-    assert errors and all("injected failure" in e and "Authorization: ***" in e for e in errors)
+    assert errors and all("injected failure" in e and "Authorization: Bearer ***" in e for e in errors)
     argvs = [json.loads(f.read_text())["provenance"]["argv"] for f in files if f.name == "run.json"]
     assert ["specbench", "sweep", "--api-key", "***", "--api-key=***"] in argvs
 
@@ -155,3 +155,19 @@ def test_chat_dataset_flags_and_key_against_the_bundled_server(cli: CliRunner, t
             assert wl["length_unit"] == "tokens" and wl["random_exact"] == {"serve": True}
         leaks = [str(f) for f in _artifacts(run) if KEY in f.read_text(errors="replace")]
         assert not leaks, leaks
+
+
+def test_redaction_masks_keys_but_never_generated_text(tmp_path: Path) -> None:
+    from specbench.harness.redact import redact_argv, redact_text
+    from specbench.harness.results import open_run
+
+    text = 'def f(): return call(api_key=API_KEY)  # the bearer bonds; Authorization: granted'
+    with open_run("t", results=tmp_path, secrets=[KEY], config={"engine": f"openai:http://h,api_key={KEY}"}) as run:
+        run.write("requests", {"text": text, "error": f"echoed {KEY}"})
+    line = json.loads((run.path / "requests.jsonl").read_text())
+    assert line == {"text": text, "error": "echoed ***"}  # output text as generated; the known key masked
+    assert KEY not in (run.path / "run.json").read_text()
+    assert redact_text("Authorization: Bearer abc12345xyz") == "Authorization: Bearer ***"
+    assert redact_text("bearer bonds and Bearer tokens") == "bearer bonds and Bearer tokens"
+    assert redact_argv(["x", "--api-key", "k", "--arms", "openai:http://h,api_key=k2"]) == \
+        ["x", "--api-key", "***", "--arms", "openai:http://h,api_key=***"]
