@@ -76,10 +76,14 @@ class WarmupPlan:
 
 
 def verify_span(engine: Any) -> int:
-    """The row quantum of the engine's padded verify graphs: K + 1 when speculating, else NO_SPEC_SPAN."""
+    """The row quantum of the engine's padded verify graphs: its longest verify span when speculating (K + 1, or
+    trim + 1 with a draft trim: engine/spec/plan.py `span_variants`), else NO_SPEC_SPAN."""
     from specbench.engine.graphs import NO_SPEC_SPAN
 
-    return engine.k + 1 if getattr(engine, "spec_on", False) else NO_SPEC_SPAN
+    if not getattr(engine, "spec_on", False):
+        return NO_SPEC_SPAN
+    variants = getattr(getattr(engine, "spec", None), "span_variants", ())
+    return max(variants) if variants else engine.k + 1
 
 
 def default_plan(engine: Any) -> WarmupPlan:
