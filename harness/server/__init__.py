@@ -64,6 +64,7 @@ def make_app(engine: Any, served_name: str | None = None, max_pending: int | Non
     from .serving import ServerState
     from .warmup import WarmupPlan, make_warmup
 
+    fn: Callable | None
     if callable(warmup) and not isinstance(warmup, WarmupPlan):
         fn = warmup
     else:

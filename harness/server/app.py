@@ -108,10 +108,11 @@ def _tokenize(state: ServerState, raw: bytes) -> dict:
 
         text = render_chat(state, _messages(body["messages"]), get_bool(body, "add_generation_prompt", True))
     else:
-        text = body.get("prompt")
-        if not isinstance(text, str):
-            raise APIError(f"prompt={text!r:.80} is invalid: expected a string (or send messages=[...])",
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise APIError(f"prompt={prompt!r:.80} is invalid: expected a string (or send messages=[...])",
                            param="prompt")
+        text = prompt
     ids = state.to_ids(text) if text else []
     return {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids, "token_strs": None}
 

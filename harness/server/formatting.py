@@ -34,7 +34,10 @@ class TokenText:
 
 def legacy_logprobs(tt: TokenText, ids: list[int], lps: list, as_id: bool, offset0: int = 0) -> dict:
     """ids[i] with lps[i] = (chosen_lp, {tok: lp}) or None (first prompt position)."""
-    tokens, token_lps, tops, offsets = [], [], [], []
+    tokens: list[str] = []
+    token_lps: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
     off = offset0
     for t, entry in zip(ids, lps, strict=False):
         s = tt(t, as_id)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import math
 import signal
 import socket
 import threading
@@ -105,7 +106,7 @@ def run(app: Any, sock: socket.socket, options: ServerOptions, log_level: str = 
     state = app.state.sb
     cfg = uvicorn.Config(app, log_level=log_level, access_log=log_level == "debug", lifespan="off",
                          # our timer cancels the requests at the deadline; uvicorn's cut comes 2 s after that
-                         timeout_graceful_shutdown=options.shutdown_timeout + 2.0)
+                         timeout_graceful_shutdown=math.ceil(options.shutdown_timeout) + 2)
     server = DrainingServer(cfg, state)
     try:
         server.run(sockets=[sock])

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hmac
 import time
 import uuid
+from collections.abc import MutableMapping
 from typing import Any
 
 from fastapi import FastAPI
@@ -62,7 +63,7 @@ class RequestId:
         rid = given if given is not None and _valid_request_id(given) else uuid.uuid4().hex
         echo = rid.encode("latin-1")
 
-        async def send_with_id(msg: dict) -> None:
+        async def send_with_id(msg: MutableMapping[str, Any]) -> None:
             if msg["type"] == "http.response.start":
                 headers = [(k, v) for k, v in msg.get("headers", []) if k.lower() != b"x-request-id"]
                 msg = {**msg, "headers": [*headers, (b"x-request-id", echo)]}
