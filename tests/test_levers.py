@@ -312,3 +312,10 @@ def test_span_counters_round_trip_through_metrics_text():
     assert after["span_hist"] == {"1": 3, "5": 1} and after["gated_rounds"] == 3
     d = counters_delta(before, after)
     assert d["span_hist"] == {"1": 3} and d["gated_rounds"] == 3
+
+
+def test_server_warmup_span_follows_the_trim(tiny_pair):
+    from specbench.harness.server.warmup import verify_span
+
+    llm, trimmed = _llm(tiny_pair), _llm(tiny_pair, spec_trim=2)
+    assert (verify_span(llm.engine), verify_span(trimmed.engine)) == (8, 3)
