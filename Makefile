@@ -28,8 +28,10 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
+	@# setuptools' "Editable installation" notice (folders named like the package in the working directory:
+	@# specbench/ holds the links to the same code) is information, not a problem: kept out of the output.
+	PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install -q -c constraints.txt -e ".[$(EXTRAS)]"
 	$(PY) -c "import torch, sys; sys.exit(0 if $(TORCH_CHECK) else 'torch ' + torch.__version__ + ' is not the build wanted ($(TORCH_CHECK))')"
-	$(PY) -m pip install -q -c constraints.txt -e ".[$(EXTRAS)]"
 	touch $@
 
 demo: setup
