@@ -244,6 +244,10 @@ def render(res: dict, title: str = "specbench tune") -> str:
             cells.append(_f(x["ratio"], "{:.3f}") + ("*" if x["resolved"] is False else ""))
         lines.append(f"| {row['level']:g} | {_f(row['plain_tok_s'])} | {_f(row['noise'], '{:.3f}')} | "
                      + " | ".join(cells) + f" | {row['best']} |")
+    lines += ["", "Output tok/s (median over rounds):", "", "| c | plain | " + " | ".join(arms) + " |",
+              "|---|---|" + "---|" * len(arms)]
+    lines += [f"| {row['level']:g} | {_f(row['plain_tok_s'])} | "
+              + " | ".join(_f(row["arms"][a]["tok_s"]) for a in arms) + " |" for row in res["per_level"]]
     lines += ["", "Crossover (the lowest concurrency from which an arm loses to plain beyond the noise floor): "
               + ", ".join(f"{a} " + (f"c{c:g}" if c is not None else "none") for a, c in res["crossover"].items()), ""]
     spans = [(a, row["level"], row["arms"][a]["spans"]) for row in res["per_level"] for a in arms

@@ -61,6 +61,7 @@ def test_analyze_crossover_best_and_recommendation():
     md = render(res)
     assert "| 32 | 3200.0 | 0.020 | 0.800 | 1.010* | 0.990* | plain |" in md
     assert "spec c32" in md and "| spec-auto | 32 | 1: 90, 16: 10 |" in md and "`spec-auto` never loses" in md
+    assert "| 32 | 3200.0 | 2560.0 | 3232.0 | 3168.0 |" in md  # the tok/s table
     none = analyze(_summary({"spec": [2.0, 0.5, 0.5]}, [0.01] * 3), [])
     assert none["recommendation"]["one_setting"] is None and "no single setting" in render(none)
 
