@@ -55,6 +55,8 @@ def sampled(
     prompt_set: str | None = typer.Option(None, "--prompt-set", help="gsm8k, or echo: prompt + the baseline's "
                                           "greedy answer + the prompt again (default gsm8k; --selftest: echo)."),
     json_out: bool = typer.Option(False, "--json", help="Print the summary JSON (last line)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress display and no summary table: the verdict "
+                               "line only (--json implies it)."),
     report: Path | None = typer.Option(None, "--report", help="Write the markdown report here."),
     results: Path | None = typer.Option(None, "--results", help="Results directory (default $SPECBENCH_RESULTS "
                                         "or ./results)."),
@@ -108,7 +110,7 @@ def sampled(
         raise bad(str(e)) from None
 
     def log(s: str) -> None:
-        if not json_out:
+        if not json_out and not quiet:
             typer.echo(s)
 
     try:
@@ -127,10 +129,12 @@ def sampled(
                 except (SampledError, UnsupportedCapability) as e:
                     raise bad(str(e)) from None
             else:
+                from specbench.cli.progress import RunProgress
                 from specbench.suites.sampled.gate import run_gate
 
-                try:
-                    res = run_gate(base, cand, opts, cfgs, log=log, on_samples=rec.samples)
+                try:  # one progress display over every phase (requests done / total, ETA), on stderr
+                    with RunProgress(0, quiet=quiet or json_out) as progress:
+                        res = run_gate(base, cand, opts, cfgs, on_samples=rec.samples, progress=progress)
                 finally:
                     cand.close()
                 rec.result(res)
@@ -138,7 +142,10 @@ def sampled(
                     report.parent.mkdir(parents=True, exist_ok=True)
                     report.write_text(rep.render(res))
                 summ = res.summary()
-                log(_line(summ))
+                if not quiet and not json_out:
+                    _summary_table(summ)
+                if not json_out:
+                    typer.echo(_line(summ))
                 if json_out:
                     typer.echo(json.dumps(summ, default=_jsonable))
                 code = res.exit_code
@@ -167,6 +174,18 @@ def _selftest(base, cand, opts, cfgs, rec, log, json_out: bool, report: Path | N
     if json_out:
         typer.echo(json.dumps({"selftest": "PASS" if ok else "FAIL", "rows": rows, "options": o}, default=_jsonable))
     return 0 if ok else 1
+
+
+def _summary_table(s: dict) -> None:
+    from specbench.cli.progress import summary_table
+
+    rows = [[name, c["cells"], c["testable"], c["rejected"], c["min_p"], c["max_tv"], c["median_mde_lone"]]
+            for name, c in s["comparisons"].items()]
+    secs = s.get("seconds")
+    total = sum(secs.values()) if isinstance(secs, dict) else secs
+    summary_table(f"sampled gate: {s['verdict']} ({s['num_prompts']} prompts x {', '.join(s['configs'])}"
+                  + (f", {total:.0f} s)" if isinstance(total, (int, float)) else ")"),
+                  ["comparison", "cells", "testable", "rejected", "min p", "max TV", "median MDE (lone)"], rows)
 
 
 def _line(s: dict) -> str:

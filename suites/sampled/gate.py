@@ -31,6 +31,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -77,7 +78,8 @@ class Samples:
 
 
 def collect(adapter: EngineAdapter, prompts: Sequence[tuple[str, str]], configs: Sequence[SamplingConfig],
-            opts: SampledGateOptions, arm: str, arm_index: int) -> Samples:
+            opts: SampledGateOptions, arm: str, arm_index: int,
+            on_result: Callable[[Any], None] | None = None) -> Samples:
     cells = len(prompts) * len(configs)
     if seed_of(opts.seed + 1, 0, 0, 0, cells, opts.samples) > SEED_LIMIT:
         raise SampledError(f"--seed {opts.seed} with {cells} prompt x config cells of {opts.samples} samples does not "
@@ -98,7 +100,7 @@ def collect(adapter: EngineAdapter, prompts: Sequence[tuple[str, str]], configs:
                 keys.append((pi, ci))
         before = adapter.spec_counters_sync()
         t0 = time.perf_counter()
-        results += adapter.generate_sync(reqs, concurrency=opts.concurrency)
+        results += adapter.generate_sync(reqs, concurrency=opts.concurrency, on_result=on_result)
         seconds += time.perf_counter() - t0
         delta = counters_delta(before, adapter.spec_counters_sync())
         by_config[c.name] = delta
@@ -321,22 +323,32 @@ def verdict_of(comparisons: Sequence[Comparison], spec: dict | None, failed: Seq
 def run_gate(baseline: EngineAdapter, candidate: EngineAdapter, opts: SampledGateOptions,
              configs: Sequence[SamplingConfig] = DEFAULT_CONFIGS, prompts: Sequence[tuple[str, str]] | None = None,
              baseline_samples: Samples | None = None, log: Callable[[str], None] | None = None,
-             on_samples: Callable[[Samples], None] | None = None) -> GateResult:
-    """Baseline vs candidate (and, with opts.null, candidate vs candidate on disjoint seeds)."""
+             on_samples: Callable[[Samples], None] | None = None, progress: Any = None) -> GateResult:
+    """Baseline vs candidate (and, with opts.null, candidate vs candidate on disjoint seeds). `progress`
+    (cli/progress.py RunProgress, or None) hears each phase and each finished request."""
     say = log or (lambda s: None)
+    tick = progress.advance if progress is not None else None
+
+    def phase(name: str, n: int) -> None:
+        if progress is not None:
+            progress.phase(name, n)
     prompts = list(prompts) if prompts is not None else make_prompts(baseline, opts)
     if not prompts:
         raise SampledError("the prompt set is empty")
     n = len(prompts) * len(configs) * opts.samples
+    if progress is not None:  # every phase's requests, for one ETA over the whole gate
+        progress.plan(n * ((baseline_samples is None) + 1 + bool(opts.null)))
     secs: dict[str, float] = {}
     if baseline_samples is None:
         say(f"baseline: {n} generations of {opts.positions} tokens")
-        baseline_samples = collect(baseline, prompts, configs, opts, "baseline", 0)
+        phase("baseline (spec off)", n)
+        baseline_samples = collect(baseline, prompts, configs, opts, "baseline", 0, tick)
         if on_samples:
             on_samples(baseline_samples)
     secs["baseline"] = baseline_samples.seconds
     say(f"candidate: {n} generations of {opts.positions} tokens")
-    cand = collect(candidate, prompts, configs, opts, "candidate", 1)
+    phase("candidate (spec on)", n)
+    cand = collect(candidate, prompts, configs, opts, "candidate", 1, tick)
     if on_samples:
         on_samples(cand)
     secs["candidate"] = cand.seconds
@@ -346,7 +358,8 @@ def run_gate(baseline: EngineAdapter, candidate: EngineAdapter, opts: SampledGat
     spec = cand.spec
     if opts.null:
         say(f"null: {n} more candidate generations (disjoint seeds)")
-        cand2 = collect(candidate, prompts, configs, opts, "candidate2", 2)
+        phase("null (spec on, disjoint seeds)", n)
+        cand2 = collect(candidate, prompts, configs, opts, "candidate2", 2, tick)
         if on_samples:
             on_samples(cand2)
         secs["null"] = cand2.seconds

@@ -1,0 +1,102 @@
+"""One progress display for a long command, and its end-of-run summary table (rich, on stderr / stdout).
+
+`RunProgress(total)` counts requests over every phase of a run: `phase(name, n)` names the current phase
+(its n requests are part of `total`, which `plan(total)` may set once it is known), `advance()` is called once per finished request (an adapter's
+on_result). On a terminal it is one rich bar: phase, requests done / total, elapsed, ETA for the whole
+run. Without a terminal (a pipe, CI) it prints one plain line per phase to stderr instead (a bar that
+redraws is noise in a log), and nothing at all when quiet (`--quiet`, `--json`). `summary_table` prints
+rows as a rich table on stdout at the end of a run.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+
+class RunProgress:
+    def __init__(self, total: int, *, quiet: bool = False, stream: TextIO | None = None,
+                 terminal: bool | None = None) -> None:
+        self.total, self.quiet = total, quiet
+        self.stream = stream or sys.stderr
+        self.terminal = self.stream.isatty() if terminal is None else terminal
+        self.done = 0
+        self.phase_name = ""
+        self._t0 = time.perf_counter()
+        self._bar: Any = None
+        self._task: Any = None
+
+    def __enter__(self) -> RunProgress:
+        self._t0 = time.perf_counter()
+        if not self.quiet and self.terminal:
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
+
+            self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("requests"), TimeElapsedColumn(), TextColumn("ETA"),
+                                 TimeRemainingColumn(), console=Console(file=self.stream), transient=False)
+            self._bar.start()
+            self._task = self._bar.add_task("starting", total=self.total)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+        elif not self.quiet and self.done:
+            self._line(f"done: {self.done}/{self.total} requests in {self.elapsed():.0f} s")
+
+    def plan(self, total: int) -> None:
+        """The run's total, once it is known (after the prompts are made)."""
+        self.total = total
+        if self._bar is not None:
+            self._bar.update(self._task, total=total)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self._t0
+
+    def eta(self) -> float | None:
+        """Seconds left for the whole run at the rate so far (None before the first request finished)."""
+        if self.done == 0:
+            return None
+        return self.elapsed() / self.done * max(0, self.total - self.done)
+
+    def _line(self, text: str) -> None:
+        print(text, file=self.stream, flush=True)
+
+    def phase(self, name: str, n: int) -> None:
+        self.phase_name = name
+        if self.quiet:
+            return
+        if self._bar is not None:
+            self._bar.update(self._task, description=name)
+            return
+        eta = self.eta()
+        self._line(f"{name}: {n} requests; {self.done}/{self.total} done, {self.elapsed():.0f} s elapsed"
+                   + (f", ETA {eta:.0f} s" if eta is not None else ""))
+
+    def advance(self, _result: object = None) -> None:
+        self.done += 1
+        if self._bar is not None:
+            self._bar.update(self._task, completed=self.done)
+
+
+def summary_table(title: str, header: Sequence[str], rows: Sequence[Sequence[Any]], stream: TextIO | None = None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    for h in header:
+        table.add_column(h)
+    for r in rows:
+        table.add_row(*("—" if c is None else f"{c:.4g}" if isinstance(c, float) else str(c) for c in r))
+    Console(file=stream or sys.stdout).print(table)
