@@ -101,8 +101,9 @@ def sweep(
                                      "JSON is always written to <run>/vllm-bench/; with --result-dir also there."),
     result_dir: str = typer.Option(None, "--result-dir", help="Also write each cell's vLLM-format JSON here, named as "
                                    "vLLM bench names its files."),
-    client_procs: str = typer.Option("1", "--client-procs", help="Client processes per openai arm: N, or auto (one per "
-                                     "64 requests in flight, up to the cores - 1), so the client never sets the pace."),
+    client_procs: str = typer.Option("auto", "--client-procs", help="Client processes per openai arm: N, or auto (the "
+                                     "default: one per 64 requests in flight, up to the cores - 1; below 128 in "
+                                     "flight, or on 2 cores, the client stays in this process)."),
     out: str = typer.Option(None, "--out", help="Results directory (a run folder is created in it); default "
                             "$SPECBENCH_RESULTS or ./results."),
     report: str = typer.Option(None, "--report", help="Also render the report to this markdown path."),

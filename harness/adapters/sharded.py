@@ -14,7 +14,8 @@ Contract:
   used at all: the inner adapter serves in process).
 - `client_cpu_by_proc`: after each generate, the event-loop CPU seconds of every worker (the runner
   reports the busiest as the client's load). Everything else (tokenize, counters, metrics, describe,
-  probe, scoring) is the inner adapter's; describe() adds `client_procs`.
+  probe, scoring, and any attribute such as `model` or `dialect`) is the inner adapter's; describe()
+  adds `client_procs`.
 - `close()` / `aclose()` stop the workers.
 """
 
@@ -72,6 +73,11 @@ class ShardedAdapter(EngineAdapter):
         self.kind = inner.kind
         self._workers: list[tuple[Any, Any]] = []  # (process, connection)
         self.client_cpu_by_proc: list[float] = []
+
+    def __getattr__(self, name: str) -> Any:  # model, dialect, caps, ...: the inner adapter's
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
 
     def shards(self, concurrency: int | None) -> int:
         c = concurrency or 1
