@@ -319,3 +319,21 @@ def test_server_warmup_span_follows_the_trim(tiny_pair):
 
     llm, trimmed = _llm(tiny_pair), _llm(tiny_pair, spec_trim=2)
     assert (verify_span(llm.engine), verify_span(trimmed.engine)) == (8, 3)
+
+
+def test_server_metrics_carry_the_span_counters(tiny_pair, prompts, params):
+    """`specbench serve`'s /metrics (harness/server/metrics.py) publishes the gated rounds and the span
+    histogram, and the openai adapter's scrape reads them back."""
+    from types import SimpleNamespace
+
+    from specbench.harness.adapters.prom import spec_counters_from_metrics
+    from specbench.harness.server.metrics import ServerMetrics
+
+    llm = _llm(tiny_pair, spec_gate=1)
+    llm.generate(prompts[:2], params[:2])
+    body, _ = ServerMetrics(SimpleNamespace(engine=llm.engine, num_pending=0), "m").render()
+    text = body.decode() if isinstance(body, bytes) else body
+    c = spec_counters_from_metrics(text, "m")
+    m = llm.engine.metrics
+    assert c["gated_rounds"] == m.gated_rounds > 0
+    assert c["span_hist"] == {str(s): n for s, n in sorted(m.span_hist.items())}

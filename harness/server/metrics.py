@@ -93,6 +93,15 @@ class EngineCollector(Collector):
         yield counter("specbench:spec_capture_fallbacks",
                       "Prefix hits without the drafter's capture: the request decodes without drafts.",
                       getattr(m, "capture_fallbacks", 0))
+        # load-aware speculation (engine/spec/policy.py): one-token rounds and steps per chosen verify span
+        yield counter("specbench:spec_gated_rounds",
+                      "Steps whose draft-ready requests verified one token (max-batch gate or span policy).",
+                      getattr(m, "gated_rounds", 0))
+        spans = CounterMetricFamily("specbench:spec_step_span", "Steps per chosen verify span (1 + drafts).",
+                                    labels=[*names, "span"])
+        for span, n in sorted(dict(getattr(m, "span_hist", {}) or {}).items()):
+            spans.add_metric([*lab, str(span)], n)
+        yield spans
         sched, pool = getattr(e, "scheduler", None), getattr(e, "pool", None)
         running = len(sched.running) if sched is not None else m.num_running
         waiting = len(sched.waiting) if sched is not None else m.num_waiting
