@@ -139,6 +139,13 @@ def test_policy_chooses_long_spans_when_rows_are_free_and_one_when_they_cost():
     # the held policy explores now and then, so its acceptance estimate cannot freeze
     explored = [bool(linear.choose(reqs, Ready())[0]) for _ in range(200)]
     assert 1 <= sum(explored) <= 200 // 32
+    # measured step times override the model once a (bucket, span) has MIN_OBS steps: the model says rows are
+    # free (span 8), the measurements say span 8 steps take 20x a span-1 step
+    flat.walls = {(8, s): [1e-3 * (20 if s > 1 else 1), 5] for s in (1, 2, 4, 8)}
+    ks, states = flat.choose(reqs, Ready())
+    assert ks == {} and set(states.values()) == {DraftState.GATED.value}
+    flat.online = False  # SPECBENCH_SPEC_ONLINE=0: the model alone again
+    assert set(flat.choose(reqs, Ready())[0].values()) == {7}
 
 
 def test_lever_free_policy_is_draft_lens(tiny_pair, prompts):
@@ -248,6 +255,7 @@ def fixed_costs(tmp_path, monkeypatch):
     path = tmp_path / "costs.json"
     path.write_text(json.dumps(model))
     monkeypatch.setenv("SPECBENCH_SPEC_COSTS", str(path))
+    monkeypatch.setenv("SPECBENCH_SPEC_ONLINE", "0")  # the model alone: no CPU step timings in the choice
     return path
 
 

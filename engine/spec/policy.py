@@ -20,9 +20,13 @@ many drafts every decode-phase request carries (the schedule phase's `draft_lens
   plus, per ready request, 1 + sum_{j=1..d'} prod_{i<j} c_i (d' = min(d, remaining - 1)), c_i the running
   acceptance at draft position i given positions < i were accepted (`Acceptance`, decayed counts with a
   prior), C_* the start-up cost model (spec/costs.py) and `overhead` the running mean of the host time a
-  step costs beyond the model (its wall time minus the model's figure). The best d wins (ties: the shorter
-  span). While the policy keeps choosing 1 with ready requests, every `EXPLORE`-th such step speculates at
-  the best d > 0 instead, so the acceptance estimate cannot freeze (reason "explore").
+  step costs beyond the model (its wall time minus the model's figure). Online correction (off with
+  SPECBENCH_SPEC_ONLINE=0): once a (batch bucket, span) pair has run `MIN_OBS` steps without a prefill chunk,
+  its measured step time (a running mean of schedule-to-accept wall time) replaces the model's figure for it,
+  so a cost the model does not see (attention over long contexts, host work that grows with the span) still
+  decides. The best d wins (ties: the shorter span). Every `EXPLORE`-th decision runs another candidate
+  instead (the least observed at this bucket, else the runner-up; reason "explore"), so neither the
+  acceptance estimate nor the measured times can freeze while the policy holds one span.
 Every step's choice is one `trace` entry (a bounded deque; SPECBENCH_STEP_TRACE entries, default 4096, 0 =
 off): step, running, ready, span, reason, and per request id its state, drafts and accepted drafts; and
 counted in the metrics (`EngineMetrics.record_span`: gated rounds, the span histogram).
@@ -47,7 +51,9 @@ if TYPE_CHECKING:
     from ..scheduler import StepPlan
     from .costs import CostModel
 
-EXPLORE = 64  # with ready requests held at span 1 by the policy, one step in EXPLORE speculates anyway
+EXPLORE = 64  # one policy decision in EXPLORE runs another candidate span (exploration)
+MIN_OBS = 3  # steps of a (bucket, span) before its measured time replaces the model's
+ONLINE_ENV = "SPECBENCH_SPEC_ONLINE"  # 0: the cost model alone (no measured step times)
 DECAY = 0.995  # per verify step: the acceptance estimate's memory is ~200 steps
 PRIOR = (0.6, 4.0)  # prior conditional acceptance per position and its weight in spans
 
@@ -141,7 +147,9 @@ class SpanPolicy:
         n = trace_len()
         self._trace: deque[StepChoice] | None = deque(maxlen=n) if n else None
         self.overhead = 0.0  # running mean host seconds per step beyond the cost model
-        self._held = 0  # policy steps in a row at span 1 with ready requests (for exploration)
+        self._decisions = 0  # policy decisions so far (for exploration)
+        self.online = os.environ.get(ONLINE_ENV, "1").strip() not in ("0", "off", "false")
+        self.walls: dict[tuple[int, int], list[float]] = {}  # (batch bucket, span) -> [mean step seconds, steps]
         self._choice: StepChoice | None = None
         self._spans = spec.span_variants
 
@@ -209,21 +217,22 @@ class SpanPolicy:
             hist[rem - 1 if rem - 1 < top else top] += 1
         rate: dict[int, float] = {}
         draft = self.costs.draft(n_ready)
+        bk = _bucket(b)
         for s in self._spans:
             d = s - 1 if s - 1 < top else top
             tokens = others + sum(hist[x] * exp[x] for x in range(d)) + sum(hist[d:]) * exp[d]
-            t = self.costs.verify(b, s) + (draft if d else 0.0) + self.overhead
+            w = self.walls.get((bk, s)) if self.online else None
+            t = w[0] if w is not None and w[1] >= MIN_OBS else \
+                self.costs.verify(b, s) + (draft if d else 0.0) + self.overhead
             rate[s] = tokens / t if t > 0 else 0.0
         best = max(rate, key=lambda s: (rate[s], -s))
-        if best > 1:
-            self._held = 0
-            return best - 1, "policy", rate
-        self._held += 1
-        if self._held % EXPLORE == 0:
-            alt = max((s for s in rate if s > 1), key=lambda s: (rate[s], -s), default=None)
-            if alt is not None:
-                return alt - 1, "explore", rate
-        return 0, "policy", rate
+        self._decisions += 1
+        if self._decisions % EXPLORE == 0 and len(rate) > 1:
+            others_s = [s for s in rate if s != best]
+            seen = {s: (self.walls.get((bk, s)) or [0.0, 0])[1] for s in others_s}
+            alt = min(others_s, key=lambda s: (seen[s], -rate[s]))
+            return alt - 1, "explore", rate
+        return best - 1, "policy", rate
 
     # ---- after the accept phase ------------------------------------------------------------------
     def record(self, plan: StepPlan, results: list[SpanResult]) -> None:
@@ -246,12 +255,23 @@ class SpanPolicy:
         if self.auto and c.running and not any(sp.kind == "prefill" for sp in plan.spans):
             assert self.costs is not None
             model = self.costs.verify(c.running, c.span) + (self.costs.draft(c.ready) if c.span > 1 else 0.0)
-            extra = max(0.0, time.perf_counter() - c.t0 - model)
+            wall = time.perf_counter() - c.t0
+            extra = max(0.0, wall - model)
             self.overhead = extra if self.overhead == 0.0 else 0.9 * self.overhead + 0.1 * extra
+            if self.online:
+                w = self.walls.setdefault((_bucket(c.running), c.span), [wall, 0])
+                w[0] = wall if w[1] == 0 else 0.8 * w[0] + 0.2 * wall
+                w[1] += 1
 
     def describe(self) -> dict:
         return {"gate": self.spec.gate, "trim": self.spec.trim, "policy": self.spec.policy,
                 "span_variants": list(self.spec.span_variants),
                 "acceptance": [round(c, 4) for c in self.acceptance.conditional()],
-                "overhead_ms": round(self.overhead * 1e3, 4),
+                "overhead_ms": round(self.overhead * 1e3, 4), "online": self.online,
+                "measured_ms": {f"b{b}s{s}": [round(w[0] * 1e3, 4), int(w[1])] for (b, s), w in sorted(self.walls.items())},
                 "costs": self.costs.describe() if self.costs is not None else None}
+
+
+def _bucket(b: int) -> int:
+    """The power of two >= b: the batch bucket measured step times are kept under."""
+    return 1 << max(0, int(b) - 1).bit_length()
