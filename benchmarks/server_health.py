@@ -10,6 +10,7 @@ request is answered, and reports the slowest /health answer and the median. Case
 - `idle`: no request, 100 polls.
 
     python -m specbench.benchmarks.server_health [--cases idle,tokenize-500k,...] [--server-path DIR]
+        [--serve-arg=--no-prefix-cache ...]
 
 Prints a table, then one JSON document as the last stdout line.
 """
@@ -80,13 +81,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--server-path", default=None, help="run the server from this checkout (PYTHONPATH)")
+    ap.add_argument("--serve-arg", action="append", default=[], help="an extra `specbench serve` argument")
     args = ap.parse_args()
     import os
 
     env = dict(os.environ, **({"PYTHONPATH": args.server_path} if args.server_path else {}))
     port = _free_port()
     cmd = [sys.executable, "-m", "specbench", "serve", "--spec", "off", "--no-warmup", "--port", str(port),
-           "--num-pages", "512", "--log-level", "warning"]
+           "--num-pages", "512", "--log-level", "warning", *args.serve_arg]
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -106,7 +108,8 @@ def main() -> None:
               f"{r['health_p50_ms']!s:>8}")
     from specbench.harness.benchdoc import emit_document
 
-    emit_document({"benchmark": "server_health", "server_path": args.server_path, "rows": rows})
+    emit_document({"benchmark": "server_health", "server_path": args.server_path, "serve_args": args.serve_arg,
+                   "rows": rows})
 
 
 if __name__ == "__main__":
