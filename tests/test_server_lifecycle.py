@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -57,8 +58,9 @@ def test_start_up_failures_are_one_line_before_torch(tmp_path):
         cases.append((["--model", str(notok), "--port", str(port)], 2, "tokenizer.json", "missing"))
         rc, err, torch = _probe("--model", str(bad.parent / "notok"), "--port", str(port))
         assert rc == 2  # the model is checked first
-        for args, want_rc, field, what in cases:
-            rc, err, torch = _probe(*args)
+        with ThreadPoolExecutor(4) as ex:  # fresh interpreters: run a few at once
+            results = list(ex.map(lambda c: _probe(*c[0]), cases))
+        for (args, want_rc, field, what), (rc, err, torch) in zip(cases, results, strict=True):
             assert rc == want_rc, (args, err)
             assert len(err.splitlines()) == 1 and field in err and what in err, (args, err)
             assert not torch, args  # failed before the slow imports
