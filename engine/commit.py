@@ -8,8 +8,9 @@ pages. Before that loop the proposer appends the committed rows to its context: 
 exactly m + 1 rows (anchor + accepted drafts); the bonus token has no features yet and becomes the next
 anchor. After each span's commit the request's full blocks inside its committed length are sealed into the
 prefix cache (engine/prefix_share.py), finished requests included, before their pages are freed (publish on
-finish: a retired request's last blocks reach the cache with their drafter capture). The armed faults' knobs
-for the step come from one `Faults.on_commit` call.
+finish: a retired request's last blocks reach the cache with their drafter capture); with a drafter and a
+prefix cache the proposer observes every request's rows, speculating or not, so each sealed block carries its
+capture. The armed faults' knobs for the step come from one `Faults.on_commit` call.
 """
 
 from __future__ import annotations
@@ -46,9 +47,13 @@ class CommitStep:
         finished; nothing is built for the others)."""
         spans = plan.spans
         knobs = self.faults.on_commit(spans)
+        # With a prefix cache the drafter's context rows are written for every request, speculating or not
+        # (logprobs, prompt scoring), so every block a request seals carries its capture for later hits.
+        capture = self.prefix is not None and self.prefix.enabled and self.prefix.drafter
         if self.proposer is not None:
             self.proposer.observe(spans, [r.committed for r in results], taps,
-                                  [self.spec.can_speculate(s.req.params) for s in spans], ctx_shift=knobs.draft_shift)
+                                  [capture or self.spec.can_speculate(s.req.params) for s in spans],
+                                  ctx_shift=knobs.draft_shift)
         outs = []
         for i, (s, r) in enumerate(zip(spans, results, strict=True)):
             out = self._commit_span(s, r, knobs, i, finished_only)

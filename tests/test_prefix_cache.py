@@ -264,3 +264,12 @@ def test_shared_prefix_sweep_workload():
 
     texts, _ = load_texts("shared_prefix", 4)
     assert len(texts) == 4 and all(t.startswith(SHARED_PREFIX) and len(t) > len(SHARED_PREFIX) for t in texts)
+
+
+def test_blocks_of_a_request_that_cannot_speculate_carry_the_capture(llm_pair, gsm8k_prompts):
+    """A logprobs request never drafts, but its drafter rows are written, so a later hit on its blocks drafts."""
+    warm_llm, _ = llm_pair
+    ids = warm_llm.tokenizer.encode(gsm8k_prompts[5])
+    warm_llm.generate([ids], SamplingParams(max_tokens=4, logprobs=2, ignore_eos=True))
+    out = warm_llm.generate([ids], SamplingParams(max_tokens=16, ignore_eos=True))[0]
+    assert out.spec["cached_tokens"] > 0 and not out.spec["capture_fallback"] and out.spec["num_drafts"] > 0
