@@ -185,6 +185,9 @@ class SamplingParams:
     # prefix-cache salt (vLLM's cache_salt): requests share cached blocks only under equal salts (None = the
     # shared cache); a fresh salt per request keeps it off every other request's blocks
     cache_salt: str | None = None
+    # False: the request neither takes a prefix hit nor registers its blocks (a gate's cold request: its pages go
+    # back to the free list as with the cache off, and it fills the cache with nothing no one can match)
+    prompt_cache: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -218,6 +221,7 @@ class SamplingParams:
                   name, v, f"null or an integer in [0, {self.max_logprobs}]")
         _need(self.cache_salt is None or isinstance(self.cache_salt, str), "cache_salt", self.cache_salt,
               "a string or null")
+        _need(isinstance(self.prompt_cache, bool), "prompt_cache", self.prompt_cache, "true or false")
 
     @property
     def greedy(self) -> bool:

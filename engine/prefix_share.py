@@ -5,7 +5,8 @@ Contract:
   in full blocks, at most prompt_len - 1 tokens (the last prompt token is always forwarded: its logits
   pick the first token); none for a request that wants prompt logprobs (it needs every prompt row) or
   without a prefix cache. Keys derive from `SamplingParams.cache_salt` (vLLM's `cache_salt`): requests
-  share blocks only under equal salts.
+  share blocks only under equal salts; `SamplingParams.prompt_cache=False` takes no hit and registers
+  nothing (a gate's cold request).
 - `admitted(req, pages)`: the request's committed length starts at the hit's end (`num_computed`,
   `cached_tokens`); the queries / hits counters take the prompt's tokens and the hit's (vLLM's
   `prefix_cache_queries` / `prefix_cache_hits`, in tokens), and the hit's tokens count as prompt tokens
@@ -43,7 +44,7 @@ class PrefixSharing:
         return self.pool.prefix is not None
 
     def lookup(self, req: Request) -> list[int]:
-        if self.pool.prefix is None or req.params.prompt_logprobs is not None:
+        if self.pool.prefix is None or req.params.prompt_logprobs is not None or not req.params.prompt_cache:
             return []
         return self.pool.lookup(req.prompt_ids, req.params.cache_salt)
 
@@ -51,7 +52,8 @@ class PrefixSharing:
         n = len(pages) * self.pool.page_size
         req.num_computed = req.cached_tokens = n
         m = self.metrics
-        if m is not None and self.pool.prefix is not None and req.params.prompt_logprobs is None:
+        if m is not None and self.pool.prefix is not None and req.params.prompt_logprobs is None \
+                and req.params.prompt_cache:
             m.prefix_queries += req.prompt_len
             m.prefix_hits += n
             m.prompt_tokens += n  # vLLM's prompt_tokens counts every prompt token, cached ones included
@@ -72,7 +74,7 @@ class PrefixSharing:
                     m.capture_fallbacks += 1
 
     def seal(self, req: Request, ahead: int = 0, publish: bool = True) -> None:
-        if self.pool.prefix is None or req.rid not in self.pool:
+        if self.pool.prefix is None or req.rid not in self.pool or not req.params.prompt_cache:
             return
         ps = self.pool.page_size
         if min(req.num_computed + ahead, req.num_tokens) // ps <= len(self.pool.entry_keys(req.rid)):

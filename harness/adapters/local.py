@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -50,12 +49,11 @@ from .loop import EngineFailure, EngineLoop
 
 
 def sampling_params(req: GenRequest, **extra: Any) -> SamplingParams:
-    """prompt_cache=False: a fresh cache salt, so the request shares no block of the engine's prefix cache."""
-    salt = f"cold-{uuid.uuid4().hex}" if req.prompt_cache is False else None
+    """prompt_cache=False: the request takes no prefix hit and registers no block (SamplingParams.prompt_cache)."""
     return SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
                           top_k=req.top_k, seed=req.seed, stop=tuple(req.stop),
                           stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos,
-                          logprobs=req.logprobs, cache_salt=salt, **extra)
+                          logprobs=req.logprobs, prompt_cache=req.prompt_cache is not False, **extra)
 
 
 def engine_version() -> str:
