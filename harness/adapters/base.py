@@ -21,7 +21,7 @@ Contract:
 - Prefix caches: `reset_prefix_cache` flushes the engine's prefix cache (True), or returns None where the
   engine has no such control (False: it refused, e.g. while requests hold cached blocks); `cold_requests`
   says whether `GenRequest.prompt_cache=False` keeps a request off every cached block (a fresh salt per
-  request: the local engine's `cache_salt`, vLLM's `cache_salt`, llama.cpp's `cache_prompt`).
+  request: the local engine's `SamplingParams.prompt_cache`, vLLM's `cache_salt`, llama.cpp's `cache_prompt`).
 - All async methods are bound to no particular event loop; the `*_sync` wrappers run one in a fresh
   loop and must not be called from inside a running loop.
 
