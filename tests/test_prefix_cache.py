@@ -273,3 +273,23 @@ def test_blocks_of_a_request_that_cannot_speculate_carry_the_capture(llm_pair, g
     warm_llm.generate([ids], SamplingParams(max_tokens=4, logprobs=2, ignore_eos=True))
     out = warm_llm.generate([ids], SamplingParams(max_tokens=16, ignore_eos=True))[0]
     assert out.spec["cached_tokens"] > 0 and not out.spec["capture_fallback"] and out.spec["num_drafts"] > 0
+
+
+def test_hits_through_the_padded_graph_runners(tiny_pair, gsm8k_prompts):
+    """The GPU path's padded verify / draft runners (eager on CPU): prefills that start at a hit, restored drafter
+    context, several warm requests batched together; tokens equal the cache-off engine's."""
+    t, d = tiny_pair
+    fast = LLM(t, draft=d, num_pages=256, max_num_seqs=8)
+    fast.engine.runner.use_graph_runner = True
+    fast.engine.proposer.use_graphs = fast.engine.cfg.draft_graph
+    plain = LLM(t, draft=d, num_pages=256, max_num_seqs=8, prefix_cache=False)
+    tok = fast.tokenizer
+    sp = SamplingParams(max_tokens=20, ignore_eos=True)
+    firsts = [tok.encode(p) for p in gsm8k_prompts[:3]]
+    outs = fast.generate(firsts, sp)
+    seconds = [f + o.output_ids + tok.encode("\nQuestion: and then?\nAnswer:") for f, o in zip(firsts, outs, strict=True)]
+    warm = fast.generate(seconds + firsts, sp)  # turn 2 of each and the first turns again, one batch
+    cold = plain.generate(seconds + firsts, sp)
+    assert [w.output_ids for w in warm] == [c.output_ids for c in cold]
+    assert all(w.spec["cached_tokens"] and w.spec["num_drafts"] and not w.spec["capture_fallback"] for w in warm)
+    assert fast.engine.fast_path_stats().get("verify") is not None
