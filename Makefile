@@ -9,7 +9,8 @@ SPECBENCH := $(VENV)/bin/specbench
 TORCH_VERSION ?= 2.13.0
 CUDA := $(shell nvidia-smi >/dev/null 2>&1 && echo 1 || echo 0)
 ifeq ($(CUDA),1)
-TORCH_SPEC ?= torch==$(TORCH_VERSION)
+# === (exact string): never 2.13.0+cpu, which == would also match where a CPU wheel sits in pip's find-links
+TORCH_SPEC ?= torch===$(TORCH_VERSION)
 TORCH_CHECK := torch.version.cuda is not None
 else
 TORCH_SPEC ?= torch==$(TORCH_VERSION)+cpu
