@@ -18,8 +18,8 @@ from typing import Any, TextIO
 
 class RunProgress:
     def __init__(self, total: int, *, quiet: bool = False, stream: TextIO | None = None,
-                 terminal: bool | None = None) -> None:
-        self.total, self.quiet = total, quiet
+                 terminal: bool | None = None, unit: str = "requests") -> None:
+        self.total, self.quiet, self.unit = total, quiet, unit
         self.stream = stream or sys.stderr
         self.terminal = self.stream.isatty() if terminal is None else terminal
         self.done = 0
@@ -42,7 +42,7 @@ class RunProgress:
             )
 
             self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TextColumn("requests"), TimeElapsedColumn(), TextColumn("ETA"),
+                                 TextColumn(self.unit), TimeElapsedColumn(), TextColumn("ETA"),
                                  TimeRemainingColumn(), console=Console(file=self.stream), transient=False)
             self._bar.start()
             self._task = self._bar.add_task("starting", total=self.total)
@@ -53,7 +53,7 @@ class RunProgress:
             self._bar.stop()
             self._bar = None
         elif not self.quiet and self.done:
-            self._line(f"done: {self.done}/{self.total} requests in {self.elapsed():.0f} s")
+            self._line(f"done: {self.done}/{self.total} {self.unit} in {self.elapsed():.0f} s")
 
     def plan(self, total: int) -> None:
         """The run's total, once it is known (after the prompts are made)."""
@@ -81,7 +81,7 @@ class RunProgress:
             self._bar.update(self._task, description=name)
             return
         eta = self.eta()
-        self._line(f"{name}: {n} requests; {self.done}/{self.total} done, {self.elapsed():.0f} s elapsed"
+        self._line(f"{name}: {n} {self.unit}; {self.done}/{self.total} done, {self.elapsed():.0f} s elapsed"
                    + (f", ETA {eta:.0f} s" if eta is not None else ""))
 
     def advance(self, _result: object = None) -> None:

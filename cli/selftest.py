@@ -30,6 +30,8 @@ def selftest(
     margin_tol: float = typer.Option(0.20, "--margin-tol", min=0.0, help="Benign-flip margin in nats."),
     expect_accept_len: float | None = typer.Option(None, "--expect-accept-len", min=1.0, help="Reference acceptance (default: clean run 1)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON document instead of the table."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress display and no per-engine lines: the "
+                               "matrix and the verdict only (--json implies it)."),
     report: Path | None = typer.Option(None, "--report", help="Write the markdown matrix here."),
     results: Path | None = typer.Option(None, "--results", help="Results directory (default $SPECBENCH_RESULTS "
                                         "or ./results)."),
@@ -74,19 +76,25 @@ def selftest(
     except (EngineStringError, ValueError, FileNotFoundError) as e:
         raise bad(str(e)) from None
 
-    log = (lambda s: typer.echo(s, err=True)) if json_out else typer.echo
+    from specbench.cli.progress import RunProgress
+
+    def log(s: str) -> None:  # per-engine lines: on a terminal the progress bar says it
+        if not (quiet or json_out or progress.terminal):
+            typer.echo(s, err=True)
 
     async def main():
         try:
             return await run_selftest(cand, baseline, repeat=repeat, num_prompts=num_prompts, max_tokens=max_tokens,
                                       opts=GreedyGateOptions(margin_tol=margin_tol), faults=names,
-                                      expect_accept_len=expect_accept_len, log=log)
+                                      expect_accept_len=expect_accept_len, log=log, progress=progress)
         finally:
             await baseline.aclose()
             await cand.aclose()
 
     try:
-        out = asyncio.run(main())
+        # one display over every engine (the clean one, each fault, the repetitions): done / total, ETA
+        with RunProgress(0, quiet=quiet or json_out, unit="engines") as progress:
+            out = asyncio.run(main())
     except (ValueError, UnsupportedCapability) as e:
         raise bad(str(e)) from None
     md = render_selftest(out)

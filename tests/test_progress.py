@@ -73,3 +73,17 @@ def test_sampled_quiet_and_json_print_no_progress(tiny_pair, tmp_path) -> None:
     assert r.exit_code == 0, r.output
     assert r.stderr == ""
     assert json.loads(r.stdout.strip().splitlines()[-1])["verdict"] == "PASS"
+
+
+def test_selftest_counts_engines_with_an_eta(tiny_pair, tmp_path) -> None:
+    target, draft = tiny_pair
+    _register()
+    args = ["selftest", "--candidate", f"local:{target},draft={draft},spec=dflash", "--faults", "wrong_bonus",
+            "--repeat", "2", "--num-prompts", "1", "--max-tokens", "16", "--no-record"]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    assert "clean #1: 1 engines; 0/3 done" in r.stderr and "wrong_bonus: 1 engines; 1/3 done" in r.stderr
+    assert "clean #2: 1 engines; 2/3 done" in r.stderr and ", ETA " in r.stderr and "done: 3/3 engines" in r.stderr
+    assert "[selftest] wrong_bonus: caught by" in r.stderr and r.stdout.startswith("# Self-test: PASS")
+    q = CliRunner().invoke(app, [*args, "--quiet"])
+    assert q.exit_code == 0 and q.stderr == "" and q.stdout.startswith("# Self-test: PASS")

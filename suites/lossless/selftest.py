@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from specbench.harness.adapters.base import EngineAdapter, GenRequest, GenResult, ScoreResult
 from specbench.harness.verdicts import EXIT_FAIL, PASS, exit_code
@@ -225,7 +226,8 @@ async def run_selftest(candidate: EngineAdapter, baseline: EngineAdapter,
                        repeat: int = 5, num_prompts: int = 6, max_tokens: int = 48, dataset: str = "gsm8k",
                        opts: GreedyGateOptions | None = None, faults: list[str] | None = None,
                        expect_accept_len: float | None = None,
-                       log: Callable[[str], None] | None = None) -> SelftestOutcome:
+                       log: Callable[[str], None] | None = None, progress: Any = None) -> SelftestOutcome:
+    """`progress` (cli/progress.py RunProgress, or None) hears each engine as it starts and finishes."""
     if repeat < 1:
         raise ValueError(f"--repeat {repeat} is invalid: expected an integer >= 1")
     say = log or (lambda s: None)
@@ -242,12 +244,19 @@ async def run_selftest(candidate: EngineAdapter, baseline: EngineAdapter,
     out = SelftestOutcome(engine, [], [], num_prompts, max_tokens, opts.margin_tol, expect_accept_len,
                           rule=resolve_rule(opts, base, candidate).rule_dict())
 
+    if progress is not None:  # the clean engine, each fault, the clean repetitions
+        progress.plan(1 + len(names) + (repeat - 1))
+
     async def one(label: str, fs: tuple[str, ...], desc: str, cand: EngineAdapter | None = None) -> EngineRow:
+        if progress is not None:
+            progress.phase(label, 1)
         cand = cand or candidate.with_faults(fs)
         try:
             row = await run_engine(label, fs, desc, base, cand, prompts, max_tokens, opts, out.reference_accept)
         finally:
             await cand.aclose()
+        if progress is not None:
+            progress.advance()
         say(f"[selftest] {label}: caught by {', '.join(row.caught_by) or 'nothing'} ({row.wall_s:.1f} s)")
         return row
 
