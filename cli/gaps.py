@@ -50,7 +50,8 @@ def gaps(
         with open_run("gaps", "1", config={"trace": str(trace), "phases": phases, "rules": str(rules) if rules else None,
                                            "phase_filter": phase_filter, "pick": pick}, results=results) as run:
             run.update(summary=g.to_json(report))
-        typer.echo(f"run: {run.path}", err=True)
+        if not json_out:  # with --json the output is one JSON document, wherever stderr goes
+            typer.echo(f"run: {run.path}", err=True)
     if plot is not None:
         g.plot_idle_by_class(report, plot)
     if markdown is not None:
