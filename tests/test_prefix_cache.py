@@ -157,7 +157,7 @@ def test_knobs_are_validated_with_their_names(tiny_target):
 # ---- the prefix gate (suites/lossless/prefix.py) on the bundled pair ----------------------------------------
 
 
-def _gate(adapter, n: int = 3):
+def _gate(adapter, n: int = 2):
     import asyncio
 
     from specbench.suites.lossless.prefix import run_prefix_gate
