@@ -26,20 +26,28 @@ class LLM:
         spec_cfg = SpecConfig(method=spec_method(spec, draft), num_speculative_tokens=num_speculative_tokens,
                               batched_draft=batched_draft, synthetic_tau=synthetic_tau, sampling=spec_sampling,
                               **levers)
-        self.engine = LLMEngine(EngineConfig(model=str(model), draft=str(draft) if draft else None, device=device,
-                                             dtype=dtype, spec=spec_cfg, **engine_kw), proposer=proposer)
-        self.tokenizer = self.engine.tokenizer
+        self._engine = LLMEngine(EngineConfig(model=str(model), draft=str(draft) if draft else None, device=device,
+                                              dtype=dtype, spec=spec_cfg, **engine_kw), proposer=proposer)
+        self._exposed = False  # someone took `.engine` out: `del llm` must not close what they still hold
+        self.tokenizer = self._engine.tokenizer
+
+    @property
+    def engine(self) -> LLMEngine:
+        """The LLMEngine underneath. Taking it out (`eng = LLM(...).engine`) keeps it alive past the LLM: `del
+        llm` then leaves it open (close it with `eng.close()`), where an LLM never asked for it closes at del."""
+        self._exposed = True
+        return self._engine
 
     def generate(self, prompts: str | list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
         if isinstance(prompts, str):
             prompts = [prompts]
-        return self.engine.generate(prompts, params)
+        return self._engine.generate(prompts, params)
 
     def close(self) -> None:
         """Give the engine's memory back now (weights, KV pool, graphs; engine/teardown.py). Also at `del llm`
         and at the end of a `with LLM(...) as llm:` block. The LLM is unusable after."""
-        engine = self.__dict__.get("engine")
+        engine = self.__dict__.get("_engine")
         if engine is not None:
             engine.close()
 
@@ -50,8 +58,8 @@ class LLM:
         self.close()
 
     def __del__(self) -> None:
-        if sys.is_finalizing():  # at interpreter exit CUDA may already be torn down (closing then segfaulted)
-            return
+        if sys.is_finalizing() or self.__dict__.get("_exposed", True):  # at interpreter exit CUDA may be torn
+            return  # down already (closing then segfaulted); an engine taken out is its holder's to close
         try:
             self.close()
         except Exception:  # a half-built LLM (its constructor raised) has nothing to close

@@ -63,10 +63,19 @@ def test_the_engine_holds_cycles_so_dropping_it_alone_frees_nothing(no_gc) -> No
 def test_del_llm_frees_everything_without_the_collector(no_gc, spec) -> None:
     llm = LLM(TARGET, draft=DRAFT if spec == "dflash" else None, spec=spec)
     outs = llm.generate(["The quick brown fox", "Once upon a time"], SP)
-    refs = probes(llm.engine)
+    refs = probes(vars(llm)["_engine"])  # not `.engine`: taking the engine out keeps it open past del
     del llm
     assert not alive(refs), f"still alive after del llm: {alive(refs)}"
     assert all(len(o.output_ids) == 12 and o.prompt_ids for o in outs), "returned outputs must survive teardown"
+
+
+def test_an_engine_taken_out_of_its_llm_stays_open() -> None:
+    """`eng = LLM(...).engine`: the LLM dies at once, the engine must not be closed under its holder."""
+    eng = LLM(TARGET, draft=DRAFT).engine
+    assert eng.generate(["hello there"], SP)[0].output_ids
+    eng.close()
+    with pytest.raises(EngineClosed):
+        eng.generate(["hello there"], SP)
 
 
 def test_close_then_reuse_refused_and_a_second_engine_starts(no_gc) -> None:
