@@ -79,7 +79,7 @@ def lossless(
         raise bad(f"--suite {suite!r} is invalid: expected greedy or prefix")
     if suite == "prefix":
         _prefix(candidate, tokenizer, dataset, num_prompts, max_tokens, block_sizes, prefix_selftest, repeat,
-                json_out, report, bad)
+                json_out, report, bad, False if no_record else results)
         return
 
     if dataset not in DATASETS:
@@ -143,9 +143,14 @@ def lossless(
 
 
 def _prefix(candidate, tokenizer, dataset, num_prompts, max_tokens, block_sizes, selftest, repeat, json_out,
-            report, bad) -> None:
-    """`--suite prefix`: the warm-vs-cold gate (or its self-test) on the candidate alone."""
+            report, bad, results: Path | None | bool = None) -> None:
+    """`--suite prefix`: the warm-vs-cold gate (or its self-test) on the candidate alone. Records (unless
+    --no-record): results/<run-id>/ with one `cases` record per case as it is judged (the gate) and the outcome
+    in run.json's summary."""
+    from dataclasses import asdict
+
     from specbench.harness.engines import EngineStringError, baseline_and_candidate, build_adapter, gate_specs
+    from specbench.harness.results import open_run
     from specbench.harness.verdicts import exit_code
     from specbench.suites.lossless.prefix import (
         PrefixGateOptions,
@@ -170,16 +175,32 @@ def _prefix(candidate, tokenizer, dataset, num_prompts, max_tokens, block_sizes,
     opts = PrefixGateOptions(block_sizes=sizes, max_tokens=min(max_tokens, 32))
     log = (lambda s: typer.echo(s, err=True)) if json_out else typer.echo
 
-    async def main():
+    async def main(run):
         try:
             convs = [(pid, ids) for pid, text in texts if (ids := await cand.tokenize(text))]
             if selftest:
                 return await run_prefix_selftest(cand, convs, opts, repeat=repeat, log=log)
-            return await run_prefix_gate(cand, convs, opts, log=log)
+            return await run_prefix_gate(cand, convs, opts, log=log,
+                                         on_case=(lambda c: run.write("cases", c.to_dict())) if run else None)
         finally:
             await cand.aclose()
 
-    out = asyncio.run(main())
+    if results is False:
+        out = asyncio.run(main(None))
+    else:
+        suite = "lossless-prefix-selftest" if selftest else "lossless-prefix"
+        with open_run(suite, "1", engines={"candidate": cand.describe()}, results=results or None,
+                      sampling={"temperature": 0.0, "max_tokens": opts.max_tokens, "logprobs": opts.top_k},
+                      dataset={"name": dataset, "num_prompts": num_prompts},
+                      config={k: v for k, v in asdict(opts).items() if k != "greedy"}) as run:
+            out = asyncio.run(main(run))
+            if selftest:
+                summary = {"ok": out.ok, "problems": out.problems(), "clean": [o.verdict for o in out.clean],
+                           "faults": {k: {"verdict": o.verdict, "failed": len(o.failed), "fallbacks": len(o.fallbacks)}
+                                      for k, o in out.faults.items()}}
+            else:
+                summary = {k: v for k, v in out.to_dict().items() if k != "cases"}
+            run.update(summary=summary)
     text = render_selftest(out) if selftest else render_markdown(out)
     if report is not None:
         report.parent.mkdir(parents=True, exist_ok=True)

@@ -293,3 +293,21 @@ def test_hits_through_the_padded_graph_runners(tiny_pair, gsm8k_prompts):
     assert [w.output_ids for w in warm] == [c.output_ids for c in cold]
     assert all(w.spec["cached_tokens"] and w.spec["num_drafts"] and not w.spec["capture_fallback"] for w in warm)
     assert fast.engine.fast_path_stats().get("verify") is not None
+
+
+def test_lossless_suite_prefix_command(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from specbench.cli import app as cli
+
+    cli._register()
+    runner = CliRunner()
+    res = runner.invoke(cli.app, ["lossless", "--suite", "prefix", "--num-prompts", "1", "--results", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    run = json.loads(next(tmp_path.glob("*/run.json")).read_text())
+    assert run["suite"] == "lossless-prefix" and run["summary"]["verdict"] == "PASS"
+    assert len(next(tmp_path.glob("*/cases.jsonl")).read_text().splitlines()) == 6
+    bad = runner.invoke(cli.app, ["lossless", "--suite", "prefix", "--block-sizes", "0", "--no-record"])
+    assert bad.exit_code == 2 and "--block-sizes" in bad.output
