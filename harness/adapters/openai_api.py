@@ -511,6 +511,25 @@ class OpenAIAdapter(EngineAdapter):
             return spec_counters_from_metrics(r.text, self.model)
         return None
 
+    async def reset_prefix_cache(self) -> bool | None:
+        """POST /reset_prefix_cache (vLLM with VLLM_SERVER_DEV_MODE=1, `specbench serve`), or SGLang's
+        /flush_cache: True when flushed, False when the endpoint refused, None when it has neither route."""
+        await self._caps()
+        routes = ("/flush_cache",) if self.dialect == "sglang" else ("/reset_prefix_cache",)
+        for route in routes:
+            try:
+                r = await self._request("POST", self.root + route)
+            except httpx.HTTPError:
+                return None
+            if r.status_code in (404, 405):
+                continue
+            return r.status_code == 200
+        return None
+
+    def cold_requests(self) -> bool:
+        """vLLM's cache_salt and llama.cpp's cache_prompt keep a prompt_cache=False request off the cache."""
+        return self.caps is not None and self.caps.prompt_cache is not None
+
     async def metrics_text(self) -> str | None:
         """GET /metrics as text (one retry on a failed scrape); None when the endpoint has none."""
         for attempt in range(2):
