@@ -29,7 +29,7 @@ def test_del_llm_gives_the_gpu_back_and_a_second_engine_starts(tiny):
     base = torch.cuda.memory_allocated()
     gc.disable()  # reference counting alone must free it
     try:
-        llm = LLM(tiny[0], draft=tiny[1], device="cuda", dtype="bfloat16")  # default gpu_memory_utilization
+        llm = LLM(tiny[0], draft=tiny[1], device="cuda", dtype="bfloat16", attention_backend="torch")  # head_dim 32
         held = torch.cuda.memory_allocated() - base
         assert held > (1 << 30), f"the engine should hold its KV pool: {held / 2**30:.2f} GiB"
         first = llm.generate(["Question: what is 2 + 2?"], SamplingParams(max_tokens=16, temperature=0.0))
@@ -37,7 +37,7 @@ def test_del_llm_gives_the_gpu_back_and_a_second_engine_starts(tiny):
         left = torch.cuda.memory_allocated() - base
         print(f"held {held / 2**30:.2f} GiB; after del llm {left / 2**20:.1f} MiB", flush=True)
         assert left < (64 << 20), f"{left / 2**20:.1f} MiB still allocated after del llm"
-        again = LLM(tiny[0], draft=tiny[1], device="cuda", dtype="bfloat16")
+        again = LLM(tiny[0], draft=tiny[1], device="cuda", dtype="bfloat16", attention_backend="torch")
         second = again.generate(["Question: what is 2 + 2?"], SamplingParams(max_tokens=16, temperature=0.0))
         assert second[0].output_ids == first[0].output_ids
         again.close()
@@ -55,7 +55,7 @@ def test_incremental_detok_equals_full_decode_on_cuda(tiny):
     sp = SamplingParams(max_tokens=48, temperature=0.0, stop=[" the", "."])
     got = {}
     for on in (True, False):
-        with LLM(tiny[0], draft=tiny[1], device="cuda", dtype="bfloat16", incremental_detok=on,
+        with LLM(tiny[0], draft=tiny[1], device="cuda", dtype="bfloat16", incremental_detok=on, attention_backend="torch",
                  gpu_memory_utilization=0.3) as llm:
             got[on] = [(o.output_ids, o.text, o.finish_reason) for o in llm.generate(prompts, sp)]
     assert got[True] == got[False]
