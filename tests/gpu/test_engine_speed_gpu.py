@@ -24,6 +24,12 @@ def tiny():
 def test_del_llm_gives_the_gpu_back_and_a_second_engine_starts(tiny):
     from specbench.engine import LLM, SamplingParams
 
+    # Process-level library state (cuBLAS/cuBLASLt workspaces: 64 MiB on the H200) stays with torch after the
+    # first engine and is reused by the next: one throwaway engine sets it up before the baseline.
+    warm = LLM(tiny[0], draft=tiny[1], device="cuda", dtype="bfloat16", attention_backend="torch")
+    warm.generate(["warm-up"], SamplingParams(max_tokens=4, temperature=0.0))
+    warm.close()
+    del warm
     gc.collect()
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
@@ -31,12 +37,12 @@ def test_del_llm_gives_the_gpu_back_and_a_second_engine_starts(tiny):
     try:
         llm = LLM(tiny[0], draft=tiny[1], device="cuda", dtype="bfloat16", attention_backend="torch")  # head_dim 32
         held = torch.cuda.memory_allocated() - base
-        assert held > (1 << 30), f"the engine should hold its KV pool: {held / 2**30:.2f} GiB"
+        assert held > (16 << 20), f"the engine should hold its weights and KV pool: {held / 2**20:.1f} MiB"
         first = llm.generate(["Question: what is 2 + 2?"], SamplingParams(max_tokens=16, temperature=0.0))
         del llm
         left = torch.cuda.memory_allocated() - base
-        print(f"held {held / 2**30:.2f} GiB; after del llm {left / 2**20:.1f} MiB", flush=True)
-        assert left < (64 << 20), f"{left / 2**20:.1f} MiB still allocated after del llm"
+        print(f"held {held / 2**20:.1f} MiB; after del llm {left / 2**20:.1f} MiB", flush=True)
+        assert left < min(held // 8, 64 << 20), f"{left / 2**20:.1f} MiB of {held / 2**20:.1f} still allocated after del"
         again = LLM(tiny[0], draft=tiny[1], device="cuda", dtype="bfloat16", attention_backend="torch")
         second = again.generate(["Question: what is 2 + 2?"], SamplingParams(max_tokens=16, temperature=0.0))
         assert second[0].output_ids == first[0].output_ids
