@@ -332,6 +332,9 @@ class EngineConfig:
     # kernel of kernels/decode_attention.py, CUDA graphs included); prefill / verify steps stay on FlashInfer
     # (default from SPECBENCH_DECODE_ATTENTION, else "triton": faster in 9 of 10 measured cells, docs/gpu.md)
     decode_attention: str = field(default_factory=lambda: os.environ.get("SPECBENCH_DECODE_ATTENTION") or "triton")
+    # Streamed text of unfinished requests in O(new tokens) per step (engine/detok.py); False decodes the whole
+    # output every step (default from SPECBENCH_INCREMENTAL_DETOK, else on)
+    incremental_detok: bool = field(default_factory=lambda: env_flag("SPECBENCH_INCREMENTAL_DETOK", True))
     seed: int = 0
     spec: SpecConfig = field(default_factory=SpecConfig)
     faults: tuple[str, ...] = ()
@@ -383,6 +386,3 @@ class EngineConfig:
             v = getattr(self, f.name)
             out[f.name] = v.__dict__ if isinstance(v, SpecConfig) else v
         return out
-    # Streamed text of unfinished requests in O(new tokens) per step (engine/detok.py); False decodes the whole
-    # output every step (default from SPECBENCH_INCREMENTAL_DETOK, else on)
-    incremental_detok: bool = field(default_factory=lambda: env_flag("SPECBENCH_INCREMENTAL_DETOK", True))

@@ -69,8 +69,6 @@ class Request:
     draft_ready: bool = False  # the drafter holds this request's context features
     output_text_len: int = 0  # characters of text already checked for stop strings
     truncate_text_at: int | None = None  # set when a stop string ends the text mid-token
-    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (engine/prefix_share.py)
-    capture_fallback: bool = False  # a prefix hit without the drafter's capture: decodes without drafts
     detok: IncrementalText | None = None  # engine/detok.py IncrementalText: the streamed text in O(new tokens) (OutputWriter)
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (engine/prefix_share.py)
     capture_fallback: bool = False  # a prefix hit without the drafter's capture: decodes without drafts
