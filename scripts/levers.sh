@@ -7,7 +7,8 @@
 #
 # Usage: LEVERS_PAIR=<dir with target/ and draft/> bash scripts/levers.sh OUTDIR
 # Knobs: LEVERS_OPTS (engine options, default device=cuda,dtype=bfloat16), LEVERS_TAUS ("6.5 3.5 2.0"),
-#   LEVERS_LEVELS (1,8,16,32,64), LEVERS_TRIMS (4,2), LEVERS_GATES (16), LEVERS_POLICIES (off,auto),
+#   (default device=cuda,dtype=bfloat16,max_model_len=1024: six arms share one GPU, and at the default
+#   max_model_len the pool each gets is smaller than one request of full length needs), LEVERS_LEVELS (1,8,16,32,64), LEVERS_TRIMS (4,2), LEVERS_GATES (16), LEVERS_POLICIES (off,auto),
 #   LEVERS_ROUNDS (2), LEVERS_PPL (prompts per level x C, 4), LEVERS_MAX_TOKENS (128), LEVERS_WARMUP (1),
 #   LEVERS_TIMEOUT (seconds per tau, 540), LEVERS_BUDGET (seconds for the whole call; each tau's timeout is cut
 #   to what is left), PYTHON (python3).
@@ -31,7 +32,7 @@ for tau in ${LEVERS_TAUS:-6.5 3.5 2.0}; do
   fi
   echo "[levers] tau $tau (timeout ${t}s)"
   timeout "$t" $py -m specbench tune --each \
-    --base "local:$pair/target,draft=$pair/draft,spec=dflash,${LEVERS_OPTS:-device=cuda,dtype=bfloat16},tau=$tau" \
+    --base "local:$pair/target,draft=$pair/draft,spec=dflash,${LEVERS_OPTS:-device=cuda,dtype=bfloat16,max_model_len=1024},tau=$tau" \
     --trim "${LEVERS_TRIMS:-4,2}" --gate "${LEVERS_GATES:-16}" --policy "${LEVERS_POLICIES:-off,auto}" \
     --concurrency "${LEVERS_LEVELS:-1,8,16,32,64}" --rounds "${LEVERS_ROUNDS:-2}" \
     --prompts-per-level "${LEVERS_PPL:-4}" --max-tokens "${LEVERS_MAX_TOKENS:-128}" --warmup "${LEVERS_WARMUP:-1}" \
