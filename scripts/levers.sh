@@ -6,9 +6,9 @@
 # chosen spans, the recommendation).
 #
 # Usage: LEVERS_PAIR=<dir with target/ and draft/> bash scripts/levers.sh OUTDIR
-# Knobs: LEVERS_OPTS (engine options, default device=cuda,dtype=bfloat16), LEVERS_TAUS ("6.5 3.5 2.0"),
-#   (default device=cuda,dtype=bfloat16,max_model_len=1024: six arms share one GPU, and at the default
-#   max_model_len the pool each gets is smaller than one request of full length needs), LEVERS_LEVELS (1,8,16,32,64), LEVERS_TRIMS (4,2), LEVERS_GATES (16), LEVERS_POLICIES (off,auto),
+# Knobs: LEVERS_OPTS (engine options, default device=cuda,dtype=bfloat16,max_model_len=1024: six arms share one
+#   GPU, and at the model's max_model_len each arm's pool is smaller than one full-length request needs),
+#   LEVERS_TAUS ("6.5 3.5 2.0"), LEVERS_LEVELS (1,8,16,32,64), LEVERS_TRIMS (4,2), LEVERS_GATES (16), LEVERS_POLICIES (off,auto),
 #   LEVERS_ROUNDS (2), LEVERS_PPL (prompts per level x C, 4), LEVERS_MAX_TOKENS (128), LEVERS_WARMUP (1),
 #   LEVERS_TIMEOUT (seconds per tau, 540), LEVERS_BUDGET (seconds for the whole call; each tau's timeout is cut
 #   to what is left), PYTHON (python3).
