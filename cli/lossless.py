@@ -189,7 +189,7 @@ def _prefix(candidate, tokenizer, dataset, num_prompts, max_tokens, block_sizes,
         out = asyncio.run(main(None))
     else:
         suite = "lossless-prefix-selftest" if selftest else "lossless-prefix"
-        with open_run(suite, "1", engines={"candidate": cand.describe()}, results=results or None,
+        with open_run(suite, "1", engines={"candidate": cand.describe()}, results=results if isinstance(results, Path) else None,
                       sampling={"temperature": 0.0, "max_tokens": opts.max_tokens, "logprobs": opts.top_k},
                       dataset={"name": dataset, "num_prompts": num_prompts},
                       config={k: v for k, v in asdict(opts).items() if k != "greedy"}) as run:
