@@ -121,6 +121,18 @@ def _json_or_none(r: httpx.Response) -> Any:
         return None
 
 
+def _refused(status: int, body: bytes, req: GenRequest, rid: str, res: GenResult, attempt: int,
+             sent: tuple[float, float]) -> GenResult:
+    """A non-200 answer of either transport: 429 and 5xx are retried (raises _Retry), any other status
+    fails the request with the server's message."""
+    msg = _error_text(status, body)
+    if status == 429 or status >= 500:
+        raise _Retry(msg, sent)
+    out = failed(req, rid, msg, res.t_send, attempt)
+    out.wall_send = res.wall_send
+    return out
+
+
 def _error_text(status: int, body: bytes) -> str:
     try:
         err = json.loads(body).get("error")
@@ -364,12 +376,7 @@ class OpenAIAdapter(EngineAdapter):
         try:
             async with self._client().stream("POST", url, json=body) as resp:
                 if resp.status_code != 200:
-                    msg = _error_text(resp.status_code, await resp.aread())
-                    if resp.status_code == 429 or resp.status_code >= 500:
-                        raise _Retry(msg, sent)
-                    out = failed(req, rid, msg, res.t_send, attempt)
-                    out.wall_send = res.wall_send
-                    return out
+                    return _refused(resp.status_code, await resp.aread(), req, rid, res, attempt, sent)
                 if not self.stream:
                     obj = json.loads(await resp.aread())
                     acc.feed(obj, time.perf_counter())
@@ -381,11 +388,7 @@ class OpenAIAdapter(EngineAdapter):
             return self._broken(req, rid, res, acc, f"{type(e).__name__} after output started: {e}")
         except (httpx.HTTPError, json.JSONDecodeError) as e:
             return self._broken(req, rid, res, acc, f"{type(e).__name__}: {e}")
-        res.t_end = time.perf_counter()
-        acc.finish(res)
-        if not self.stream:  # one body: everything arrived at once
-            res.t_first = res.t_end
-        return res
+        return self._finished(res, acc, time.perf_counter())
 
     async def _attempt_raw(self, raw: RawHTTP, req: GenRequest, rid: str, path: str, data: bytes, attempt: int,
                            sent: tuple[float, float], acc: StreamAccumulator, res: GenResult) -> GenResult:
@@ -399,12 +402,7 @@ class OpenAIAdapter(EngineAdapter):
         started = False
         try:
             if resp.status != 200:
-                msg = _error_text(resp.status, await resp.body())
-                if resp.status == 429 or resp.status >= 500:
-                    raise _Retry(msg, sent)
-                out = failed(req, rid, msg, res.t_send, attempt)
-                out.wall_send = res.wall_send
-                return out
+                return _refused(resp.status, await resp.body(), req, rid, res, attempt, sent)
             if not self.stream:
                 acc.feed(json.loads(await resp.body()), time.perf_counter())
             else:
@@ -420,9 +418,13 @@ class OpenAIAdapter(EngineAdapter):
             return self._broken(req, rid, res, acc, f"{type(e).__name__}: {e or 'read timeout'}")
         finally:
             resp.release()
-        res.t_end = res.t_end or time.perf_counter()
+        return self._finished(res, acc, res.t_end or time.perf_counter())
+
+    def _finished(self, res: GenResult, acc: StreamAccumulator, t_end: float) -> GenResult:
+        """A complete answer of either transport: its end time and what the accumulator gathered."""
+        res.t_end = t_end
         acc.finish(res)
-        if not self.stream:
+        if not self.stream:  # one body: everything arrived at once
             res.t_first = res.t_end
         return res
 
