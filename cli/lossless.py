@@ -5,6 +5,7 @@ candidate spec on; a local candidate alone gets the same model with speculation 
 opens a results run (records under results/<run-id>/: checks.jsonl per prompt, requests.jsonl of the
 candidate, gates.jsonl), calls specbench.suites.lossless.suite.run_lossless, prints the per-prompt table
 and the summary (one JSON document with --json), writes the markdown report with --report.
+--endpoint-type chat sends each prompt as the same chat request to both arms (suite.py's contract).
 Exit codes: 0 PASS; 1 FAIL or NOT SPECULATING (a pass that proves nothing is not a pass); 2 bad input
 (an engine string, an option value); 3 CANNOT TEST (the evidence could not be collected: no engine
 tokenizes, no output token ids, no baseline logprobs at a divergence; the missing capability is named).
@@ -55,6 +56,7 @@ def lossless(
     block_sizes: str | None = typer.Option(None, "--block-sizes", help="--suite prefix: the block sizes to place the boundary cases at, comma-separated (default: the local engine's page size; for an endpoint 16, vLLM's default; SGLang matches per token)."),
     prefix_selftest: bool = typer.Option(False, "--selftest", help="--suite prefix: the gate's self-test instead: --repeat clean engines must PASS without fallbacks, register_before_forward must FAIL, no_publish_on_finish must show fallbacks (a local candidate)."),
     repeat: int = typer.Option(5, "--repeat", min=1, help="--suite prefix --selftest: clean runs."),
+    endpoint_type: str = typer.Option("completions", "--endpoint-type", help="completions (default) or chat: send each prompt to both arms as the same chat request (one user message, /v1/chat/completions, the server's chat template) and judge the token ids the endpoints report; where they report too little (no prompt_token_ids for re-anchoring / re-scoring, no logprobs) CANNOT TEST names it. The greedy and concurrent gates only."),
 ) -> None:
     """Is speculation lossless? Greedy spec-on vs spec-off, every divergence judged by its regret.
 
@@ -77,7 +79,12 @@ def lossless(
     bad = usage_errors("lossless")
     if suite not in ("greedy", "prefix"):
         raise bad(f"--suite {suite!r} is invalid: expected greedy or prefix")
+    if endpoint_type not in ("completions", "chat"):
+        raise bad(f"--endpoint-type {endpoint_type!r} is invalid: expected completions or chat")
     if suite == "prefix":
+        if endpoint_type == "chat":
+            raise bad("--suite prefix is not available with --endpoint-type chat: its conversations are token-id "
+                      "prompts placed at block boundaries")
         _prefix(candidate, tokenizer, dataset, num_prompts, max_tokens, block_sizes, prefix_selftest, repeat,
                 json_out, report, bad, False if no_record else results)
         return
@@ -92,7 +99,7 @@ def lossless(
                              batch_invariance=batch_invariance, batch_levels=parse_levels(batch_levels),
                              batch_prompts=batch_prompts, rate_alpha=rate_alpha, rate_detect=rate_detect,
                              strict=strict, strict_tol=STRICT_FP32_TOL if strict_tol is None else strict_tol,
-                             accept_reference=accept_reference,
+                             accept_reference=accept_reference, endpoint_type=endpoint_type,
                              record_reference=record_reference, results=str(results) if results else None)
         from specbench.harness.adapters.dialect import with_tokenizer
 

@@ -22,6 +22,9 @@ Every request's path and headers are kept in `FakeEndpoint.seen` (tests check wh
 one verify step of K drafts with n - 1 accepted, published as vLLM's `vllm:spec_decode_*` counters on
 GET /metrics (server-wide, cumulative; no per-request figures in the responses).
 
+`token_id=T` makes it report output token ids where a request asks for them (`return_token_ids`): every
+generated token is id T, in each choice's `token_ids` (streamed and not); never `prompt_token_ids` nor
+logprobs (an endpoint that gives a gate some of what it needs: tests/test_lossless_chat.py).
 `FakeEndpoint(...)` runs in a thread of this process (`with FakeEndpoint() as ep: ep.url`);
 `python -m specbench.harness.fake_endpoint --port P` runs it as its own process (the client benchmark,
 so the server never shares the client's interpreter).
@@ -61,6 +64,7 @@ class _State:
     drafts: int = 0
     accepted: int = 0
     per_pos: list[int] = field(default_factory=list)
+    token_id: int | None = None  # report every output token as this id (with return_token_ids)
 
     def metrics(self) -> str:
         m = f'model_name="{self.model}"'
@@ -158,12 +162,15 @@ class _Handler:
                 w.write(_error(503, f"injected overload (attempt {seen} of this prompt)"))
                 return
         obj = "chat.completion.chunk" if chat else "text_completion"
+        ids = st.token_id is not None and bool(req.get("return_token_ids"))
         opts = req.get("stream_options") or {}
         cont = bool(opts.get("continuous_usage_stats"))
         if not req.get("stream"):
             text = "t " * max_tokens
             choice = {"index": 0, "finish_reason": "length",
                       **({"message": {"role": "assistant", "content": text}} if chat else {"text": text})}
+            if ids:
+                choice["token_ids"] = [st.token_id] * max_tokens
             w.write(_json_response(200, {"id": "fake-1", "object": obj.replace(".chunk", ""), "model": st.model,
                                          "choices": [choice], "usage": _usage(n_prompt, max_tokens)}))
             return
@@ -185,6 +192,8 @@ class _Handler:
                 choice["delta"] = {"content": text} if done > k else {"role": "assistant", "content": text}
             else:
                 choice["text"] = text
+            if ids:
+                choice["token_ids"] = [st.token_id] * k
             ev: dict[str, Any] = {"id": "fake-1", "object": obj, "model": st.model, "choices": [choice]}
             if cont:
                 ev["usage"] = _usage(n_prompt, done)
@@ -215,9 +224,10 @@ class FakeEndpoint:
 
     def __init__(self, tokens_per_chunk: int = 1, chunk_interval: float = 0.0, max_tokens: int = 16,
                  faults: Faults | None = None, model: str = "fake-model", port: int = 0, keep_seen: bool = True,
-                 spec_k: int = 0) -> None:
+                 spec_k: int = 0, token_id: int | None = None) -> None:
         self.state = _State(model=model, tokens_per_chunk=tokens_per_chunk, chunk_interval=chunk_interval,
-                            max_tokens=max_tokens, faults=faults or Faults(), keep_seen=keep_seen, spec_k=spec_k)
+                            max_tokens=max_tokens, faults=faults or Faults(), keep_seen=keep_seen, spec_k=spec_k,
+                            token_id=token_id)
         self.port = port
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None

@@ -103,6 +103,9 @@ class GenResult:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     logprobs: list[PosLogprobs] | None = None
+    # the prompt token ids the engine reports it computed (a chat request's rendered template: vLLM's
+    # return_token_ids `prompt_token_ids`); None where it reports none
+    prompt_ids: list[int] | None = None
     t_send: float = 0.0
     t_first: float | None = None
     t_end: float | None = None

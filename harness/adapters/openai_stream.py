@@ -13,6 +13,9 @@ A chunk counts (gets a time) when it carries text or tokens; usage-only and role
 "usage" is used only while every content chunk carries a running usage (continuous usage stats): a
 server that sends usage on the final event alone (llama.cpp) must not have every token credited to that
 event ([0, ..., 0, 55]); its chunks fall back to "proportional".
+`prompt_token_ids` (vLLM's return_token_ids: top level on a chat answer or its first streamed chunk, per
+choice on completions) becomes `GenResult.prompt_ids`: the prompt the server computed, e.g. a chat request
+rendered through its chat template.
 Logprob token strings of the form "token_id:<id>" (return_tokens_as_token_ids) become ids; chat-shaped
 entries with an integer `id` (llama.cpp) give ids directly. A position reported with logprob 0.0 and an
 empty top list while top-k was asked for (llama.cpp's placeholder for a token accepted from a draft) is
@@ -91,6 +94,7 @@ class StreamAccumulator:
     native: bool = False  # llama.cpp's /completion events
     one_token_per_chunk: bool = False  # the server streams exactly one token per event (llama.cpp)
     usage_continuous: bool = True  # every content chunk so far carried a running usage
+    prompt_ids: list[int] | None = None  # the first `prompt_token_ids` reported (return_token_ids)
 
     def feed(self, obj: dict, t: float) -> None:
         if self.native:
@@ -103,9 +107,13 @@ class StreamAccumulator:
         usage = obj.get("usage")
         if obj.get("spec_decode") is not None:
             self.spec = obj["spec_decode"]
+        if self.prompt_ids is None and obj.get("prompt_token_ids") is not None:  # vLLM chat: top level
+            self.prompt_ids = list(obj["prompt_token_ids"])
         for ch in obj.get("choices") or []:
             if ch.get("index", 0) != 0:
                 continue
+            if self.prompt_ids is None and ch.get("prompt_token_ids") is not None:  # completions: per choice
+                self.prompt_ids = list(ch["prompt_token_ids"])
             msg = ch.get("delta") or ch.get("message") or {}  # streamed delta or a whole message
             text = msg.get("content") if self.chat else ch.get("text")
             text = text or ""
@@ -185,6 +193,8 @@ class StreamAccumulator:
         res.text = "".join(self.texts)
         res.finish_reason = self.finish_reason
         res.spec = self.spec
+        if self.prompt_ids is not None and all(isinstance(t, int) and not isinstance(t, bool) for t in self.prompt_ids):
+            res.prompt_ids = list(self.prompt_ids)
         if self.usage:
             res.prompt_tokens = self.usage.get("prompt_tokens")
             res.completion_tokens = self.usage.get("completion_tokens")

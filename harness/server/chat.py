@@ -4,6 +4,9 @@ Contract: messages are rendered with the model's chat template (add_generation_p
 jinja2's immutable sandbox (`render_chat`) and tokenized by the server, on a worker thread; max_tokens / max_completion_tokens default to the rest of the context.
 `logprobs: true` + `top_logprobs: k` returns chat-format logprobs. Streaming sends a role delta first,
 then content deltas (one per engine delta), a finish event, the usage event when asked, `[DONE]`.
+`return_token_ids: true` (vLLM's name) adds `token_ids` to each choice / event and the rendered prompt's
+`prompt_token_ids` at the top level of the answer (streamed: of the first chunk), where vLLM puts them
+(and, for older clients, in the non-streamed choice too).
 """
 
 from __future__ import annotations
@@ -123,9 +126,12 @@ def answer(state: ServerState, req: ChatRequest, job: Job, out: Any, cid: str, m
     if req.return_token_ids:
         choice["token_ids"] = list(out.output_ids)
         choice["prompt_token_ids"] = job.prompt_ids
-    return json.dumps({"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
-                       "choices": [choice], "usage": usage(len(job.prompt_ids), len(out.output_ids)),
-                       "spec_decode": merge_spec([out.spec], state.spec_method)}, ensure_ascii=False).encode()
+    body: dict = {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
+                  "choices": [choice], "usage": usage(len(job.prompt_ids), len(out.output_ids)),
+                  "spec_decode": merge_spec([out.spec], state.spec_method)}
+    if req.return_token_ids:  # vLLM's chat answer: the rendered prompt's ids at the top level
+        body["prompt_token_ids"] = job.prompt_ids
+    return json.dumps(body, ensure_ascii=False).encode()
 
 
 async def _stream(state: ServerState, req: ChatRequest, job: Job, q: Any, rids: dict[int, str], cid: str,
@@ -134,8 +140,11 @@ async def _stream(state: ServerState, req: ChatRequest, job: Job, q: Any, rids: 
     head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
     cs = ChoiceStream(job.params.stop)
     n_prompt, n_gen, spec = len(job.prompt_ids), 0, None
-    yield sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                    "finish_reason": None}]})
+    first: dict = {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                        "finish_reason": None}]}
+    if req.return_token_ids:  # vLLM: the rendered prompt's ids on the first chunk, top level
+        first["prompt_token_ids"] = job.prompt_ids
+    yield sse(first)
     try:
         async for _, out in deltas(state, q, rids):
             text, new_ids, lps = cs.advance(out)

@@ -13,17 +13,18 @@ exact test, FAIL when p < 0.001 and the acceptance rate moved by more than 0.02)
 same at both concurrencies, so the drafter sees the same contexts: a drop (a batched draft with the wrong
 positions) or a rise is a bug of the batched path. Evidence: per-request draft counts (local engine;
 llama.cpp's timings), else the candidate's counter deltas around each run (an idle server); with neither
-the gate is CANNOT TEST, naming what is missing.
+the gate is CANNOT TEST, naming what is missing. Chat prompts (--endpoint-type chat) go as the same chat
+requests at both concurrencies (greedy.py's chat contract).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from specbench.harness.adapters.base import EngineAdapter, GenRequest, counters_delta
+from specbench.harness.adapters.base import EngineAdapter, counters_delta
 
 from .checks import compare_acceptance
-from .greedy import GateRun, GreedyGateOptions, Prompt, run_greedy
+from .greedy import GateRun, GreedyGateOptions, Prompt, prompt_request, run_greedy
 
 
 def staggered(max_tokens: int, n: int) -> list[int]:
@@ -48,8 +49,7 @@ async def run_concurrent(baseline: EngineAdapter, candidate: EngineAdapter, prom
                            max_tokens_each=mts, baseline_concurrency=1)
     run.notes.append(f"{len(prompts)} requests sent together; max_tokens {mts}; baselines sequential")
     # The acceptance of each request at concurrency N against the same request alone.
-    reqs = [GenRequest(prompt=list(p.ids), max_tokens=m, temperature=0.0, rid=f"{name}-c1-{p.pid}", prompt_cache=False)
-            for p, m in zip(prompts, mts, strict=True)]
+    reqs = [prompt_request(p, m, rid=f"{name}-c1-{p.pid}") for p, m in zip(prompts, mts, strict=True)]
     before = await candidate.spec_counters()
     solo = await candidate.generate(reqs, concurrency=1)
     delta1 = counters_delta(before, await candidate.spec_counters())

@@ -37,6 +37,14 @@ Contract:
   comes from a plain forward pass), then teacher-forced scoring where it has it; the divergence records
   which (`dist_source`). Every gate request sends prompt_cache=False, so a server's prompt cache cannot
   turn one of two identical requests into a different computation.
+- Chat prompts (`Prompt.messages`, --endpoint-type chat): the candidate and the first baseline are the same
+  chat request (one user message, /v1/chat/completions, the server's own chat template; the baseline also
+  asks for top-k logprobs); the rendered prompt is the `prompt_token_ids` the endpoints report
+  (`GenResult.prompt_ids`), and two arms that rendered one request to different ids make the prompt
+  untestable. What needs token ids after that (re-anchoring after a flip, re-scoring it, recovering a
+  missing distribution) sends the rendered ids plus the candidate's tokens, the same token sequence; where
+  no endpoint reported the rendered ids, a prompt that needs them is untestable ("prompt token ids (chat
+  endpoint)"), never passed. A FAIL the first baseline's own logprobs prove stays a FAIL.
 """
 
 from __future__ import annotations
@@ -113,6 +121,35 @@ def resolve_rule(opts: GreedyGateOptions, baseline: EngineAdapter, candidate: En
 
 async def _one(adapter: EngineAdapter, req: GenRequest) -> GenResult:
     return (await adapter.generate([req], concurrency=1))[0]
+
+
+def prompt_request(p: Prompt, max_tokens: int, rid: str | None = None, logprobs: int | None = None) -> GenRequest:
+    """The gate's greedy request for one prompt: its chat messages (a chat prompt) or its token ids."""
+    if p.chat:
+        return GenRequest(messages=[dict(m) for m in p.messages or []], max_tokens=max_tokens, temperature=0.0,
+                          logprobs=logprobs, rid=rid, prompt_cache=False)
+    return GenRequest(prompt=list(p.ids), max_tokens=max_tokens, temperature=0.0, logprobs=logprobs, rid=rid,
+                      prompt_cache=False)
+
+
+NO_CHAT_IDS = "prompt token ids (chat endpoint)"
+
+
+def rendered_prompt(base: GenResult, cand: GenResult) -> tuple[list[int] | None, str | None]:
+    """The rendered prompt of one chat request from what both arms reported: (ids or None, problem or None).
+    A problem: the arms rendered the same request to different prompts (ids, else usage prompt_tokens)."""
+    b, c = base.prompt_ids, cand.prompt_ids
+    if b is not None and c is not None and b != c:
+        i = first_divergence(b, c)
+        return None, (f"the same chat request was rendered to different prompt token ids (baseline {len(b)}, "
+                      f"candidate {len(c)} tokens, first difference at {i}): not the same computation")
+    ids = b if b is not None else c
+    nb = len(b) if b is not None else base.prompt_tokens
+    nc = len(c) if c is not None else cand.prompt_tokens
+    if nb is not None and nc is not None and nb != nc:
+        return None, (f"the same chat request was rendered to prompts of different lengths (baseline {nb}, "
+                      f"candidate {nc} tokens): not the same computation")
+    return (list(ids) if ids else None), None
 
 
 async def baseline_for(baseline: EngineAdapter, prompt_ids: list[int], prefix: list[int], max_tokens: int,
@@ -216,6 +253,16 @@ async def check_output(baseline: EngineAdapter, prompt: Prompt, cand: GenResult,
     out = list(cand.output_ids)
     pc.candidate_tokens = len(out)
     anchor = 0
+    no_ids = prompt.chat and not prompt.ids  # a chat prompt whose rendered ids no endpoint reported
+
+    def needs_ids(pos: int, what: str) -> PromptCheck:
+        pc.status, pc.complete, pc.missing = "untestable", False, NO_CHAT_IDS
+        pc.reason = (f"CANNOT TEST at position {pos}: {what} needs the rendered prompt's token ids, which the "
+                     "chat endpoint did not report (vLLM's return_token_ids gives prompt_token_ids)")
+        return pc
+
+    if first_base is None and prompt.chat:
+        raise LosslessError("check_output: a chat prompt needs its first baseline (the same chat request)")
     base = first_base or await baseline_for(baseline, prompt.ids, [], max_tokens, opts.top_k)
     while True:
         if base.ok and (base.output_ids is None or (base.text and not base.output_ids)):
@@ -246,6 +293,14 @@ async def check_output(baseline: EngineAdapter, prompt: Prompt, cand: GenResult,
         dist = position_dist(base.logprobs, i)
         ids_before = list(prompt.ids) + out[:pos]
         source, note = "generation", ""
+        if not dist and no_ids:
+            pc.divergences.append(Divergence(pos, "token", pick, bt, anchor, None, dist_source="none"))
+            pc.status, pc.complete = "untestable", False
+            pc.missing = "baseline logprobs at the divergence (chat endpoint)"
+            pc.reason = (f"CANNOT TEST at position {pos} (pick {pick} vs baseline {bt}): the baseline's chat answer "
+                         "has no logprobs there, and without the rendered prompt's token ids (prompt_token_ids) "
+                         "they cannot be recovered by a token-id request")
+            return pc
         if not dist:
             dist, source, note = await recover_dist(baseline, ids_before, pick, opts.top_k)
             if not dist:
@@ -254,14 +309,19 @@ async def check_output(baseline: EngineAdapter, prompt: Prompt, cand: GenResult,
                 pc.reason = f"CANNOT TEST at position {pos} (pick {pick} vs baseline {bt}): {note}"
                 return pc
         j = judge_pick(pick, dist, opts.tol)
-        if j.kind == "outside_topk":
+        if j.kind == "outside_topk" and not no_ids:
             got, _ = await _score(baseline, ids_before, pick, opts.top_k)
             if got is not None and got["pick_logprob"] is not None:
                 j = judge_pick(pick, dist, opts.tol, exact_pick_logprob=got["pick_logprob"])
         d = Divergence(pos, "token", pick, bt, anchor, j, dist_source=source)
         if note and not pc.reason:
             pc.reason = note
-        if opts.rescore:
+        if opts.rescore and no_ids:
+            d.rescore = {"status": f"no {NO_CHAT_IDS}"}
+            if j.ok:  # a benign flip the candidate's own prefill cannot re-score: not judged
+                pc.divergences.append(d)
+                return needs_ids(pos, "re-scoring the flip with the candidate's own prefill")
+        elif opts.rescore:
             d.rescore = await _rescore(candidate, ids_before, pick, bt, opts.top_k)
             if j.ok:
                 d.rescore_fail = rescore_disagreement(d, opts)
@@ -279,6 +339,8 @@ async def check_output(baseline: EngineAdapter, prompt: Prompt, cand: GenResult,
             pc.reason = (f"stopped after {len(pc.divergences)} benign flips (--max-divergences); "
                          f"tokens {anchor}..{len(out) - 1} unchecked")
             return pc
+        if no_ids:
+            return needs_ids(anchor, f"re-anchoring after the benign flip at position {pos}")
         pc.reanchors += 1
         base = await baseline_for(baseline, prompt.ids, out[:anchor], max_tokens - anchor, opts.top_k)
 
@@ -351,19 +413,37 @@ async def run_greedy(baseline: EngineAdapter, candidate: EngineAdapter, prompts:
     opts = resolve_rule(opts, baseline, candidate)
     t0 = time.perf_counter()
     mts = list(max_tokens_each) if max_tokens_each is not None else [max_tokens] * len(prompts)
-    reqs = [GenRequest(prompt=list(p.ids), max_tokens=m, temperature=0.0, rid=f"{name}-{p.pid}", prompt_cache=False)
-            for p, m in zip(prompts, mts, strict=True)]
+    reqs = [prompt_request(p, m, rid=f"{name}-{p.pid}") for p, m in zip(prompts, mts, strict=True)]
     before = await candidate.spec_counters()
     cands = await candidate.generate(reqs, concurrency=concurrency)
     delta = counters_delta(before, await candidate.spec_counters())
     sem = asyncio.Semaphore(baseline_concurrency or concurrency or len(prompts))
+    rendered: list[str] = []  # chat prompts: where the rendered ids came from
 
     async def one(p: Prompt, c: GenResult, m: int) -> PromptCheck:
         async with sem:
-            pc = await check_output(baseline, p, c, m, opts, candidate if opts.rescore else None)
+            first = None
+            if p.chat:  # the same chat request to the baseline, with logprobs: the first baseline
+                first = await _one(baseline, prompt_request(p, m, rid=f"{name}-base-{p.pid}", logprobs=opts.top_k))
+                ids, problem = rendered_prompt(first, c) if first.ok and c.ok else (None, None)
+                rendered.append("both" if first.prompt_ids is not None and c.prompt_ids is not None else
+                                "one" if ids else "none")
+                p = replace(p, ids=ids or [])
+                if problem:
+                    pc = PromptCheck(p.pid, 0, m, status="untestable", complete=False, spec=c.spec,
+                                     missing="the same rendered chat prompt on both arms", reason=f"CANNOT TEST: {problem}")
+                    if on_prompt is not None:
+                        on_prompt(pc)
+                    return pc
+            pc = await check_output(baseline, p, c, m, opts, candidate if opts.rescore else None, first_base=first)
         if on_prompt is not None:
             on_prompt(pc)
         return pc
 
     checks = await asyncio.gather(*(one(p, c, m) for p, c, m in zip(prompts, cands, mts, strict=True)))
-    return await finish_run(name, candidate, baseline, list(checks), cands, delta, opts, t0, engine_k(candidate))
+    run = await finish_run(name, candidate, baseline, list(checks), cands, delta, opts, t0, engine_k(candidate))
+    if rendered:
+        run.notes.append(f"chat endpoint: {len(rendered)} chat requests (one user message, the server's chat "
+                         f"template); rendered prompt ids reported by both arms for {rendered.count('both')}, by one "
+                         f"for {rendered.count('one')}, by neither for {rendered.count('none')}")
+    return run

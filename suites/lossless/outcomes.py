@@ -1,7 +1,8 @@
 """The greedy gate's outcome records: `Prompt`, `Divergence`, `PromptCheck`, `GateRun` and its verdict.
 
 Contract:
-- `Prompt` is one prompt's token ids (tokenized once, by the baseline: greedy.tokenize_prompts).
+- `Prompt` is one prompt's token ids (tokenized once, by the baseline: greedy.tokenize_prompts), or a chat
+  prompt (`messages`; its `ids` are the rendered prompt ids the endpoints report, filled in by the gate).
 - `Divergence` is one position where the candidate left its judging baseline: a token flip judged by the
   regret rule (regret.py), or a length mismatch ("past_stop" / "early_stop", always a FAIL); `ok` when the
   judgement is benign and the candidate's re-scoring did not disagree (`rescore_fail`).
@@ -26,8 +27,13 @@ from .regret import PickJudgement
 @dataclass
 class Prompt:
     pid: str
-    ids: list[int]
+    ids: list[int]  # chat prompts: the rendered prompt's ids the endpoints reported ([] until known / if none)
     text: str = ""
+    messages: list[dict] | None = None  # set: a chat prompt (--endpoint-type chat), rendered by the server
+
+    @property
+    def chat(self) -> bool:
+        return self.messages is not None
 
 
 @dataclass

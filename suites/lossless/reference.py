@@ -9,7 +9,8 @@ Contract:
   engine's reference): kind, model, drafter, method, K, dtype, device and the numerics switches (attention
   backend, Triton, graphs) of a local engine, with a signature of each local directory (config.json's
   sha256, the weight files' names and sizes, so a retrained drafter at the same path is another engine);
-  the served model, dialect and server version of a remote one; the prompts' token ids (sha256), their
+  the served model, dialect and server version of a remote one; the prompts' token ids (chat prompts:
+  their messages) (sha256), their
   count, max_tokens and the greedy gate's concurrency. key = the first 16 hex digits of sha256(parts).
 - `load(key, results)` -> `AcceptanceReference | None`; `record(key, parts, stats, ...)` writes one
   (harness/results.py `write_reference`, kind `KIND`) and returns its path. The suite records only from a
@@ -24,6 +25,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from specbench.harness.results import read_reference, write_reference
 
@@ -69,7 +71,7 @@ def engine_identity(describe: dict) -> dict:
     return out
 
 
-def fingerprint(describe: dict, prompts: Sequence[Sequence[int]], max_tokens: int,
+def fingerprint(describe: dict, prompts: Sequence[Sequence[Any]], max_tokens: int,
                 concurrency: int = 1) -> tuple[str, dict]:
     ph = hashlib.sha256(json.dumps([list(p) for p in prompts]).encode()).hexdigest()[:16]
     parts = {"engine": engine_identity(describe), "prompts_sha256": ph, "num_prompts": len(prompts),

@@ -27,6 +27,11 @@ Contract:
 - `rate_test` adds the "divergence-rate" gate (greedy + concurrent divergences per compared token against
   the baseline's own batch noise on the same prompts); `batch_invariance` the "batch cN spec-off/on" gates
   and "batch-rate" (batch.py; `batch_levels`, `batch_prompts`, `rate_alpha`, `rate_detect`).
+- `endpoint_type="chat"`: every prompt is one user message sent to both arms as the same chat request
+  (/v1/chat/completions; the server applies its chat template), nothing is tokenized here, and the greedy
+  and concurrent gates judge the token ids the endpoints report (greedy.py's chat contract). The engine
+  gates, the rate test and the batch gates send token-id requests by construction: with chat they are
+  refused as bad input (LosslessError naming the option), never run on a different request.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from .greedy import (
     GateRun,
     GreedyGateOptions,
     LosslessError,
+    Prompt,
     PromptCheck,
     resolve_rule,
     run_greedy,
@@ -58,6 +64,7 @@ from .prompts import load_prompts
 from .regret import STRICT_FP32_TOL
 
 SUITE_VERSION = "1"
+ENDPOINT_TYPES = ("completions", "chat")  # the sweep's --endpoint-type vocabulary
 
 
 @dataclass(frozen=True)
@@ -86,6 +93,7 @@ class LosslessConfig:
     accept_reference: bool = True  # hold acceptance against (and record) the results store's reference
     record_reference: bool = False  # replace the stored reference with this run's acceptance (when it PASSes)
     results: str | None = None  # the results directory the references live in (None: $SPECBENCH_RESULTS / ./results)
+    endpoint_type: str = "completions"  # "chat": the prompts as chat messages, rendered by the server
 
     def __post_init__(self) -> None:
         for name, lo in (("num_prompts", 1), ("max_tokens", 1), ("max_divergences", 1), ("concurrency", 1),
@@ -99,6 +107,14 @@ class LosslessConfig:
             raise LosslessError(f"top_k={self.top_k} is invalid: engines return at most 20 logprobs")
         if not 0 < self.strict_tol < 50:
             raise LosslessError(f"--strict-tol {self.strict_tol!r} is invalid: expected nats in (0, 50)")
+        if self.endpoint_type not in ENDPOINT_TYPES:
+            raise LosslessError(f"--endpoint-type {self.endpoint_type!r} is invalid: expected completions or chat")
+        if self.endpoint_type == "chat":
+            for flag, on in (("--engine-gates", self.engine_gates), ("--rate-test", self.rate_test),
+                             ("--batch-invariance", self.batch_invariance)):
+                if on:
+                    raise LosslessError(f"{flag} is not available with --endpoint-type chat: its requests are "
+                                        "token-id prompts by construction; run it with --endpoint-type completions")
         self.batch_options  # noqa: B018  (validates the batch / rate options)
 
     @property
@@ -214,7 +230,13 @@ async def run_lossless(baseline: EngineAdapter, candidate: EngineAdapter, cfg: L
     texts = load_prompts(cfg.dataset, cfg.num_prompts, cfg.max_prompt_chars)
     engines = {"baseline": baseline.describe(), "candidate": candidate.describe()}  # with the capability records
     try:
-        prompts, notes = await tokenize_prompts(baseline, candidate, texts)
+        if cfg.endpoint_type == "chat":  # the server renders (and tokenizes) each chat request itself
+            prompts = [Prompt(pid, [], text, messages=[{"role": "user", "content": text}]) for pid, text in texts]
+            notes = ["--endpoint-type chat: each prompt is one user message, sent to both arms as the same "
+                     "/v1/chat/completions request; the server's chat template renders it, and the gate judges "
+                     "the token ids the endpoints report (prompt_token_ids / token_ids, logprobs with ids)"]
+        else:
+            prompts, notes = await tokenize_prompts(baseline, candidate, texts)
     except CannotTest as e:
         out = LosslessOutcome([], engines, asdict(cfg), [str(e)], cannot_test=f"{e.capability}: {e.detail}")
         out.run_id = run.run_id if run is not None else None
@@ -253,8 +275,8 @@ async def run_lossless(baseline: EngineAdapter, candidate: EngineAdapter, cfg: L
                                                                            cfg.max_tokens, opts)))
     main = await gate("greedy", run_greedy(baseline, candidate, prompts, cfg.max_tokens, opts,
                                            concurrency=cfg.concurrency, on_prompt=on_prompt("greedy")))
-    key, parts = accept_ref.fingerprint(engines["candidate"], [p.ids for p in prompts], cfg.max_tokens,
-                                        cfg.concurrency)
+    key, parts = accept_ref.fingerprint(engines["candidate"], [p.messages if p.chat else p.ids for p in prompts],
+                                        cfg.max_tokens, cfg.concurrency)
     stored = accept_ref.load(key, cfg.results) if cfg.accept_reference else None
     out.reference = {"key": key, "used": None, "source": None, "recorded": None}
     if cfg.expect_accept_len is not None:
