@@ -17,11 +17,17 @@ from typing import Any, TextIO
 
 
 class RunProgress:
+    # terminal=None means "is the stream a terminal?"; a test sets this to True or False to decide for every
+    # display a command opens (tests/test_progress.py)
+    force_terminal: bool | None = None
+
     def __init__(self, total: int, *, quiet: bool = False, stream: TextIO | None = None,
                  terminal: bool | None = None, unit: str = "requests") -> None:
         self.total, self.quiet, self.unit = total, quiet, unit
         self.stream = stream or sys.stderr
-        self.terminal = self.stream.isatty() if terminal is None else terminal
+        if terminal is None:
+            terminal = self.force_terminal if self.force_terminal is not None else self.stream.isatty()
+        self.terminal = terminal
         self.done = 0
         self.phase_name = ""
         self._t0 = time.perf_counter()
@@ -43,7 +49,10 @@ class RunProgress:
 
             self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                  TextColumn(self.unit), TimeElapsedColumn(), TextColumn("ETA"),
-                                 TimeRemainingColumn(), console=Console(file=self.stream), transient=False)
+                                 TimeRemainingColumn(), console=Console(file=self.stream, force_terminal=True),
+                                 transient=False, redirect_stdout=_isatty(sys.stdout))
+            # stdout is only drawn above the bar when it is the terminal too: piped or redirected, what the
+            # command prints there (a table, JSON, markdown) must reach the pipe, not the bar's stream
             self._bar.start()
             self._task = self._bar.add_task("starting", total=self.total)
         return self
@@ -53,7 +62,9 @@ class RunProgress:
             self._bar.stop()
             self._bar = None
         elif not self.quiet and self.done:
-            self._line(f"done: {self.done}/{self.total} {self.unit} in {self.elapsed():.0f} s")
+            # short of the total: an interrupt (or a gate that stopped early); what was measured is kept
+            word = "done" if self.done >= self.total else "stopped at"
+            self._line(f"{word}: {self.done}/{self.total} {self.unit} in {self.elapsed():.0f} s")
 
     def plan(self, total: int) -> None:
         """The run's total, once it is known (after the prompts are made)."""
@@ -73,7 +84,8 @@ class RunProgress:
     def _line(self, text: str) -> None:
         print(text, file=self.stream, flush=True)
 
-    def phase(self, name: str, n: int) -> None:
+    def phase(self, name: str, n: int | None) -> None:
+        """The current phase and its n units (None: a phase whose work is not counted in units)."""
         self.phase_name = name
         if self.quiet:
             return
@@ -81,13 +93,30 @@ class RunProgress:
             self._bar.update(self._task, description=name)
             return
         eta = self.eta()
-        self._line(f"{name}: {n} {self.unit}; {self.done}/{self.total} done, {self.elapsed():.0f} s elapsed"
+        self._line(f"{name}: " + (f"{n} {self.unit}; " if n is not None else "")
+                   + f"{self.done}/{self.total} done, {self.elapsed():.0f} s elapsed"
                    + (f", ETA {eta:.0f} s" if eta is not None else ""))
 
-    def advance(self, _result: object = None) -> None:
-        self.done += 1
+    def advance(self, _result: object = None, n: int = 1) -> None:
+        self.done += n
         if self._bar is not None:
             self._bar.update(self._task, completed=self.done)
+
+    def update(self, done: int, total: int | None = None) -> None:
+        """Counts reported by someone else (a worker process): set, not added."""
+        if total is not None and total != self.total:
+            self.plan(total)
+        if done != self.done:
+            self.done = done
+            if self._bar is not None:
+                self._bar.update(self._task, completed=self.done)
+
+
+def _isatty(stream: object) -> bool:
+    try:
+        return bool(stream.isatty())  # type: ignore[attr-defined]
+    except (AttributeError, ValueError):
+        return False
 
 
 def summary_table(title: str, header: Sequence[str], rows: Sequence[Sequence[Any]], stream: TextIO | None = None) -> None:

@@ -3,6 +3,8 @@
 Thin: parses and validates options (a bad value exits 2 with the option's name), builds a
 `SweepConfig`, calls `suites.sweep.run_sweep`, prints where the records are and optionally renders the
 report. Ctrl-C keeps every record already written (the run is marked incomplete) and exits 130.
+Progress (cli/progress.py) goes to stderr: one display over the whole sweep, requests done / total and the
+current cell, with the sweep's ETA; --no-progress turns it off. stdout carries the same lines either way.
 The acceptance / metrics audit (suites/sweep/audit.py) runs over the records of every complete sweep and
 is printed; with --audit it is a gate: exit 1 when it FAILs, 3 when it CANNOT TEST (an arm with neither
 spec counters nor per-request draft counts), 0 on PASS. Without --audit the sweep is a measurement and
@@ -107,7 +109,9 @@ def sweep(
     out: str = typer.Option(None, "--out", help="Results directory (a run folder is created in it); default "
                             "$SPECBENCH_RESULTS or ./results."),
     report: str = typer.Option(None, "--report", help="Also render the report to this markdown path."),
-    progress: bool = typer.Option(True, "--progress/--no-progress", help="A progress bar per level."),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="One progress display for the whole sweep "
+                                  "on stderr (requests done / total, the cell, ETA; a plain line per cell without a "
+                                  "terminal)."),
     audit: bool = typer.Option(False, "--audit", help="Make the acceptance / metrics audit a gate: exit 1 on FAIL, "
                                "3 on CANNOT TEST (the audit is always run and reported)."),
     tokenizer: str = typer.Option(None, "--tokenizer", help="The model's tokenizer directory (tokenizer.json), used "
@@ -211,11 +215,13 @@ def sweep(
                       ignore_eos=ignore_eos, temperature=temperature, rounds=rounds, warmup=warmup, arrival=arrival,
                       burstiness=burstiness, noise_floor=noise, seed=seed, random_input_len=random_input_len,
                       dataset_path=dataset_path, endpoint_type=endpoint_type, client_procs=nprocs)
+    from specbench.cli.progress import RunProgress
     from specbench.harness.redact import redact_text
 
-    try:
-        outcome = run_sweep(cfg, engines, label_list, out_dir=out, baseline=baseline, progress=progress,
-                            keep_records=True, api_key=api_key, result_dir=result_dir)
+    try:  # one display over every cell (requests done / total, warm-up included; the ETA of the whole sweep)
+        with RunProgress(0, quiet=not progress) as bar:
+            outcome = run_sweep(cfg, engines, label_list, out_dir=out, baseline=baseline, progress=bar,
+                                keep_records=True, api_key=api_key, result_dir=result_dir)
     except EngineStringError as e:
         raise typer.BadParameter(redact_text(str(e), [api_key]), param_hint="--arms") from None
     except ValueError as e:

@@ -3,7 +3,8 @@ setting per concurrency with noise floors (suites/tune.py).
 
 Thin: parses and validates options (a bad value exits 2 naming the option), builds the arms (bundled engine:
 --base plus the --k / --trim / --gate / --policy grid; any engine: --arms label=engine;...), runs the sweep with
-a progress line and an ETA, prints the table and writes --json / --report / --merge-into. Ctrl-C keeps every
+one progress display (cli/progress.py: requests done / total over every cell of the sweep, the cell, the ETA;
+on stderr, off with --no-progress), prints the table and writes --json / --report / --merge-into. Ctrl-C keeps every
 record already written and exits 130.
 """
 
@@ -52,7 +53,9 @@ def tune(
     merge_into: str = typer.Option(None, "--merge-into", help="Add this run as a section of a combined JSON (and its "
                                    ".md beside it), e.g. reports/h200-levers/levers.json."),
     section: str = typer.Option(None, "--section", help="The section's name with --merge-into (default: the arms)."),
-    progress: bool = typer.Option(True, "--progress/--no-progress"),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="One progress display for the whole tune "
+                                  "on stderr (requests done / total, the cell, ETA; a plain line per cell without a "
+                                  "terminal)."),
 ) -> None:
     """Find the crossover concurrency and the best speculation setting per concurrency."""
     import os
@@ -80,8 +83,11 @@ def tune(
             base_label = labels[0]
         cfg = SweepConfig(levels=levels, dataset=dataset, prompts_per_level=prompts_per_level, max_tokens=max_tokens,
                           rounds=rounds, warmup=warmup, ignore_eos=ignore_eos)
-        res = run_tune(cfg, engines, labels, out or os.environ.get("SPECBENCH_RESULTS") or "results",
-                       baseline=base_label, progress=progress)
+        from specbench.cli.progress import RunProgress
+
+        with RunProgress(0, quiet=not progress) as bar:
+            res = run_tune(cfg, engines, labels, out or os.environ.get("SPECBENCH_RESULTS") or "results",
+                           baseline=base_label, progress=bar)
     except EngineStringError as e:
         raise typer.BadParameter(str(e), param_hint="--arms" if arms else "--base") from None
     except ValueError as e:

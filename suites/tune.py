@@ -7,10 +7,10 @@ Contract:
   settings ("spec" = no lever). Local CUDA arms share the device (harness/engines.py `share_gpu`). For a remote
   engine the user passes the arms (`remote_arms`: label=engine-string pairs, e.g. several vLLM
   `num_speculative_tokens`), the first (or `--baseline`) being spec off.
-- `run_tune(cfg, engines, labels, out_dir, baseline)`: ONE interleaved sweep over every arm (suites/sweep:
-  rounds interleaved, the baseline run twice for the paired noise floor), with a progress line and an ETA
-  from the cells written so far (a watcher over the run's cells.jsonl, weighted by each cell's requests x
-  max_tokens), then `analyze`.
+- `run_tune(cfg, engines, labels, out_dir, baseline, progress)`: ONE interleaved sweep over every arm
+  (suites/sweep: rounds interleaved, the baseline run twice for the paired noise floor), then `analyze`.
+  `progress` (cli/progress.py RunProgress, or None) is the sweep's: requests done / total over every cell,
+  the cell, the ETA of the whole tune (suites/sweep/runner.py).
 - `analyze(summary, records)`: per concurrency, each arm's output tok/s (median over rounds), its median
   paired ratio to plain, the noise floor, whether the ratio is resolved (|ratio - 1| > noise), the span
   histogram the arm's engine reported (local engines: the step-span counters of spec/policy.py); per arm its
@@ -27,9 +27,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import sys
-import threading
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -93,62 +90,8 @@ def remote_arms(text: str) -> tuple[list[str], list[str]]:
     return engines, labels
 
 
-# ---- progress -----------------------------------------------------------------------------------------
-class Progress:
-    """Prints the share of the sweep's work done, elapsed time and an ETA while the sweep writes its run's
-    cells.jsonl; a cell's work is its requests x max_tokens (warm-up cells included)."""
-
-    def __init__(self, out_dir: Path, cfg: Any, n_arms: int, stream=sys.stderr, every_s: float = 10.0) -> None:
-        self.out_dir, self.cfg, self.stream, self.every = out_dir, cfg, stream, every_s
-        self.total = sum((n_arms * cfg.rounds * cfg.prompts_at(lv) + n_arms * cfg.warmup_at(lv)) * cfg.max_tokens
-                         for lv in cfg.levels)
-        self.t0 = time.time()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self.last = ""
-
-    def __enter__(self) -> Progress:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=2)
-
-    def _cells(self) -> list[dict]:
-        out: list[dict] = []
-        for p in self.out_dir.glob("*/cells.jsonl"):
-            if p.stat().st_mtime < self.t0 - 1:
-                continue
-            for line in p.read_text().splitlines():
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue
-        return out
-
-    def work(self, cell: dict) -> float:
-        lv = float(cell.get("level", 0))
-        n = self.cfg.warmup_at(lv) if cell.get("warmup") else self.cfg.prompts_at(lv)
-        return float(n * self.cfg.max_tokens)
-
-    def tick(self) -> str:
-        done = sum(self.work(c) for c in self._cells())
-        el = time.time() - self.t0
-        frac = min(1.0, done / self.total) if self.total else 0.0
-        eta = el * (1 - frac) / frac if frac > 0 else None
-        self.last = (f"[tune] {frac:6.1%} of the sweep's work done, {el:6.0f} s elapsed, ETA "
-                     + (f"{eta:6.0f} s" if eta is not None else "unknown (no cell finished yet)"))
-        print(self.last, file=self.stream, flush=True)
-        return self.last
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.every):
-            self.tick()
-
-
 def run_tune(cfg: Any, engines: list[str], labels: list[str], out_dir: str | Path, baseline: str = PLAIN,
-             progress: bool = True) -> dict:
+             progress: Any = None) -> dict:
     """One sweep over every arm (suites/sweep), then `analyze`; raises ValueError on a refused arm."""
     from specbench.harness.engines import parse_engine, share_gpu  # noqa: PLC0415
     from specbench.suites.report import load_run_summary  # noqa: PLC0415
@@ -157,10 +100,7 @@ def run_tune(cfg: Any, engines: list[str], labels: list[str], out_dir: str | Pat
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     engines = [s.raw for s in share_gpu([parse_engine(e) for e in engines])]  # several CUDA engines, one device
-    n_arms = len(engines) + (1 if cfg.noise_floor else 0)
-    with Progress(out, cfg, n_arms, every_s=10.0 if progress else 1e9):
-        outcome = run_sweep(cfg, engines, labels, out_dir=out, baseline=baseline, progress=progress,
-                            keep_records=True)
+    outcome = run_sweep(cfg, engines, labels, out_dir=out, baseline=baseline, progress=progress, keep_records=True)
     if outcome.run_dir is None:
         raise KeyboardInterrupt
     summary = load_run_summary(outcome.run_dir)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 
 from typer.testing import CliRunner
 
@@ -36,7 +37,8 @@ def test_terminal_bar_and_quiet() -> None:
         p.phase("baseline", 3)
         for _ in range(3):
             p.advance()
-    assert "baseline" in buf.getvalue() and "3/3 requests" in buf.getvalue() and "ETA" in buf.getvalue()
+    out = _plain(buf.getvalue())  # drawn as on a terminal (colours, cursor moves) even into a StringIO
+    assert "baseline" in out and "3/3 requests" in out and "ETA" in out
     buf = io.StringIO()
     for terminal in (True, False):
         with RunProgress(0, stream=buf, terminal=terminal, quiet=True) as p:
@@ -87,3 +89,114 @@ def test_selftest_counts_engines_with_an_eta(tiny_pair, tmp_path) -> None:
     assert "[selftest] wrong_bonus: caught by" in r.stderr and r.stdout.startswith("# Self-test: PASS")
     q = CliRunner().invoke(app, [*args, "--quiet"])
     assert q.exit_code == 0 and q.stderr == "" and q.stdout.startswith("# Self-test: PASS")
+
+
+# ---- sweep / tune: requests over every cell (warm-up included), the cell, the ETA of the whole run ----
+
+def _sweep_args(tmp_path, *extra: str) -> list[str]:
+    return ["sweep", "-c", "1,2", "--num-prompts", "2", "--max-tokens", "4", "--rounds", "1", "--warmup", "1",
+            "--arms", "openai:http://a,name=A,openai:http://b,name=B", "--out", str(tmp_path / "res"), *extra]
+
+
+def _fake_sweep_arms(monkeypatch):
+    from test_sweep import FakeAdapter, fake_builder
+
+    from specbench.harness import engines
+
+    fakes = {"A": FakeAdapter("A"), "B": FakeAdapter("B", spec=True)}
+    monkeypatch.setattr(engines, "build_adapter", fake_builder(fakes))
+    return fakes
+
+
+def _plain(text: str) -> str:
+    """A terminal capture without its escape sequences (colours, cursor moves)."""
+    return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text)
+
+
+def _no_run_path(text: str) -> str:
+    return "\n".join(line for line in text.splitlines() if not line.startswith("records: "))
+
+
+def test_sweep_plain_lines_count_cells_and_requests(monkeypatch, tmp_path) -> None:
+    _fake_sweep_arms(monkeypatch)
+    _register()
+    r = CliRunner().invoke(app, _sweep_args(tmp_path))
+    assert r.exit_code == 0, r.output
+    lines = [x for x in r.stderr.splitlines() if ", cell " in x or x.startswith("done")]
+    # per level: a warm-up cell per engine (A, B: warmup x C requests), then A B A#2 (2 prompts each):
+    # c1 2 + 6, c2 4 + 6 = 18 requests in 10 cells
+    assert [x.split(";")[0] for x in lines[:-1]] == [
+        "c1 warm-up A, cell 1/10: 1 requests", "c1 warm-up B, cell 2/10: 1 requests",
+        "c1 round 1/1 A, cell 3/10: 2 requests", "c1 round 1/1 B, cell 4/10: 2 requests",
+        "c1 round 1/1 A#2, cell 5/10: 2 requests", "c2 warm-up A, cell 6/10: 2 requests",
+        "c2 warm-up B, cell 7/10: 2 requests", "c2 round 1/1 A, cell 8/10: 2 requests",
+        "c2 round 1/1 B, cell 9/10: 2 requests", "c2 round 1/1 A#2, cell 10/10: 2 requests"]
+    assert "; 0/18 done" in lines[0] and "ETA" not in lines[0]
+    assert "; 8/18 done" in lines[5] and ", ETA " in lines[5] and "; 16/18 done" in lines[9]
+    assert lines[-1].startswith("done: 18/18 requests in ")
+    q = CliRunner().invoke(app, _sweep_args(tmp_path, "--no-progress"))
+    assert q.exit_code == 0 and q.stderr == ""
+    assert _no_run_path(q.stdout) == _no_run_path(r.stdout)  # stdout is the same with or without the display
+
+
+def test_sweep_terminal_bar_keeps_stdout_for_the_pipe(monkeypatch, tmp_path) -> None:
+    _fake_sweep_arms(monkeypatch)
+    monkeypatch.setattr(RunProgress, "force_terminal", True)
+    _register()
+    r = CliRunner().invoke(app, _sweep_args(tmp_path))
+    assert r.exit_code == 0, r.output
+    err = _plain(r.stderr)
+    assert "18/18 requests" in err and "ETA" in err and "cell 10/10" in err, err
+    assert "records: " in r.stdout and "18/18" not in r.stdout  # the bar never reaches stdout
+    q = CliRunner().invoke(app, _sweep_args(tmp_path, "--no-progress"))
+    assert _no_run_path(q.stdout) == _no_run_path(r.stdout)
+
+
+def test_interrupted_sweep_says_where_it_stopped(monkeypatch, tmp_path) -> None:
+    from test_sweep import FakeAdapter, fake_builder
+
+    from specbench.harness import engines
+    from specbench.harness.results import load_stored_run
+
+    fakes = {"A": FakeAdapter("A", gap=0.002), "B": FakeAdapter("B", gap=0.002, interrupt_at=5)}
+    monkeypatch.setattr(engines, "build_adapter", fake_builder(fakes))
+    _register()
+    r = CliRunner().invoke(app, ["sweep", "-c", "1", "--num-prompts", "4", "--max-tokens", "4", "--rounds", "3",
+                                 "--warmup", "0", "--arms", "openai:http://a,name=A,openai:http://b,name=B",
+                                 "--out", str(tmp_path / "res")])
+    assert r.exit_code == 130, r.output
+    assert "INCOMPLETE" in r.stdout
+    stopped = [x for x in r.stderr.splitlines() if x.startswith("stopped at: ")]
+    assert len(stopped) == 1 and "/36 requests in " in stopped[0]
+    done = int(stopped[0].removeprefix("stopped at: ").split("/")[0])
+    run = load_stored_run(next((tmp_path / "res").iterdir()))
+    assert run.status == "incomplete" and 0 < done < 36
+    assert len(run.records("requests")) == done  # every request the display counted is in the store
+
+
+def test_tune_counts_the_requests_of_its_sweep(monkeypatch, tmp_path) -> None:
+    from test_sweep import FakeAdapter, fake_builder
+
+    from specbench.harness import engines
+
+    monkeypatch.setattr(engines, "build_adapter", fake_builder({"plain": FakeAdapter("plain"),
+                                                                "spec": FakeAdapter("spec", spec=True)}))
+    _register()
+    args = ["tune", "--arms", "plain=openai:http://a;spec=openai:http://b", "-c", "1,2", "--prompts-per-level", "1",
+            "--rounds", "1", "--warmup", "0", "--max-tokens", "4", "--out", str(tmp_path / "res")]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    # at least 8 prompts a cell; plain, spec and plain's noise copy at c1 and c2: 6 cells, 48 requests
+    cells = [x for x in r.stderr.splitlines() if ", cell " in x]
+    assert [x.split(":")[0] for x in cells] == [f"c{c} round 1/1 {a}, cell {i}/6" for i, (c, a) in enumerate(
+        [(1, "plain"), (1, "spec"), (1, "plain#2"), (2, "plain"), (2, "spec"), (2, "plain#2")], 1)]
+    assert "; 24/48 done" in cells[3] and ", ETA " in cells[3] and "done: 48/48 requests" in r.stderr
+    monkeypatch.setattr(RunProgress, "force_terminal", True)
+    t = CliRunner().invoke(app, args)
+    assert t.exit_code == 0 and "48/48 requests" in _plain(t.stderr) and "ETA" in t.stderr
+    q = CliRunner().invoke(app, [*args, "--no-progress"])
+    assert q.exit_code == 0 and q.stderr == ""
+    # the same document every time; its measured rows, crossover and choice differ run to run (fake timings)
+    shape = [[ln for ln in x.stdout.splitlines() if not ln.startswith(("| 1 ", "| 2 ", "Crossover", "Recommendation"))]
+             for x in (r, t, q)]
+    assert shape[0] == shape[1] == shape[2] and "| c | plain tok/s | noise | spec | best |" in q.stdout

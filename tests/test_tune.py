@@ -11,8 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from specbench.cli import app as cli
-from specbench.suites.sweep.runner import SweepConfig
-from specbench.suites.tune import PLAIN, Progress, analyze, merge, remote_arms, render, tune_arms
+from specbench.suites.tune import PLAIN, analyze, merge, remote_arms, render, tune_arms
 
 cli._register()
 runner = CliRunner()
@@ -75,17 +74,6 @@ def test_merge_sections(tmp_path):
     assert list(doc["sections"]) == ["tau 6.5", "tau 2.0"]
     text = md.read_text()
     assert text.count("## tau 6.5") == 1 and "## tau 2.0" in text
-
-
-def test_progress_eta(tmp_path):
-    cfg = SweepConfig(levels=(1, 4), rounds=2, warmup=0, prompts_per_level=2, max_tokens=10)
-    p = Progress(tmp_path, cfg, n_arms=2, stream=open("/dev/null", "w"))
-    assert "ETA unknown" in p.tick()
-    run = tmp_path / "run1"
-    run.mkdir()
-    (run / "cells.jsonl").write_text(json.dumps({"level": 4, "arm": "a", "round": 0}) + "\n")
-    line = p.tick()  # at least 8 prompts a cell: one cell of 2 arms x 2 rounds x 2 levels, all alike
-    assert "12.5% of the sweep's work" in line and "ETA" in line and "unknown" not in line
 
 
 @pytest.mark.parametrize("args,hint", [(["--trim", "x"], "--trim"), (["--gate", "-1"], "--gate"),

@@ -25,6 +25,10 @@ Contract:
   `sink.cell(record)` per finished cell (duration, counters delta; `server_metrics`: the audited /metrics
   families before the cell and, settled, after it, for the client-side metrics audit). An interrupt
   loses only requests still in flight.
+- Progress: `progress` is None / False (silent) or an object with `plan(total)`, `phase(name, n)` and
+  `advance()` (cli/progress.py RunProgress): the runner plans the sweep's requests (warm-up included), names
+  each cell as it starts ("c8 round 2/3 spec-on, cell 14/55", its n requests) and advances once per
+  finished request.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -161,14 +165,31 @@ class SweepRunner:
     adapters: dict[str, EngineAdapter]  # by label; a noise copy maps to its source's adapter
     workload: Workload
     sink: Sink
-    progress: bool = True
+    progress: Any = None  # None / False, or plan / phase / advance (module docstring)
     on_cell: Callable[[dict], None] | None = None
     cells_done: int = field(default=0, init=False)
+    cells_started: int = field(default=0, init=False)
 
     def adapter(self, arm: Arm) -> EngineAdapter:
         return self.adapters[arm.copy_of or arm.label]
 
+    def _sources(self) -> list[Arm]:
+        return [a for a in self.arms if a.copy_of is None]
+
+    def planned(self) -> tuple[int, int]:
+        """(cells, requests) of the whole sweep, warm-up included: per level one warm-up cell of warmup x C
+        requests per engine (none when warmup is 0), then rounds x arms cells of the level's prompts."""
+        cfg, ns = self.cfg, len(self._sources())
+        cells = sum((ns if cfg.warmup_at(lv) else 0) + cfg.rounds * len(self.arms) for lv in cfg.levels)
+        reqs = sum(cfg.warmup_at(lv) * ns + cfg.rounds * len(self.arms) * cfg.prompts_at(lv) for lv in cfg.levels)
+        return cells, reqs
+
+    def _tracker(self) -> Any:
+        return self.progress if callable(getattr(self.progress, "advance", None)) else None
+
     async def run(self) -> None:
+        if (t := self._tracker()) is not None:
+            t.plan(self.planned()[1])
         for li, level in enumerate(self.cfg.levels):
             await self.run_level(li, level)
 
@@ -178,23 +199,23 @@ class SweepRunner:
         conc = int(level) if cfg.mode == "closed" else cfg.max_concurrency
         offsets = None if cfg.mode == "closed" else arrival_offsets(n, level, cfg.arrival, cfg.burstiness,
                                                                    cfg.seed + li)
-        sources = [a for a in self.arms if a.copy_of is None]
         nw = cfg.warmup_at(level)
-        total = nw * len(sources) + cfg.rounds * len(self.arms) * n
-        bar = _bar(total, _level_name(cfg, level), self.progress)
-        try:
-            for arm in sources if nw else []:
-                wpos = [n + i for i in range(nw)]  # prompts past the measured ones
-                await self.run_cell(arm, level, -1, wpos, conc if conc else None, None, bar, warmup=True)
-            for rnd, label in schedule([a.label for a in self.arms], cfg.rounds):
-                arm = next(a for a in self.arms if a.label == label)
-                await self.run_cell(arm, level, rnd, positions, conc, offsets, bar)
-        finally:
-            bar.close()
+        for arm in self._sources() if nw else []:
+            wpos = [n + i for i in range(nw)]  # prompts past the measured ones
+            await self.run_cell(arm, level, -1, wpos, conc if conc else None, None, warmup=True)
+        for rnd, label in schedule([a.label for a in self.arms], cfg.rounds):
+            arm = next(a for a in self.arms if a.label == label)
+            await self.run_cell(arm, level, rnd, positions, conc, offsets)
 
     async def run_cell(self, arm: Arm, level: float, rnd: int, positions: list[int], conc: int | None,
-                       offsets: list[float] | None, bar: object, warmup: bool = False) -> dict:
+                       offsets: list[float] | None, warmup: bool = False) -> dict:
         cfg, ad = self.cfg, self.adapter(arm)
+        tracker = self._tracker()
+        self.cells_started += 1
+        if tracker is not None:
+            when = "warm-up" if warmup else f"round {rnd + 1}/{cfg.rounds}"
+            tracker.phase(f"{_level_name(cfg, level)} {when} {arm.label}, cell {self.cells_started}/"
+                          f"{self.planned()[0]}", len(positions))
         key = {"arm": arm.label, "level": level, "level_kind": "concurrency" if cfg.mode == "closed" else "rate",
                "round": rnd, "warmup": warmup, "copy_of": arm.copy_of}
         reqs = self.workload.requests(arm.copy_of or arm.label, positions, cfg.max_tokens, cfg.ignore_eos,
@@ -208,7 +229,8 @@ class SweepRunner:
 
         def record(res: GenResult) -> None:
             self.sink.request(res, arm.label, index.get(res.rid, -1), rnd)
-            bar.update(1)  # type: ignore[attr-defined]
+            if tracker is not None:
+                tracker.advance()
 
         scrape_s = 0.0
         if cfg.mode == "closed" and conc == 1 and before is not None and cfg.c1_counters:
@@ -294,17 +316,3 @@ def _level_name(cfg: SweepConfig, level: float) -> str:
     if cfg.mode == "closed":
         return f"c{int(level)}"
     return f"r{level:g}"
-
-
-class _NoBar:
-    def update(self, n: int = 1) -> None: ...
-
-    def close(self) -> None: ...
-
-
-def _bar(total: int, desc: str, enabled: bool) -> object:
-    if not enabled:
-        return _NoBar()
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="req", leave=True, dynamic_ncols=True)

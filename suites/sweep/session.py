@@ -118,12 +118,14 @@ def _context_limit(ad: EngineAdapter, max_tokens: int) -> int | None:
 
 
 def run_sweep(cfg: SweepConfig, engines: list[str] | None = None, labels: list[str] | None = None,
-              out_dir: str | Path | None = None, baseline: str | None = None, progress: bool = True,
+              out_dir: str | Path | None = None, baseline: str | None = None, progress: Any = None,
               keep_records: bool = True, api_key: str | None = None,
               result_dir: str | Path | None = None) -> SweepOutcome:
     """Run a whole sweep. Ctrl-C returns the outcome so far (complete=False) instead of raising.
     `api_key`: for openai arms without their own api_key= (else $OPENAI_API_KEY); every key is masked
-    in every record, file and error text. `result_dir`: also copy each cell's vLLM bench file there."""
+    in every record, file and error text. `result_dir`: also copy each cell's vLLM bench file there.
+    `progress`: None, or a display the runner plans, names each cell to and advances per finished request
+    (runner.py; cli/progress.py RunProgress)."""
     import os
 
     from specbench.harness.engines import build_adapter, parse_engine
@@ -261,7 +263,7 @@ def _level_tag(level: float, closed: bool) -> str:
 
 
 async def _main(cfg: SweepConfig, arms: list[Arm], adapters: dict[str, EngineAdapter], workload: Workload,
-                out_dir: str | Path | None, baseline: str, progress: bool, keep: bool, outcome: SweepOutcome,
+                out_dir: str | Path | None, baseline: str, progress: Any, keep: bool, outcome: SweepOutcome,
                 secrets: tuple[str, ...] = (), result_dir: str | Path | None = None) -> None:
     from specbench.harness.results import open_run
 
