@@ -115,9 +115,12 @@ def lossless(
     # lossless either way, so no gate below could see it.
     draft_verdict = local_draft_verdict(cspec, log) if check_draft else None
 
+    from specbench.cli.progress import RunProgress
+
     async def main(run):
-        try:
-            return await run_lossless(base, cand, cfg, run=run, log=log)
+        try:  # prompts compared, on stderr (a bar on a terminal, a line per gate elsewhere; none with --json)
+            with RunProgress(0, quiet=json_out, unit="prompts") as progress:
+                return await run_lossless(base, cand, cfg, run=run, log=log, progress=progress)
         finally:
             await base.aclose()
             await cand.aclose()

@@ -200,3 +200,54 @@ def test_tune_counts_the_requests_of_its_sweep(monkeypatch, tmp_path) -> None:
     shape = [[ln for ln in x.stdout.splitlines() if not ln.startswith(("| 1 ", "| 2 ", "Crossover", "Recommendation"))]
              for x in (r, t, q)]
     assert shape[0] == shape[1] == shape[2] and "| c | plain tok/s | noise | spec | best |" in q.stdout
+
+
+# ---- lossless: prompts compared in the gates that judge prompt by prompt ----
+
+def _lossless(tiny_pair, *extra: str):
+    target, draft = tiny_pair
+    _register()
+    return CliRunner().invoke(app, ["lossless", "--baseline", f"local:{target},spec=off", "--candidate",
+                                    f"local:{target},draft={draft},spec=dflash", "--num-prompts", "2",
+                                    "--max-tokens", "12", "--no-check-draft", *extra])
+
+
+def test_lossless_counts_prompts_compared(tiny_pair, tmp_path, monkeypatch) -> None:
+    r = _lossless(tiny_pair, "--concurrent", "--no-record")
+    assert r.exit_code == 0, r.output
+    assert "greedy: 2 prompts; 0/4 done" in r.stderr and "concurrent: 2 prompts; 2/4 done" in r.stderr
+    assert ", ETA " in r.stderr and "done: 4/4 prompts in " in r.stderr
+    assert r.stdout.startswith("[lossless] greedy ...") and "prompts;" not in r.stdout
+    monkeypatch.setattr(RunProgress, "force_terminal", True)
+    t = _lossless(tiny_pair, "--concurrent", "--no-record")
+    assert t.exit_code == 0 and "4/4 prompts" in _plain(t.stderr) and "ETA" in t.stderr
+    # the gate lines printed while the bar is up stay on stdout (which is not the terminal here)
+    def gate_lines(out: str) -> list[str]:
+        return [x.split(":")[0] for x in out.splitlines() if x.startswith("[lossless]")]
+
+    assert gate_lines(t.stdout) == gate_lines(r.stdout) == ["[lossless] greedy ...", "[lossless] greedy",
+                                                            "[lossless] concurrent ...", "[lossless] concurrent"]
+    assert len(t.stdout.splitlines()) == len(r.stdout.splitlines())
+    j = _lossless(tiny_pair, "--json", "--no-record")
+    assert j.exit_code == 0 and "prompts;" not in j.stderr and "━" not in j.stderr
+    assert json.loads(j.stdout)["verdict"] == "PASS"  # stdout is the one JSON document
+
+
+def test_interrupted_lossless_keeps_the_prompts_it_judged(tiny_pair, tmp_path, monkeypatch) -> None:
+    from specbench.suites.lossless import greedy
+
+    real, calls = greedy.check_output, []
+
+    async def check_then_interrupt(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # Ctrl-C while the second prompt is judged
+        return await real(*a, **kw)
+
+    monkeypatch.setattr(greedy, "check_output", check_then_interrupt)
+    r = _lossless(tiny_pair, "--results", str(tmp_path / "res"))
+    assert r.exit_code != 0 and "stopped at: 1/2 prompts in " in r.stderr
+    (run_dir,) = [p for p in (tmp_path / "res").iterdir() if p.name != "references"]
+    meta = json.loads((run_dir / "run.json").read_text())
+    assert meta["status"] == "incomplete"
+    assert len((run_dir / "checks.jsonl").read_text().splitlines()) == 1  # the judged prompt is kept

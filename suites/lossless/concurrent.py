@@ -19,12 +19,12 @@ requests at both concurrencies (greedy.py's chat contract).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from specbench.harness.adapters.base import EngineAdapter, counters_delta
 
 from .checks import compare_acceptance
-from .greedy import GateRun, GreedyGateOptions, Prompt, prompt_request, run_greedy
+from .greedy import GateRun, GreedyGateOptions, Prompt, PromptCheck, prompt_request, run_greedy
 
 
 def staggered(max_tokens: int, n: int) -> list[int]:
@@ -43,10 +43,11 @@ def staggered(max_tokens: int, n: int) -> list[int]:
 
 
 async def run_concurrent(baseline: EngineAdapter, candidate: EngineAdapter, prompts: Sequence[Prompt],
-                         max_tokens: int, opts: GreedyGateOptions, name: str = "concurrent") -> GateRun:
+                         max_tokens: int, opts: GreedyGateOptions, name: str = "concurrent",
+                         on_prompt: Callable[[PromptCheck], None] | None = None) -> GateRun:
     mts = staggered(max_tokens, len(prompts))
     run = await run_greedy(baseline, candidate, prompts, max_tokens, opts, concurrency=None, name=name,
-                           max_tokens_each=mts, baseline_concurrency=1)
+                           max_tokens_each=mts, baseline_concurrency=1, on_prompt=on_prompt)
     run.notes.append(f"{len(prompts)} requests sent together; max_tokens {mts}; baselines sequential")
     # The acceptance of each request at concurrency N against the same request alone.
     reqs = [prompt_request(p, m, rid=f"{name}-c1-{p.pid}") for p, m in zip(prompts, mts, strict=True)]

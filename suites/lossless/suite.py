@@ -8,6 +8,9 @@ Contract:
 - With a results `Run`, every per-prompt check is written as it completes ("checks" records), every
   candidate request at the end of its gate ("requests", arm "candidate"), and one "gates" record per gate;
   the run record's summary gets the verdict. Reports are pure functions of the outcome (report.py).
+- Progress (`progress`, cli/progress.py RunProgress): prompts compared, planned for the gates that judge
+  prompt by prompt (greedy; concurrent with `cfg.concurrent`), one tick per prompt judged; every gate is
+  named as it starts, the engine, rate and batch gates without a count of their own.
 - Verdict: FAIL if any gate fails; else CANNOT TEST if any gate could not collect its evidence (or the
   prompts could not be tokenized at all: then no gate runs), naming what was missing; else NOT
   SPECULATING if the greedy gate saw no speculation (zero drafts or a mean accepted length <=
@@ -41,6 +44,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from specbench.harness.adapters.base import EngineAdapter
 from specbench.harness.verdicts import CANNOT_TEST, CannotTest, exit_code
@@ -223,7 +227,10 @@ def _record(run, gate: GateRun) -> None:
 
 
 async def run_lossless(baseline: EngineAdapter, candidate: EngineAdapter, cfg: LosslessConfig, run=None,
-                       log: Callable[[str], None] | None = None) -> LosslessOutcome:
+                       log: Callable[[str], None] | None = None, progress: Any = None) -> LosslessOutcome:
+    """`progress` (cli/progress.py RunProgress, or None) counts prompts compared: it is planned the prompts of
+    the gates that compare prompt by prompt (greedy, and concurrent when on), hears every gate by name as it
+    starts (the others with no count) and advances once per prompt judged."""
     t0 = time.perf_counter()
     say = log or (lambda s: None)
     opts = resolve_rule(cfg.gate_options, baseline, candidate)
@@ -255,13 +262,21 @@ async def run_lossless(baseline: EngineAdapter, candidate: EngineAdapter, cfg: L
         out.notes.append(f"the fixture's BUILD.json records a mean accepted length of {rec:.2f} (offline replay on "
                          "other prompts and lengths: context for the measured value, not a gate)")
 
+    counted = ("greedy", "concurrent") if cfg.concurrent else ("greedy",)  # the gates judged prompt by prompt
+    tick = progress.advance if progress is not None else (lambda: None)
+    if progress is not None:
+        progress.plan(len(prompts) * len(counted))
+
     def on_prompt(gate: str) -> Callable[[PromptCheck], None]:
         def f(pc: PromptCheck) -> None:
             if run is not None:
                 run.write("checks", {"gate": gate, **pc.to_dict()})
+            tick()
         return f
 
     async def gate(name: str, coro) -> GateRun:
+        if progress is not None:
+            progress.phase(name, len(prompts) if name in counted else None)
         say(f"[lossless] {name} ...")
         g = await coro
         say(f"[lossless] {name}: {g.verdict} ({g.wall_s:.1f} s; {g.stats.describe()})")
@@ -292,7 +307,8 @@ async def run_lossless(baseline: EngineAdapter, candidate: EngineAdapter, cfg: L
         out.notes.append(f"acceptance reference: none recorded yet for this fingerprint ({key}); a PASS records one")
     out.gates = [main] + first  # the greedy gate leads the report and sets the speculation verdict
     if cfg.concurrent:
-        await gate("concurrent", run_concurrent(baseline, candidate, prompts, cfg.max_tokens, opts))
+        await gate("concurrent", run_concurrent(baseline, candidate, prompts, cfg.max_tokens, opts,
+                                                on_prompt=lambda _pc: tick()))
     if cfg.engine_gates:
         for name in ("mixed", "stop-in-run", "eos-in-run", "headroom"):
             await gate(name, GATES[name](baseline, candidate, prompts, cfg.max_tokens, opts))
@@ -300,6 +316,8 @@ async def run_lossless(baseline: EngineAdapter, candidate: EngineAdapter, cfg: L
         await gate("divergence-rate", run_rate_gate(baseline, prompts, cfg.max_tokens, opts, cfg.batch_options,
                                                     [g for g in out.gates if g.name in ("greedy", "concurrent")]))
     if cfg.batch_invariance:
+        if progress is not None:
+            progress.phase("batch invariance", None)
         say("[lossless] batch invariance ...")
         bprompts = await load_batch_prompts(baseline, candidate, cfg.dataset, cfg.batch_options.prompts_needed,
                                             cfg.max_prompt_chars)
