@@ -320,6 +320,16 @@ class EngineConfig:
     attention_backend: str = "auto"
     eager: bool = False  # True: no CUDA graphs (launches only; the kernels and their shapes are the same)
     verify_graph: bool = True  # CUDA: non-decode steps (verify, prefill) via the padded piecewise runner
+    # Rows a prefill-mixed step of the padded runner is padded to (engine/graphs.py): "ladder" = the smallest
+    # row count of a fixed ladder (16-row steps to 128, 32 to 256, 64 to 512, 128 beyond, up to
+    # max_num_batched_tokens) that holds the step; "bucket" = batch bucket x span (before: a 391-row step of 63
+    # decodes + one prompt ran 1024 rows, and a prompt chunk past bucket x span the eager plain forward).
+    # Default from SPECBENCH_PADDED_ROWS, else ladder.
+    padded_rows: str = field(default_factory=lambda: os.environ.get("SPECBENCH_PADDED_ROWS") or "ladder")
+    # The padded runner's fp32 logits: False = computed after the replay for the rows the step reads only (a
+    # prefill chunk's rows are never projected to the vocabulary); True = inside the captured tail for every
+    # padded row (before). Default from SPECBENCH_GRAPH_LOGITS, else off.
+    graph_logits: bool = field(default_factory=lambda: env_flag("SPECBENCH_GRAPH_LOGITS", False))
     draft_graph: bool = True  # CUDA: the DFlash draft through the padded piecewise runner (False: plain draft)
     triton: bool = True  # Triton kernels on CUDA (also off with SPECBENCH_TRITON=0); CPU keeps torch
     # FlashInfer decode through its tensor-core (FA2 prefill) kernels instead of the CUDA-core decode kernel
@@ -372,6 +382,7 @@ class EngineConfig:
         mb = self.spec_capture_cache_mb
         _need(mb is None or (isinstance(mb, int | float) and not isinstance(mb, bool) and math.isfinite(mb) and mb >= 0),
               "spec_capture_cache_mb", mb, "null or a number >= 0 (0 = off)")
+        _need(self.padded_rows in ("ladder", "bucket"), "padded_rows", self.padded_rows, "one of ladder, bucket")
         _need(self.decode_attention in ("flashinfer", "triton"), "decode_attention", self.decode_attention,
               "flashinfer or triton")
         if isinstance(self.faults, list):

@@ -186,6 +186,16 @@ class LLMEngine:
             out["draft"] = dg.describe()
         return out
 
+    def capture_graphs(self) -> dict:
+        """Capture now every padded-runner row count a step can take (CUDA graphs on; a no-op elsewhere), so
+        that no step under load waits for a lazy capture; returns {"verify_rows": the row counts captured}."""
+        self._check_open()
+        r = self.runner
+        if not (r.use_graph_runner and self.cfg.verify_graph and not self.cfg.eager and r.device.type == "cuda"):
+            return {"verify_rows": []}
+        tap = self.proposer.tap_layers if self.proposer is not None else ()
+        return {"verify_rows": r.verify_graphs_for(tuple(tap)).capture_all()}
+
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     rid: str | None = None) -> str:
         self._check_open()

@@ -56,6 +56,14 @@ log = logging.getLogger("specbench.engine")
 NO_SPEC_SPAN = 16  # row quantum of the padded runner in an engine without speculation (prefill-mixed steps)
 
 
+def row_ladder(top: int) -> list[int]:
+    """Row counts a prefill-mixed step is padded to: 16-row steps to 128, 32 to 256, 64 to 512, 128 beyond, and
+    `top` itself (waste under 16 rows or at most a fifth of the step)."""
+    out = list(range(16, min(top, 128) + 1, 16)) + list(range(160, min(top, 256) + 1, 32)) + \
+        list(range(320, min(top, 512) + 1, 64)) + list(range(640, top + 1, 128)) + [top]
+    return sorted({x for x in out if x <= top})
+
+
 def default_buckets(max_batch: int) -> list[int]:
     """1, 2, 4, 8, 16, 24, 32, ... up to max_batch (always included)."""
     out = [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 8)) + [max_batch]
@@ -275,19 +283,35 @@ class TargetStack(PiecewiseStack):
 
     name = "verify"
 
-    def __init__(self, runner: ModelRunner, tap: tuple[int, ...], max_rows: int, capture: bool) -> None:
+    def __init__(self, runner: ModelRunner, tap: tuple[int, ...], max_rows: int, capture: bool,
+                 graph_logits: bool = True) -> None:
         m = runner.model
         super().__init__(m.layers, runner.kv, runner.rope, m.scale, m.ops, runner.backend, max_rows, runner.dtype,
                          runner.device, capture, tap)
         self.model = m
         self.hidden = m.cfg.hidden_size
-        self.logits = torch.zeros(max_rows, m.cfg.vocab_size, dtype=torch.float32, device=runner.device)
+        self.graph_logits = graph_logits
+        # graph_logits: fp32 logits of every row written by the captured tail; else the tail writes the
+        # final-normed hidden rows and `logits_of` projects only the rows a step reads, after the replay
+        self.logits = (torch.zeros(max_rows, m.cfg.vocab_size, dtype=torch.float32, device=runner.device)
+                       if graph_logits else None)
+        self.final = (None if graph_logits else
+                      torch.zeros(max_rows, self.hidden, dtype=runner.dtype, device=runner.device))
         self.taps = (torch.zeros(max_rows, len(tap) * self.hidden, dtype=runner.dtype, device=runner.device)
                      if tap else None)
 
     def static_bytes(self) -> int:
-        extra = [self.logits] + ([self.taps] if self.taps is not None else [])
+        extra = [t for t in (self.logits, self.final, self.taps) if t is not None]
         return super().static_bytes() + sum(t.numel() * t.element_size() for t in extra)
+
+    def logits_of(self, rows: list[int], real: int) -> torch.Tensor:
+        """fp32 logits of the flat rows `rows` (all < real) of the last run."""
+        idx = None if rows == list(range(real)) else torch.tensor(rows, dtype=torch.long, device=self.io.device)
+        if self.logits is not None:
+            return self.logits[:real] if idx is None else self.logits[idx]
+        assert self.final is not None
+        h = self.final[:real] if idx is None else self.final[idx]
+        return self.model.logits(h).float()
 
     def head(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.model.embed)
@@ -302,21 +326,35 @@ class TargetStack(PiecewiseStack):
         last = len(self.layers) - 1
         if last in self.tap:  # HF's hidden_states[-1] is the final-normed output (Qwen3ForCausalLM.finish)
             self.tap_out(last, hidden, rows)
-        self.logits[:rows].copy_(self.model.logits(hidden))
+        if self.logits is not None:
+            self.logits[:rows].copy_(self.model.logits(hidden))
+        else:
+            assert self.final is not None
+            self.final[:rows].copy_(hidden)
 
 
 class VerifyGraphs:
     """Piecewise verify graphs per (batch bucket, span); see the module docstring."""
 
     def __init__(self, runner: ModelRunner, tap: tuple[int, ...], spans: tuple[int, ...], capture: bool = True,
-                 buckets: list[int] | None = None) -> None:
+                 buckets: list[int] | None = None, padded_rows: str | None = None,
+                 graph_logits: bool | None = None) -> None:
+        """padded_rows / graph_logits: EngineConfig's (None: the runner's config)."""
         if not spans or min(spans) < 1:
             raise ValueError(f"spans={spans!r} is invalid: expected span lengths >= 1")
         self.runner = runner
         self.tap = tuple(tap)
         self.spans = tuple(sorted(set(spans)))
         self.buckets = sorted(set(buckets or default_buckets(runner.cfg.max_num_seqs)))
-        self.stack = TargetStack(runner, self.tap, self.buckets[-1] * self.spans[-1], capture)
+        self.padded_rows = padded_rows or runner.cfg.padded_rows
+        if self.padded_rows not in ("ladder", "bucket"):
+            raise ValueError(f"padded_rows={self.padded_rows!r} is invalid: expected ladder or bucket")
+        top = self.buckets[-1] * self.spans[-1]
+        if self.padded_rows == "ladder":  # a prefill-mixed step holds at most max_num_batched_tokens rows
+            top = max(top, runner.cfg.max_num_batched_tokens)
+        self.ladder = row_ladder(top) if self.padded_rows == "ladder" else []
+        gl = runner.cfg.graph_logits if graph_logits is None else graph_logits
+        self.stack = TargetStack(runner, self.tap, top, capture, graph_logits=gl)
         self.stats = {"steps": 0, "real_rows": 0, "padded_rows": 0, "prefill_steps": 0}
 
     @property
@@ -324,14 +362,18 @@ class VerifyGraphs:
         return "piecewise" if self.stack.capture else "eager"
 
     def key(self, spans: list[Span]) -> tuple[int, int] | None:
-        """(batch bucket, span) the step runs at, or None when it must take the plain forward."""
+        """(batch bucket, span) the step runs at, or None when it must take the plain forward. With the
+        row ladder, a step with a prefill chunk runs at `rows(spans)` rows instead (its key is (rows, 1))."""
         if not spans:
             return None
+        rows = sum(len(s.tokens) for s in spans)
+        if self.ladder and any(s.kind == "prefill" for s in spans):
+            n = next((x for x in self.ladder if x >= rows), None)
+            return None if n is None else (n, 1)
         longest = max((len(s.tokens) for s in spans if s.kind != "prefill"), default=1)
         span = next((x for x in self.spans if x >= longest), None)
         if span is None:
             return None
-        rows = sum(len(s.tokens) for s in spans)
         b = next((x for x in self.buckets if x >= len(spans) and x * span >= rows), None)
         return None if b is None else (b, span)
 
@@ -364,15 +406,27 @@ class VerifyGraphs:
         self.stats["real_rows"] += real
         self.stats["padded_rows"] += pad
         self.stats["prefill_steps"] += any(s.kind == "prefill" for s in spans)
-        logits = self.stack.logits
-        if logit_rows == list(range(real)):
-            out = logits[:real]
-        else:
-            out = logits[torch.tensor(logit_rows, dtype=torch.long, device=logits.device)]
+        out = self.stack.logits_of(logit_rows, real)
         taps = self.stack.taps[:real] if self.stack.taps is not None else None
         return out, taps
 
+    def row_counts(self) -> list[int]:
+        """Every row count a step of this runner can take: bucket x span, and the ladder (prefill-mixed steps)."""
+        return sorted({b * s for b in self.buckets for s in self.spans} | set(self.ladder))
+
+    def capture_all(self) -> list[int]:
+        """Capture (CUDA, capture mode) every row count not captured yet, on padding rows alone (the dummy
+        page), so no served step waits for a capture; returns the row counts captured now."""
+        if not self.stack.capture:
+            return []
+        r = self.runner
+        new = [n for n in self.row_counts() if n not in self.stack.captured]
+        for n in sorted(new, reverse=True):  # largest first: the shared pool is sized once
+            self.stack.time_padded(n, r.dummy_slot, r.dummy_page, r.pool.page_size, causal=True, reps=0)
+        return new
+
     def describe(self) -> dict:
-        return {"mode": self.mode, "buckets": self.buckets, "spans": list(self.spans),
+        return {"mode": self.mode, "buckets": self.buckets, "spans": list(self.spans), "rows": self.padded_rows,
+                "graph_logits": self.stack.logits is not None, "max_rows": self.stack.max_rows,
                 "captured_rows": self.stack.captured, "static_bytes": self.stack.static_bytes(),
                 "capture_bytes": self.stack.capture_bytes, **self.stats}

@@ -114,6 +114,9 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # built at the first eligible decode step (CUDA only)
         self.verify_graphs: VerifyGraphs | None = None  # built at the first verify step (CUDA, verify_graph)
         self.use_graph_runner = device.type == "cuda"
+        # the path and row count of the last forward: ("decode-graph", bucket rows asked), ("padded", rows run),
+        # ("plain", rows); read by benchmarks (benchmarks/load.py) to attribute step time
+        self.last_path: tuple[str, int] = ("", 0)
         self.draft_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
         if draft_cfg is not None:
             dshape = (slots, draft_cfg.num_key_value_heads, draft_cfg.head_dim)
@@ -163,12 +166,15 @@ class ModelRunner:
         if self.use_graph_runner and all(len(s.tokens) == 1 and s.kind == "decode" for s in spans):
             graphs = self.decode_graphs(tuple(tap))
             if graphs.can_run(spans):
+                self.last_path = ("decode-graph", len(spans))
                 return graphs.run(spans, logit_rows)
         elif self.use_graph_runner and self.cfg.verify_graph and verify_graph:
             vg = self.verify_graphs_for(tuple(tap))
             key = vg.key(spans)
             if key is not None:
+                self.last_path = ("padded", key[0] * key[1])
                 return vg.run(spans, logit_rows, key)
+        self.last_path = ("plain", sum(len(s.tokens) for s in spans))
         meta, positions = self.metadata(spans, slot_shift=slot_shift, mask_leak=mask_leak, pos_shift=pos_shift)
         ids = torch.tensor([t for s in spans for t in s.tokens], dtype=torch.long, device=self.device)
         self.backend.plan(meta)

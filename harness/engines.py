@@ -4,11 +4,11 @@ Forms (options are comma-separated key=value after the target):
   local[:<model_dir>][,draft=<dir>][,spec=off|dflash|ngram][,k=N][,device=cpu|cuda[:i]][,dtype=D]
         [,num_pages=N][,faults=a+b][,name=X][,tau=T][,max_num_seqs=N][,attention=auto|torch|flashinfer]
         [,eager=0|1][,verify_graph=0|1][,draft_graph=0|1][,triton=0|1][,decode_tensor_cores=0|1][,gemv=0|1]
-        [,decode_attention=flashinfer|triton][,invariants=0|1][,gate=N][,trim=K][,policy=off|auto]
+        [,decode_attention=flashinfer|triton][,padded_rows=ladder|bucket][,graph_logits=0|1][,invariants=0|1][,gate=N][,trim=K][,policy=off|auto]
         [,prefix_cache=0|1][,prefix_cache_pages=N][,capture_mb=M]
         (no model_dir = the bundled tiny pair; tau = synthetic acceptance length for speed curves on random
-        weights, labelled, never lossless; eager / verify_graph / draft_graph / triton: the GPU fast-path
-        switches, docs/gpu.md; invariants: the engine's run-time invariants after every step,
+        weights, labelled, never lossless; eager / verify_graph / draft_graph / triton / padded_rows /
+        graph_logits: the GPU fast-path switches, docs/gpu.md; invariants: the engine's run-time invariants after every step,
         engine/invariants.py, on by default in gate commands: `gate_specs`; gate / trim / policy: the load-aware
         speculation levers, engine/spec/policy.py: one-token rounds above N running requests, k drafts per
         verify span, the cost-model span choice; 0 / off = off)
@@ -47,7 +47,7 @@ FORMS = ("local[:<model_dir>][,draft=<dir>][,spec=off|dflash|ngram][,k=N][,devic
 OPTIONS = {
     "local": ("draft", "spec", "k", "device", "dtype", "num_pages", "faults", "name", "max_model_len", "tau",
               "max_num_seqs", "attention", "eager", "verify_graph", "draft_graph", "triton", "gemv",
-              "decode_tensor_cores", "decode_attention", "gpu_memory_utilization", "invariants", "mix",
+              "decode_tensor_cores", "decode_attention", "padded_rows", "graph_logits", "gpu_memory_utilization", "invariants", "mix",
               "gate", "trim", "policy", "prefix_cache", "prefix_cache_pages", "capture_mb"),
     "openai": ("model", "stream", "extras", "timeout", "retries", "api_key", "name", "tokenizer", "dialect", "probe",
                "ready_timeout", "dtype"),
@@ -58,8 +58,9 @@ ATTENTION = ("auto", "torch", "flashinfer")
 POLICIES = ("off", "auto")  # SpecConfig.policy
 LEVERS = {"gate": "spec_gate", "trim": "spec_trim", "policy": "spec_policy"}  # option -> LocalAdapter.from_dirs
 DECODE_ATTENTION = ("flashinfer", "triton")  # EngineConfig.decode_attention: FlashInfer's decode steps
+PADDED_ROWS = ("ladder", "bucket")  # EngineConfig.padded_rows: the padded runner's prefill-mixed row counts
 BOOLS = ("0", "1", "true", "false", "yes", "no", "on", "off")
-SWITCHES = ("eager", "verify_graph", "draft_graph", "triton", "decode_tensor_cores", "gemv")  # local engine switches (EngineConfig fields)
+SWITCHES = ("eager", "verify_graph", "draft_graph", "triton", "decode_tensor_cores", "gemv", "graph_logits")  # local engine switches (EngineConfig fields)
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -149,6 +150,8 @@ def parse_engine(raw: str) -> EngineSpec:
     if opts.get("decode_attention") is not None and opts["decode_attention"] not in DECODE_ATTENTION:
         raise _fail(raw, f"decode_attention={opts['decode_attention']!r} is invalid: expected one of "
                     f"{', '.join(DECODE_ATTENTION)}")
+    if opts.get("padded_rows") is not None and opts["padded_rows"] not in PADDED_ROWS:
+        raise _fail(raw, f"padded_rows={opts['padded_rows']!r} is invalid: expected one of {', '.join(PADDED_ROWS)}")
     _check_int(raw, opts, "prefix_cache_pages", 1)
     if "capture_mb" in opts:
         try:
@@ -319,6 +322,8 @@ def build_adapter(spec: EngineSpec | str, name: str | None = None) -> EngineAdap
             kw["attention_backend"] = o["attention"]
         if "decode_attention" in o:
             kw["decode_attention"] = o["decode_attention"]
+        if "padded_rows" in o:
+            kw["padded_rows"] = o["padded_rows"]
         for key in SWITCHES:
             if key in o:
                 kw[key] = spec.opt_bool(key, False)

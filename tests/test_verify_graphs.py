@@ -23,7 +23,7 @@ from span_helpers import verify_spans
 
 from specbench.engine import LLM, EngineConfig, SamplingParams
 from specbench.engine.config import ConfigError, ModelConfig
-from specbench.engine.graphs import VerifyGraphs
+from specbench.engine.graphs import VerifyGraphs, row_ladder
 from specbench.engine.memory import draft_weight_bytes, plan_memory, tensor_bytes
 from specbench.engine.scheduler import Span
 from specbench.engine.spec.dflash_graphs import DraftGraphs
@@ -119,8 +119,8 @@ def test_padded_verify_is_bit_identical_to_plain_forward(ready, lens):
     assert_same(got, plain, exact)
     assert_same(taps, plain_taps, exact)
     assert got.argmax(-1).tolist() == plain.argmax(-1).tolist()
-    sub = rows[1::2]  # a subset of rows is gathered from the same buffer
-    assert torch.equal(vg.run(spans, sub)[0], got[sub])
+    sub = rows[1::2]  # a subset of rows: projected alone (graph_logits off), or gathered from the same buffer
+    assert_same(vg.run(spans, sub)[0], got[sub], exact and blas_row_invariant(eng.model, len(sub), len(rows)))
     assert vg.stack.shapes == {b * span: b * span}
 
 
@@ -128,7 +128,7 @@ def test_verify_key_buckets_spans_and_rows(ready):
     llm, reqs = ready
     eng = llm.engine
     s_full = eng.k + 1
-    vg = VerifyGraphs(eng.runner, (), (s_full,), capture=False, buckets=[1, 2, 4])
+    vg = VerifyGraphs(eng.runner, (), (s_full,), capture=False, buckets=[1, 2, 4], padded_rows="bucket")
     spans = verify_spans(eng, reqs[:3], [2, 2, 2])
     assert vg.key(spans[:2]) == (2, s_full)
     assert vg.key(spans) == (4, s_full)
@@ -137,6 +137,63 @@ def test_verify_key_buckets_spans_and_rows(ready):
     assert vg.key([chunk]) == (4, s_full) and vg.key(spans[:1] + [chunk]) == (4, s_full)
     assert vg.key([Span(reqs[3], list(range(4 * s_full + 1)), 0, "prefill")]) is None  # too many rows
     assert VerifyGraphs(eng.runner, (), (3,), capture=False).key(verify_spans(eng, reqs[:1], [4])) is None
+
+
+def test_row_ladder_bounds_the_padding():
+    for top in (16, 100, 128, 600, 1024, 2048, 2100):
+        lad = row_ladder(top)
+        assert lad == sorted(set(lad)) and lad[-1] == top and lad[0] <= 16
+        for real in range(1, top + 1):
+            n = next(x for x in lad if x >= real)
+            assert n - real < 16 or (n - real) <= n / 5, (top, real, n)  # under 16 rows, or a fifth of the step
+
+
+def test_ladder_key_pads_prefill_steps_to_the_ladder(ready):
+    """With the ladder, a step with a prefill chunk runs at the smallest ladder row count that holds it (up to
+    max_num_batched_tokens), whatever its span count; verify/decode-only steps keep bucket x span."""
+    llm, reqs = ready
+    eng = llm.engine
+    s_full = eng.k + 1
+    vg = VerifyGraphs(eng.runner, (), (s_full,), capture=False, buckets=[1, 2, 4], padded_rows="ladder")
+    top = max(4 * s_full, eng.cfg.max_num_batched_tokens)
+    assert vg.stack.max_rows == top and vg.ladder == row_ladder(top)
+    spans = verify_spans(eng, reqs[:3], [2, 2, 2])
+    assert vg.key(spans) == (4, s_full)  # no prefill: as before
+    chunk = Span(reqs[3], list(range(37)), 0, "prefill")
+    assert vg.key([chunk]) == (48, 1)
+    assert vg.key(spans + [chunk]) == (48, 1)  # 43 rows in 4 spans
+    assert vg.key(spans + spans[:2] + [chunk]) == (48, 1)  # more spans than the largest bucket: still padded
+    long = Span(reqs[3], list(range(4 * s_full + 1)), 0, "prefill")
+    assert vg.key([long]) == (next(x for x in vg.ladder if x >= len(long.tokens)), 1)
+    assert vg.key([Span(reqs[3], list(range(top + 1)), 0, "prefill")]) is None  # past the ladder: plain forward
+    assert set(vg.row_counts()) == {b * s_full for b in (1, 2, 4)} | set(vg.ladder)
+
+
+@pytest.mark.parametrize("graph_logits", [False, True])
+def test_ladder_prefill_step_equals_plain_forward(ready, graph_logits):
+    """A prefill-mixed step padded to the ladder gives the plain forward's logits for the rows it reads
+    (the completing chunk's last row, the decode rows), whether the logits are projected after the replay
+    (graph_logits=False) or inside the tail for every padded row."""
+    llm, reqs = ready
+    eng = llm.engine
+    s_full = eng.k + 1
+    spans = verify_spans(eng, reqs[:2], [s_full, 1])
+    chunk = Span(reqs[3], reqs[3].all_ids[:reqs[3].num_computed], 0, "prefill")
+    mixed = spans + [chunk]
+    real = sum(len(s.tokens) for s in mixed)
+    rows = list(range(s_full + 1)) + [real - 1]
+    plain, _ = eng.runner.forward(mixed, rows, ())
+    plain = plain.clone()
+    vg = VerifyGraphs(eng.runner, (), (s_full,), capture=False, padded_rows="ladder", graph_logits=graph_logits)
+    key = vg.key(mixed)
+    assert key is not None and key[1] == 1 and key[0] >= real
+    got, _ = vg.run(mixed, rows, key)
+    # the body runs at key[0] rows; the vocabulary projection at len(rows) rows (plain, graph_logits off) or
+    # at key[0] rows then gathered (graph_logits on)
+    exact = blas_row_invariant(eng.model, real, key[0]) and \
+        (not graph_logits or blas_row_invariant(eng.model, len(rows), key[0]))
+    assert_same(got, plain, exact)
+    assert (vg.stack.logits is None) != graph_logits and vg.stats["padded_rows"] == key[0] - real
 
 
 @pytest.mark.parametrize("n", [1, 3, 5])
@@ -168,8 +225,8 @@ def test_fast_paths_are_lossless_and_draft_the_same(tiny_target, tiny_draft, pro
     v, d = stats["verify"], stats["draft"]
     assert v["mode"] == d["mode"] == "eager" and v["steps"] > 0 and d["steps"] > 0
     assert v["padded_rows"] > 0  # truncated and decode spans were padded
-    span = fast.engine.k + 1
-    assert all(rows % span == 0 for rows in fast.engine.runner.verify_graphs.stack.shapes)  # bucket x span
+    vg = fast.engine.runner.verify_graphs
+    assert set(vg.stack.shapes) <= set(vg.row_counts())  # bucket x span, or the ladder (prefill-mixed steps)
     assert v["captured_rows"] == d["captured_rows"] == []  # nothing is captured off CUDA
     assert sum(r for runs in (o.spec["accepted_runs"] for o in of) for r in runs) > 0
 
@@ -182,7 +239,9 @@ def test_prefill_joining_verify_steps_takes_the_padded_runner(tiny_target, tiny_
     sp = [SamplingParams(max_tokens=6 + 3 * i, ignore_eos=True) for i in range(5)]
     plain = LLM(tiny_target, num_pages=256)
     want = [plain.generate([p], q)[0].output_ids for p, q in zip(short, sp, strict=True)]
-    for llm in (spec_llm(tiny_target, tiny_draft), LLM(tiny_target, num_pages=256, max_num_seqs=8)):
+    for llm in (spec_llm(tiny_target, tiny_draft), LLM(tiny_target, num_pages=256, max_num_seqs=8),
+                spec_llm(tiny_target, tiny_draft, padded_rows="bucket", graph_logits=True),
+                LLM(tiny_target, num_pages=256, max_num_seqs=8, padded_rows="bucket")):
         eng = llm.engine
         eng.runner.use_graph_runner = True
         got: dict[str, list[int]] = {}
@@ -244,7 +303,8 @@ def test_short_then_long_gate(tiny_target, tiny_draft, prompts):
 
     bad = spec_llm(tiny_target, tiny_draft)
     r = bad.engine.runner
-    r.verify_graphs = FrozenFirstShape(r, bad.engine.proposer.tap_layers, (span,), capture=False)
+    r.verify_graphs = FrozenFirstShape(r, bad.engine.proposer.tap_layers, (span,), capture=False,
+                                       graph_logits=True)  # the emulation reads the static logits buffer
     short, long = _short_then_long(bad, prompts)
     assert short == want_short and r.verify_graphs.frozen == {1: 2}
     assert long != want_long, "the emulated stale replay did not change the output: the gate has no teeth"

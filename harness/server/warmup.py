@@ -217,6 +217,12 @@ def run_warmup(engine: Any, stop: threading.Event | None = None, progress: Calla
             dt = time.perf_counter() - t
             record.append({"name": name, "requests": len(reqs), "steps": steps, "seconds": round(dt, 3)})
             log.debug("warm-up %s: %d requests, %d steps, %.2f s", name, len(reqs), steps, dt)
+        capture = getattr(engine, "capture_graphs", None)  # the padded runner's remaining row counts (CUDA)
+        if callable(capture) and not (stop is not None and stop.is_set()):
+            t = time.perf_counter()
+            got = capture()
+            record.append({"name": "capture", "verify_rows": got.get("verify_rows", []),
+                           "seconds": round(time.perf_counter() - t, 3)})
     except _Stopped:
         record.append({"name": "stopped", "skipped": "the server is shutting down"})
     finally:
