@@ -25,6 +25,11 @@
 #   speed        benchmarks/speed.py (issue 19): plain decode per step vs the dense floor by concurrency, step
 #                benches b1, spec vs plain at synthetic tau 6.5, decode step vs context; writes $W/h200-engine/
 #                speed.json + speed.md (copied to $OUT/h200-engine/); SPEED_ARGS adds benchmark flags
+#   load         benchmarks/load.py (issues 19, 28): the engine in process under closed-loop load (a finished request
+#                replaced at once), arms interleaved (default: the padded runner's row ladder vs bucket x span), time per
+#                forward path; $W/h200-load/load.{json,md}, copied to $OUT/h200-load/; LOAD_ARGS adds flags
+#   bisect       benchmarks/speed.py --sections steps on this tree ("head") and on every carried .bisect/<commit>.tgz
+#                (a `git archive` of the code folders; this tree's speed.py is used for each), one machine
 #   attrib       specbench profile with graphs, spec off/on (synthetic tau 6.5) at batch 1 and ATTRIB_BATCH (32):
 #                kernel classes, launch gaps and phases per case in $W/attrib-{off,on}-b{1,32}/ (issue 19)
 #   eval         specbench eval gsm8k --limit EVAL_LIMIT (50) spec off vs on on the pair (issue 10; needs the
@@ -228,6 +233,27 @@ if [ "$what" = speed ]; then
     --out-dir "$W/h200-engine" ${SPEED_ARGS:-} 2>&1 | tee "$W/speed.log"
   r=${PIPESTATUS[0]}; [ "$r" = 0 ] || rc=$r; log "speed rc=$r"
   mkdir -p "$OUT/h200-engine" && cp "$W"/h200-engine/speed.* "$OUT/h200-engine/" 2>/dev/null
+fi
+if [ "$what" = load ]; then  # issues 19/28: the engine under closed-loop load, arms interleaved -> $OUT/h200-load/
+  pair "$SPEC_WORKDIR"
+  log "load (benchmarks/load.py)"
+  timeout $(cap ${LOAD_TIMEOUT:-420}) python3 -m specbench.benchmarks.load --workdir "$SPEC_WORKDIR" \
+    --out-dir "$W/h200-load" ${LOAD_ARGS:-} 2>&1 | tee "$W/load.log"
+  r=${PIPESTATUS[0]}; [ "$r" = 0 ] || rc=$r; log "load rc=$r"
+  mkdir -p "$OUT/h200-load" && cp "$W"/h200-load/load.* "$OUT/h200-load/" 2>/dev/null
+fi
+if [ "$what" = bisect ]; then  # issue 19: `speed --sections steps` on this tree and on each carried .bisect/<commit>.tgz
+  pair "$SPEC_WORKDIR"
+  mkdir -p "$W/bisect"
+  for t in head $(ls .bisect/*.tgz 2>/dev/null); do
+    [ "$(left)" -lt 90 ] && { log "deadline: bisect stops before $t"; break; }
+    c=$(basename "$t" .tgz); d=.
+    if [ "$t" != head ]; then d=/tmp/bis-$c; mkdir -p "$d" && tar xzf "$t" -C "$d" && cp benchmarks/speed.py "$d/benchmarks/"; fi
+    log "bisect $c: speed --sections steps"
+    (cd "$d" && timeout $(cap ${BISECT_TIMEOUT:-150}) python3 -m specbench.benchmarks.speed --workdir "$SPEC_WORKDIR" \
+      --sections steps --repeats ${BISECT_REPEATS:-3} --out-dir "$W/bisect/$c") > "$W/bisect/$c.log" 2>&1
+    log "bisect $c rc=$? $(grep -o 'step benches b1.*' "$W/bisect/$c.log" | cut -c1-400)"
+  done
 fi
 if [ "$what" = attrib ]; then
   pair "$SPEC_WORKDIR"
