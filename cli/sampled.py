@@ -5,7 +5,7 @@ pair, spec off vs spec on; a local candidate alone gets its spec-off twin as the
 suites/sampled (gate.py) and prints the verdict, or with --selftest runs the gate against the clean local
 candidate and, through its "faults" capability, each sampling fault armed on a fresh engine
 (selftest.py). Records go to the results store (run.json, cells.jsonl, samples.jsonl) unless
---no-record; --report writes markdown; --json prints the summary as one JSON document on the last line.
+--no-record; --endpoint-type chat sends every prompt as one user message (gate.py's chat contract); --report writes markdown; --json prints the summary as one JSON document on the last line.
 Exit codes: 0 PASS (also "PASS (speculation unverified)"), 1 FAIL / NOT SPECULATING / NO DRAFT ACCEPTED /
 INCOMPLETE / a self-test case that did not behave, 2 bad input (engine string, option value), 3 CANNOT
 TEST (no readable samples, or no testable cell: the missing evidence is named, never a pass).
@@ -63,6 +63,9 @@ def sampled(
     record: bool = typer.Option(True, "--record/--no-record", help="Write records to the results store."),
     tokenizer: Path | None = typer.Option(None, "--tokenizer", help="The model's tokenizer directory (tokenizer.json), "
                                           "used locally, round-trip checked, for an openai endpoint that cannot tokenize."),
+    endpoint_type: str = typer.Option("completions", "--endpoint-type", help="completions (default) or chat: every "
+                                      "request of both arms is the prompt as one user message (/v1/chat/completions, "
+                                      "the server's chat template); arms that render it differently: CANNOT TEST."),
 ) -> None:
     """Sampled equivalence gate: per-position token distributions, spec off vs on, permutation test + BH."""
     from specbench.harness.adapters.base import UnsupportedCapability
@@ -88,7 +91,7 @@ def sampled(
         dflt_opts = SELFTEST_OPTIONS if selftest else {}
         sized: dict[str, Any] = {k: v if v is not None else dflt_opts.get(k, getattr(SampledGateOptions, k)) for k, v in given.items()}
         opts = SampledGateOptions(**sized, permutations=permutations, q=q, null=null, seed=seed,
-                                  concurrency=concurrency, refine=refine)
+                                  concurrency=concurrency, refine=refine, endpoint_type=endpoint_type)
         cfgs = parse_configs(configs or SELFTEST_CONFIGS) if (configs or selftest) else list(DEFAULT_CONFIGS)
         if selftest and not candidate:
             bspec = parse_engine(baseline) if baseline else default_engines()[0]

@@ -24,7 +24,7 @@ GET /metrics (server-wide, cumulative; no per-request figures in the responses).
 
 `token_id=T` makes it report output token ids where a request asks for them (`return_token_ids`): every
 generated token is id T, in each choice's `token_ids` (streamed and not); never `prompt_token_ids` nor
-logprobs (an endpoint that gives a gate some of what it needs: tests/test_lossless_chat.py).
+logprobs (an endpoint that gives a gate some of what it needs: tests/test_chat_gates.py).
 `FakeEndpoint(...)` runs in a thread of this process (`with FakeEndpoint() as ep: ep.url`);
 `python -m specbench.harness.fake_endpoint --port P` runs it as its own process (the client benchmark,
 so the server never shares the client's interpreter).

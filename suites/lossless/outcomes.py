@@ -57,7 +57,9 @@ class Divergence:
             return f"the baseline stopped at position {self.position}; the candidate emitted token {self.pick} past it"
         if self.kind == "early_stop":
             return f"the candidate stopped at position {self.position}; the baseline continued with {self.baseline_token}"
-        assert self.judgement is not None
+        if self.judgement is None:  # no baseline distribution there (an untestable prompt)
+            return (f"position {self.position}: pick {self.pick} vs baseline {self.baseline_token}, not judged "
+                    f"(no baseline distribution: {self.dist_source})")
         if self.rescore_fail:
             return f"position {self.position}: FAIL (rescore): {self.rescore_fail}"
         return f"position {self.position}: {self.judgement.describe()}"

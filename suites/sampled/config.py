@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 
 PROMPT_SETS = ("gsm8k", "echo")
+ENDPOINT_TYPES = ("completions", "chat")  # the sweep's --endpoint-type vocabulary
 
 
 class SampledError(ValueError):
@@ -70,6 +71,7 @@ class SampledGateOptions:
     prompt_chars: int = 400
     power: float = 0.8
     prompt_set: str = "gsm8k"  # "gsm8k" or "echo" (see echo_prompts)
+    endpoint_type: str = "completions"  # "chat": each prompt as one user message, the server's chat template
 
     def __post_init__(self) -> None:
         for name, lo in (("num_prompts", 1), ("positions", 1), ("samples", 2), ("permutations", 19),
@@ -79,5 +81,7 @@ class SampledGateOptions:
                 raise SampledError(f"--{name.replace('_', '-')} {v!r} is invalid: expected an integer >= {lo}")
         if not 0 < self.q < 1:
             raise SampledError(f"--q {self.q} is invalid: expected 0 < q < 1")
+        if self.endpoint_type not in ENDPOINT_TYPES:
+            raise SampledError(f"--endpoint-type {self.endpoint_type!r} is invalid: expected completions or chat")
         if self.prompt_set not in PROMPT_SETS:
             raise SampledError(f"--prompt-set {self.prompt_set!r} is invalid: expected one of {', '.join(PROMPT_SETS)}")

@@ -21,6 +21,12 @@ Contract:
   token list for a non-empty text; no token at all although max_tokens = P with ignore_eos) is
   "untestable" (`Samples.untestable`, never a row of END), and a comparison with zero testable cells is
   no comparison: either gives CANNOT TEST, with what was missing in `GateResult.missing`, never PASS.
+- Chat (`opts.endpoint_type == "chat"`, --endpoint-type chat): every request of both arms is the prompt as
+  one user message (/v1/chat/completions; the server applies its chat template), the same request on both
+  sides. What each arm reports it computed for a prompt (`prompt_ids`, else usage `prompt_tokens`) is
+  kept per prompt (`Samples.rendered`); arms (or samples) that rendered one prompt differently are no
+  comparison of the same input: CANNOT TEST, naming the prompt (`rendering_problems`). Neither reporting
+  anything is stated in `GateResult.notes`, not a verdict.
 - `run_gate` never loads engines; the caller passes adapters (the CLI builds them from engine strings).
   Options live in config.py, prompt sets in prompts.py (re-exported here).
 """
@@ -35,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from specbench.harness.adapters.base import EngineAdapter, GenRequest, counters_delta
+from specbench.harness.adapters.base import EngineAdapter, counters_delta
 from specbench.harness.verdicts import CANNOT_TEST, exit_code
 
 from . import stats
@@ -47,7 +53,7 @@ from .config import (
     SamplingConfig,
     parse_configs,
 )
-from .prompts import echo_prompts, load_prompts, make_prompts
+from .prompts import echo_prompts, load_prompts, make_prompts, request
 
 END = -1
 SUITE_VERSION = "1"
@@ -75,6 +81,33 @@ class Samples:
     spec: dict | None = None  # counters delta over this arm's generation
     untestable: list[str] = field(default_factory=list)  # samples without readable tokens (and why)
     spec_by_config: dict[str, dict | None] = field(default_factory=dict)  # counters delta per sampling config
+    # per prompt index: what the engine reported it computed for it (("ids", ids...) or ("len", n)); chat only
+    rendered: dict[int, set[tuple]] = field(default_factory=dict)
+
+
+def _rendered_key(res: Any) -> tuple | None:
+    if res.prompt_ids is not None:
+        return ("ids", *res.prompt_ids)
+    return ("len", res.prompt_tokens) if res.prompt_tokens is not None else None
+
+
+def _rendered_len(k: tuple) -> int:
+    return len(k) - 1 if k[0] == "ids" else int(k[1])
+
+
+def rendering_problems(prompts: Sequence[tuple[str, str]], *arms: Samples) -> list[str]:
+    """Chat prompts rendered differently across samples or arms (ids where reported, else lengths)."""
+    out = []
+    for pi, (pid, _) in enumerate(prompts):
+        per_arm = {a.arm: a.rendered[pi] for a in arms if a.rendered.get(pi)}
+        keys: set[tuple] = set().union(*per_arm.values()) if per_arm else set()
+        ids = {k[1:] for k in keys if k[0] == "ids"}
+        lens = {_rendered_len(k) for k in keys}
+        if len(ids) > 1 or len(lens) > 1:
+            desc = "; ".join(f"{arm}: {sorted({_rendered_len(k) for k in ks})} tokens" for arm, ks in per_arm.items())
+            out.append(f"prompt {pid}: the same chat request was rendered to different prompts ({desc}"
+                       + ("" if len(lens) > 1 else ", same lengths, different ids") + "): not the same input")
+    return out
 
 
 def collect(adapter: EngineAdapter, prompts: Sequence[tuple[str, str]], configs: Sequence[SamplingConfig],
@@ -87,6 +120,7 @@ def collect(adapter: EngineAdapter, prompts: Sequence[tuple[str, str]], configs:
     # One generation per sampling config, the counters read around each: the report states per config how
     # many verify steps ended on a rejection and how many were fully accepted (a bonus row drawn).
     results, keys, by_config = [], [], {}
+    chat = opts.endpoint_type == "chat"
     seconds = 0.0
     spec: dict | None = None
     for ci, c in enumerate(configs):
@@ -94,9 +128,9 @@ def collect(adapter: EngineAdapter, prompts: Sequence[tuple[str, str]], configs:
         for pi, (pid, text) in enumerate(prompts):
             for si in range(opts.samples):
                 s = seed_of(opts.seed, arm_index, pi * len(configs) + ci, si, cells, opts.samples)
-                reqs.append(GenRequest(prompt=text, max_tokens=opts.positions, temperature=c.temperature,
-                                       top_p=c.top_p, top_k=c.top_k, seed=s, ignore_eos=True,
-                                       rid=f"{arm}-{pid}-{c.name}-{si}", prompt_cache=False))
+                reqs.append(request(text, chat, max_tokens=opts.positions, temperature=c.temperature,
+                                    top_p=c.top_p, top_k=c.top_k, seed=s, ignore_eos=True,
+                                    rid=f"{arm}-{pid}-{c.name}-{si}", prompt_cache=False))
                 keys.append((pi, ci))
         before = adapter.spec_counters_sync()
         t0 = time.perf_counter()
@@ -109,10 +143,13 @@ def collect(adapter: EngineAdapter, prompts: Sequence[tuple[str, str]], configs:
     failed: list[str] = []
     untestable: list[str] = []
     retok: dict[str, list[int] | None] = {}
+    rendered: dict[int, set[tuple]] = {}
     for key, res in zip(keys, results, strict=True):
         if not res.ok:
             failed.append(f"{res.rid}: {res.error}")
             continue
+        if chat and (rk := _rendered_key(res)) is not None:
+            rendered.setdefault(key[0], set()).add(rk)
         out = res.output_ids
         how = "output ids"
         if out is None or (res.text and not out):
@@ -133,7 +170,7 @@ def collect(adapter: EngineAdapter, prompts: Sequence[tuple[str, str]], configs:
         ids = list(out[:opts.positions])
         rows.setdefault(key, []).append(ids + [END] * (opts.positions - len(ids)))
     tokens = {k: np.asarray(v, dtype=np.int64) for k, v in rows.items()}
-    return Samples(arm, tokens, failed, seconds, spec, untestable, by_config)
+    return Samples(arm, tokens, failed, seconds, spec, untestable, by_config, rendered)
 
 
 @dataclass
@@ -241,6 +278,7 @@ class GateResult:
     # per sampling config: spec_summary of the candidate's counters over that config's generations (with
     # full_accepts = bonus rows drawn, rejections = verify steps that ended on a rejected draft)
     spec_by_config: dict[str, dict | None] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -267,7 +305,8 @@ class GateResult:
                 "spec_by_config": self.spec_by_config, "not_tested": not_tested(self.spec_by_config),
                 "comparisons": comps,
                 "options": self.options, "configs": [c["name"] for c in self.configs],
-                "num_prompts": len(self.prompts), "failed": len(self.failed), "seconds": self.seconds}
+                "num_prompts": len(self.prompts), "failed": len(self.failed), "seconds": self.seconds,
+                "notes": list(self.notes)}
 
 
 def not_tested(by_config: dict[str, dict | None]) -> list[str]:
@@ -373,10 +412,21 @@ def run_gate(baseline: EngineAdapter, candidate: EngineAdapter, opts: SampledGat
                                                     cand2.spec_by_config.get(c.name)) if opts.null
                                       else cand.spec_by_config.get(c.name)) for c in configs}
     missing = missing_of(comps, untestable)
+    notes = []
+    if opts.endpoint_type == "chat":
+        arms = [baseline_samples, cand] + ([cand2] if opts.null else [])
+        missing += rendering_problems(prompts, *arms)
+        told = [a.arm for a in arms if any(k[0] == "ids" for ks in a.rendered.values() for k in ks)]
+        notes.append("--endpoint-type chat: every request was the prompt as one user message (/v1/chat/completions, "
+                     "the server's chat template), the same on both arms; rendered prompt ids reported by "
+                     + (", ".join(told) if told else "no arm") + " (compared where reported, else usage prompt_tokens)")
+        if not any(a.rendered for a in arms):
+            notes.append("no arm reported what it rendered (no prompt_token_ids, no usage prompt_tokens): that both "
+                         "arms computed the same prompt is unverified")
     return GateResult(verdict_of(comps, summ, failed, missing), comps, summ, asdict(opts),
                       [asdict(c) for c in configs], [p for p, _ in prompts],
                       {"baseline": baseline.describe(), "candidate": candidate.describe()}, failed, secs, missing,
-                      untestable, by_config)
+                      untestable, by_config, notes)
 
 
 def _add_counters(a: dict | None, b: dict | None) -> dict | None:
@@ -396,5 +446,6 @@ def _add_counters(a: dict | None, b: dict | None) -> dict | None:
 
 
 __all__ = ["DEFAULT_CONFIGS", "END", "PROMPT_SETS", "Cell", "Comparison", "SampledGateOptions", "GateResult", "SampledError",
+           "rendering_problems", "request",
            "Samples", "SamplingConfig", "collect", "compare", "missing_of", "echo_prompts", "load_prompts", "make_prompts",
            "not_tested", "parse_configs", "run_gate", "seed_of", "spec_summary", "verdict_of"]

@@ -3,7 +3,9 @@
 Contract: `load_prompts(n, max_chars)` returns the first n gsm8k test questions as (pid, text);
 `echo_prompts(baseline, prompts)` appends the baseline's greedy answer and the question again (one
 greedy request per prompt through the adapter, so it works for any engine); `make_prompts` picks by
-`opts.prompt_set`. Both arms of a comparison always get the same prompt texts.
+`opts.prompt_set`. Both arms of a comparison always get the same prompt texts. `request(text, chat, ...)` is
+the one place a prompt text becomes a request: a text prompt, or with chat (--endpoint-type chat) one user
+message for /v1/chat/completions (the server's chat template renders it).
 """
 
 from __future__ import annotations
@@ -16,6 +18,13 @@ from specbench.harness.datasets import bundled_prompts
 from .config import SampledError, SampledGateOptions
 
 
+def request(text: str, chat: bool, **kw) -> GenRequest:
+    """A prompt text as a completions request, or (chat) as one user message."""
+    if chat:
+        return GenRequest(messages=[{"role": "user", "content": text}], **kw)
+    return GenRequest(prompt=text, **kw)
+
+
 def load_prompts(n: int, max_chars: int = 400) -> list[tuple[str, str]]:
     """The first n gsm8k test questions in the form the tiny pair was trained on (`gsm8k_prompt`)."""
     rows = bundled_prompts("gsm8k")[:n]
@@ -23,14 +32,15 @@ def load_prompts(n: int, max_chars: int = 400) -> list[tuple[str, str]]:
 
 
 def echo_prompts(baseline: EngineAdapter, prompts: Sequence[tuple[str, str]],
-                 tokens: int = 32) -> list[tuple[str, str]]:
+                 tokens: int = 32, chat: bool = False) -> list[tuple[str, str]]:
     """prompt + the baseline's greedy continuation + a blank line + the prompt again.
 
     Under such a prompt an engine tends to repeat its earlier answer, so a prompt-lookup (n-gram)
     drafter proposes tokens the target gives moderate probability: accept ratios p/q strictly inside
-    (0, 1), the regime in which every sampling fault acts (docs/sampled.md, "Self-test").
+    (0, 1), the regime in which every sampling fault acts (docs/sampled.md, "Self-test"). With chat the
+    greedy answer is the chat route's (the echo prompt is then one user message as well).
     """
-    reqs = [GenRequest(prompt=text, max_tokens=tokens, temperature=0.0, ignore_eos=True, rid=f"echo-{pid}")
+    reqs = [request(text, chat, max_tokens=tokens, temperature=0.0, ignore_eos=True, rid=f"echo-{pid}")
             for pid, text in prompts]
     res = baseline.generate_sync(reqs)
     bad = [r.rid for r in res if not r.ok]
@@ -41,4 +51,4 @@ def echo_prompts(baseline: EngineAdapter, prompts: Sequence[tuple[str, str]],
 
 def make_prompts(baseline: EngineAdapter, opts: SampledGateOptions) -> list[tuple[str, str]]:
     rows = load_prompts(opts.num_prompts, opts.prompt_chars)
-    return echo_prompts(baseline, rows) if opts.prompt_set == "echo" else rows
+    return echo_prompts(baseline, rows, chat=opts.endpoint_type == "chat") if opts.prompt_set == "echo" else rows

@@ -97,6 +97,8 @@ def render(r: GateResult, title: str = "Sampled equivalence gate") -> str:
              f"{o['permutations']} permutations (refined near the floor: {o['refine']}), BH at q = {o['q']}; "
              f"seed {o['seed']}",
              "- time: " + ", ".join(f"{k} {v:.1f} s" for k, v in r.seconds.items()), ""]
+    if r.notes:
+        lines += [f"- {n}" for n in r.notes] + [""]
     if r.failed:
         lines += [f"**{len(r.failed)} requests failed** (the run is INCOMPLETE); first: `{r.failed[0]}`", ""]
     if r.missing:
