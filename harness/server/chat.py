@@ -18,9 +18,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
-from .completions import sse
 from .errors import APIError
 from .formatting import chat_logprobs, merge_spec, request_spec, usage
 from .protocol import ChatRequest, parse_chat, parse_json
@@ -28,15 +27,13 @@ from .serving import (
     ChoiceStream,
     Job,
     ServerState,
-    abort_all,
-    abort_task,
     admit,
-    deltas,
+    event_stream,
     gather,
     off_loop,
-    received_at,
-    request_ids,
+    prepared,
     sampling,
+    stream_choices,
 )
 
 
@@ -104,14 +101,9 @@ def prepare(state: ServerState, raw: bytes, base: str, loop: asyncio.AbstractEve
 
 
 async def create_chat(state: ServerState, request: Request) -> Any:
-    state.check_open()
-    raw = await request.body()
-    cid, base = request_ids(request, "chatcmpl")
-    req, model, job, q, rids = await off_loop(state, prepare, state, raw, base, asyncio.get_running_loop(),
-                                              received_at(request), cleanup=lambda r: abort_all(state, r[4]))
+    cid, (req, model, job, q, rids) = await prepared(state, request, "chatcmpl", prepare)
     if req.stream:
-        return StreamingResponse(_stream(state, req, job, q, rids, cid, model), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"}, background=abort_task(state, rids))
+        return event_stream(state, rids, _stream(state, req, job, q, rids, cid, model))
     out = (await gather(state, q, rids, request))[0]
     return Response(await off_loop(state, answer, state, req, job, out, cid, model), media_type="application/json")
 
@@ -134,39 +126,25 @@ def answer(state: ServerState, req: ChatRequest, job: Job, out: Any, cid: str, m
     return json.dumps(body, ensure_ascii=False).encode()
 
 
-async def _stream(state: ServerState, req: ChatRequest, job: Job, q: Any, rids: dict[int, str], cid: str,
-                  model: str) -> AsyncIterator[str]:
-    created = int(time.time())
-    head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
+def _stream(state: ServerState, req: ChatRequest, job: Job, q: Any, rids: dict[int, str], cid: str,
+            model: str) -> AsyncIterator[str]:
     cs = ChoiceStream(job.params.stop)
-    n_prompt, n_gen, spec = len(job.prompt_ids), 0, None
-    first: dict = {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                        "finish_reason": None}]}
+    first: dict = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                "finish_reason": None}]}
     if req.return_token_ids:  # vLLM: the rendered prompt's ids on the first chunk, top level
         first["prompt_token_ids"] = job.prompt_ids
-    yield sse(first)
-    try:
-        async for _, out in deltas(state, q, rids):
-            text, new_ids, lps = cs.advance(out)
-            n_gen = len(out.output_ids)
-            if not text and not new_ids and not out.finished:
-                continue
-            lp = None
-            if req.logprobs is not None:
-                lp = {"content": chat_logprobs(state.tt, new_ids, list(lps or []), req.tokens_as_ids)}
-            choice: dict = {"index": 0, "delta": {"content": text} if text else {}, "logprobs": lp,
-                            "finish_reason": out.finish_reason if out.finished else None}
-            if req.return_token_ids:
-                choice["token_ids"] = new_ids
-            chunk: dict = {**head, "choices": [choice]}
-            if req.continuous_usage:
-                chunk["usage"] = usage(n_prompt, n_gen)
-            if out.finished:
-                spec = out.spec
-            yield sse(chunk)
-        if req.include_usage:
-            yield sse({**head, "choices": [], "usage": usage(n_prompt, n_gen),
-                       "spec_decode": merge_spec([spec], state.spec_method)})
-    except APIError as e:
-        yield sse(e.body())
-    yield "data: [DONE]\n\n"
+
+    def choice(_: int, out: Any) -> dict | None:
+        text, new_ids, lps = cs.advance(out)
+        if not text and not new_ids and not out.finished:
+            return None
+        lp = None
+        if req.logprobs is not None:
+            lp = {"content": chat_logprobs(state.tt, new_ids, list(lps or []), req.tokens_as_ids)}
+        c: dict = {"index": 0, "delta": {"content": text} if text else {}, "logprobs": lp,
+                   "finish_reason": out.finish_reason if out.finished else None}
+        if req.return_token_ids:
+            c["token_ids"] = new_ids
+        return c
+
+    return stream_choices(state, q, rids, req, [job], cid, "chat.completion.chunk", model, choice, first)

@@ -22,24 +22,21 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
-from .errors import APIError
 from .formatting import legacy_logprobs, merge_spec, request_spec, usage
 from .protocol import CompletionRequest, parse_completion, parse_json
 from .serving import (
     ChoiceStream,
     Job,
     ServerState,
-    abort_all,
-    abort_task,
     admit,
-    deltas,
+    event_stream,
     gather,
     off_loop,
-    received_at,
-    request_ids,
+    prepared,
     sampling,
+    stream_choices,
 )
 
 
@@ -114,73 +111,48 @@ def answer(state: ServerState, req: CompletionRequest, jobs: list[Job], finals: 
 
 
 async def create_completion(state: ServerState, request: Request) -> Any:
-    state.check_open()
-    raw = await request.body()
-    cid, base = request_ids(request, "cmpl")
-    req, model, jobs, q, rids = await off_loop(state, prepare, state, raw, base, asyncio.get_running_loop(),
-                                               received_at(request), cleanup=lambda r: abort_all(state, r[4]))
+    cid, (req, model, jobs, q, rids) = await prepared(state, request, "cmpl", prepare)
     if req.stream:
-        return StreamingResponse(_stream(state, req, jobs, q, rids, cid, model), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"}, background=abort_task(state, rids))
+        return event_stream(state, rids, _stream(state, req, jobs, q, rids, cid, model))
     finals = await gather(state, q, rids, request)
     return Response(await off_loop(state, answer, state, req, jobs, finals, cid, model),
                     media_type="application/json")
 
 
-def sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-async def _stream(state: ServerState, req: CompletionRequest, jobs: list[Job], q: Any, rids: dict[int, str],
-                  cid: str, model: str) -> AsyncIterator[str]:
-    created = int(time.time())
+def _stream(state: ServerState, req: CompletionRequest, jobs: list[Job], q: Any, rids: dict[int, str],
+            cid: str, model: str) -> AsyncIterator[str]:
     streams = {j.index: ChoiceStream(j.params.stop) for j in jobs}
     offsets = {j.index: 0 for j in jobs}
     started: set[int] = set()
-    n_gen = {j.index: 0 for j in jobs}
-    specs: dict[int, dict | None] = {}
-    n_prompt = sum(len(j.prompt_ids) for j in jobs)
-    try:
-        async for idx, out in deltas(state, q, rids):
-            job = jobs[idx]
-            if job.scoring_only:
-                if not out.finished:
-                    continue
-                choice, _ = final_choice(state, req, job, out)
-                choice.pop("spec_decode")
-            else:
-                text, new_ids, lps = streams[idx].advance(out)
-                n_gen[idx] = len(out.output_ids)
-                prompt_lp: list = []
-                if req.echo and idx not in started:
-                    text = job.prompt_text + text
-                    plp = out.prompt_logprobs or [None] * len(job.prompt_ids)
-                    prompt_lp = list(zip(job.prompt_ids, plp, strict=False))
-                started.add(idx)
-                lp = None
-                if req.logprobs is not None:
-                    ids = [t for t, _ in prompt_lp] + new_ids
-                    entries = [e for _, e in prompt_lp] + list(lps or [])
-                    lp = legacy_logprobs(state.tt, ids, entries, req.tokens_as_ids, offsets[idx])
-                    offsets[idx] += sum(len(state.tt(t)) for t in ids)
-                if not text and not new_ids and not out.finished:
-                    continue
-                choice = {"index": idx, "text": text, "logprobs": lp,
-                          "finish_reason": out.finish_reason if out.finished else None,
-                          "stop_reason": out.stop_reason if out.finished else None}
-                if req.return_token_ids:
-                    choice["token_ids"] = new_ids
-            if out.finished:
-                specs[idx] = out.spec
-            chunk: dict = {"id": cid, "object": "text_completion", "created": created, "model": model,
-                           "choices": [choice]}
-            if req.continuous_usage:
-                chunk["usage"] = usage(n_prompt, sum(n_gen.values()))
-            yield sse(chunk)
-        if req.include_usage:
-            yield sse({"id": cid, "object": "text_completion", "created": created, "model": model, "choices": [],
-                       "usage": usage(n_prompt, sum(n_gen.values())),
-                       "spec_decode": merge_spec([specs.get(j.index) for j in jobs], state.spec_method)})
-    except APIError as e:
-        yield sse(e.body())
-    yield "data: [DONE]\n\n"
+
+    def choice(idx: int, out: Any) -> dict | None:
+        job = jobs[idx]
+        if job.scoring_only:
+            if not out.finished:
+                return None
+            c, _ = final_choice(state, req, job, out)
+            c.pop("spec_decode")
+            return c
+        text, new_ids, lps = streams[idx].advance(out)
+        prompt_lp: list = []
+        if req.echo and idx not in started:
+            text = job.prompt_text + text
+            plp = out.prompt_logprobs or [None] * len(job.prompt_ids)
+            prompt_lp = list(zip(job.prompt_ids, plp, strict=False))
+        started.add(idx)
+        lp = None
+        if req.logprobs is not None:
+            ids = [t for t, _ in prompt_lp] + new_ids
+            entries = [e for _, e in prompt_lp] + list(lps or [])
+            lp = legacy_logprobs(state.tt, ids, entries, req.tokens_as_ids, offsets[idx])
+            offsets[idx] += sum(len(state.tt(t)) for t in ids)
+        if not text and not new_ids and not out.finished:
+            return None
+        c = {"index": idx, "text": text, "logprobs": lp,
+             "finish_reason": out.finish_reason if out.finished else None,
+             "stop_reason": out.stop_reason if out.finished else None}
+        if req.return_token_ids:
+            c["token_ids"] = new_ids
+        return c
+
+    return stream_choices(state, q, rids, req, jobs, cid, "text_completion", model, choice)

@@ -14,18 +14,24 @@ Contract:
   ones already admitted are aborted and the refusal becomes an `APIError`; a request is admitted whole or
   not at all.
 - `request_ids(request, prefix)`: the answer's id and the engine's request-id base, from the client's
-  `x-request-id` when it sent one (middleware.py), unique per request either way.
+  `x-request-id` when it sent one (middleware.py), unique per request either way. `prepared` is the front
+  both generation routes share: refused while draining, the body read, the route's preparation off the loop.
 - `gather` waits for every choice's final output, polling the client connection so that a client that
   goes away frees its requests' KV; `deltas` yields outputs as they arrive for streaming. Both abort
   whatever is unfinished when they exit early (disconnect, cancellation, engine failure).
 - `ChoiceStream.advance(out)` turns cumulative outputs into deltas: new text (stop-string prefixes held
   back until resolved), new token ids and their logprobs.
+- `stream_choices` is the streaming tail both generation routes share (their own part is the choice of
+  each event): one SSE event per engine delta per choice, running usage with continuous_usage_stats, the
+  usage + spec_decode event with include_usage, an engine error as an error event, then `data: [DONE]`;
+  `event_stream` answers with it (and aborts whatever is unfinished when the response ends).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import threading
 import time
 import uuid
@@ -35,13 +41,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
 from specbench.engine import SamplingParams
 
 from ..adapters.loop import EngineLoop
 from .errors import APIError, from_engine
-from .formatting import TokenText, holdback
+from .formatting import TokenText, holdback, merge_spec, usage
 from .metrics import ServerMetrics
 from .options import ServerOptions
 from .protocol import CommonParams
@@ -153,6 +160,18 @@ async def off_loop(state: ServerState, fn: Callable[..., Any], *args: Any,
         if cleanup is not None:
             fut.add_done_callback(lambda f: None if f.cancelled() or f.exception() else cleanup(f.result()))
         raise
+
+
+
+async def prepared(state: ServerState, request: Request, prefix: str, prepare: Callable[..., tuple]) -> tuple[str, tuple]:
+    """A generation request up to its admission: refused while draining, then (the answer's id,
+    `prepare(state, raw body, engine id base, event loop, received)` run off the loop). `prepare` returns
+    a tuple whose last item is the admitted rids: aborted if the client goes away meanwhile."""
+    state.check_open()
+    raw = await request.body()
+    cid, base = request_ids(request, prefix)
+    return cid, await off_loop(state, prepare, state, raw, base, asyncio.get_running_loop(), received_at(request),
+                               cleanup=lambda r: abort_all(state, r[-1]))
 
 
 @dataclass
@@ -271,3 +290,52 @@ class ChoiceStream:
         lps = list(out.logprobs[self.sent_tokens:]) if out.logprobs is not None else None
         self.sent_tokens = len(out.output_ids)
         return delta, new_ids, lps
+
+
+def sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def event_stream(state: ServerState, rids: dict[int, str], events: AsyncIterator[str]) -> StreamingResponse:
+    """A streamed answer (server-sent events, not cached); whatever is unfinished when it ends, also on a
+    client disconnect, is aborted (`abort_task`)."""
+    return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
+                             background=abort_task(state, rids))
+
+
+async def stream_choices(state: ServerState, q: asyncio.Queue, rids: dict[int, str], req: CommonParams,
+                         jobs: list[Job], cid: str, obj: str, model: str,
+                         choice: Callable[[int, Any], dict | None], first: dict | None = None
+                         ) -> AsyncIterator[str]:
+    """The SSE events of a streamed request: `first` (fields beside the head, before any delta), then for
+    each engine delta `choice(index, out)`'s event (None: nothing to send for this delta), each with
+    running usage when req.continuous_usage; the usage + spec_decode event (`choices: []`) when
+    req.include_usage; an APIError (the engine failed, the server drains) as its error body; `[DONE]`.
+    Every event starts with {id, object, created, model}. A choice's completion tokens are its output ids
+    (none for a scoring-only job)."""
+    head = {"id": cid, "object": obj, "created": int(time.time()), "model": model}
+    n_prompt = sum(len(j.prompt_ids) for j in jobs)
+    n_gen = {j.index: 0 for j in jobs}
+    scoring = {j.index: j.scoring_only for j in jobs}
+    specs: dict[int, dict | None] = {}
+    if first is not None:
+        yield sse({**head, **first})
+    try:
+        async for idx, out in deltas(state, q, rids):
+            if not scoring[idx]:
+                n_gen[idx] = len(out.output_ids)
+            c = choice(idx, out)
+            if c is None:
+                continue
+            if out.finished:
+                specs[idx] = out.spec
+            chunk: dict = {**head, "choices": [c]}
+            if req.continuous_usage:
+                chunk["usage"] = usage(n_prompt, sum(n_gen.values()))
+            yield sse(chunk)
+        if req.include_usage:
+            yield sse({**head, "choices": [], "usage": usage(n_prompt, sum(n_gen.values())),
+                       "spec_decode": merge_spec([specs.get(j.index) for j in jobs], state.spec_method)})
+    except APIError as e:
+        yield sse(e.body())
+    yield "data: [DONE]\n\n"
