@@ -159,6 +159,15 @@ def test_lossless_chat_cannot_test_on_endpoints_without_the_fields():
     assert "greedy: output token ids (candidate)" in out["summary"]["missing"]
 
 
+def test_lossless_chat_on_local_arms_uses_the_engines_rendered_ids(tiny_pair):
+    t, d = tiny_pair
+    res, out = _lossless(["--baseline", f"local:{t},spec=off", "--candidate", f"local:{t},draft={d},spec=dflash",
+                          "--endpoint-type", "chat", "--num-prompts", "2", "--max-tokens", "16", "--no-record", "--json"])
+    assert res.exit_code == 0, res.output
+    g = out["gates"][0]
+    assert any("reported by both arms for 2" in n for n in g["notes"]) and all(p["prompt_len"] > 0 for p in g["prompts"])
+
+
 def test_chat_bad_usage_exits_2(tiny_pair):
     for args, msg in ((["--endpoint-type", "chatty"], "--endpoint-type 'chatty' is invalid"),
                       (["--endpoint-type", "chat", "--engine-gates"], "--engine-gates is not available"),

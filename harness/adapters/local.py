@@ -145,6 +145,7 @@ class LocalAdapter(EngineAdapter):
         res.output_ids = list(out.output_ids)
         res.finish_reason = out.finish_reason
         res.prompt_tokens = len(out.prompt_ids)
+        res.prompt_ids = list(out.prompt_ids)
         res.completion_tokens = len(out.output_ids)
         res.t_end = out.token_times[-1] if out.token_times else time.perf_counter()
         if res.t_first is None:
