@@ -1,7 +1,8 @@
 """`specbench eval`: lm-eval tasks on two arms (spec off vs on by default), offline, with a parity verdict.
 
 Contract: parses options, builds the suite's config, calls specbench.suites.evalparity, prints the
-markdown table (or one JSON document with --json). Exit codes: 0 PARITY, 1 DIFFERENT (with --strict
+markdown table (or one JSON document with --json); while it runs, one progress display on stderr (documents
+done / total over both arms, the arm and its phase, the ETA; none with --json). Exit codes: 0 PARITY, 1 DIFFERENT (with --strict
 also any differing answer) or an arm that could not be evaluated, 2 bad usage (an unknown task, a bad
 engine string) or lm-eval not installed (with the command that installs it), 3 CANNOT TEST (no document
 was compared), 130 on Ctrl-C; servers it
@@ -65,8 +66,11 @@ def eval_cmd(
     cfg = runner.EvalConfig(baseline=base, candidate=cand, tasks=tasks, limit=limit, num_fewshot=num_fewshot,
                             concurrency=concurrency, tokenizer_backend=tokenizer_backend, max_length=max_length,
                             results=str(results) if results else None, startup_timeout_s=startup_timeout)
-    try:
-        pr, path = runner.run_parity(cfg)
+    from specbench.cli.progress import RunProgress
+
+    try:  # documents done over both arms, on stderr (none with --json): lm-eval's own output goes to its log
+        with RunProgress(0, quiet=json_out, unit="documents") as progress:
+            pr, path = runner.run_parity(cfg, progress=progress)
     except (runner.EvalError, EndpointError) as e:
         typer.echo(f"specbench eval: {e}", err=True)
         raise typer.Exit(1) from None

@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import re
 
+import pytest
 from typer.testing import CliRunner
 
 from specbench.cli.app import _register, app
@@ -251,3 +253,74 @@ def test_interrupted_lossless_keeps_the_prompts_it_judged(tiny_pair, tmp_path, m
     meta = json.loads((run_dir / "run.json").read_text())
     assert meta["status"] == "incomplete"
     assert len((run_dir / "checks.jsonl").read_text().splitlines()) == 1  # the judged prompt is kept
+
+
+# ---- eval: documents over both arms, counted inside the lm-eval worker ----
+
+def _fake_eval(monkeypatch) -> None:
+    """specbench eval without lm-eval or servers: tests/fake_lm_eval_worker.py runs as the worker (the real
+    count_requests around a fake lm-eval API model), the endpoints are stand-ins."""
+    import contextlib
+    import os
+    from pathlib import Path
+
+    from specbench.suites.evalparity import runner
+    from specbench.suites.evalparity.endpoint import Endpoint
+
+    @contextlib.contextmanager
+    def endpoint(spec, name, log_path, timeout):
+        yield Endpoint(name, spec.raw or "fake", "http://127.0.0.1:9", "fake")
+
+    monkeypatch.setattr(runner, "check_lm_eval", lambda: None)
+    monkeypatch.setattr(runner, "WORKER", "fake_lm_eval_worker")
+    monkeypatch.setattr(runner, "open_endpoint", endpoint)
+    monkeypatch.setattr(runner, "spec_counters", lambda ep: None)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+
+
+def test_eval_counts_documents_over_both_arms(monkeypatch, tmp_path) -> None:
+    _fake_eval(monkeypatch)
+    _register()
+    args = ["eval", "--limit", "3", "--num-fewshot", "0", "--results", str(tmp_path)]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    lines = r.stderr.splitlines()
+    assert lines[0].startswith("baseline: starting its server: 0/0 done")
+    assert lines[1].startswith("baseline: lm-eval: 3 documents; 0/6 done")  # the candidate's 3 planned too
+    assert lines[2].startswith("candidate: starting its server: 3/6 done") and ", ETA " in lines[2]
+    assert lines[3].startswith("candidate: lm-eval: 3 documents; 3/6 done")
+    assert lines[4].startswith("done: 6/6 documents in ") and len(lines) == 5
+    assert r.stdout.startswith("## Task-level parity: gsm8k — **PARITY**") and "| gsm8k | strict-match |" in r.stdout
+    monkeypatch.setattr(RunProgress, "force_terminal", True)
+    t = CliRunner().invoke(app, args)
+    assert t.exit_code == 0 and "6/6 documents" in _plain(t.stderr) and "ETA" in t.stderr
+    def doc(out: str) -> list[str]:  # the markdown without its run id, wall times and results path
+        return [re.sub(r"evalparity-[0-9a-f-]+|\d+\.\d+( s|x)", "X", x) for x in out.splitlines()[:-1]]
+
+    assert doc(t.stdout) == doc(r.stdout)
+    j = CliRunner().invoke(app, [*args, "--json"])
+    assert j.exit_code == 0 and j.stderr == "" and json.loads(j.stdout)["verdict"] == "PARITY"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None, reason="lm-eval not installed")
+def test_eval_counts_lm_evals_own_requests(tiny_target, tiny_draft, tmp_path) -> None:
+    """The real worker around the real lm-eval API model: both arms' documents, each counted as answered."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "specbench", "eval", "--task", "gsm8k", "--limit", "4", "--num-fewshot",
+                        "0", "--concurrency", "2", "--baseline", f"local:{tiny_target},spec=off",
+                        "--candidate", f"local:{tiny_target},draft={tiny_draft},spec=dflash", "--results",
+                        str(tmp_path)], capture_output=True, text=True, timeout=900)
+    assert r.returncode in (0, 1), r.stderr[-3000:]
+    lines = [x for x in r.stderr.splitlines() if " done" in x or x.startswith("done: ")]
+    assert [x.split(",")[0] for x in lines[:4]] == [
+        "baseline: starting its server: 0/0 done", "baseline: lm-eval: 4 documents; 0/8 done",
+        "candidate: starting its server: 4/8 done", "candidate: lm-eval: 4 documents; 4/8 done"], r.stderr[-3000:]
+    assert len(lines) == 5 and lines[4].startswith("done: 8/8 documents in ")
+    assert "## Task-level parity: gsm8k" in r.stdout
+    progress_files = sorted(p.name for p in tmp_path.glob("*/*-progress.json"))
+    assert progress_files == ["baseline-progress.json", "candidate-progress.json"]
+    for p in tmp_path.glob("*/*-progress.json"):
+        assert json.loads(p.read_text()) == {"total": 4, "done": 4}

@@ -14,6 +14,10 @@ Contract:
   it is "remote" (lm-eval tokenizes through /tokenize and truncates prompts to the server's context)
   when both endpoints answer /tokenizer_info and /tokenize, else "none" (text prompts); the baseline's
   endpoint decides, and a candidate that cannot follow is refused before it runs.
+- Progress: `run_parity(cfg, progress)` (cli/progress.py RunProgress, or None) hears each arm's phases (its
+  endpoint starting, then lm-eval with its documents) and the worker's counts (worker.py: requests handed to
+  lm-eval's API model and answered, one per document for a generation task), polled twice a second; the
+  total is both arms' (the candidate gets the baseline's documents).
 - The result (`ParityRun`) is also written as <run>/report.md and <run>/report.json and as the run
   record's summary. Errors inside an arm (server did not start, lm-eval failed) raise `EvalError` with
   the log tail; the run is then marked incomplete by the store.
@@ -27,7 +31,9 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import asdict, dataclass
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +48,7 @@ from .worker import OFFLINE_ENV, LmEvalSpec
 SUITE_VERSION = "1"
 LM_EVAL_MAX_GEN_TOKS = 256  # TemplateAPI.max_gen_toks default in lm-eval 0.4.x
 BACKENDS = ("auto", "remote", "none")
+WORKER = "specbench.suites.evalparity.worker"  # the module run_worker runs as `python -m` (a test swaps in a fake)
 INSTALL_HINT = ("lm-eval is not installed: `pip install 'specbench[eval]'` (or `pip install 'lm-eval[api]>=0.4.4,<0.5' "
                 "pyyaml`), then run `specbench eval` again.")
 
@@ -84,18 +91,47 @@ def _tail(path: Path, n: int = 40) -> str:
     return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-n:])
 
 
-def run_worker(spec: LmEvalSpec, workdir: Path, role: str) -> dict:
-    """Run the lm-eval worker for one arm; return its JSON. Raises EvalError with the log tail."""
+def read_progress(path: Path) -> tuple[int, int] | None:
+    """(done, total) from a worker's progress file (worker.py), None before it exists or while unreadable."""
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+        return int(d["done"]), int(d["total"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def run_worker(spec: LmEvalSpec, workdir: Path, role: str,
+               on_progress: Callable[[int, int], None] | None = None, poll_s: float = 0.5) -> dict:
+    """Run the lm-eval worker for one arm; return its JSON. Raises EvalError with the log tail.
+    `on_progress(done, total)` hears the worker's counts whenever they change (polled every `poll_s`)."""
     spec_path, out_path, log_path = workdir / f"{role}-spec.json", workdir / f"{role}-lm_eval.json", \
         workdir / f"{role}-lm_eval.log"
+    prog_path = workdir / f"{role}-progress.json"
+    if on_progress is not None:
+        spec = replace(spec, progress_path=str(prog_path))
     spec_path.write_text(json.dumps(asdict(spec), indent=2), encoding="utf-8")
     env = {**os.environ, **OFFLINE_ENV}
+    last: tuple[int, int] | None = None
+
+    def report() -> None:
+        nonlocal last
+        now = read_progress(prog_path) if on_progress is not None else None
+        if now is not None and now != last:
+            last = now
+            on_progress(*now)  # type: ignore[misc]
+
     with open(log_path, "w", encoding="utf-8") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "specbench.suites.evalparity.worker", str(spec_path),
+        proc = subprocess.Popen([sys.executable, "-m", WORKER, str(spec_path),
                                  str(out_path)], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env=env, preexec_fn=die_with_parent)
         try:
-            rc = proc.wait()
+            if on_progress is None:
+                rc = proc.wait()
+            else:
+                while (rc := proc.poll()) is None:  # Ctrl-C lands here as in wait(): the finally stops it
+                    time.sleep(poll_s)
+                    report()
+                report()
         finally:
             stop_process(proc, grace=5.0)
     if rc != 0 or not out_path.is_file():
@@ -121,8 +157,9 @@ def _sample_records(role: str, name: str, tasks: dict[str, Any]) -> list[dict]:
             for task, t in tasks.items() for s in t["samples"]]
 
 
-def run_parity(cfg: EvalConfig) -> tuple[ParityRun, Path]:
-    """Run both arms and compare them; returns the run and its results-store folder."""
+def run_parity(cfg: EvalConfig, progress: Any = None) -> tuple[ParityRun, Path]:
+    """Run both arms and compare them; returns the run and its results-store folder. `progress`: module
+    docstring."""
     from specbench.harness.results import open_run
 
     if cfg.tokenizer_backend not in BACKENDS:
@@ -138,8 +175,14 @@ def run_parity(cfg: EvalConfig) -> tuple[ParityRun, Path]:
         results: dict[str, dict] = {}
         infos: list[ArmInfo] = []
         backend: str | None = None
+        done_before = [0]  # documents of the arms already run
         for role, spec in arms:
             name = spec.options.get("name", role)
+            label = role if name == role else f"{role} ({name})"
+            if progress is not None:
+                progress.phase(f"{label}: " + ("starting its server" if spec.kind == "local" else
+                                               "opening the endpoint"), None)
+            on_progress = None if progress is None else _arm_progress(progress, role, label, done_before)
             with open_endpoint(spec, name, run.path / f"{role}-server.log", cfg.startup_timeout_s) as ep:
                 backend = _backend(cfg.tokenizer_backend, ep, backend)
                 ls = LmEvalSpec(tasks=list(cfg.tasks), include_path=str(include), base_url=ep.completions_url,
@@ -148,7 +191,8 @@ def run_parity(cfg: EvalConfig) -> tuple[ParityRun, Path]:
                                 max_length=(cfg.max_length or ep.max_model_len) if backend == "remote" else None,
                                 timeout_s=cfg.request_timeout_s)
                 before = spec_counters(ep)
-                out = run_worker(ls, run.path, role)
+                out = run_worker(ls, run.path, role, on_progress)
+                done_before[0] = progress.done if progress is not None else 0
                 spec = spec_delta(before, spec_counters(ep))
             for rec in _sample_records(role, name, out["tasks"]):
                 run.write("samples", rec)
@@ -171,6 +215,21 @@ def run_parity(cfg: EvalConfig) -> tuple[ParityRun, Path]:
             run.update(summary={"verdict": pr.verdict, "rows": doc["rows"],
                                 "wall_s": {a.role: a.wall_s for a in infos}})
         return pr, run.path
+
+
+def _arm_progress(progress: Any, role: str, label: str, done_before: list[int]) -> Callable[[int, int], None]:
+    """One arm's worker counts -> the run's display: the first count names the phase; the total is this arm's
+    plus, for the baseline, as many again for the candidate (the same tasks, documents and limit)."""
+    named = [False]
+
+    def on(done: int, total: int) -> None:
+        whole = done_before[0] + total * (2 if role == "baseline" else 1)
+        if total and not named[0]:  # the phase line says what was done before it
+            named[0] = True
+            progress.plan(whole)
+            progress.phase(f"{label}: lm-eval", total)
+        progress.update(done_before[0] + done, whole)
+    return on
 
 
 def _max_gen_toks(include: Path, tasks: list[str]) -> dict[str, int]:

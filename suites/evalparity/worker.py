@@ -14,6 +14,10 @@ Contract:
   its version and the wall time.
 - Exit 0 with OUT written, or non-zero with the error on stderr (OUT not written). A separate process
   keeps lm-eval's logging, its global state and the offline switches out of the caller.
+- Progress: with `progress_path`, the worker keeps `{"total": T, "done": D}` there (replaced atomically):
+  T the requests lm-eval hands its API model (generate_until and loglikelihood: one per document for a
+  generation task such as gsm8k), D those answered so far (counted as each API call returns, retries not
+  twice). The caller polls it (runner.run_worker).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ class LmEvalSpec:
     max_retries: int = 3
     seed: int = 1234
     extra_model_args: dict[str, Any] = field(default_factory=dict)
+    progress_path: str | None = None  # where the worker keeps {"total", "done"} (module docstring)
 
     def model_args(self) -> dict[str, Any]:
         args: dict[str, Any] = {"model": self.model, "base_url": self.base_url,
@@ -112,6 +117,8 @@ def run(spec: LmEvalSpec) -> dict:
     from lm_eval.tasks import TaskManager
 
     tm = TaskManager(include_path=spec.include_path, include_defaults=False)
+    if spec.progress_path:
+        count_requests(Path(spec.progress_path))
     t0 = time.perf_counter()
     res = lm_eval.simple_evaluate(model="local-completions", model_args=spec.model_args(), tasks=spec.tasks,
                                   num_fewshot=spec.num_fewshot, limit=spec.limit, log_samples=True,
@@ -123,6 +130,65 @@ def run(spec: LmEvalSpec) -> dict:
     return {"tasks": summarize(res, spec.tasks, _counter(spec)), "wall_s": wall, "lm_eval_version": _version(),
             "model_args": spec.model_args_str(), "config": _jsonable(res.get("config") or {}),
             "spec": asdict(spec)}
+
+
+class _Tally:
+    def __init__(self, path: Path) -> None:
+        self.path, self.total, self.done, self.active = path, 0, 0, 0
+        self.write()
+
+    def write(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"total": self.total, "done": self.done}), encoding="utf-8")
+        tmp.replace(self.path)
+
+
+def count_requests(path: Path) -> _Tally:
+    """Wrap lm-eval's API model (TemplateAPI, the base of local-completions) so that `path` holds the requests
+    it was handed and those answered: generate_until / loglikelihood add their requests to the total, and each
+    model_call / amodel_call made inside them counts its messages when it returns (a retried call raised and
+    was not counted; loglikelihood_rolling's own calls are outside both)."""
+    from lm_eval.models.api_models import TemplateAPI
+
+    tally = _Tally(path)
+
+    def entry(name: str) -> None:
+        orig = getattr(TemplateAPI, name)
+
+        @functools.wraps(orig)
+        def wrapped(self: Any, requests: list, *a: Any, **kw: Any) -> Any:
+            tally.total += len(requests)
+            tally.write()
+            tally.active += 1
+            try:
+                return orig(self, requests, *a, **kw)
+            finally:
+                tally.active -= 1
+        setattr(TemplateAPI, name, wrapped)
+
+    def answered(messages: Any) -> None:
+        if tally.active:
+            tally.done += len(messages) if isinstance(messages, (list, tuple)) else 1
+            tally.write()
+
+    sync_call, async_call = TemplateAPI.model_call, TemplateAPI.amodel_call
+
+    @functools.wraps(sync_call)
+    def model_call(self: Any, messages: Any, *a: Any, **kw: Any) -> Any:
+        out = sync_call(self, messages, *a, **kw)
+        answered(messages)
+        return out
+
+    @functools.wraps(async_call)
+    async def amodel_call(self: Any, session: Any, sem: Any, messages: Any, *a: Any, **kw: Any) -> Any:
+        out = await async_call(self, session, sem, messages, *a, **kw)
+        answered(messages)
+        return out
+
+    entry("generate_until")
+    entry("loglikelihood")
+    TemplateAPI.model_call, TemplateAPI.amodel_call = model_call, amodel_call  # type: ignore[method-assign]
+    return tally
 
 
 def _counter(spec: LmEvalSpec) -> Callable[[str], int | None]:
