@@ -324,3 +324,24 @@ def test_eval_counts_lm_evals_own_requests(tiny_target, tiny_draft, tmp_path) ->
     assert progress_files == ["baseline-progress.json", "candidate-progress.json"]
     for p in tmp_path.glob("*/*-progress.json"):
         assert json.loads(p.read_text()) == {"total": 4, "done": 4}
+
+
+def test_interrupted_eval_keeps_the_finished_arm(monkeypatch, tmp_path) -> None:
+    from specbench.suites.evalparity import runner
+
+    _fake_eval(monkeypatch)
+    real = runner.read_progress
+
+    def read(path):
+        if path.name.startswith("candidate"):
+            raise KeyboardInterrupt  # Ctrl-C while the candidate's worker runs
+        return real(path)
+
+    monkeypatch.setattr(runner, "read_progress", read)
+    _register()
+    r = CliRunner().invoke(app, ["eval", "--limit", "3", "--num-fewshot", "0", "--results", str(tmp_path)])
+    assert r.exit_code != 0 and "stopped at: 3/6 documents in " in r.stderr
+    (run_dir,) = tmp_path.iterdir()
+    assert json.loads((run_dir / "run.json").read_text())["status"] == "incomplete"
+    samples = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 3 * 2 and {s["arm"] for s in samples} == {"baseline"}  # the baseline's, kept
