@@ -1,11 +1,15 @@
 """One progress display for a long command, and its end-of-run summary table (rich, on stderr / stdout).
 
-`RunProgress(total)` counts requests over every phase of a run: `phase(name, n)` names the current phase
-(its n requests are part of `total`, which `plan(total)` may set once it is known), `advance()` is called once per finished request (an adapter's
-on_result). On a terminal it is one rich bar: phase, requests done / total, elapsed, ETA for the whole
-run. Without a terminal (a pipe, CI) it prints one plain line per phase to stderr instead (a bar that
-redraws is noise in a log), and nothing at all when quiet (`--quiet`, `--json`). `summary_table` prints
-rows as a rich table on stdout at the end of a run.
+`RunProgress(total, unit=...)` counts units (requests, prompts compared, documents, engines) over every phase
+of a run: `phase(name, n)` names the current phase (its n units are part of `total`, which `plan(total)` may
+set once it is known; n None: a phase not counted), `advance()` is called once per finished unit (an adapter's
+on_result), `update(done, total)` sets counts kept by someone else (a worker process). On a terminal it is one
+rich bar: phase, done / total, elapsed, ETA for the whole run; stdout is drawn above it only when stdout is that
+terminal too (else what a command prints there stays in the pipe). Without a terminal (a pipe, CI) it prints
+one plain line per phase to stderr instead (a bar that redraws is noise in a log) and a last line ("done", or
+"stopped at" when the run ended short of its total, e.g. on Ctrl-C, which it never swallows), and nothing at
+all when quiet (`--quiet`, `--json`, `--no-progress`). `summary_table` prints rows as a rich table on stdout
+at the end of a run. docs/cli.md has what each command counts.
 """
 
 from __future__ import annotations
