@@ -132,6 +132,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--tau", type=float, default=None)
+    ap.add_argument("--attention", default="auto", help="attention backend: auto | torch | flashinfer (the bundled "
+                    "tiny pair's head_dim 32 needs torch on CUDA)")
     ap.add_argument("--memory-share", type=float, default=0.4, help="gpu_memory_utilization of each engine")
     ap.add_argument("--out")
     ap.add_argument("--report")
@@ -141,7 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
 
         t, d = bundled_pair()
         a.target, a.draft = str(t), str(d)
-    kw = dict(device=a.device, dtype=a.dtype, synthetic_tau=a.tau)
+    kw = dict(device=a.device, dtype=a.dtype, synthetic_tau=a.tau, attention_backend=a.attention)
     if a.device.startswith("cuda"):
         kw["gpu_memory_utilization"] = a.memory_share
     on = LLM(a.target, draft=a.draft, **kw)
@@ -165,7 +167,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows = summarize(rounds, a.turns)
     meta = {"target": a.target, "draft": a.draft, "device": a.device, "dtype": a.dtype, "tau": a.tau,
             "prefix_tokens": a.prefix_tokens, "conversations": a.conversations, "turns": a.turns,
-            "max_tokens": a.max_tokens, "rounds": a.rounds}
+            "max_tokens": a.max_tokens, "rounds": a.rounds, "attention": a.attention}
     text = render(rows, meta)
     print(text)
     if a.report:

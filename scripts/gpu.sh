@@ -137,11 +137,11 @@ if [ "$what" = prefix ]; then  # issue 21 -> $OUT/h200-prefix/
   mkdir -p "$W/h200-prefix" "$OUT/h200-prefix"
   log "prefix gate, bundled pair, cuda bf16"
   timeout $(cap ${PREFIX_GATE_TIMEOUT:-150}) python3 -m specbench lossless --suite prefix --num-prompts ${PREFIX_CONVS:-4} \
-    --candidate "local,spec=dflash,device=cuda,dtype=bfloat16" --report "$W/h200-prefix/gate-tiny-bf16.md" 2>&1 \
+    --candidate "local,spec=dflash,device=cuda,dtype=bfloat16,attention=torch" --report "$W/h200-prefix/gate-tiny-bf16.md" 2>&1 \
     | tee "$W/h200-prefix/gate.log"
   r=${PIPESTATUS[0]}; [ "$r" = 0 ] || rc=$r; log "prefix gate rc=$r"
   log "prefix benchmark, bundled pair (real drafter), cuda bf16"
-  timeout $(cap ${PREFIX_TIMEOUT:-150}) python3 -m specbench.benchmarks.prefix --device cuda --dtype bfloat16 \
+  timeout $(cap ${PREFIX_TIMEOUT:-150}) python3 -m specbench.benchmarks.prefix --device cuda --dtype bfloat16 --attention torch \
     --prefix-tokens ${PREFIX_TOKENS:-1000} --conversations ${PREFIX_CONVS_BENCH:-16} --turns ${PREFIX_TURNS:-3} \
     --max-tokens ${PREFIX_MAX_TOKENS:-64} --rounds ${PREFIX_ROUNDS:-3} --out "$W/h200-prefix/prefix-tiny.json" \
     --report "$W/h200-prefix/prefix-tiny.md" 2>&1 | tail -12 | tee "$W/h200-prefix/prefix-tiny.log"
