@@ -13,14 +13,6 @@ import torch
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    from specbench.harness.fixtures import bundled_pair
-
-    target, draft = bundled_pair()
-    return str(target), str(draft)
-
-
 def test_del_llm_gives_the_gpu_back_and_a_second_engine_starts(tiny):
     from specbench.engine import LLM, SamplingParams
 

@@ -143,15 +143,11 @@ def test_graph_replay_bit_identical_to_eager(runs, backend):
         assert a.logprobs == b.logprobs, f"{backend}: replayed logprobs differ from eager ones (same batches)"
 
 
-def test_bundled_tiny_golden():
-    from specbench.harness.fixtures import bundled_pair
-
-    target = bundled_pair()[0]
-    if not (target / "model.safetensors").is_file():
-        pytest.skip(f"bundled tiny fixture not built at {target}")
-    hf = _hf(str(target))
+def test_bundled_tiny_golden(tiny):
+    target = tiny[0]
+    hf = _hf(target)
     for eager in (True, False):
-        outs, info = _run(str(target), "torch", eager)  # head_dim 32: the torch backend (+ Triton ops)
+        outs, info = _run(target, "torch", eager)  # head_dim 32: the torch backend (+ Triton ops)
         stats = _gate(hf, outs)
         print(f"golden tiny torch eager={eager}: {stats}")
         _assert_gate(stats, f"tiny eager={eager}")

@@ -22,16 +22,6 @@ BUDGETS = [3, 9, 16, 30, 48, 64]
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    from specbench.harness.fixtures import bundled_pair
-
-    target, draft = bundled_pair()
-    if not (target / "model.safetensors").is_file():
-        pytest.skip(f"bundled tiny fixture not built at {target}")
-    return str(target), str(draft)
-
-
-@pytest.fixture(scope="module")
 def prompts(gsm8k_prompts):
     return gsm8k_prompts[: len(BUDGETS)]
 

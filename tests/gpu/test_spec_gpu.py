@@ -32,16 +32,6 @@ def _free() -> None:
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    from specbench.harness.fixtures import bundled_pair
-
-    target, draft = bundled_pair()
-    if not (target / "model.safetensors").is_file():
-        pytest.skip(f"bundled tiny fixture not built at {target}")
-    return str(target), str(draft)
-
-
-@pytest.fixture(scope="module")
 def geo_pair(tmp_path_factory):
     """A random target with Qwen3-4B's head geometry (head_dim 128, 4 query heads per KV head; peaked logits)
     and a random DFlash drafter (block 16) for it."""
