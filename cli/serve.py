@@ -13,9 +13,26 @@ refused at start (exit 2, naming the knob) when out of range. Endpoints and erro
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 import typer
+
+# The engine steps on its own thread beside the event loop; after each GPU wait it needs the GIL back, and with
+# Python's 5 ms switch interval a busy event loop (64 streams' deltas) can keep it that long per step.
+DEFAULT_GIL_SWITCH_MS = 0.5
+
+
+def _env_ms(name: str, default: float) -> float | None:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        v = float(raw)
+    except ValueError:
+        return None
+    return v if 0.01 <= v <= 100.0 else None
 
 
 def serve(
@@ -62,6 +79,11 @@ def serve(
                                                     "(default: none, no CORS headers)."),
     shutdown_timeout: float = typer.Option(30.0, "--shutdown-timeout",
                                            help="Seconds in-flight requests get to finish after SIGTERM/SIGINT."),
+    gil_switch_ms: float | None = typer.Option(None, "--gil-switch-ms", min=0.01, max=100.0,
+                                               help="Python's thread switch interval in ms (sys.setswitchinterval): "
+                                                    "how long the engine thread may wait for the GIL while the HTTP "
+                                                    "side runs (default $SPECBENCH_GIL_SWITCH_MS, else 0.5; "
+                                                    "Python's own is 5)."),
 ) -> None:
     """Serve the reference engine with an OpenAI-compatible API (/v1/completions, /v1/chat/completions, ...)."""
     from specbench.harness.engines import EngineStringError, bundled
@@ -80,6 +102,12 @@ def serve(
     except ValueError as e:
         typer.echo(f"specbench serve: {e}", err=True)
         raise typer.Exit(EXIT_CONFIG) from None
+    switch = gil_switch_ms if gil_switch_ms is not None else _env_ms("SPECBENCH_GIL_SWITCH_MS", DEFAULT_GIL_SWITCH_MS)
+    if switch is None:
+        typer.echo("specbench serve: SPECBENCH_GIL_SWITCH_MS is invalid: expected a number of ms in [0.01, 100]",
+                   err=True)
+        raise typer.Exit(EXIT_CONFIG)
+    sys.setswitchinterval(switch / 1000.0)
     bad = check_dirs(model, draft if spec in (None, "dflash") else None) if model is not None else None
     if bad:
         typer.echo(f"specbench serve: {bad}", err=True)

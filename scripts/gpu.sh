@@ -30,6 +30,9 @@
 #                forward path; $W/h200-load/load.{json,md}, copied to $OUT/h200-load/; LOAD_ARGS adds flags
 #   bisect       benchmarks/speed.py --sections steps on this tree ("head") and on every carried .bisect/<commit>.tgz
 #                (a `git archive` of the code folders; this tree's speed.py is used for each), one machine
+#   serve-ab     issue 28 item 4: `specbench serve` servers (Qwen3-4B-shaped pair, spec off), one per arm of SERVE_AB_ARMS
+#                ("label:port:VAR=v,VAR=v ..."; default: GIL switch 5 ms + per-delta hand-over vs the defaults), one
+#                interleaved `specbench sweep` over them (SERVE_AB_LEVELS, _DATASET, _PPL, _ROUNDS); $OUT/h200-serve/
 #   attrib       specbench profile with graphs, spec off/on (synthetic tau 6.5) at batch 1 and ATTRIB_BATCH (32):
 #                kernel classes, launch gaps and phases per case in $W/attrib-{off,on}-b{1,32}/ (issue 19)
 #   eval         specbench eval gsm8k --limit EVAL_LIMIT (50) spec off vs on on the pair (issue 10; needs the
@@ -254,6 +257,34 @@ if [ "$what" = bisect ]; then  # issue 19: `speed --sections steps` on this tree
       --sections steps --repeats ${BISECT_REPEATS:-3} --out-dir "$W/bisect/$c") > "$W/bisect/$c.log" 2>&1
     log "bisect $c rc=$? $(grep -o 'step benches b1.*' "$W/bisect/$c.log" | cut -c1-400)"
   done
+fi
+if [ "$what" = serve-ab ]; then  # issue 28 item 4: `specbench serve` under load, server settings A/B -> $OUT/h200-serve/
+  pair "$SPEC_WORKDIR"
+  mkdir -p "$W/h200-serve"
+  # arm = label:port:env (env: comma-separated VAR=value for that server); default: the HTTP side as before
+  # (GIL switch 5 ms, one hand-over per delta) vs now (0.5 ms, one hand-over per step)
+  arms=${SERVE_AB_ARMS:-"before:8201:SPECBENCH_GIL_SWITCH_MS=5,SPECBENCH_BATCH_DELIVERY=0 now:8202:SPECBENCH_GIL_SWITCH_MS=0.5"}
+  pids=""; engines=""; labels=""
+  for a in $arms; do
+    l=${a%%:*}; rest=${a#*:}; p=${rest%%:*}; e=${rest#*:}
+    log "serve-ab: starting $l on :$p ($e)"
+    env $(echo "$e" | tr ',' ' ') python3 -m specbench serve --model "$SPEC_WORKDIR/target" --device cuda --dtype bfloat16 \
+      --spec off --num-pages ${SERVE_AB_PAGES:-5000} --port "$p" --served-model-name q3 --log-level warning \
+      > "$W/h200-serve/server-$l.log" 2>&1 &
+    pids="$pids $!"; engines="$engines${engines:+,}openai:http://127.0.0.1:$p,model=q3"; labels="$labels${labels:+,}$l"
+  done
+  for a in $arms; do rest=${a#*:}; p=${rest%%:*}; t0=$(date +%s)
+    until curl -sf "http://127.0.0.1:$p/health" >/dev/null; do sleep 2; [ $(( $(date +%s) - t0 )) -gt ${SERVE_AB_READY_S:-240} ] && break; done
+    log "serve-ab: :$p ready after $(( $(date +%s) - t0 )) s ($(curl -s http://127.0.0.1:$p/health | cut -c1-160))"
+  done
+  timeout $(cap ${SERVE_AB_TIMEOUT:-360}) python3 -m specbench sweep --arms "$engines" --labels "$labels" \
+    -c ${SERVE_AB_LEVELS:-1,8,32,64} --dataset ${SERVE_AB_DATASET:-spec_bench} --prompts-per-level ${SERVE_AB_PPL:-2} \
+    --max-tokens 128 --ignore-eos --rounds ${SERVE_AB_ROUNDS:-2} --no-progress --out "$W/h200-serve/sweep" \
+    --report "$W/h200-serve/sweep.md" 2>&1 | tail -40 | tee "$W/h200-serve/sweep.log"
+  r=${PIPESTATUS[0]}; [ "$r" = 0 ] || rc=$r; log "serve-ab sweep rc=$r"
+  kill $pids 2>/dev/null; sleep 3; kill -9 $pids 2>/dev/null
+  find "$W/h200-serve/sweep" -name requests.jsonl -delete 2>/dev/null
+  mkdir -p "$OUT/h200-serve" && cp "$W"/h200-serve/*.md "$W"/h200-serve/*.log "$OUT/h200-serve/" 2>/dev/null
 fi
 if [ "$what" = attrib ]; then
   pair "$SPEC_WORKDIR"
