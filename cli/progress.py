@@ -33,6 +33,8 @@ class RunProgress:
             terminal = self.force_terminal if self.force_terminal is not None else self.stream.isatty()
         self.terminal = terminal
         self.done = 0
+        self.work_total: float | None = None  # planned work, when units differ in cost (plan(work=...))
+        self.work_done = 0.0
         self.phase_name = ""
         self._t0 = time.perf_counter()
         self._bar: Any = None
@@ -48,17 +50,16 @@ class RunProgress:
                 Progress,
                 TextColumn,
                 TimeElapsedColumn,
-                TimeRemainingColumn,
             )
 
             self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TextColumn(self.unit), TimeElapsedColumn(), TextColumn("ETA"),
-                                 TimeRemainingColumn(), console=Console(file=self.stream, force_terminal=True),
+                                 TextColumn(self.unit), TimeElapsedColumn(), TextColumn("ETA {task.fields[eta]}"),
+                                 console=Console(file=self.stream, force_terminal=True),
                                  transient=False, redirect_stdout=_isatty(sys.stdout))
             # stdout is only drawn above the bar when it is the terminal too: piped or redirected, what the
             # command prints there (a table, JSON, markdown) must reach the pipe, not the bar's stream
             self._bar.start()
-            self._task = self._bar.add_task("starting", total=self.total)
+            self._task = self._bar.add_task("starting", total=self.total, eta=_clock(None))
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -70,9 +71,11 @@ class RunProgress:
             word = "done" if self.done >= self.total else "stopped at"
             self._line(f"{word}: {self.done}/{self.total} {self.unit} in {self.elapsed():.0f} s")
 
-    def plan(self, total: int) -> None:
-        """The run's total, once it is known (after the prompts are made)."""
-        self.total = total
+    def plan(self, total: int, work: float | None = None) -> None:
+        """The run's total, once it is known (after the prompts are made). `work`: the whole run's cost in the
+        unit `advance(work=...)` reports, when units differ in cost (a sweep: a request at c64 is 1/64 of a
+        wave, at c1 a whole one); the ETA then extrapolates work, not units."""
+        self.total, self.work_total = total, work
         if self._bar is not None:
             self._bar.update(self._task, total=total)
 
@@ -80,10 +83,19 @@ class RunProgress:
         return time.perf_counter() - self._t0
 
     def eta(self) -> float | None:
-        """Seconds left for the whole run at the rate so far (None before the first request finished)."""
+        """Seconds left for the whole run at the rate measured so far (None before the first unit finished):
+        units per second, or with planned work, work per second."""
+        if self.work_total is not None:
+            if self.work_done <= 0:
+                return None
+            return self.elapsed() / self.work_done * max(0.0, self.work_total - self.work_done)
         if self.done == 0:
             return None
         return self.elapsed() / self.done * max(0, self.total - self.done)
+
+    def _redraw(self) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, completed=self.done, eta=_clock(self.eta()))
 
     def _line(self, text: str) -> None:
         print(text, file=self.stream, flush=True)
@@ -101,19 +113,27 @@ class RunProgress:
                    + f"{self.done}/{self.total} done, {self.elapsed():.0f} s elapsed"
                    + (f", ETA {eta:.0f} s" if eta is not None else ""))
 
-    def advance(self, _result: object = None, n: int = 1) -> None:
+    def advance(self, _result: object = None, n: int = 1, work: float | None = None) -> None:
+        """n more units done (an adapter's on_result passes the result); `work` their cost (plan(work=...))."""
         self.done += n
-        if self._bar is not None:
-            self._bar.update(self._task, completed=self.done)
+        self.work_done += n if work is None else work
+        self._redraw()
 
     def update(self, done: int, total: int | None = None) -> None:
         """Counts reported by someone else (a worker process): set, not added."""
         if total is not None and total != self.total:
             self.plan(total)
         if done != self.done:
+            self.work_done += done - self.done
             self.done = done
-            if self._bar is not None:
-                self._bar.update(self._task, completed=self.done)
+            self._redraw()
+
+
+def _clock(seconds: float | None) -> str:
+    if seconds is None:
+        return "-:--:--"
+    m, s = divmod(int(round(seconds)), 60)
+    return f"{m // 60}:{m % 60:02d}:{s:02d}"
 
 
 def _isatty(stream: object) -> bool:

@@ -345,3 +345,28 @@ def test_interrupted_eval_keeps_the_finished_arm(monkeypatch, tmp_path) -> None:
     assert json.loads((run_dir / "run.json").read_text())["status"] == "incomplete"
     samples = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 3 * 2 and {s["arm"] for s in samples} == {"baseline"}  # the baseline's, kept
+
+
+def test_eta_extrapolates_planned_work_not_units() -> None:
+    with RunProgress(0, stream=io.StringIO(), terminal=False) as p:
+        p.plan(65, work=2.0)  # one request at c1 (a whole wave), then 64 at c64 (one wave together)
+        p.advance(work=1.0)
+        p._t0 -= 10.0  # the c1 request took 10 s
+        assert 9.5 < p.eta() < 10.5  # one wave left: ~10 s, where counting requests would say ~640 s
+        for _ in range(64):
+            p.advance(work=1 / 64)
+        assert p.done == 65 and p.eta() == pytest.approx(0.0, abs=1e-6)
+    with RunProgress(0, stream=io.StringIO(), terminal=False) as p:  # no work planned: units
+        p.plan(4)
+        p.advance()
+        p._t0 -= 10.0
+        assert 29.5 < p.eta() < 30.5
+
+
+def test_sweep_plans_requests_and_waves() -> None:
+    from specbench.suites.sweep import Arm, SweepConfig, SweepRunner, with_noise_copy
+
+    cfg = SweepConfig(levels=(1, 8), num_prompts=8, rounds=1, warmup=1)
+    r = SweepRunner(cfg, with_noise_copy([Arm("A", "a"), Arm("B", "b")]), {}, None, None)  # type: ignore[arg-type]
+    # c1: 2 warm-up cells of 1 request + A B A#2 of 8 = 26 requests, 26 waves; c8: 2 x 8 + 3 x 8 = 40, 5 waves
+    assert r.planned() == (10, 66, 31.0)

@@ -25,10 +25,11 @@ Contract:
   `sink.cell(record)` per finished cell (duration, counters delta; `server_metrics`: the audited /metrics
   families before the cell and, settled, after it, for the client-side metrics audit). An interrupt
   loses only requests still in flight.
-- Progress: `progress` is None / False (silent) or an object with `plan(total)`, `phase(name, n)` and
-  `advance()` (cli/progress.py RunProgress): the runner plans the sweep's requests (warm-up included), names
-  each cell as it starts ("c8 round 2/3 spec-on, cell 14/55", its n requests) and advances once per
-  finished request.
+- Progress: `progress` is None / False (silent) or an object with `plan(total, work)`, `phase(name, n)` and
+  `advance(work=)` (cli/progress.py RunProgress): the runner plans the sweep's requests (warm-up included),
+  names each cell as it starts ("c8 round 2/3 spec-on, cell 14/55", its n requests) and advances once per
+  finished request. The work, for the ETA, is waves: a request at a level of width C (`SweepConfig.width`)
+  is 1/C of one, so the c1 cells at the start do not make the ETA extrapolate c1's pace to c64's requests.
 """
 
 from __future__ import annotations
@@ -176,20 +177,22 @@ class SweepRunner:
     def _sources(self) -> list[Arm]:
         return [a for a in self.arms if a.copy_of is None]
 
-    def planned(self) -> tuple[int, int]:
-        """(cells, requests) of the whole sweep, warm-up included: per level one warm-up cell of warmup x C
-        requests per engine (none when warmup is 0), then rounds x arms cells of the level's prompts."""
+    def planned(self) -> tuple[int, int, float]:
+        """(cells, requests, waves) of the whole sweep, warm-up included: per level one warm-up cell of warmup x C
+        requests per engine (none when warmup is 0), then rounds x arms cells of the level's prompts; a request
+        is 1/width of a wave."""
         cfg, ns = self.cfg, len(self._sources())
         cells = sum((ns if cfg.warmup_at(lv) else 0) + cfg.rounds * len(self.arms) for lv in cfg.levels)
-        reqs = sum(cfg.warmup_at(lv) * ns + cfg.rounds * len(self.arms) * cfg.prompts_at(lv) for lv in cfg.levels)
-        return cells, reqs
+        per = {lv: cfg.warmup_at(lv) * ns + cfg.rounds * len(self.arms) * cfg.prompts_at(lv) for lv in cfg.levels}
+        return cells, sum(per.values()), sum(n / cfg.width(lv) for lv, n in per.items())
 
     def _tracker(self) -> Any:
         return self.progress if callable(getattr(self.progress, "advance", None)) else None
 
     async def run(self) -> None:
         if (t := self._tracker()) is not None:
-            t.plan(self.planned()[1])
+            _, reqs, waves = self.planned()
+            t.plan(reqs, work=waves)
         for li, level in enumerate(self.cfg.levels):
             await self.run_level(li, level)
 
@@ -211,6 +214,7 @@ class SweepRunner:
                        offsets: list[float] | None, warmup: bool = False) -> dict:
         cfg, ad = self.cfg, self.adapter(arm)
         tracker = self._tracker()
+        wave = 1.0 / cfg.width(level)  # one request's share of a wave at this level (the ETA's work)
         self.cells_started += 1
         if tracker is not None:
             when = "warm-up" if warmup else f"round {rnd + 1}/{cfg.rounds}"
@@ -230,7 +234,7 @@ class SweepRunner:
         def record(res: GenResult) -> None:
             self.sink.request(res, arm.label, index.get(res.rid, -1), rnd)
             if tracker is not None:
-                tracker.advance()
+                tracker.advance(work=wave)
 
         scrape_s = 0.0
         if cfg.mode == "closed" and conc == 1 and before is not None and cfg.c1_counters:
