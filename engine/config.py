@@ -338,6 +338,10 @@ class EngineConfig:
     # the residual add + RMSNorm fused in, where they measured faster than cuBLAS; cuBLAS elsewhere (default from
     # SPECBENCH_GEMV, else on)
     gemv: bool = field(default_factory=lambda: env_flag("SPECBENCH_GEMV", True))
+    # DFlash2's candidate-selector walk as one Triton launch per draft batch (kernels/selector_walk.py), in the
+    # draft graph and the plain pass; False: the torch walk, a few ops per slot (default from
+    # SPECBENCH_SELECTOR_KERNEL, else on; needs `triton` too)
+    selector_kernel: bool = field(default_factory=lambda: env_flag("SPECBENCH_SELECTOR_KERNEL", True))
     # Decode-only steps of the FlashInfer backend: "flashinfer" (its decode wrapper) or "triton" (the split-K
     # kernel of kernels/decode_attention.py, CUDA graphs included); prefill / verify steps stay on FlashInfer
     # (default from SPECBENCH_DECODE_ATTENTION, else "triton": faster in 9 of 10 measured cells, docs/gpu.md)
