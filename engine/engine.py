@@ -156,7 +156,7 @@ class LLMEngine:
                 "attention_backend": self.cfg.attention_backend, "eager": self.cfg.eager,
                 "attention": self.runner.backend.name, "triton": self.runner.model.ops is not None,
                 "decode_tensor_cores": self.cfg.decode_tensor_cores, "decode_attention": self.cfg.decode_attention,
-                "gemv": self.cfg.gemv,
+                "gemv": self.cfg.gemv, "selector_kernel": getattr(self.proposer, "walk_kernel", None),
                 "batched_draft": self.cfg.spec.batched_draft, "verify_graph": self.cfg.verify_graph,
                 "draft_graph": self.cfg.draft_graph, "faults": sorted(self.faults.names),
                 "check_invariants": self.invariants is not None,

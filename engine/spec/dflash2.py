@@ -12,7 +12,9 @@ around each sublayer and the candidate selector choosing the drafts (engine/spec
   inside the captured segments; `draft_hidden` is what it is checked against.
 - Greedy requests: `sel.greedy_path` from the anchor. Sampled requests: `sel.sampled_path` with
   the request's temperature and its own generator; `span.draft_probs` is the walk's q (zero off the
-  candidates), which AcceptStep's rejection sampling reads, so T > 0 stays lossless.
+  candidates), which AcceptStep's rejection sampling reads, so T > 0 stays lossless. Both walks run as one
+  Triton launch per draft batch when `walk_kernel` (`sel.kernel_on`: CUDA, Triton on,
+  EngineConfig.selector_kernel; kernels/selector_walk.py), in the graph's tail and here; else torch ops per slot.
 - `variants`: the draft knobs (engine/faults.py `DraftKnobs`) it honours: `selector=False` drafts the
   logits' argmax (greedy) / samples the request's own transformed distribution (T > 0), as a DFlash1 code
   path would; `causal` forces the layers' causality. check-draft runs them as the variants an engine's
@@ -54,6 +56,8 @@ class DFlash2Proposer(DFlashProposer):
                  pool: PagePool, batched: bool = True) -> None:
         super().__init__(k, draft, target, runner, pool, batched=batched)
         self.graphs2: DraftGraphs2 | None = None  # built at the first draft on the graph path
+        # the walk in one launch (kernels/selector_walk.py); read by DraftStack2's tail when it is built
+        self.walk_kernel = sel.kernel_on(runner.device, runner.cfg.selector_kernel, runner.cfg.triton)
 
     def propose(self, spans, ks, tile_starts=False, selector: bool = True, causal: bool | None = None):
         if not spans:
@@ -79,7 +83,7 @@ class DFlash2Proposer(DFlashProposer):
             elif selector_on:
                 unary, ids = sel.candidates(logits[rows], self.draft.selector_top_k)
                 drafts = sel.greedy_path(unary, ids, sel.project(hidden[rows], proj_w), anchor[rows],
-                                              pred, succ).tolist()
+                                         pred, succ, kernel=self.walk_kernel).tolist()
             else:
                 drafts = logits[rows].argmax(-1).tolist()
             for i, d in zip(greedy, drafts, strict=True):
@@ -93,7 +97,7 @@ class DFlash2Proposer(DFlashProposer):
                 temps = torch.tensor([g[i].req.params.temperature for i in sampled], device=dev,
                                      dtype=torch.float32)
                 drawn_t, q = sel.sampled_path(unary, ids, sel.project(hidden[rows], proj_w), anchor[rows],
-                                                   pred, succ, temps, u, v)
+                                              pred, succ, temps, u, v, kernel=self.walk_kernel)
                 drawn = drawn_t.tolist()
             else:  # DFlash1's draw: each slot from the request's transformed distribution
                 q = sampling_probs_rows(logits[rows].reshape(m * slots, v),

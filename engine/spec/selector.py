@@ -13,7 +13,10 @@ slot 1) to a candidate c at slot j scores
   checks d_j against p_j(. | prefix) with exactly this q_j, and when d_1..d_{j-1} are accepted the prefix the
   target saw is the one q_j was conditioned on, so the emitted tokens are distributed as the target's
   (engine/spec/sampling.py). A q from the unselected logits would make the verify lossy.
-The walk is sequential in j (S = B - 1 small steps) and batched over requests: one set of ops per slot.
+The walk is sequential in j (S = B - 1 small steps) and batched over requests: here one set of ops per slot
+(the reference); with `kernel=True` (`kernel_on`: CUDA, Triton on, EngineConfig.selector_kernel) the whole
+batch walks in one launch (kernels/selector_walk.py): the same scores up to the fp32 order of the rank sum,
+the same choices but at fp32 near ties, q to fp32 rounding (tests/selector_walk_cases.py).
 The top-K over the vocabulary is torch.topk, or FlashInfer's radix kernel with SPECBENCH_FLASHINFER_TOPK=1.
 """
 
@@ -24,6 +27,8 @@ import os
 
 import torch
 import torch.nn.functional as F
+
+from specbench.kernels import triton_enabled
 
 TOPK_ENV = "SPECBENCH_FLASHINFER_TOPK"  # 1: FlashInfer's radix top-k on CUDA where it exists (off by default)
 
@@ -39,6 +44,12 @@ def _flashinfer_topk():
     except ImportError:
         return None
     return getattr(flashinfer, "top_k", None)
+
+
+def kernel_on(device: torch.device | str, selector_kernel: bool, triton: bool) -> bool:
+    """Whether the walk runs as the one-launch kernel: `selector_kernel` (EngineConfig.selector_kernel) and the
+    Triton kernels enabled for `device` (CUDA with `triton`, or the Triton interpreter in tests)."""
+    return selector_kernel and triton_enabled(device, triton)
 
 
 def candidates(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,8 +77,12 @@ def project(hidden: torch.Tensor, proj_w: torch.Tensor) -> torch.Tensor:
 
 
 def greedy_path(unary: torch.Tensor, ids: torch.Tensor, proj: torch.Tensor, anchor: torch.Tensor,
-                pred: torch.Tensor, succ: torch.Tensor) -> torch.Tensor:
-    """The best path from the anchors [N]: draft ids [N, S]."""
+                pred: torch.Tensor, succ: torch.Tensor, kernel: bool = False) -> torch.Tensor:
+    """The best path from the anchors [N]: draft ids [N, S]. `kernel`: in one launch (kernels/selector_walk.py)."""
+    if kernel:
+        from specbench.kernels.selector_walk import selector_walk  # noqa: PLC0415  (imports triton)
+
+        return selector_walk(unary, ids, proj, anchor, pred, succ)[0]
     prev, path = anchor, []
     for j in range(ids.shape[1]):
         s = _edge(unary[:, j], ids[:, j], proj[:, j], prev, pred, succ)
@@ -78,10 +93,17 @@ def greedy_path(unary: torch.Tensor, ids: torch.Tensor, proj: torch.Tensor, anch
 
 def sampled_path(unary: torch.Tensor, ids: torch.Tensor, proj: torch.Tensor, anchor: torch.Tensor,
                  pred: torch.Tensor, succ: torch.Tensor, temps: torch.Tensor, u: torch.Tensor,
-                 vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 vocab: int, kernel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """A path drawn by inverse CDF: temps [N] (> 0), u [N, S] uniforms in [0, 1). Returns (drafts [N, S],
-    q [N, S, V]: each slot's draft distribution over the vocabulary, given the drawn predecessor)."""
+    q [N, S, V]: each slot's draft distribution over the vocabulary, given the drawn predecessor).
+    `kernel`: the walk in one launch (kernels/selector_walk.py), q scattered over the vocabulary after it."""
     n, slots, k = ids.shape
+    if kernel:
+        from specbench.kernels.selector_walk import selector_walk  # noqa: PLC0415  (imports triton)
+
+        drafts, qk = selector_walk(unary, ids, proj, anchor, pred, succ, temps, u)
+        assert qk is not None
+        return drafts, torch.zeros(n, slots, vocab, device=qk.device, dtype=torch.float32).scatter_(2, ids.long(), qk)
     prev, path, qs = anchor, [], []
     for j in range(slots):
         s = _edge(unary[:, j], ids[:, j], proj[:, j], prev, pred, succ)

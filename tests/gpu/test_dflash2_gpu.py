@@ -2,8 +2,11 @@
 
 - the DFlash2 draft graph (engine/spec/dflash2_graphs.py: convolutions inside the captured segments, the
   greedy walk in the tail) replays bit-identical to its eager padded body, with torch.topk and with
-  FlashInfer's radix top-k (SPECBENCH_FLASHINFER_TOPK=1, where flashinfer.top_k exists), and its drafts
-  agree with the plain eager pass;
+  FlashInfer's radix top-k (SPECBENCH_FLASHINFER_TOPK=1, where flashinfer.top_k exists), the walk as the
+  one-launch kernel (kernels/selector_walk.py) and as torch ops, and its drafts agree with the plain eager pass;
+- the selector-walk kernel == the torch walk on CUDA (tests/selector_walk_cases.py, up to the Qwen3-4B
+  vocabulary and batch 64), captured in a CUDA graph too; the draft graph's path with the kernel == without it,
+  and the replay timed both ways (printed);
 - FlashInfer's top-k gives torch.topk's values on draft-like logits;
 - the regret gate, spec on vs off, on the tiny target with the tiny-dflash2 fixture and all fast paths.
 Run with `pytest -m gpu tests/gpu/test_dflash2_gpu.py -s` (scripts/gpu.sh tests).
@@ -65,8 +68,9 @@ def _ready(target: str, draft: str, n: int = 8):
     return eng, list(eng.scheduler.running)
 
 
+@pytest.mark.parametrize("walk", ["kernel", "torch"])
 @pytest.mark.parametrize("fi_topk", ["0", "1"])
-def test_dflash2_draft_graph_replay_bit_identical_to_eager(geo_pair2, fi_topk, monkeypatch):
+def test_dflash2_draft_graph_replay_bit_identical_to_eager(geo_pair2, fi_topk, walk, monkeypatch):
     from specbench.engine.scheduler import Span
     from specbench.engine.spec import selector
     from specbench.engine.spec.dflash2_graphs import DraftGraphs2
@@ -81,7 +85,8 @@ def test_dflash2_draft_graph_replay_bit_identical_to_eager(geo_pair2, fi_topk, m
     try:
         eng, reqs = _ready(*geo_pair2)
         p = eng.proposer
-        assert type(p).__name__ == "DFlash2Proposer" and p.use_graphs
+        assert type(p).__name__ == "DFlash2Proposer" and p.use_graphs and p.walk_kernel  # the kernel by default
+        p.walk_kernel = walk == "kernel"
         eager, graph = DraftGraphs2(p, capture=False), DraftGraphs2(p, capture=True)
         for n in (1, 3, 8):
             spans = [Span(r, [r.all_ids[r.num_computed]], r.num_computed, "verify") for r in reqs[:n]]
@@ -94,12 +99,96 @@ def test_dflash2_draft_graph_replay_bit_identical_to_eager(geo_pair2, fi_topk, m
             plain_logits, plain_hidden, _ = p._draft(spans, False, None)
             p.use_graphs = True
             agree = (la.argmax(-1) == plain_logits.argmax(-1)).float().mean().item()
-            print(f"dflash2 draft n={n} topk={'flashinfer' if fi_topk == '1' else 'torch'}: graph == eager; "
+            print(f"dflash2 draft n={n} topk={'flashinfer' if fi_topk == '1' else 'torch'} walk={walk}: graph == eager; "
                   f"argmax agreement with the plain pass {agree:.3f}")
             assert agree > 0.8
         assert graph.stack.captured
     finally:
         selector._flashinfer_topk.cache_clear()
+    _free()
+
+
+def test_selector_walk_kernel_equals_torch_walk_on_cuda():
+    """kernels/selector_walk.py == the torch walk (greedy and T > 0, ties, bf16 codebooks) on the device, at the
+    engine's shapes too; captured in a CUDA graph it replays to the eager result; both walks timed captured."""
+    from selector_walk_cases import _inputs, run_cases
+
+    from specbench.engine.spec import selector as sel
+    from specbench.kernels.selector_walk import selector_walk
+
+    stats = run_cases(torch.device("cuda"), big=True)
+    print(f"selector walk kernel == torch walk on CUDA: {stats}")
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for n in (1, 8, 64):
+        x = _inputs(torch.device("cuda"), g, n, 15, 16, 256, 151936, torch.bfloat16)
+        ms = {}
+        for name, fn in (("kernel", lambda x=x: selector_walk(*x)[0]), ("torch", lambda x=x: sel.greedy_path(*x))):
+            ref = fn()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                fn()  # warm-up (Triton compile) outside the capture
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = fn()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, ref), f"{name} n={n}: the captured walk differs from its eager run"
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(50):
+                graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            ms[name] = start.elapsed_time(end) / 50
+        print(f"selector walk n={n} S=15 K=16 R=256 V=151936, captured: kernel {ms['kernel'] * 1e3:.1f} us, "
+              f"torch {ms['torch'] * 1e3:.1f} us")
+    _free()
+
+
+def test_dflash2_draft_graph_with_and_without_the_walk_kernel(geo_pair2):
+    """The captured DFlash2 draft with the kernel walk == with the torch walk (same logits and hidden; the path
+    equal but at fp32 near ties), and its replay timed both ways (printed: the kernel's saving)."""
+    from selector_walk_cases import check_greedy
+
+    from specbench.engine.scheduler import Span
+    from specbench.engine.spec import selector as sel
+    from specbench.engine.spec.dflash2_graphs import DraftGraphs2
+
+    eng, reqs = _ready(*geo_pair2)
+    p = eng.proposer
+    d = eng.draft_model
+    graphs = {}
+    for walk in (True, False):
+        p.walk_kernel = walk
+        graphs[walk] = DraftGraphs2(p, capture=True)
+    near = 0
+    for n in (1, 3, 8):
+        spans = [Span(r, [r.all_ids[r.num_computed]], r.num_computed, "verify") for r in reqs[:n]]
+        lk, hk, pk = (t.clone() for t in graphs[True].run2(spans))
+        lt, ht, pt = (t.clone() for t in graphs[False].run2(spans))
+        assert torch.equal(lk, lt) and torch.equal(hk, ht), f"n={n}: the walk changed the body"
+        unary, ids = sel.candidates(lk, d.selector_top_k)
+        anchor = torch.tensor([s.tokens[0] for s in spans], device="cuda")
+        near += check_greedy(f"draft graph n={n}", (unary, ids, sel.project(hk, d.sel_proj), anchor, d.sel_pred,
+                                                    d.sel_succ), pk, pt)
+        ms = {}
+        for walk, g in graphs.items():
+            for _ in range(3):
+                g.run2(spans)
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(30):
+                g.run2(spans)
+            end.record()
+            torch.cuda.synchronize()
+            ms[walk] = start.elapsed_time(end) / 30
+        print(f"dflash2 draft graph n={n} (geo pair, block 16): walk kernel {ms[True]:.3f} ms, torch walk "
+              f"{ms[False]:.3f} ms ({ms[False] - ms[True]:+.3f} ms saved)")
+    assert all(g.stack.captured for g in graphs.values())
+    print(f"near-tie divergences: {near}")
     _free()
 
 
