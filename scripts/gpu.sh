@@ -273,8 +273,11 @@ if [ "$what" = serve-ab ]; then  # issue 28 item 4: `specbench serve` under load
       > "$W/h200-serve/server-$l.log" 2>&1 &
     pids="$pids $!"; engines="$engines${engines:+,}openai:http://127.0.0.1:$p,model=q3"; labels="$labels${labels:+,}$l"
   done
-  for a in $arms; do rest=${a#*:}; p=${rest%%:*}; t0=$(date +%s)
-    until curl -sf "http://127.0.0.1:$p/health" >/dev/null; do sleep 2; [ $(( $(date +%s) - t0 )) -gt ${SERVE_AB_READY_S:-240} ] && break; done
+  set -- $pids
+  for a in $arms; do rest=${a#*:}; p=${rest%%:*}; t0=$(date +%s); pid=$1; shift
+    until curl -sf "http://127.0.0.1:$p/health" >/dev/null; do sleep 2
+      kill -0 "$pid" 2>/dev/null || { log "serve-ab: the server on :$p exited: $(tail -3 "$W"/h200-serve/server-*.log | cut -c1-200)"; break; }
+      [ $(( $(date +%s) - t0 )) -gt ${SERVE_AB_READY_S:-240} ] && break; done
     log "serve-ab: :$p ready after $(( $(date +%s) - t0 )) s ($(curl -s http://127.0.0.1:$p/health | cut -c1-160))"
   done
   timeout $(cap ${SERVE_AB_TIMEOUT:-360}) python3 -m specbench sweep --arms "$engines" --labels "$labels" \
