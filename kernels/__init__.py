@@ -12,7 +12,9 @@ scatter into the paged cache), `gemv` (small-batch GEMM with a fused add + RMSNo
 optional SwiGLU epilogue), `ops` (the bundle the model calls), `spec_accept` (the speculative-sampling
 accept step of a whole batch in one launch; its reference is the torch path of
 `engine.spec.sampling.accept_sampled_batch`, which calls it), `decode_attention` (split-K paged decode
-attention and its merge; FlashInfer's decode steps with `EngineConfig.decode_attention="triton"`).
+attention and its merge; FlashInfer's decode steps with `EngineConfig.decode_attention="triton"`),
+`selector_walk` (DFlash2's candidate-selector walk of a whole batch in one launch; its reference is the torch
+path of `engine.spec.selector.greedy_path` / `sampled_path`, which call it; `EngineConfig.selector_kernel`).
 """
 
 from __future__ import annotations
