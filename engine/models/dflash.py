@@ -102,15 +102,23 @@ class DFlashDraftModel(nn.Module):
                       ctx_v: list[torch.Tensor], ctx_valid: torch.Tensor, rope: RotaryCache) -> torch.Tensor:
         """x: block embeddings [N, S, H]; pos [N, S]; ctx_k/ctx_v per layer [N, C, Hkv, D];
         ctx_valid [N, C] bool. Returns final-normed hidden [N, S, H]."""
+        n, s, _ = x.shape
+        mask = torch.cat([ctx_valid, torch.ones(n, s, dtype=torch.bool, device=x.device)], dim=1)
+        return self._layers(x, pos, ctx_k, ctx_v, mask[:, None, None, :], rope)  # [N, 1, 1, C + S]: non-causal
+
+    def _layers(self, x: torch.Tensor, pos: torch.Tensor, ctx_k: list[torch.Tensor], ctx_v: list[torch.Tensor],
+                mask: torch.Tensor, rope: RotaryCache) -> torch.Tensor:
+        """The layers of `block_forward` under an attention mask over [context ; block] (broadcast to
+        [N, Hq, S, C + S]), then the final norm. Each sublayer (0 attention, 1 MLP) takes its normed input
+        through `_sublayer_in` and adds its output through `_sublayer_out`: the identity here, DFlash2's
+        convolutions in its subclass."""
         cfg = self.cfg
         n, s, _ = x.shape
         hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         flat_pos = pos.reshape(-1)
-        mask = torch.cat([ctx_valid, torch.ones(n, s, dtype=torch.bool, device=x.device)], dim=1)
-        mask = mask[:, None, None, :]  # [N, 1, 1, C + S]: non-causal, per-request context
         for i, ly in enumerate(self.layers):
-            h = rms_norm(x, ly.in_norm, cfg.rms_norm_eps).reshape(n * s, -1)
-            q, k, v = F.linear(h, ly.qkv_w).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+            h, state = self._sublayer_in(i, 0, rms_norm(x, ly.in_norm, cfg.rms_norm_eps))
+            q, k, v = F.linear(h.reshape(n * s, -1), ly.qkv_w).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
             q = rope.apply(rms_norm(q.reshape(n * s, hq, d), ly.q_norm, cfg.rms_norm_eps), flat_pos)
             k = rope.apply(rms_norm(k.reshape(n * s, hkv, d), ly.k_norm, cfg.rms_norm_eps), flat_pos)
             keys = torch.cat([ctx_k[i], k.reshape(n, s, hkv, d)], dim=1).transpose(1, 2)
@@ -120,10 +128,18 @@ class DFlashDraftModel(nn.Module):
                 vals = vals.repeat_interleave(hq // hkv, dim=1)
             o = F.scaled_dot_product_attention(q.reshape(n, s, hq, d).transpose(1, 2), keys, vals,
                                                attn_mask=mask, scale=self.scale)
-            x = x + F.linear(o.transpose(1, 2).reshape(n, s, hq * d), ly.o_w)
-            h = rms_norm(x, ly.post_norm, cfg.rms_norm_eps)
-            x = x + F.linear(swiglu(F.linear(h, ly.gate_up_w)), ly.down_w)
+            x = x + self._sublayer_out(i, 0, F.linear(o.transpose(1, 2).reshape(n, s, hq * d), ly.o_w), state)
+            h, state = self._sublayer_in(i, 1, rms_norm(x, ly.post_norm, cfg.rms_norm_eps))
+            x = x + self._sublayer_out(i, 1, F.linear(swiglu(F.linear(h, ly.gate_up_w)), ly.down_w), state)
         return rms_norm(x, self.norm, cfg.rms_norm_eps)
+
+    def _sublayer_in(self, layer: int, sub: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A sublayer's normed input [N, S, H] as the sublayer takes it, and what `_sublayer_out` needs."""
+        return h, None
+
+    def _sublayer_out(self, layer: int, sub: int, y: torch.Tensor, state: torch.Tensor | None) -> torch.Tensor:
+        """A sublayer's output [N, S, H] as it is added to the residual stream."""
+        return y
 
     def forward_dense(self, taps: torch.Tensor, ctx_pos: torch.Tensor, ctx_valid: torch.Tensor,
                       block_embeds: torch.Tensor, block_pos: torch.Tensor, rope: RotaryCache) -> torch.Tensor:

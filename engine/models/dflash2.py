@@ -36,7 +36,6 @@ from ..config import ConfigError, ModelConfig
 from ..loader import take
 from ..rope import RotaryCache
 from .dflash import DFlashDraftModel
-from .layers import rms_norm, swiglu
 
 DFLASH2 = "DFlash2DraftModel"
 
@@ -203,34 +202,24 @@ class DFlash2DraftModel(DFlashDraftModel):
                       causal: bool | None = None) -> torch.Tensor:
         """DFlashDraftModel.block_forward with the two convolutions per layer; causal inside the block when
         the config declares it (or `causal` forces it). Returns final-normed hidden [N, S, H]."""
-        cfg = self.cfg
         n, s, _ = x.shape
-        hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        flat_pos = pos.reshape(-1)
         c = ctx_valid.shape[1]
         block_mask = torch.ones(s, s, dtype=torch.bool, device=x.device)
         if self.causal if causal is None else causal:
             block_mask = torch.tril(block_mask)
         mask = torch.cat([ctx_valid[:, None, :].expand(n, s, c), block_mask.expand(n, s, s)], dim=2)[:, None]
-        for i, ly in enumerate(self.layers):
-            ac, mc = self.attn_convs[i], self.mlp_convs[i]
-            h = rms_norm(x, ly.in_norm, cfg.rms_norm_eps)
-            dl = ac.delta(h)
-            h = ac.conv(h, dl, 0).reshape(n * s, -1)
-            q, k, v = F.linear(h, ly.qkv_w).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-            q = rope.apply(rms_norm(q.reshape(n * s, hq, d), ly.q_norm, cfg.rms_norm_eps), flat_pos)
-            k = rope.apply(rms_norm(k.reshape(n * s, hkv, d), ly.k_norm, cfg.rms_norm_eps), flat_pos)
-            keys = torch.cat([ctx_k[i], k.reshape(n, s, hkv, d)], dim=1).transpose(1, 2)
-            vals = torch.cat([ctx_v[i], v.reshape(n, s, hkv, d)], dim=1).transpose(1, 2)
-            if hq != hkv:
-                keys = keys.repeat_interleave(hq // hkv, dim=1)
-                vals = vals.repeat_interleave(hq // hkv, dim=1)
-            o = F.scaled_dot_product_attention(q.reshape(n, s, hq, d).transpose(1, 2), keys, vals,
-                                               attn_mask=mask, scale=self.scale)
-            o = F.linear(o.transpose(1, 2).reshape(n, s, hq * d), ly.o_w)
-            x = x + ac.conv(o, dl, 1)
-            h = rms_norm(x, ly.post_norm, cfg.rms_norm_eps)
-            dm = mc.delta(h)
-            y = F.linear(swiglu(F.linear(mc.conv(h, dm, 0), ly.gate_up_w)), ly.down_w)
-            x = x + mc.conv(y, dm, 1)
-        return rms_norm(x, self.norm, cfg.rms_norm_eps)
+        return self._layers(x, pos, ctx_k, ctx_v, mask, rope)
+
+    def _conv(self, layer: int, sub: int) -> GroupedDynamicConv:
+        return (self.attn_convs if sub == 0 else self.mlp_convs)[layer]
+
+    def _sublayer_in(self, layer: int, sub: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The sublayer's dynamic taps from its normed input, and that input convolved on the way in."""
+        conv = self._conv(layer, sub)
+        delta = conv.delta(h)
+        return conv.conv(h, delta, 0), delta
+
+    def _sublayer_out(self, layer: int, sub: int, y: torch.Tensor, state: torch.Tensor | None) -> torch.Tensor:
+        """The sublayer's output convolved on the way out, with the taps its input gave."""
+        assert state is not None
+        return self._conv(layer, sub).conv(y, state, 1)
