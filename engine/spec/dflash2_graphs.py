@@ -14,7 +14,8 @@ Contract (beside engine/spec/dflash_graphs.py, whose padding and row layout it k
 - The tail writes the DFlash2 logits (multiplier, soft cap) of slots 1..B-1 into a static fp32 buffer,
   their final hidden into another (the T > 0 walk reads them), and the selector's greedy path from each
   block's anchor (row i * B of `io`) into a static long buffer: the walk is captured with the rest, one
-  set of ops per slot for the whole batch.
+  Triton launch for the whole batch (kernels/selector_walk.py) when the proposer's `walk_kernel` is on,
+  else one set of torch ops per slot.
 - `run(spans, tile_starts, causal)` -> (logits, hidden, greedy drafts) views of the first N blocks, valid
   until the next draft. Same function as `DFlash2Proposer`'s plain path (tested on CPU with capture=False).
 """
@@ -26,15 +27,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from ..attention.base import AttentionMetadata
-from ..graphs import default_buckets
 from ..models.dflash2 import DFlash2DraftModel, GroupedDynamicConv
 from ..models.layers import add_rms_norm, rms_norm, swiglu
 from ..models.qwen3 import Qwen3Layer
 from ..rope import RotaryCache
 from ..scheduler import Span
 from . import selector as sel
-from .dflash_graphs import DraftGraphs, DraftStack, block_positions
+from .dflash_graphs import DraftGraphs, DraftStack
 
 if TYPE_CHECKING:
     from .dflash2 import DFlash2Proposer
@@ -100,6 +99,7 @@ class DraftStack2(DraftStack):
                        for i, ly in enumerate(d.layers)]
         self.hidden = torch.zeros(max_blocks, b - 1, d.cfg.hidden_size, dtype=proposer.runner.dtype, device=dev)
         self.drafts = torch.zeros(max_blocks, b - 1, dtype=torch.long, device=dev)
+        self.walk_kernel = bool(getattr(proposer, "walk_kernel", False))  # fixed at capture
 
     def static_bytes(self) -> int:
         return super().static_bytes() + sum(t.numel() * t.element_size() for t in (self.taps, self.hidden, self.drafts))
@@ -115,51 +115,22 @@ class DraftStack2(DraftStack):
         proj_w, pred, succ = self.draft.selector_weights()
         unary, ids = sel.candidates(logits, self.draft.selector_top_k)
         anchor = self.io[0, :rows:self.block]
-        self.drafts[:blocks].copy_(sel.greedy_path(unary, ids, sel.project(h, proj_w), anchor, pred, succ))
+        self.drafts[:blocks].copy_(sel.greedy_path(unary, ids, sel.project(h, proj_w), anchor, pred, succ,
+                                                   kernel=self.walk_kernel))
 
 
 class DraftGraphs2(DraftGraphs):
+    stack_class = DraftStack2
     stack: DraftStack2
 
     def __init__(self, proposer: DFlash2Proposer, capture: bool = True, buckets: list[int] | None = None) -> None:
-        # DraftGraphs.__init__ with the DFlash2 stack (not calling it: it would allocate DFlash1's buffers)
-        self.proposer = proposer
-        self.buckets = sorted(set(buckets or default_buckets(proposer.runner.cfg.max_num_seqs)))
-        self.stack = DraftStack2(proposer, self.buckets[-1], capture)
-        self.stats = {"steps": 0, "real_rows": 0, "padded_rows": 0}
+        super().__init__(proposer, capture, buckets)  # typed: the DFlash2 stack needs a DFlash2 proposer
 
     @torch.inference_mode()
     def run2(self, spans: list[Span], tile_starts: bool = False, causal: bool | None = None
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(logits [N, B-1, V], hidden [N, B-1, H], greedy drafts [N, B-1]): views of the static buffers."""
-        p = self.proposer
-        r, pool, blk = p.runner, p.pool, p.block
-        n = len(spans)
-        b = self.bucket(n)
-        assert b is not None, "run2() on more spans than the largest bucket"
-        rows, real = b * blk, n * blk
-        pad = rows - real
-        for s in spans:
-            pool.ensure(s.req.rid, s.start + blk)
-        host = torch.zeros(3, rows, dtype=torch.long)
-        host[2].fill_(r.dummy_slot)
-        block = torch.full((n, blk), p.draft.mask_token_id, dtype=torch.long)
-        block[:, 0] = torch.tensor([s.tokens[0] for s in spans], dtype=torch.long)
-        host[0, :real] = block.reshape(-1)
-        host[1, :real] = torch.tensor(block_positions([s.start for s in spans], blk, tile_starts), dtype=torch.long)
-        host[2, :real] = torch.tensor([x for s in spans for x in pool.slots(s.req.rid, s.start, s.start + blk)],
-                                      dtype=torch.long)
-        self.stack.io[:, :rows].copy_(host)
-        is_causal = bool(getattr(p.draft, "causal", False)) if causal is None else causal
-        # Padding rows: one-token sequences on the dummy page (q_len 1, so causal or not is the same to them).
-        meta = AttentionMetadata(q_lens=[blk] * n + [1] * pad, kv_lens=[s.start + blk for s in spans] + [1] * pad,
-                                 slot_mapping=self.stack.io[2, :rows],
-                                 page_tables=[pool.table(s.req.rid) for s in spans] + [[r.dummy_page]] * pad,
-                                 page_size=pool.page_size, causal=is_causal)
-        self.stack.backend.plan(meta)
-        self.stack.run(rows)
-        self.stats["steps"] += 1
-        self.stats["real_rows"] += real
-        self.stats["padded_rows"] += pad
+        is_causal = bool(getattr(self.proposer.draft, "causal", False)) if causal is None else causal
+        n = self._replay(spans, tile_starts, is_causal)
         st = self.stack
         return st.logits[:n], st.hidden[:n], st.drafts[:n]

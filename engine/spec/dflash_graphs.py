@@ -69,10 +69,12 @@ class DraftStack(PiecewiseStack):
 
 
 class DraftGraphs:
+    stack_class: type[DraftStack] = DraftStack  # DFlash2: DraftStack2 (its buffers, its layers, its tail)
+
     def __init__(self, proposer: DFlashProposer, capture: bool = True, buckets: list[int] | None = None) -> None:
         self.proposer = proposer
         self.buckets = sorted(set(buckets or default_buckets(proposer.runner.cfg.max_num_seqs)))
-        self.stack = DraftStack(proposer, self.buckets[-1], capture)
+        self.stack = self.stack_class(proposer, self.buckets[-1], capture)
         self.stats = {"steps": 0, "real_rows": 0, "padded_rows": 0}
 
     @property
@@ -89,11 +91,17 @@ class DraftGraphs:
     def run(self, spans: list[Span], tile_starts: bool = False) -> torch.Tensor:
         """Draft logits [N, B - 1, V] (a view of the static buffer). `tile_starts`: the self-test's wrong
         block positions (dflash.block_positions)."""
+        return self.stack.logits[:self._replay(spans, tile_starts, False)]
+
+    def _replay(self, spans: list[Span], tile_starts: bool, causal: bool) -> int:
+        """Lay the N blocks out padded to their bucket, plan the attention (non-causal unless `causal`;
+        padding rows are one-token sequences on the dummy page, to which causal or not is the same), run the
+        stack; returns N. The outputs are in the stack's static buffers."""
         p = self.proposer
         r, pool, blk = p.runner, p.pool, p.block
         n = len(spans)
         b = self.bucket(n)
-        assert b is not None, "run() on more spans than the largest bucket"
+        assert b is not None, "a draft of more spans than the largest bucket"
         rows, real = b * blk, n * blk
         pad = rows - real
         for s in spans:
@@ -111,13 +119,13 @@ class DraftGraphs:
         meta = AttentionMetadata(q_lens=[blk] * n + [1] * pad, kv_lens=[s.start + blk for s in spans] + [1] * pad,
                                  slot_mapping=io[2, :rows],
                                  page_tables=[pool.table(s.req.rid) for s in spans] + [[r.dummy_page]] * pad,
-                                 page_size=pool.page_size, causal=False)
+                                 page_size=pool.page_size, causal=causal)
         self.stack.backend.plan(meta)
         self.stack.run(rows)
         self.stats["steps"] += 1
         self.stats["real_rows"] += real
         self.stats["padded_rows"] += pad
-        return self.stack.logits[:n]
+        return n
 
     def describe(self) -> dict:
         return {"mode": self.mode, "buckets": self.buckets, "block": self.proposer.block,
