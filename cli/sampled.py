@@ -1,9 +1,11 @@
 """`specbench sampled`: the sampled (T > 0) equivalence gate, spec off vs spec on, for any engine.
 
-Contract: builds the baseline and candidate adapters from engine strings (default: the bundled tiny
-pair, spec off vs spec on; a local candidate alone gets its spec-off twin as the baseline), runs
-suites/sampled (gate.py) and prints the verdict, or with --selftest runs the gate against the clean local
-candidate and, through its "faults" capability, each sampling fault armed on a fresh engine
+Contract: builds the baseline and candidate adapters from engine strings (default: the bundled target
+spec off, against the default configuration set's candidates on it, suites/sampled/config.py
+DEFAULT_CANDIDATES: the soft-q n-gram and the bundled DFlash drafter; a local candidate alone gets its
+spec-off twin as the baseline), runs suites/sampled (gate.py) and prints the verdict and the per-configuration
+table (bonus rows, rejections, verdict), or with --selftest runs the gate --repeat times against the clean
+local candidates and, through their "faults" capability, once per sampling fault armed on fresh engines
 (selftest.py). Records go to the results store (run.json, cells.jsonl, samples.jsonl) unless
 --no-record; --endpoint-type chat sends every prompt as one user message (gate.py's chat contract); --report writes markdown; --json prints the summary as one JSON document on the last line.
 Exit codes: 0 PASS (also "PASS (speculation unverified)"), 1 FAIL / NOT SPECULATING / NO DRAFT ACCEPTED /
@@ -32,28 +34,32 @@ def sampled(
                                         "Default: the local candidate's spec-off twin (the bundled tiny pair, "
                                         "spec off, without --candidate)."),
     candidate: str | None = typer.Option(None, "--candidate", help="Engine string, speculation on. "
-                                         "Default: the bundled tiny pair, spec on (--selftest: the bundled target with the n-gram proposer)."),
-    num_prompts: int | None = typer.Option(None, "--num-prompts", min=1, help="gsm8k test prompts "
-                                           "(default 8; --selftest: 1)."),
+                                         "Default: two candidates on the bundled target, the n-gram proposer with a "
+                                         "soft q (spec=ngram,mix=0.05) and the bundled DFlash drafter, one BH family."),
+    num_prompts: int | None = typer.Option(None, "--num-prompts", min=1, help="Prompts of each prompt set "
+                                           "(default 2; --selftest: 1)."),
     configs: str | None = typer.Option(None, "--configs", help="Sampling configs 't=1.0;t=0.7,p=0.9;t=1,k=20' "
-                                       "(keys t, p, k). Default: t1.0; t0.7-p0.9; t1.0-k20; t0.5 "
-                                       "(--selftest: t=1,k=3; t=0.7,p=0.8; t=0.5; t=1)."),
+                                       "(keys t, p, k). Default: t=0.6,p=0.95; t=1.0,k=20; t=1.3,k=3."),
     positions: int | None = typer.Option(None, "--positions", min=1, help="Output positions P tested "
-                                         "(max_tokens = P) (default 32; --selftest: 4)."),
+                                         "(max_tokens = P) (default 8; --selftest: 4)."),
     samples: int | None = typer.Option(None, "--samples", min=2, help="Samples per arm per (prompt, config) "
-                                       "(default 256; --selftest: 1024)."),
+                                       "(default 256)."),
     permutations: int = typer.Option(1999, "--permutations", min=19, help="Permutations per cell."),
-    q: float = typer.Option(0.05, "--q", min=0.0, max=1.0, help="Benjamini-Hochberg false discovery rate."),
+    q: float = typer.Option(0.05, "--q", min=0.0, max=1.0, help="Benjamini-Hochberg false discovery rate of a run "
+                            "(--selftest: the family-wise level over the --repeat clean runs; each run at q / repeat)."),
     null: bool = typer.Option(False, "--null", help="Also run spec vs spec on disjoint seeds: must reject nothing."),
-    selftest: bool = typer.Option(False, "--selftest", help="Inject each sampling fault into the local candidate: "
-                                  "every fault must be caught, the clean engine must pass."),
+    selftest: bool = typer.Option(False, "--selftest", help="Inject each sampling fault into the local candidates: "
+                                  "every fault must be caught, the clean engine must pass --repeat runs."),
+    repeat: int | None = typer.Option(None, "--repeat", min=1, help="--selftest: clean runs, each on fresh engines "
+                                      "and its own seeds (default 5)."),
     seed: int = typer.Option(0, "--seed", min=0, help="Base seed (sample seeds and permutations)."),
     concurrency: int = typer.Option(128, "--concurrency", min=1, help="Requests in flight per arm."),
     refine: bool = typer.Option(True, "--refine/--no-refine", help="Extra permutations for cells near the p floor."),
     prompt_chars: int | None = typer.Option(None, "--prompt-chars", min=16, help="Keep the last N characters "
-                                            "of a prompt (default 400; --selftest: 200)."),
-    prompt_set: str | None = typer.Option(None, "--prompt-set", help="gsm8k, or echo: prompt + the baseline's "
-                                          "greedy answer + the prompt again (default gsm8k; --selftest: echo)."),
+                                            "of a question (default 400; --selftest: 200)."),
+    prompt_set: str | None = typer.Option(None, "--prompt-set", help="Prompt sets, comma-separated: gsm8k; echo "
+                                          "(question + the baseline's greedy answer + the question again); repeat "
+                                          "(question + a run of one repeated digit). Default: echo,repeat."),
     json_out: bool = typer.Option(False, "--json", help="Print the summary JSON (last line)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress display and no summary table: the verdict "
                                "line only (--json implies it)."),
@@ -70,42 +76,40 @@ def sampled(
     """Sampled equivalence gate: per-position token distributions, spec off vs on, permutation test + BH."""
     from specbench.harness.adapters.base import UnsupportedCapability
     from specbench.harness.engines import (
-        EngineSpec,
         EngineStringError,
         baseline_and_candidate,
         build_adapter,
-        default_engines,
         gate_specs,
         parse_engine,
         share_gpu,
     )
     from specbench.suites.sampled import report as rep
     from specbench.suites.sampled.gate import DEFAULT_CONFIGS, SampledError, SampledGateOptions, parse_configs
-    from specbench.suites.sampled.selftest import SELFTEST_CONFIGS, SELFTEST_OPTIONS, SELFTEST_SPEC
+    from specbench.suites.sampled.selftest import SELFTEST_OPTIONS, SELFTEST_REPEAT
 
     bad = usage_errors("sampled")
 
     try:
+        if repeat is not None and not selftest:
+            raise SampledError("--repeat goes with --selftest (the clean engine's repeated runs)")
         given = {"num_prompts": num_prompts, "positions": positions, "samples": samples, "prompt_chars": prompt_chars,
                  "prompt_set": prompt_set}
         dflt_opts = SELFTEST_OPTIONS if selftest else {}
         sized: dict[str, Any] = {k: v if v is not None else dflt_opts.get(k, getattr(SampledGateOptions, k)) for k, v in given.items()}
         opts = SampledGateOptions(**sized, permutations=permutations, q=q, null=null, seed=seed,
                                   concurrency=concurrency, refine=refine, endpoint_type=endpoint_type)
-        cfgs = parse_configs(configs or SELFTEST_CONFIGS) if (configs or selftest) else list(DEFAULT_CONFIGS)
-        if selftest and not candidate:
-            bspec = parse_engine(baseline) if baseline else default_engines()[0]
-            # the baseline's target with the proposer under which every sampling fault acts (selftest.py)
-            cspec = (EngineSpec("local", bspec.target, {"spec": SELFTEST_SPEC, "name": "candidate"},
-                                f"local:{bspec.target},spec={SELFTEST_SPEC}")
-                     if bspec.kind == "local" else default_engines()[1])
+        cfgs = parse_configs(configs) if configs else list(DEFAULT_CONFIGS)
+        if candidate is None and (selftest or baseline is None):
+            bspec = parse_engine(baseline) if baseline else baseline_and_candidate(None, None)[0]
+            cspecs = _default_candidates(bspec)  # the default configuration set's candidates
         else:
             bspec, cspec = baseline_and_candidate(baseline, candidate)
-        if selftest and (cspec.kind != "local" or "faults" in cspec.options):
+            cspecs = [cspec]
+        if selftest and any(c.kind != "local" or "faults" in c.options for c in cspecs):
             raise SampledError("--selftest needs a local candidate without faults= (it injects them itself)")
         from specbench.harness.adapters.dialect import with_tokenizer
 
-        bspec, cspec = share_gpu(gate_specs(with_tokenizer([bspec, cspec], tokenizer)))
+        bspec, *cspecs = share_gpu(gate_specs(with_tokenizer([bspec, *cspecs], tokenizer)))
         if selftest and opts.positions < 4:
             raise SampledError(f"--positions {opts.positions} is too few for --selftest: reused_uniform acts only "
                                "from the second draft of a verify step (expected >= 4)")
@@ -122,24 +126,33 @@ def sampled(
         raise bad(str(e)) from None
     try:
         with _recorder(record, results, opts, cfgs, base) as rec:
+            cands = []
             try:
-                cand = build_adapter(cspec, name="candidate")
+                for cs in cspecs:
+                    cands.append(build_adapter(cs, name=cs.options.get("name") or "candidate"))
             except (EngineStringError, ValueError, FileNotFoundError) as e:
+                for c in cands:
+                    c.close()
                 raise bad(str(e)) from None
+            from specbench.cli.progress import RunProgress
+
             if selftest:
                 try:
-                    code = _selftest(base, cand, opts, cfgs, rec, log, json_out, report)
+                    with RunProgress(0, quiet=quiet or json_out) as progress:
+                        code = _selftest(base, cands, opts, cfgs, rec, log, json_out, report,
+                                         repeat or SELFTEST_REPEAT, progress)
                 except (SampledError, UnsupportedCapability) as e:
                     raise bad(str(e)) from None
             else:
-                from specbench.cli.progress import RunProgress
                 from specbench.suites.sampled.gate import run_gate
 
                 try:  # one progress display over every phase (requests done / total, ETA), on stderr
                     with RunProgress(0, quiet=quiet or json_out) as progress:
-                        res = run_gate(base, cand, opts, cfgs, on_samples=rec.samples, progress=progress)
+                        res = run_gate(base, cands if len(cands) > 1 else cands[0], opts, cfgs,
+                                       on_samples=rec.samples, progress=progress)
                 finally:
-                    cand.close()
+                    for c in cands:
+                        c.close()
                 rec.result(res)
                 if report:
                     report.parent.mkdir(parents=True, exist_ok=True)
@@ -157,14 +170,41 @@ def sampled(
     raise typer.Exit(code)
 
 
-def _selftest(base, cand, opts, cfgs, rec, log, json_out: bool, report: Path | None) -> int:
+def _default_candidates(bspec) -> list:
+    """The default configuration set's candidates on the baseline's target (suites/sampled/config.py
+    DEFAULT_CANDIDATES): the soft-q n-gram always, the DFlash drafter where the target is the bundled one and
+    its drafter is built. A remote baseline has no target to put them on: that needs --candidate."""
+    from specbench.harness.engines import EngineSpec, EngineStringError, bundled
+    from specbench.suites.sampled.config import DEFAULT_CANDIDATES
+
+    if bspec.kind != "local":
+        raise EngineStringError(f"--baseline {bspec.raw!r} is not a local engine: give the engine under test with "
+                                "--candidate")
+    target, bdraft = bundled()
+    tdir = bspec.target or target
+    draft = bdraft if tdir == target else None
+    out = []
+    for label, o in DEFAULT_CANDIDATES:
+        if o.get("spec") == "dflash":
+            if not draft:
+                continue
+            o = {"draft": draft, **o}
+        opts = {**o, "name": label}
+        out.append(EngineSpec("local", tdir, opts, f"local:{tdir}" + "".join(f",{k}={v}" for k, v in opts.items())))
+    return out
+
+
+def _selftest(base, cands, opts, cfgs, rec, log, json_out: bool, report: Path | None, repeat: int,
+              progress) -> int:
     from specbench.suites.sampled import report as rep
     from specbench.suites.sampled.selftest import run_selftest
 
-    rows, results = run_selftest(base, cand, opts, cfgs, log=log, on_samples=rec.samples)
+    rows, results = run_selftest(base, cands if len(cands) > 1 else cands[0], opts, cfgs, log=log,
+                                 on_samples=rec.samples, repeat=repeat, progress=progress)
     for case, res in results.items():
         rec.result(res, case)
-    o = {**opts.__dict__, "configs": [c.name for c in cfgs]}
+    o = {**opts.__dict__, "configs": [c.name for c in cfgs], "repeat": repeat,
+         "candidates": [c.name for c in cands]}
     text = rep.render_selftest(rows, o)
     for case, res in results.items():
         text += "\n" + rep.render(res, title=f"Case {case}")
@@ -189,6 +229,16 @@ def _summary_table(s: dict) -> None:
     summary_table(f"sampled gate: {s['verdict']} ({s['num_prompts']} prompts x {', '.join(s['configs'])}"
                   + (f", {total:.0f} s)" if isinstance(total, (int, float)) else ")"),
                   ["comparison", "cells", "testable", "rejected", "min p", "max TV", "median MDE (lone)"], rows)
+    confs = s.get("configurations") or []
+    if confs:  # per configuration: the accept-path branches it reached, and its verdict
+        summary_table("configurations (candidate x sampling config)",
+                      ["candidate", "config", "verify steps", "bonus rows", "rejections", "rejected cells", "verdict"],
+                      [[x["candidate"] or "candidate", x["config"], _n(x["verify_steps"]), _n(x["bonus_rows"]),
+                        _n(x["rejections"]), f"{x['rejected']} / {x['testable']}", x["verdict"]] for x in confs])
+
+
+def _n(x) -> str:
+    return "unknown" if x is None else str(x)
 
 
 def _line(s: dict) -> str:
@@ -222,7 +272,8 @@ class _Rec:
             return
         for comp in res.comparisons:
             for c in comp.cells:
-                self.run.write("cells", {"case": case, "comparison": comp.name, **asdict(c)})
+                self.run.write("cells", {"case": case, "comparison": comp.name, "candidate": comp.candidate,
+                                         **asdict(c)})
         summ = res.summary()
         if case:
             summary = dict(self.run.record.summary)
@@ -244,7 +295,7 @@ class _recorder:
         from specbench.suites.sampled.gate import SUITE_VERSION
 
         self._cm = open_run("sampled", SUITE_VERSION, engines={"baseline": self.base.describe()},
-                            sampling={"configs": [asdict(c) for c in self.cfgs]}, dataset={"name": "gsm8k"},
+                            sampling={"configs": [asdict(c) for c in self.cfgs]}, dataset={"name": "gsm8k", "prompt_sets": self.opts.prompt_set},
                             seeds={"base": self.opts.seed}, config=asdict(self.opts), results=self.results)
         return _Rec(self._cm.__enter__())
 

@@ -272,7 +272,8 @@ def test_sampled_rendering_problems():
 
 
 # ---- sampled over HTTP ---------------------------------------------------------------------------------
-SMALL = ["--num-prompts", "1", "--positions", "4", "--samples", "48", "--configs", "t=0.5", "--permutations", "99"]
+SMALL = ["--num-prompts", "1", "--positions", "4", "--samples", "48", "--configs", "t=0.5", "--permutations", "99",
+         "--prompt-set", "gsm8k"]
 
 
 def test_sampled_chat_passes_between_served_engines(serve, tmp_path):

@@ -55,7 +55,7 @@ def _sampled(tiny_pair, tmp_path, *extra: str):
     _register()
     args = ["sampled", "--baseline", f"local:{target},spec=off", "--candidate", f"local:{target},draft={draft},spec=dflash",
             "--num-prompts", "1", "--positions", "4", "--samples", "16", "--configs", "t=0.5", "--permutations", "99",
-            "--no-record", *extra]
+            "--prompt-set", "gsm8k", "--no-record", *extra]
     return CliRunner().invoke(app, args)
 
 

@@ -16,6 +16,7 @@ import pytest
 
 from specbench.harness.adapters.base import EngineAdapter, GenResult
 from specbench.suites.sampled import stats
+from specbench.suites.sampled.config import SOFT_Q_MIX
 from specbench.suites.sampled.gate import (
     DEFAULT_CONFIGS,
     END,
@@ -101,7 +102,14 @@ def test_parse_configs_and_options():
     cs = parse_configs("t=1.0; t=0.7,p=0.9 ;temperature=1,top_k=20")
     assert [c.name for c in cs] == ["t1", "t0.7-p0.9", "t1-k20"]
     assert cs[2] == SamplingConfig("t1-k20", 1.0, 1.0, 20)
-    assert len(DEFAULT_CONFIGS) == 4
+    # the default set: T 0.6 / 1.0 / 1.3, each with a top-p or a top-k (docs/sampled.md)
+    assert sorted(c.temperature for c in DEFAULT_CONFIGS) == [0.6, 1.0, 1.3]
+    assert all(c.top_p < 1 or c.top_k > 0 for c in DEFAULT_CONFIGS)
+    assert SampledGateOptions().prompt_sets == ("echo", "repeat")
+    assert SampledGateOptions(prompt_set="gsm8k, repeat").prompt_sets == ("gsm8k", "repeat")
+    for bad in ("nope", "echo,echo", "", ","):
+        with pytest.raises(SampledError, match="--prompt-set"):
+            SampledGateOptions(prompt_set=bad)
     for bad in ("t=0", "x=1", "t=abc", "p=1.5", "k=2.5", ";"):
         with pytest.raises(SampledError):
             parse_configs(bad)
@@ -149,13 +157,16 @@ class FakeEngine(EngineAdapter):
     kind = "fake"
 
     def __init__(self, bias: float = 0.0, text_only: bool = False, counters: tuple | None = (10, 3),
-                 fail_every: int = 0) -> None:
-        super().__init__("fake")
+                 fail_every: int = 0, name: str = "fake", full: int | None = None,
+                 idle_temp: float | None = None) -> None:
+        super().__init__(name)
         self.bias, self.text_only, self.counters, self.fail_every = bias, text_only, counters, fail_every
-        self.calls = 0
+        self.full, self.idle_temp = full, idle_temp  # full accepts per call; a temperature that never speculates
+        self.calls = self.spec_calls = 0
 
     async def generate_one(self, req):
         self.calls += 1
+        self.spec_calls += req.temperature != self.idle_temp
         if self.fail_every and self.calls % self.fail_every == 0:
             return GenResult(rid=req.rid or "x", ok=False, error="boom")
         rng = np.random.default_rng(req.seed)
@@ -175,15 +186,18 @@ class FakeEngine(EngineAdapter):
     async def spec_counters(self):
         if self.counters is None:
             return None
-        d, a = self.counters
-        return {"num_drafts": d * self.calls, "num_draft_tokens": 2 * d * self.calls,
-                "num_accepted_tokens": a * self.calls, "accepted_per_pos": [a * self.calls], "source": "fake"}
+        d, a, n = *self.counters, self.spec_calls
+        out = {"num_drafts": d * n, "num_draft_tokens": 2 * d * n, "num_accepted_tokens": a * n,
+               "accepted_per_pos": [a * n], "source": "fake"}
+        if self.full is not None:
+            out["num_full_accepts"] = self.full * n
+        return out
 
     def describe(self):
-        return {"name": "fake", "kind": "fake", "config": {}}
+        return {"name": self.name, "kind": "fake", "config": {}}
 
 
-FAKE_OPTS = dict(num_prompts=2, positions=3, samples=200, permutations=199, concurrency=64)
+FAKE_OPTS = dict(num_prompts=2, positions=3, samples=200, permutations=199, concurrency=64, prompt_set="gsm8k")
 
 
 def test_gate_end_to_end_on_a_fake_engine():
@@ -209,64 +223,122 @@ def test_gate_end_to_end_on_a_fake_engine():
     assert inc.verdict == "INCOMPLETE" and inc.failed
 
 
+def test_several_candidates_share_the_baseline_and_one_bh_family():
+    from specbench.suites.sampled import report, stats
+    from specbench.suites.sampled.gate import configurations, run_gate
+
+    cfgs = parse_configs("t=1;t=0.5")
+    opts = SampledGateOptions(**FAKE_OPTS)
+    res = run_gate(FakeEngine(), [FakeEngine(name="good", full=2), FakeEngine(bias=0.2, name="bad", full=2)], opts,
+                   cfgs)
+    assert res.verdict == "FAIL" and res.candidates == ["good", "bad"]
+    assert res.candidate_verdicts == {"good": "PASS", "bad": "FAIL"}
+    good, bad = res.comparisons  # no null run: one spec comparison per candidate, against the same baseline
+    assert (good.label, bad.label, good.arms[0], bad.arms[0]) == ("spec:good", "spec:bad", "baseline", "baseline")
+    assert not good.rejected and bad.rejected
+    # one BH family over both candidates' cells: each cell's q-value is BH over the union, not over its own
+    cells = [c for comp in res.comparisons for c in comp.cells if c.testable]
+    adj = stats.bh_adjusted([c.p_value for c in cells])
+    assert [c.q_value for c in cells] == pytest.approx(list(adj))
+    assert len(cells) == 2 * 2 * 2 * 3 and all(math.isfinite(c.mde_all) or c.mde_all == math.inf for c in cells)
+    confs = {(x["candidate"], x["config"]): x for x in configurations(res)}
+    assert confs[("good", "t1")]["verdict"] == "PASS" and confs[("good", "t1")]["bonus_rows"] == 2 * 400
+    assert confs[("bad", "t1")]["verdict"] == "FAIL" and confs[("bad", "t1")]["rejected"] > 0
+    md = report.render(res)
+    assert "## Configurations" in md and "| bad | t1 |" in md and "## spec:bad: baseline vs candidate[bad]" in md
+    assert set(res.engines) == {"baseline", "candidate:good", "candidate:bad"}
+    with pytest.raises(SampledError, match="distinct names"):
+        run_gate(FakeEngine(), [FakeEngine(name="x"), FakeEngine(name="x")], opts, cfgs)
+
+
+def test_a_configuration_that_reached_neither_branch_is_not_a_pass():
+    from specbench.suites.sampled import report
+    from specbench.suites.sampled.gate import configuration_verdict, configurations, run_gate
+
+    cfgs = parse_configs("t=1;t=0.5")
+    opts = SampledGateOptions(**FAKE_OPTS)
+    # no verify step at all at T = 0.5: neither a bonus row nor a rejection was tested there
+    res = run_gate(FakeEngine(), FakeEngine(full=2, idle_temp=0.5), opts, cfgs)
+    by = {x["config"]: x for x in configurations(res)}
+    assert by["t1"]["verdict"] == "PASS" and by["t0.5"]["verdict"].startswith("CANNOT TEST")
+    assert res.verdict == "CANNOT TEST" and any("configuration t0.5" in m for m in res.missing), res.missing
+    assert res.exit_code == 3 and "CANNOT TEST (no verify step" in report.render(res)
+    # a branch the configuration never reached is stated in its verdict, not hidden in a PASS
+    full = run_gate(FakeEngine(), FakeEngine(full=10), opts, cfgs)  # every verify step fully accepted
+    assert full.verdict == "PASS"
+    assert {x["verdict"] for x in configurations(full)} == {"PASS (no rejection tested)"}
+    assert configuration_verdict(4, 0, {"num_drafts": 5, "full_accepts": 0, "rejections": 5}) == \
+        "PASS (no bonus row tested)"
+    assert configuration_verdict(4, 0, {"num_drafts": 5, "full_accepts": None, "rejections": None}) == \
+        "PASS (bonus rows and rejections not counted)"
+    assert configuration_verdict(0, 0, None).startswith("CANNOT TEST")
+    assert configuration_verdict(4, 1, None) == "FAIL"
+
+
 # ---- the gate on the tiny pair ---------------------------------------------------------------------
-# The CI configuration (docs/sampled.md "Self-test"): small enough for CI, every fault still caught. The
-# n-gram candidate on an echo prompt is where all three faults act; the DFlash candidate shares the
-# baseline samples and must pass clean and catch resample_from_p.
-CI_OPTS = dict(num_prompts=1, positions=4, samples=1024, permutations=999, prompt_chars=200, prompt_set="echo")
-CI_CONFIGS = "t=1.5,k=2"
+# The CI configuration (docs/sampled.md "Self-test"): the default configuration set's two candidates (the
+# soft-q n-gram and the bundled DFlash drafter) on one echo and one repeat prompt, at the one default-set
+# config that alone reaches every fault with both candidates (t=1.3,k=3), P = 4, 256 samples per arm; the
+# clean run with its null run, then each fault armed on both candidates. One BH family per run at q = 0.05.
+CI_OPTS = dict(num_prompts=1, positions=4, samples=256, permutations=999, prompt_chars=200, prompt_set="echo,repeat")
+CI_CONFIGS = "t=1.3,k=3"
+CI_CANDIDATES = (("ngram-soft", "ngram", float(SOFT_Q_MIX)), ("dflash", "dflash", 0.0))
 
 
-def _candidate(tiny_pair, spec: str, fault: str | None = None):
+def _candidate(tiny_pair, spec: str, fault: str | None = None, mix: float = 0.0, name: str | None = None):
     from specbench.harness.adapters.local import LocalAdapter
 
     target, draft = tiny_pair
     kw = {"faults": (fault,)} if fault else {}
-    return LocalAdapter.from_dirs(target, draft=draft if spec == "dflash" else None, spec=spec,
-                                  name=f"{spec}-{fault or 'clean'}", **kw)
+    return LocalAdapter.from_dirs(target, draft=draft if spec == "dflash" else None, spec=spec, ngram_mix=mix,
+                                  name=name or f"{spec}-{fault or 'clean'}", **kw)
 
 
 @pytest.fixture(scope="module")
 def selftest_ci(tiny_pair):
     from specbench.harness.adapters.local import LocalAdapter
-    from specbench.suites.sampled.gate import collect, make_prompts
-    from specbench.suites.sampled.selftest import run_selftest
+    from specbench.suites.sampled.selftest import FAULT_CASES, run_selftest
 
     base = LocalAdapter.from_dirs(tiny_pair[0], spec="off", name="baseline")
     opts, cfgs = SampledGateOptions(**CI_OPTS, null=True), parse_configs(CI_CONFIGS)
+    cands = [_candidate(tiny_pair, spec, mix=mix, name=label) for label, spec, mix in CI_CANDIDATES]
     try:
-        prompts = make_prompts(base, opts)
-        samples = collect(base, prompts, cfgs, opts, "baseline", 0)
-        rows, results = run_selftest(base, _candidate(tiny_pair, "ngram"), opts, cfgs, prompts,
-                                     baseline_samples=samples)
-        drows, dres = run_selftest(base, _candidate(tiny_pair, "dflash"),
-                                   SampledGateOptions(**CI_OPTS, null=False), cfgs, prompts,
-                                   cases=("clean", "resample_from_p"), baseline_samples=samples)
+        rows, results = run_selftest(base, cands, opts, cfgs, cases=("clean", *FAULT_CASES))
     finally:
         base.close()
-    rows = {r["case"]: r for r in rows}
-    rows.update({f"dflash-{r['case']}": r for r in drows})
-    results.update({f"dflash-{k}": v for k, v in dres.items()})
-    return rows, results
+    return {r["case"]: r for r in rows}, results
 
 
-@pytest.mark.parametrize("case", ["clean", "dflash-clean"])
-def test_gate_passes_clean_engine_with_null_run(selftest_ci, case):
+def test_gate_passes_clean_engines_with_null_run(selftest_ci):
     rows, results = selftest_ci
-    res = results[case]
+    res = results["clean"]
     assert res.verdict == "PASS", res.summary()
-    assert [c.name for c in res.comparisons] == (["spec", "null"] if case == "clean" else ["spec"])
+    assert [c.label for c in res.comparisons] == ["spec:ngram-soft", "null:ngram-soft", "spec:dflash", "null:dflash"]
     assert all(not c.rejected for c in res.comparisons)
-    assert res.spec["num_drafts"] > 0 and res.spec["mean_accept_len"] > 1.2  # the accept path was exercised
-    assert rows[case]["testable"] > 0
+    for lab in ("ngram-soft", "dflash"):
+        s = res.spec_by_candidate[lab]
+        assert s["num_drafts"] > 0 and s["mean_accept_len"] > 1.2, s  # the accept path was exercised
+    # both branches reached by every configuration (the report states the counts)
+    for conf in rows["clean"]["configurations"]:
+        assert conf["verdict"] == "PASS" and conf["bonus_rows"] > 50 and conf["rejections"] > 50, conf
 
 
-@pytest.mark.parametrize("fault", ["biased_accept", "resample_from_p", "reused_uniform", "dflash-resample_from_p"])
+@pytest.mark.parametrize("fault", ["biased_accept", "resample_from_p", "reused_uniform", "q_next_row",
+                                   "bonus_residual"])
 def test_gate_catches_each_sampling_fault(selftest_ci, fault):
     rows, results = selftest_ci
-    assert rows[fault]["verdict"] == "FAIL", rows[fault]
-    assert rows[fault]["ok"]
-    assert results[fault].comparisons[0].rejected
+    assert rows[fault]["verdict"] == "FAIL" and rows[fault]["ok"], rows[fault]
+    assert any(c.rejected for c in results[fault].comparisons)
+
+
+def test_bonus_residual_is_caught_at_the_bonus_position_of_the_repeat_prompt(selftest_ci):
+    """The fault changes only the token drawn after a fully accepted run: on the repeat prompt (P = 4, the first
+    verify has 2 drafts) that is position 3, for the DFlash drafter as for the soft-q n-gram."""
+    _, results = selftest_ci
+    hits = {(c.candidate, x.prompt.split("-")[-1], x.position) for c in results["bonus_residual"].comparisons
+            for x in c.rejected}
+    assert ("dflash", "repeat", 3) in hits and ("ngram-soft", "repeat", 3) in hits, hits
+    assert all(pos >= 2 for _, _, pos in hits)  # positions 0-1 never come from a bonus row here
 
 
 # ---- CLI -------------------------------------------------------------------------------------------
@@ -293,30 +365,50 @@ def test_cli_exit_codes(tiny_pair, tmp_path):
     r = _cli(["--baseline", base, "--candidate", base, *small])
     assert r.exit_code == 1 and "NOT SPECULATING" in r.output
     for bad in (["--configs", "t=0"], ["--candidate", "nope:x"], ["--positions", "0"], ["--q", "2"],
-                ["--selftest", "--candidate", "openai:http://127.0.0.1:1"], ["--selftest", "--positions", "3"]):
+                ["--selftest", "--candidate", "openai:http://127.0.0.1:1"], ["--selftest", "--positions", "3"],
+                ["--repeat", "2"], ["--prompt-set", "echo,nope"]):
         r = _cli(["--baseline", base, "--candidate", cand, *small, *bad])
         assert r.exit_code == 2, (bad, r.output)
+
+
+def test_cli_default_configuration_set(tiny_pair, tmp_path):
+    """No engine named: the bundled target spec off against both default candidates (soft-q n-gram, DFlash),
+    and the summary states per configuration the bonus rows and rejections its generations reached."""
+    r = _cli(["--num-prompts", "1", "--positions", "4", "--samples", "32", "--configs", "t=1.3,k=3",
+              "--permutations", "99", "--json", "--no-record", "--report", str(tmp_path / "r.md")])
+    assert r.exit_code == 0, r.output
+    summ = json.loads(r.output.strip().splitlines()[-1])
+    assert summ["verdict"] == "PASS" and summ["candidates"] == ["ngram-soft", "dflash"]
+    assert summ["num_prompts"] == 2  # one echo and one repeat prompt
+    confs = summ["configurations"]
+    assert [(c["candidate"], c["config"]) for c in confs] == [("ngram-soft", "t1.3-k3"), ("dflash", "t1.3-k3")]
+    assert all(c["bonus_rows"] > 0 and c["rejections"] > 0 and c["verdict"] == "PASS" for c in confs), confs
+    md = (tmp_path / "r.md").read_text()
+    assert "## Configurations" in md and "| dflash | t1.3-k3 |" in md
 
 
 # ---- the full-size self-test (slow) ----------------------------------------------------------------
 @pytest.mark.slow
 def test_selftest_full_size(tiny_pair, request):
-    """`specbench sampled --selftest` as shipped (four configs), with the null run: a few minutes on CPU."""
+    """`specbench sampled --selftest` as shipped (both default candidates, the default configs, 5 clean runs
+    at q / 5 each, the null run with the first): about 10 minutes on 2 CPU cores."""
     if "slow" not in request.config.getoption("markexpr") or "not slow" in request.config.getoption("markexpr"):
         pytest.skip("slow: run with pytest -m slow")
     from specbench.harness.adapters.local import LocalAdapter
     from specbench.suites.sampled.selftest import (
         SELFTEST_CONFIGS,
         SELFTEST_OPTIONS,
-        SELFTEST_SPEC,
+        SELFTEST_REPEAT,
         run_selftest,
     )
 
     base = LocalAdapter.from_dirs(tiny_pair[0], spec="off", name="baseline")
+    cands = [_candidate(tiny_pair, spec, mix=mix, name=label) for label, spec, mix in CI_CANDIDATES]
     try:
-        rows, results = run_selftest(base, _candidate(tiny_pair, SELFTEST_SPEC),
-                                     SampledGateOptions(**SELFTEST_OPTIONS, null=True), parse_configs(SELFTEST_CONFIGS))
+        rows, results = run_selftest(base, cands, SampledGateOptions(**SELFTEST_OPTIONS, null=True),
+                                     parse_configs(SELFTEST_CONFIGS), repeat=SELFTEST_REPEAT)
     finally:
         base.close()
     assert all(r["ok"] for r in rows), rows
-    assert not results["clean"].comparisons[1].rejected
+    assert len([r for r in rows if r["case"].startswith("clean")]) == SELFTEST_REPEAT
+    assert not any(c.rejected for c in results["clean"].comparisons)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-PROMPT_SETS = ("gsm8k", "echo")
+PROMPT_SETS = ("gsm8k", "echo", "repeat")
 ENDPOINT_TYPES = ("completions", "chat")  # the sweep's --endpoint-type vocabulary
 
 
@@ -25,8 +25,6 @@ class SamplingConfig:
     top_k: int = 0
 
 
-DEFAULT_CONFIGS = (SamplingConfig("t1.0", 1.0), SamplingConfig("t0.7-p0.9", 0.7, top_p=0.9),
-                   SamplingConfig("t1.0-k20", 1.0, top_k=20), SamplingConfig("t0.5", 0.5))
 _KEYS = {"t": "temperature", "temperature": "temperature", "p": "top_p", "top_p": "top_p", "k": "top_k",
          "top_k": "top_k"}
 
@@ -57,10 +55,22 @@ def parse_configs(text: str) -> list[SamplingConfig]:
     return out
 
 
+# The default sampling configs: T 0.6 / 1.0 / 1.3, each with a top-p or top-k (docs/sampled.md "The default
+# configuration set": on the echo and repeat prompts every config reaches both accept-path branches).
+DEFAULT_CONFIGS_TEXT = "t=0.6,p=0.95;t=1.0,k=20;t=1.3,k=3"
+DEFAULT_CONFIGS = tuple(parse_configs(DEFAULT_CONFIGS_TEXT))
+# The default candidates on the bundled target (label, local engine-string options): the n-gram proposer with
+# a soft q (q not one-hot, rows differing per position: the accept reads q rows and residuals), and the
+# bundled DFlash drafter (skipped while it is not built). Both against the one spec-off baseline.
+SOFT_Q_MIX = "0.05"
+DEFAULT_CANDIDATES: tuple[tuple[str, dict[str, str]], ...] = (
+    ("ngram-soft", {"spec": "ngram", "mix": SOFT_Q_MIX}), ("dflash", {"spec": "dflash"}))
+
+
 @dataclass(frozen=True)
 class SampledGateOptions:
-    num_prompts: int = 8
-    positions: int = 32
+    num_prompts: int = 2  # of each prompt set
+    positions: int = 8
     samples: int = 256
     permutations: int = 1999
     q: float = 0.05
@@ -70,7 +80,9 @@ class SampledGateOptions:
     refine: bool = True
     prompt_chars: int = 400
     power: float = 0.8
-    prompt_set: str = "gsm8k"  # "gsm8k" or "echo" (see echo_prompts)
+    # comma-separated prompt sets (prompts.py), num_prompts of each: gsm8k questions; echo (question, the
+    # baseline's greedy answer, the question again); repeat (a question, then a run of one repeated digit)
+    prompt_set: str = "echo,repeat"
     endpoint_type: str = "completions"  # "chat": each prompt as one user message, the server's chat template
 
     def __post_init__(self) -> None:
@@ -83,5 +95,11 @@ class SampledGateOptions:
             raise SampledError(f"--q {self.q} is invalid: expected 0 < q < 1")
         if self.endpoint_type not in ENDPOINT_TYPES:
             raise SampledError(f"--endpoint-type {self.endpoint_type!r} is invalid: expected completions or chat")
-        if self.prompt_set not in PROMPT_SETS:
-            raise SampledError(f"--prompt-set {self.prompt_set!r} is invalid: expected one of {', '.join(PROMPT_SETS)}")
+        sets = self.prompt_sets
+        if not sets or any(s not in PROMPT_SETS for s in sets) or len(set(sets)) < len(sets):
+            raise SampledError(f"--prompt-set {self.prompt_set!r} is invalid: expected one or more of "
+                               f"{', '.join(PROMPT_SETS)}, comma-separated, each once")
+
+    @property
+    def prompt_sets(self) -> tuple[str, ...]:
+        return tuple(s.strip() for s in self.prompt_set.split(",") if s.strip())

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from specbench.harness.adapters.base import EngineAdapter, counters_delta
-from specbench.harness.verdicts import CANNOT_TEST, exit_code
+from specbench.harness.verdicts import CANNOT_TEST, FAIL, PASS, combine, exit_code
 
 from . import stats
 from .config import (
@@ -198,6 +198,14 @@ class Comparison:
     arms: tuple[str, str]
     cells: list[Cell]
     seconds: float = 0.0
+    candidate: str = ""  # the candidate's label in a run of several candidates ("" with one)
+    # per cell: (arm a's tokens, arm b's tokens, first-pass result, permuter), for refinement in `adjust`
+    data: list[tuple[np.ndarray, np.ndarray, stats.PermResult, stats.Permuter]] = field(
+        default_factory=list, repr=False, compare=False)
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}:{self.candidate}" if self.candidate else self.name
 
     @property
     def testable(self) -> int:
@@ -209,7 +217,10 @@ class Comparison:
 
 
 def compare(name: str, a: Samples, b: Samples, prompts: Sequence[tuple[str, str]],
-            configs: Sequence[SamplingConfig], opts: SampledGateOptions) -> Comparison:
+            configs: Sequence[SamplingConfig], opts: SampledGateOptions, candidate: str = "",
+            family: bool = True) -> Comparison:
+    """Every cell's permutation test; with `family` (the default) also refinement, BH and MDEs over this
+    comparison's cells alone (`adjust`); a run of several candidates adjusts their comparisons together."""
     t0 = time.perf_counter()
     perms: dict[tuple[int, int], stats.Permuter] = {}
     cells: list[Cell] = []
@@ -226,27 +237,41 @@ def compare(name: str, a: Samples, b: Samples, prompts: Sequence[tuple[str, str]
                               r.p_value, r.permutations, stats.tv_distance(ta[:, j], tb[:, j]), math.inf,
                               math.inf, testable=r.support > 1))
             data.append((ta[:, j], tb[:, j], r, perm))
-    idx = [i for i, c in enumerate(cells) if c.testable]
+    comp = Comparison(name, (a.arm, b.arm), cells, time.perf_counter() - t0, candidate, data)
+    if family:
+        adjust([comp], opts)
+    return comp
+
+
+def adjust(comps: Sequence[Comparison], opts: SampledGateOptions) -> None:
+    """One Benjamini-Hochberg family at opts.q over the testable cells of `comps` together (m = their
+    number): cells BH leaves unrejected near the p floor get extra permutations (up to ceil(2 m / q)), then
+    BH decides `rejected` and the BH-adjusted `q_value`, and each cell's MDEs are computed at level q / m
+    (lone) and q (all)."""
+    t0 = time.perf_counter()
+    idx = [(c, i) for c in comps for i, cell in enumerate(c.cells) if cell.testable]
     m = max(len(idx), 1)
     if opts.refine and idx:
-        rej = stats.benjamini_hochberg([cells[i].p_value for i in idx], opts.q)
+        rej = stats.benjamini_hochberg([c.cells[i].p_value for c, i in idx], opts.q)
         upto = math.ceil(2 * m / opts.q)
-        for i, r_ in zip(idx, rej, strict=True):
-            xa, xb, r, perm = data[i]
+        for (c, i), r_ in zip(idx, rej, strict=True):
+            xa, xb, r, perm = c.data[i]
             if not r_ and r.exceed < 10 and r.permutations < upto:
                 r2 = perm.refine(xa, xb, r, upto)
-                cells[i].p_value, cells[i].permutations = r2.p_value, r2.permutations
+                c.cells[i].p_value, c.cells[i].permutations = r2.p_value, r2.permutations
     if idx:
-        pv = [cells[i].p_value for i in idx]
+        pv = [c.cells[i].p_value for c, i in idx]
         rej, adj = stats.benjamini_hochberg(pv, opts.q), stats.bh_adjusted(pv)
-        for i, r_, qv in zip(idx, rej, adj, strict=True):
-            cells[i].rejected, cells[i].q_value = bool(r_), float(qv)
-    for c, (xa, xb, _, _) in zip(cells, data, strict=True):
-        if c.testable:
-            _, counts = np.unique(np.concatenate([xa, xb]), return_counts=True)
-            c.mde_lone = stats.min_detectable_tv(counts, c.n_a, c.n_b, opts.q / m, opts.power)
-            c.mde_all = stats.min_detectable_tv(counts, c.n_a, c.n_b, opts.q, opts.power)
-    return Comparison(name, (a.arm, b.arm), cells, time.perf_counter() - t0)
+        for (c, i), r_, qv in zip(idx, rej, adj, strict=True):
+            c.cells[i].rejected, c.cells[i].q_value = bool(r_), float(qv)
+    for c, i in idx:
+        cell, (xa, xb, _, _) = c.cells[i], c.data[i]
+        _, counts = np.unique(np.concatenate([xa, xb]), return_counts=True)
+        cell.mde_lone = stats.min_detectable_tv(counts, cell.n_a, cell.n_b, opts.q / m, opts.power)
+        cell.mde_all = stats.min_detectable_tv(counts, cell.n_a, cell.n_b, opts.q, opts.power)
+    share = (time.perf_counter() - t0) / max(len(comps), 1)
+    for c in comps:
+        c.seconds += share
 
 
 def spec_summary(delta: dict | None) -> dict | None:
@@ -279,6 +304,11 @@ class GateResult:
     # full_accepts = bonus rows drawn, rejections = verify steps that ended on a rejected draft)
     spec_by_config: dict[str, dict | None] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    # a run of several candidates (each against the same baseline samples): their labels, each one's spec
+    # summary and verdict; spec_by_config is then keyed "<candidate>:<config>". Empty with one candidate.
+    candidates: list[str] = field(default_factory=list)
+    spec_by_candidate: dict[str, dict | None] = field(default_factory=dict)
+    candidate_verdicts: dict[str, str] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -292,7 +322,7 @@ class GateResult:
         comps = {}
         for c in self.comparisons:
             fin = [x for x in c.cells if x.testable]
-            comps[c.name] = {
+            comps[c.label] = {
                 "cells": len(c.cells), "testable": c.testable, "rejected": len(c.rejected),
                 "rejected_cells": [(x.prompt, x.config, x.position, round(x.tv, 4), x.q_value) for x in c.rejected][:20],
                 "min_p": min((x.p_value for x in fin), default=1.0),
@@ -303,7 +333,8 @@ class GateResult:
         return {"verdict": self.verdict, "passed": self.passed, "missing": self.missing,
                 "untestable_samples": len(self.untestable), "spec": self.spec,
                 "spec_by_config": self.spec_by_config, "not_tested": not_tested(self.spec_by_config),
-                "comparisons": comps,
+                "comparisons": comps, "configurations": configurations(self),
+                "candidates": list(self.candidates), "candidate_verdicts": dict(self.candidate_verdicts),
                 "options": self.options, "configs": [c["name"] for c in self.configs],
                 "num_prompts": len(self.prompts), "failed": len(self.failed), "seconds": self.seconds,
                 "notes": list(self.notes)}
@@ -321,6 +352,54 @@ def not_tested(by_config: dict[str, dict | None]) -> list[str]:
             out.append(f"{name}: zero bonus rows (no verify step had every draft accepted)")
         if s["num_drafts"] and not s["rejections"]:
             out.append(f"{name}: zero rejections (no residual draw)")
+    return out
+
+
+def config_key(candidate: str, config: str) -> str:
+    """The key of one configuration (a candidate and a sampling config) in `spec_by_config`."""
+    return f"{candidate}:{config}" if candidate else config
+
+
+def configuration_verdict(testable: int, rejected: int, s: dict | None) -> str:
+    """One configuration's verdict: FAIL on a rejected cell; CANNOT TEST when it has no testable cell or its
+    generations reached neither accept-path branch (no verify step: no bonus row, no rejection); PASS when
+    both were reached, qualified when one was not or the engine does not count them."""
+    if rejected:
+        return FAIL
+    if not testable:
+        return f"{CANNOT_TEST} (no testable cell)"
+    if s is None:
+        return "PASS (speculation unverified)"
+    full, rej = s.get("full_accepts"), s.get("rejections")
+    if not s["num_drafts"]:
+        return f"{CANNOT_TEST} (no verify step: neither a bonus row nor a rejection tested)"
+    if full is None:
+        return "PASS (bonus rows and rejections not counted)"
+    if not full:
+        return "PASS (no bonus row tested)"
+    if not rej:
+        return "PASS (no rejection tested)"
+    return PASS
+
+
+def configurations(res: GateResult) -> list[dict]:
+    """Per configuration (candidate x sampling config): its cells in the spec comparison (testable, rejected,
+    min p), the verify steps, bonus rows and rejections its generations reached, and its verdict."""
+    labels = res.candidates or [""]
+    out = []
+    for lab in labels:
+        spec = [c for c in res.comparisons if c.name == "spec" and c.candidate == lab]
+        for cfg in res.configs:
+            cells = [x for c in spec for x in c.cells if x.config == cfg["name"]]
+            fin = [x for x in cells if x.testable]
+            s = res.spec_by_config.get(config_key(lab, cfg["name"]))
+            rej = sum(x.rejected for x in cells)
+            out.append({"candidate": lab, "config": cfg["name"], "cells": len(cells), "testable": len(fin),
+                        "rejected": rej, "min_p": min((x.p_value for x in fin), default=1.0),
+                        "verify_steps": s["num_drafts"] if s else None,
+                        "bonus_rows": s.get("full_accepts") if s else None,
+                        "rejections": s.get("rejections") if s else None,
+                        "verdict": configuration_verdict(len(fin), rej, s)})
     return out
 
 
@@ -359,14 +438,26 @@ def verdict_of(comparisons: Sequence[Comparison], spec: dict | None, failed: Seq
     return "PASS"
 
 
-def run_gate(baseline: EngineAdapter, candidate: EngineAdapter, opts: SampledGateOptions,
+def run_gate(baseline: EngineAdapter, candidate: EngineAdapter | Sequence[EngineAdapter], opts: SampledGateOptions,
              configs: Sequence[SamplingConfig] = DEFAULT_CONFIGS, prompts: Sequence[tuple[str, str]] | None = None,
              baseline_samples: Samples | None = None, log: Callable[[str], None] | None = None,
              on_samples: Callable[[Samples], None] | None = None, progress: Any = None) -> GateResult:
     """Baseline vs candidate (and, with opts.null, candidate vs candidate on disjoint seeds). `progress`
-    (cli/progress.py RunProgress, or None) hears each phase and each finished request."""
+    (cli/progress.py RunProgress, or None) hears each phase and each finished request.
+
+    `candidate` may be several adapters (distinct names): each draws its samples on the candidate seeds and
+    is compared with the same baseline samples; the spec comparisons of all of them are one BH family at
+    opts.q (so a correct engine fails the run with probability about q, not q per candidate), and so are
+    their null comparisons. The verdict combines the candidates' (FAIL before CANNOT TEST before PASS)."""
     say = log or (lambda s: None)
     tick = progress.advance if progress is not None else None
+    cands = [candidate] if isinstance(candidate, EngineAdapter) else list(candidate)
+    if not cands:
+        raise SampledError("no candidate engine to test")
+    multi = len(cands) > 1
+    labels = [c.name for c in cands] if multi else [""]
+    if len(set(labels)) < len(labels):
+        raise SampledError(f"the candidates need distinct names to be told apart: {labels}")
 
     def phase(name: str, n: int) -> None:
         if progress is not None:
@@ -376,7 +467,7 @@ def run_gate(baseline: EngineAdapter, candidate: EngineAdapter, opts: SampledGat
         raise SampledError("the prompt set is empty")
     n = len(prompts) * len(configs) * opts.samples
     if progress is not None:  # every phase's requests, for one ETA over the whole gate
-        progress.plan(n * ((baseline_samples is None) + 1 + bool(opts.null)))
+        progress.plan(n * ((baseline_samples is None) + len(cands) * (1 + bool(opts.null))))
     secs: dict[str, float] = {}
     if baseline_samples is None:
         say(f"baseline: {n} generations of {opts.positions} tokens")
@@ -385,36 +476,52 @@ def run_gate(baseline: EngineAdapter, candidate: EngineAdapter, opts: SampledGat
         if on_samples:
             on_samples(baseline_samples)
     secs["baseline"] = baseline_samples.seconds
-    say(f"candidate: {n} generations of {opts.positions} tokens")
-    phase("candidate (spec on)", n)
-    cand = collect(candidate, prompts, configs, opts, "candidate", 1, tick)
-    if on_samples:
-        on_samples(cand)
-    secs["candidate"] = cand.seconds
-    comps = [compare("spec", baseline_samples, cand, prompts, configs, opts)]
-    failed = baseline_samples.failed + cand.failed
-    untestable = baseline_samples.untestable + cand.untestable
-    spec = cand.spec
-    if opts.null:
-        say(f"null: {n} more candidate generations (disjoint seeds)")
-        phase("null (spec on, disjoint seeds)", n)
-        cand2 = collect(candidate, prompts, configs, opts, "candidate2", 2, tick)
+    spec_comps, null_comps, arms = [], [], [baseline_samples]
+    failed, untestable = list(baseline_samples.failed), list(baseline_samples.untestable)
+    by_cand: dict[str, dict | None] = {}
+    raw_total: dict | None = None
+    by_config: dict[str, dict | None] = {}
+    for adapter, lab in zip(cands, labels, strict=True):
+        tag = f"[{lab}]" if lab else ""
+        say(f"candidate{' ' + lab if lab else ''}: {n} generations of {opts.positions} tokens")
+        phase(f"candidate{' ' + lab if lab else ''} (spec on)", n)
+        cand = collect(adapter, prompts, configs, opts, f"candidate{tag}", 1, tick)
         if on_samples:
-            on_samples(cand2)
-        secs["null"] = cand2.seconds
-        comps.append(compare("null", cand, cand2, prompts, configs, opts))
-        failed += cand2.failed
-        untestable += cand2.untestable
-        spec = _add_counters(spec, cand2.spec)
+            on_samples(cand)
+        secs[f"candidate{tag}"] = cand.seconds
+        spec_comps.append(compare("spec", baseline_samples, cand, prompts, configs, opts, lab, family=False))
+        failed += cand.failed
+        untestable += cand.untestable
+        arms.append(cand)
+        spec = cand.spec
+        cfg_counts = dict(cand.spec_by_config)
+        if opts.null:
+            say(f"null{' ' + lab if lab else ''}: {n} more candidate generations (disjoint seeds)")
+            phase(f"null{' ' + lab if lab else ''} (spec on, disjoint seeds)", n)
+            cand2 = collect(adapter, prompts, configs, opts, f"candidate2{tag}", 2, tick)
+            if on_samples:
+                on_samples(cand2)
+            secs[f"null{tag}"] = cand2.seconds
+            null_comps.append(compare("null", cand, cand2, prompts, configs, opts, lab, family=False))
+            failed += cand2.failed
+            untestable += cand2.untestable
+            arms.append(cand2)
+            spec = _add_counters(spec, cand2.spec)
+            cfg_counts = {c.name: _add_counters(cand.spec_by_config.get(c.name), cand2.spec_by_config.get(c.name))
+                          for c in configs}
+        by_cand[lab] = spec_summary(spec)
+        raw_total = spec if raw_total is None else _add_counters(raw_total, spec)
+        for c in configs:
+            by_config[config_key(lab, c.name)] = spec_summary(cfg_counts.get(c.name))
+    for fam in (spec_comps, null_comps):  # one BH family each: every candidate's spec cells, their null cells
+        if fam:
+            adjust(fam, opts)
+    comps = [x for pair in zip(spec_comps, null_comps or [None] * len(spec_comps), strict=True) for x in pair
+             if x is not None]
     secs["stats"] = sum(c.seconds for c in comps)
-    summ = spec_summary(spec)
-    by_config = {c.name: spec_summary(_add_counters(cand.spec_by_config.get(c.name),
-                                                    cand2.spec_by_config.get(c.name)) if opts.null
-                                      else cand.spec_by_config.get(c.name)) for c in configs}
     missing = missing_of(comps, untestable)
     notes = []
     if opts.endpoint_type == "chat":
-        arms = [baseline_samples, cand] + ([cand2] if opts.null else [])
         missing += rendering_problems(prompts, *arms)
         told = [a.arm for a in arms if any(k[0] == "ids" for ks in a.rendered.values() for k in ks)]
         notes.append("--endpoint-type chat: every request was the prompt as one user message (/v1/chat/completions, "
@@ -423,10 +530,21 @@ def run_gate(baseline: EngineAdapter, candidate: EngineAdapter, opts: SampledGat
         if not any(a.rendered for a in arms):
             notes.append("no arm reported what it rendered (no prompt_token_ids, no usage prompt_tokens): that both "
                          "arms computed the same prompt is unverified")
-    return GateResult(verdict_of(comps, summ, failed, missing), comps, summ, asdict(opts),
-                      [asdict(c) for c in configs], [p for p, _ in prompts],
-                      {"baseline": baseline.describe(), "candidate": candidate.describe()}, failed, secs, missing,
-                      untestable, by_config, notes)
+    verdicts = {lab: verdict_of([c for c in comps if c.candidate == lab], by_cand[lab], failed, missing)
+                for lab in labels}
+    total = spec_summary(raw_total)
+    engines = {"baseline": baseline.describe()}
+    engines.update({f"candidate{f':{lab}' if lab else ''}": a.describe() for a, lab in zip(cands, labels, strict=True)})
+    res = GateResult(combine(list(verdicts.values())), comps, total, asdict(opts), [asdict(c) for c in configs],
+                     [p for p, _ in prompts], engines, failed, secs, missing, untestable, by_config, notes,
+                     labels if multi else [], by_cand if multi else {}, verdicts if multi else {})
+    if res.passed:  # a configuration with no evidence is no pass: the run cannot vouch for it
+        blind = [f"configuration {config_key(r['candidate'], r['config'])}: {r['verdict'][len(CANNOT_TEST) + 1:]}"
+                 for r in configurations(res) if r["verdict"].startswith(CANNOT_TEST)]
+        if blind:
+            res.missing += blind
+            res.verdict = CANNOT_TEST
+    return res
 
 
 def _add_counters(a: dict | None, b: dict | None) -> dict | None:
@@ -446,6 +564,6 @@ def _add_counters(a: dict | None, b: dict | None) -> dict | None:
 
 
 __all__ = ["DEFAULT_CONFIGS", "END", "PROMPT_SETS", "Cell", "Comparison", "SampledGateOptions", "GateResult", "SampledError",
-           "rendering_problems", "request",
+           "adjust", "config_key", "configuration_verdict", "configurations", "rendering_problems", "request",
            "Samples", "SamplingConfig", "collect", "compare", "missing_of", "echo_prompts", "load_prompts", "make_prompts",
            "not_tested", "parse_configs", "run_gate", "seed_of", "spec_summary", "verdict_of"]

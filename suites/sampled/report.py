@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .gate import Cell, Comparison, GateResult, not_tested
+from .gate import Cell, Comparison, GateResult, config_key, configurations, not_tested
 
 POWER_NOTE = (
     "Power: `MDE` is the smallest total-variation distance the test detects with 80% power for the "
@@ -66,7 +66,7 @@ def _comparison(c: Comparison, q: float) -> list[str]:
     t = [x for x in c.cells if x.testable]
     n_a = t[0].n_a if t else 0
     perms = max((x.permutations for x in t), default=0)
-    lines = [f"## {c.name}: {c.arms[0]} vs {c.arms[1]}", "",
+    lines = [f"## {c.label}: {c.arms[0]} vs {c.arms[1]}", "",
              f"{len(c.cells)} cells, {len(t)} testable (the rest: both arms produced one and the same token), "
              f"**{len(c.rejected)} rejected** at BH q = {q}; n = {n_a} per arm per cell; "
              f"up to {perms} permutations per cell.", ""]
@@ -87,16 +87,19 @@ def render(r: GateResult, title: str = "Sampled equivalence gate") -> str:
     o = r.options
     cfgs = ", ".join(f"{c['name']} (T={c['temperature']:g}, top_p={c['top_p']:g}, top_k={c['top_k']})"
                      for c in r.configs)
-    lines = [f"# {title}: {r.verdict}", "",
-             f"- baseline: `{r.engines['baseline'].get('name')}` {_desc(r.engines['baseline'])}",
-             f"- candidate: `{r.engines['candidate'].get('name')}` {_desc(r.engines['candidate'])}",
-             f"- {len(r.prompts)} prompts x {len(r.configs)} configs x {o['positions']} output positions; "
-             f"{o['samples']} samples per arm per (prompt, config); max_tokens = {o['positions']}",
-             f"- configs: {cfgs}",
-             f"- test: permutation test on the max studentized token-frequency difference, "
-             f"{o['permutations']} permutations (refined near the floor: {o['refine']}), BH at q = {o['q']}; "
-             f"seed {o['seed']}",
-             "- time: " + ", ".join(f"{k} {v:.1f} s" for k, v in r.seconds.items()), ""]
+    lines = [f"# {title}: {r.verdict}", ""]
+    lines += [f"- {arm}: `{d.get('name')}` {_desc(d)}" for arm, d in r.engines.items()]
+    if r.candidates:
+        lines.append(f"- {len(r.candidates)} candidates against the same baseline samples; their spec comparisons are "
+                     f"one BH family at q = {o['q']} (and their null comparisons another)")
+    lines += [f"- {len(r.prompts)} prompts ({o.get('prompt_set', 'gsm8k')}) x {len(r.configs)} configs x "
+              f"{o['positions']} output positions; {o['samples']} samples per arm per (prompt, config); "
+              f"max_tokens = {o['positions']}",
+              f"- configs: {cfgs}",
+              f"- test: permutation test on the max studentized token-frequency difference, "
+              f"{o['permutations']} permutations (refined near the floor: {o['refine']}), BH at q = {o['q']}; "
+              f"seed {o['seed']}",
+              "- time: " + ", ".join(f"{k} {v:.1f} s" for k, v in r.seconds.items()), ""]
     if r.notes:
         lines += [f"- {n}" for n in r.notes] + [""]
     if r.failed:
@@ -105,33 +108,42 @@ def render(r: GateResult, title: str = "Sampled equivalence gate") -> str:
         lines += ["**CANNOT TEST**: the gate could not collect the evidence a verdict needs:", ""]
         lines += [f"- {m}" for m in r.missing] + [""]
     lines += ["## Checks that could not run", ""] + (_not_run(r) or ["- none: every check ran"]) + [""]
-    lines += ["## Speculation (candidate, over its generations)", ""] + _spec_lines(r.spec)
-    lines += _branch_lines(r.spec_by_config)
+    if r.candidates:
+        for lab in r.candidates:
+            lines += [f"## Speculation ({lab}, over its generations): {r.candidate_verdicts.get(lab, '')}", ""]
+            lines += _spec_lines(r.spec_by_candidate.get(lab))
+    else:
+        lines += ["## Speculation (candidate, over its generations)", ""] + _spec_lines(r.spec)
+    lines += _configuration_lines(r)
     for c in r.comparisons:
         lines += _comparison(c, o["q"])
     lines += [POWER_NOTE, ""]
     return "\n".join(lines)
 
 
-def _branch_lines(by_config: dict[str, dict | None]) -> list[str]:
-    """Per sampling config: verify steps, those fully accepted (a bonus row drawn from the row after the last
-    draft) and those ended on a rejection (a residual draw); zero of either is stated, not implied."""
-    if not by_config:
+def _configuration_lines(r: GateResult) -> list[str]:
+    """Per configuration (candidate x sampling config): the verify steps its generations ran, those fully
+    accepted (a bonus row drawn from the row after the last draft) and those ended on a rejection (a residual
+    draw), its cells and its verdict; a configuration that reached neither branch is CANNOT TEST, not PASS."""
+    rows = configurations(r)
+    if not rows:
         return []
-    lines = ["Accept-path branches the candidate's generations reached, per config (engine counters):", "",
-             "| config | verify steps | bonus rows (fully accepted) | rejections (residual draws) | "
-             "acceptance rate | mean accepted length |", "|---|---:|---:|---:|---:|---:|"]
-    for name, s in by_config.items():
-        if not s:
-            lines.append(f"| {name} | unknown | unknown | unknown | - | - |")
-            continue
-        fa, rj = s.get("full_accepts"), s.get("rejections")
-        lines.append(f"| {name} | {s['num_drafts']} | {'unknown' if fa is None else fa} | "
-                     f"{'unknown' if rj is None else rj} | {s['acceptance_rate']:.3f} | {s['mean_accept_len']:.2f} |")
-    gaps = not_tested(by_config)
+    lines = ["## Configurations", "",
+             "Accept-path branches each configuration's candidate generations reached (engine counters), and its "
+             "cells in the spec comparison:", "",
+             "| candidate | config | verify steps | bonus rows (fully accepted) | rejections (residual draws) | "
+             "acceptance rate | mean accepted length | cells (testable) | rejected | min p | verdict |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for x in rows:
+        s = r.spec_by_config.get(config_key(x["candidate"], x["config"]))
+        acc = f"{s['acceptance_rate']:.3f} | {s['mean_accept_len']:.2f}" if s else "- | -"
+        lines.append(f"| {x['candidate'] or 'candidate'} | {x['config']} | {_n(x['verify_steps'])} | "
+                     f"{_n(x['bonus_rows'])} | {_n(x['rejections'])} | {acc} | {x['cells']} ({x['testable']}) | "
+                     f"{x['rejected']} | {_p(x['min_p'])} | {x['verdict']} |")
+    gaps = not_tested(r.spec_by_config)
     lines.append("")
     if gaps:
-        lines += ["**Not tested** (no cell of these configs saw the branch):", ""] + [f"- {g}" for g in gaps]
+        lines += ["**Not tested** (no cell of these configurations saw the branch):", ""] + [f"- {g}" for g in gaps]
         lines.append("")
     return lines
 
@@ -159,18 +171,36 @@ def _desc(d: dict) -> str:
 
 
 def render_selftest(rows: Sequence[dict], options: dict) -> str:
-    """rows: {case, expect, verdict, ok, rejected, testable, min_p, max_tv, mean_accept_len, bonus_rows,
-    rejections, seconds}."""
+    """rows: selftest._row dicts (case, expect, verdict, ok, rejected, testable, min_p, min_q, q_run, caught_by,
+    configurations, bonus_rows, rejections, seconds). One line per case, then the fault x configuration
+    matrix: per configuration, the rejected cells (and the smallest p-value) of each case."""
     o = options
+    rep = int(o.get("repeat", 1))
+    q_run = o["q"] / rep
+    cands = ", ".join(o.get("candidates") or []) or "the candidate"
     lines = ["# Sampled gate self-test", "",
-             f"{o['num_prompts']} prompts x {len(o.get('configs', [])) or '?'} configs x {o['positions']} positions, "
-             f"{o['samples']} samples per arm, {o['permutations']} permutations, BH q = {o['q']}. "
-             "Each fault must be caught (some cell rejected); the clean engine must pass.", "",
-             "| case | expected | verdict | rejected / testable | min p | max TV | mean accepted length | "
-             "bonus rows | rejections | time (s) | ok |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+             f"Candidates: {cands}; {o['num_prompts']} prompt(s) of each set ({o.get('prompt_set', 'gsm8k')}) x "
+             f"{len(o.get('configs', [])) or '?'} configs x {o['positions']} positions, {o['samples']} samples per "
+             f"arm, {o['permutations']} permutations. Every run is one BH family (every candidate's cells) at "
+             f"q / repeat = {o['q']:g} / {rep} = {q_run:.3g}, so a correct engine raises an alarm in any of the "
+             f"{rep} clean run(s) with probability at most {o['q']:g} (Bonferroni over the runs). Each fault must "
+             "be caught (some cell rejected); every clean run must pass.", "",
+             "| case | expected | verdict | rejected / testable | min p | min BH q | caught by (rejected cells) | "
+             "bonus rows | rejections | time (s) | ok |", "|---|---|---|---:|---:|---:|---|---:|---:|---:|---|"]
     for x in rows:
+        by = "; ".join(f"{c['configuration']} ({c['rejected']})" for c in x.get("caught_by", [])) or "-"
         lines.append(f"| {x['case']} | {x['expect']} | {x['verdict']} | {x['rejected']} / {x['testable']} | "
-                     f"{_p(x['min_p'])} | {x['max_tv']:.3f} | {x['mean_accept_len']:.2f} | {_n(x.get('bonus_rows'))} | "
-                     f"{_n(x.get('rejections'))} | {x['seconds']:.1f} | "
-                     f"{'yes' if x['ok'] else '**NO**'} |")
+                     f"{_p(x['min_p'])} | {_p(x.get('min_q', 1.0))} | {by} | {_n(x.get('bonus_rows'))} | "
+                     f"{_n(x.get('rejections'))} | {x['seconds']:.1f} | {'yes' if x['ok'] else '**NO**'} |")
+    keys = [config_key(c["candidate"], c["config"]) for c in (rows[0].get("configurations") or [])] if rows else []
+    if keys:
+        lines += ["", "Rejected cells per configuration (smallest p-value in brackets; `-`: none rejected), with the "
+                  "bonus rows and rejections each run's generations reached there:", "",
+                  "| case | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
+        for x in rows:
+            cells = []
+            for c in x.get("configurations") or []:
+                hit = f"**{c['rejected']}** ({_p(c['min_p'])})" if c["rejected"] else "-"
+                cells.append(f"{hit}; {_n(c['bonus_rows'])} / {_n(c['rejections'])}")
+            lines.append(f"| {x['case']} | " + " | ".join(cells) + " |")
     return "\n".join(lines + [""])

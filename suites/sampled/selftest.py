@@ -1,20 +1,27 @@
 """The sampled gate's self-test: the gate must catch every sampling fault and pass the clean engine.
 
-Contract: `run_selftest(baseline, candidate, opts, ...)` draws the baseline samples once, then runs the
-gate against the clean candidate and, per fault in `FAULT_CASES`, a fresh engine like it with that fault
-armed (the candidate's "faults" capability, `with_faults`; an adapter without it raises
-`UnsupportedCapability`). A fault is caught when the verdict is FAIL (some cell rejected); NOT
-SPECULATING does not count. The clean case must PASS. The candidate and every engine armed from it are
-closed here. Returns one row per case plus the per-case `GateResult`s.
+Contract: `run_selftest(baseline, candidates, opts, ...)` draws the baseline samples once, then runs the gate
+(every candidate against those samples, one BH family per run) `repeat` times against the clean candidates,
+each repetition after the first on fresh engines and on its own candidate seeds (`--seed` + r), and, per fault
+in `cases`, once against fresh engines like the candidates with that fault armed (the candidates' "faults"
+capability, `with_faults`; an adapter without it raises `UnsupportedCapability`). Every run is judged at the
+per-run level opts.q / repeat, so the probability that a correct engine raises an alarm in any of the
+`repeat` clean runs is at most opts.q (Bonferroni over the runs); a fault caught at that level is caught at
+the gate's default level too (BH rejects more at a larger q). A fault is caught when the verdict is FAIL
+(some cell rejected); NOT SPECULATING does not count. Every clean run must PASS. The candidates and every
+engine armed from them are closed here. Returns one row per case plus the per-case `GateResult`s.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
 
 from specbench.harness.adapters.base import EngineAdapter
 
+from .config import DEFAULT_CONFIGS_TEXT
 from .gate import (
     DEFAULT_CONFIGS,
     GateResult,
@@ -23,85 +30,127 @@ from .gate import (
     Samples,
     SamplingConfig,
     collect,
+    config_key,
+    configurations,
     make_prompts,
     not_tested,
     run_gate,
 )
 
 FAULT_CASES = ("biased_accept", "resample_from_p", "reused_uniform", "q_next_row", "bonus_residual")
-# Armed by default (`run_selftest` cases): the two q/bonus faults are not caught by the default candidate
-# (point-mass q: q_next_row is inert) nor, at these sizes, by the soft-q candidate for bonus_residual;
-# docs/sampled.md "Seeing q and the bonus row" has the measurements. Pass cases=... to arm them.
-DEFAULT_FAULT_CASES = ("biased_accept", "resample_from_p", "reused_uniform")  # the engine's speculative-sampling faults
-# Calibrated on the bundled tiny pair (docs/sampled.md "Self-test"). The default candidate is the target
-# with the n-gram proposer on echo prompts: its accept ratios p(d)/1 lie strictly inside (0, 1), where all
-# three faults act; the bundled DFlash drafter's ratios are near 0 or >= 1, where reused_uniform is inert.
-# P = 4 is the fewest positions at which reused_uniform can act (the first verify has 2 drafts); it shows
-# at position 2 with a TV of about 0.05, hence 1,024 samples per arm.
-SELFTEST_OPTIONS = {"num_prompts": 2, "positions": 4, "samples": 1024, "prompt_chars": 200, "prompt_set": "echo"}
-SELFTEST_CONFIGS = "t=1.5,k=2;t=1,k=3"
-SELFTEST_SPEC = "ngram"
-# The n-gram drafts with a soft q: q_i = (1 - M) one_hot(lookup) + M context frequencies (spec=ngram,mix=M),
-# the candidate under which q_next_row is caught (with point masses the accept never reads a q row). M = 0.05,
-# not 0.2: at 0.2 every later accept ratio is 0 or >= 1 on echo prompts, so reused_uniform is inert by
-# arithmetic; at 0.05 clean passes and reused_uniform (2 / 12 cells) and q_next_row (9 / 12) are caught in one
-# measurement (docs/sampled.md "Seeing q and the bonus row"). Not yet the default candidate: one measurement.
-SELFTEST_MIX = "0.05"
+# Every sampling fault is armed by default: on the echo and repeat prompts each is caught by both default
+# candidates (docs/sampled.md "The self-test matrix").
+DEFAULT_FAULT_CASES = FAULT_CASES
+# The self-test runs the default configuration set (config.py DEFAULT_CANDIDATES x DEFAULT_CONFIGS on the echo
+# and repeat prompts) at a smaller size than the gate: one prompt of each set, P = 4 (the fewest positions at
+# which reused_uniform can act: the first verify then has 2 drafts), 256 samples per arm.
+SELFTEST_OPTIONS = {"num_prompts": 1, "positions": 4, "samples": 256, "prompt_chars": 200,
+                    "prompt_set": "echo,repeat"}
+SELFTEST_CONFIGS = DEFAULT_CONFIGS_TEXT
+SELFTEST_REPEAT = 5  # clean runs; each run is judged at q / SELFTEST_REPEAT
 
 
-def _row(case: str, res: GateResult, seconds: float) -> dict:
-    spec = res.comparisons[0]
-    fin = [c for c in spec.cells if c.testable]
-    expect = "PASS" if case == "clean" else "FAIL"
-    ok = res.passed if case == "clean" else res.verdict == "FAIL"
-    return {"case": case, "expect": expect, "verdict": res.verdict, "ok": ok, "rejected": len(spec.rejected),
+def _row(case: str, res: GateResult, seconds: float, q_run: float) -> dict:
+    fin = [c for comp in res.comparisons if comp.name == "spec" for c in comp.cells if c.testable]
+    expect = "PASS" if case.startswith("clean") else "FAIL"
+    ok = res.passed if case.startswith("clean") else res.verdict == "FAIL"
+    confs = configurations(res)
+    caught = [{"configuration": config_key(x["candidate"], x["config"]), "rejected": x["rejected"],
+               "min_p": x["min_p"]} for x in confs if x["rejected"]]
+    known = [x for x in confs if x["bonus_rows"] is not None]
+    return {"case": case, "expect": expect, "verdict": res.verdict, "ok": ok,
+            "rejected": sum(len(c.rejected) for c in res.comparisons if c.name == "spec"),
+            "null_rejected": sum(len(c.rejected) for c in res.comparisons if c.name == "null"),
             "testable": len(fin), "min_p": min((c.p_value for c in fin), default=1.0),
+            "min_q": min((c.q_value for c in fin), default=1.0), "q_run": q_run,
             "max_tv": max((c.tv for c in fin), default=0.0),
             "mean_accept_len": (res.spec or {}).get("mean_accept_len", 0.0),
-            "bonus_rows": (res.spec or {}).get("full_accepts"), "rejections": (res.spec or {}).get("rejections"),
+            "bonus_rows": sum(x["bonus_rows"] for x in known) if known else None,
+            "rejections": sum(x["rejections"] for x in known) if known else None,
+            "caught_by": caught, "configurations": confs,
             "not_tested": not_tested(res.spec_by_config), "seconds": seconds}
 
 
-def run_selftest(baseline: EngineAdapter, candidate: EngineAdapter, opts: SampledGateOptions,
-                 configs: Sequence[SamplingConfig] = DEFAULT_CONFIGS, prompts: Sequence[tuple[str, str]] | None = None,
+class _CaseProgress:
+    """One self-test case's view of the whole run's progress display: its own plan is the run's, not a total."""
+
+    def __init__(self, progress: Any, case: str) -> None:
+        self.progress, self.case = progress, case
+
+    def plan(self, total: int) -> None:
+        pass
+
+    def phase(self, name: str, n: int | None) -> None:
+        self.progress.phase(f"{self.case}: {name}", n)
+
+    def advance(self, result: object = None, n: int = 1) -> None:
+        self.progress.advance(result, n)
+
+
+def run_selftest(baseline: EngineAdapter, candidates: EngineAdapter | Sequence[EngineAdapter],
+                 opts: SampledGateOptions, configs: Sequence[SamplingConfig] = DEFAULT_CONFIGS,
+                 prompts: Sequence[tuple[str, str]] | None = None,
                  cases: Sequence[str] = ("clean", *DEFAULT_FAULT_CASES), log: Callable[[str], None] | None = None,
                  on_samples: Callable[[Samples], None] | None = None,
-                 baseline_samples: Samples | None = None) -> tuple[list[dict], dict[str, GateResult]]:
+                 baseline_samples: Samples | None = None, repeat: int = 1,
+                 progress: Any = None) -> tuple[list[dict], dict[str, GateResult]]:
     say = log or (lambda s: None)
+    cands = [candidates] if isinstance(candidates, EngineAdapter) else list(candidates)
+    if repeat < 1:
+        raise SampledError(f"--repeat {repeat} is invalid: expected an integer >= 1")
     if "reused_uniform" in cases and opts.positions < 4:
         raise SampledError(f"--positions {opts.positions} is too few for the self-test: reused_uniform acts only "
                            "from the second draft of a verify step, which needs positions >= 4")
-    open_ = [candidate]  # closed once its case ran or the self-test ended
+    q_run = opts.q / repeat
+    run_opts = replace(opts, q=q_run)
+    open_ = list(cands)  # closed once their case ran or the self-test ended
     try:
-        missing = [c for c in cases if c != "clean" and c not in candidate.armable_faults()]
-        if missing:
-            raise SampledError(f"{candidate.name}: the engine names no fault {', '.join(missing)} "
-                               f"(it has {', '.join(candidate.armable_faults())})")
+        for c in cands:
+            missing = [f for f in cases if f != "clean" and f not in c.armable_faults()]
+            if missing:
+                raise SampledError(f"{c.name}: the engine names no fault {', '.join(missing)} "
+                                   f"(it has {', '.join(c.armable_faults())})")
         prompts = list(prompts) if prompts is not None else make_prompts(baseline, opts)
+        faults = [f for f in cases if f != "clean"]
+        runs = ([f"clean#{r + 1}" if r else "clean" for r in range(repeat)] if "clean" in cases else []) + faults
+        n = len(prompts) * len(configs) * opts.samples
+        if progress is not None:
+            progress.plan(n * ((baseline_samples is None) + len(cands) * (len(runs) + bool(opts.null))))
         t0 = time.perf_counter()
         base = baseline_samples
         if base is None:
-            base = collect(baseline, prompts, configs, opts, "baseline", 0)
+            if progress is not None:
+                progress.phase("baseline (spec off)", n)
+            base = collect(baseline, prompts, configs, run_opts, "baseline", 0,
+                           progress.advance if progress is not None else None)
             if on_samples:
                 on_samples(base)
             say(f"baseline samples: {base.seconds:.1f} s")
         rows, results = [], {}
-        for case in cases:
+        for case in runs:
             t = time.perf_counter()
-            cand = candidate if case == "clean" else candidate.with_faults((case,))
+            rep = int(case.split("#")[1]) - 1 if "#" in case else 0
+            fault = () if case.startswith("clean") else (case,)
+            armed = list(cands) if case == "clean" else [c.with_faults(fault, name=c.name) for c in cands]
             try:
-                case_opts = opts if case == "clean" else SampledGateOptions(**{**opts.__dict__, "null": False})
-                res = run_gate(baseline, cand, case_opts, configs, prompts, baseline_samples=base,
-                               on_samples=on_samples)
+                # clean repetition r draws its candidate samples on seed + r (disjoint from every other run's
+                # streams: seed_of); the null run goes with the first clean run only
+                case_opts = replace(run_opts, seed=opts.seed + rep, null=opts.null and case == "clean")
+                res = run_gate(baseline, armed, case_opts, configs, prompts, baseline_samples=base,
+                               on_samples=on_samples,
+                               progress=_CaseProgress(progress, case) if progress is not None else None)
             finally:
-                cand.close()  # a closed adapter can still arm fresh engines (base.py with_faults)
-                if cand is candidate:
+                for a in armed:  # a closed adapter can still arm fresh engines (base.py with_faults)
+                    a.close()
+                if case == "clean":
                     open_.clear()
-                del cand  # one armed engine alive at a time besides the candidate
-            rows.append(_row(case, res, time.perf_counter() - t))
+                del armed  # one set of armed engines alive at a time besides the candidates
+            rows.append(_row(case, res, time.perf_counter() - t, q_run))
             results[case] = res
-            say(f"{case}: {res.verdict} ({rows[-1]['rejected']} of {rows[-1]['testable']} cells rejected, "
-                f"{rows[-1]['seconds']:.1f} s)")
+            r_ = rows[-1]
+            by = "; ".join(f"{x['configuration']} {x['rejected']}" for x in r_["caught_by"]) or "none"
+            say(f"{case}: {res.verdict} ({r_['rejected']} of {r_['testable']} cells rejected: {by}; "
+                f"{r_['seconds']:.1f} s)")
     finally:
         for a in open_:
             a.close()
