@@ -1,4 +1,4 @@
-"""Checks around every lossless run: counters, nothing after EOS, speculation silently off, KV leaks.
+"""Checks around every lossless run: counters, nothing after EOS, output counts, speculation silently off, KV leaks.
 
 Contract: each check is a pure function of what a run observed (results, a counters delta, a health
 snapshot) and returns a `Check` (name, ok, detail); none raises on bad engine output. The speculation
@@ -15,6 +15,12 @@ num_accepted_tokens, accepted_per_pos}:
   NOT required: a request within K tokens of its max_tokens drafts only remaining - 1 tokens (the
   truncated span), so the product is an upper bound. With K unknown, the length of accepted_per_pos
   (the largest draft length the engine reported) stands in for it.
+
+Output counts (`check_counts`, every result on its own): usage's completion_tokens and the tokens the streamed
+chunks carried (where counted exactly) equal the returned ids, no output is longer than its max_tokens, and
+finish_reason "length" comes only at max_tokens. `same_tokens_differ`: where the candidate's ids equal the
+baseline's whole output (same engine kind), text and finish reason must be equal too (a detokenizer or stop
+bug that leaves the ids right).
 
 Acceptance (docs/lossless.md, "The statistics of each rule"):
 - `check_acceptance(stats, reference)` is two-sided: the mean accepted length must stay within
@@ -178,6 +184,55 @@ def check_after_stop(results: Sequence[GenResult], eos_ids: set[int], ignore_eos
         if hits and hits[0] < len(ids) - 1:
             bad.append(f"{r.rid}: {len(ids) - 1 - hits[0]} token(s) after EOS at position {hits[0]}")
     return Check(name, not bad, "; ".join(bad[:5]) or f"no token after an EOS in {len(results)} outputs")
+
+
+EXACT_COUNTS = ("engine", "ids")  # GenResult.token_count_method values whose chunk_tokens are exact counts
+
+
+def count_problems(r: GenResult, max_tokens: int | None = None) -> list[str]:
+    """What one result's own fields say against its returned ids (any engine, no baseline needed): usage's
+    completion_tokens, the tokens the streamed chunks carried (where counted exactly), max_tokens, and a
+    finish_reason "length" before max_tokens was reached."""
+    if not r.ok or r.output_ids is None:
+        return []
+    n = len(r.output_ids)
+    bad = []
+    if r.completion_tokens is not None and r.completion_tokens != n:
+        bad.append(f"usage completion_tokens {r.completion_tokens} != {n} returned ids")
+    if r.chunk_tokens and r.token_count_method in EXACT_COUNTS and sum(r.chunk_tokens) != n:
+        bad.append(f"streamed chunks carried {sum(r.chunk_tokens)} tokens, {n} returned")
+    if max_tokens is not None and n > max_tokens:
+        bad.append(f"{n} tokens returned for max_tokens={max_tokens}")
+    if max_tokens is not None and r.finish_reason == "length" and n < max_tokens:
+        bad.append(f"finish_reason 'length' after {n} of max_tokens={max_tokens} tokens")
+    return bad
+
+
+def check_counts(results: Sequence[GenResult], max_tokens: Sequence[int] | None = None) -> Check:
+    """`count_problems` over a run's results (max_tokens per result, in order, where known)."""
+    name = "output-counts"
+    bad = []
+    for i, r in enumerate(results):
+        m = max_tokens[i] if max_tokens is not None and i < len(max_tokens) else None
+        bad += [f"{r.rid}: {x}" for x in count_problems(r, m)]
+    n = sum(1 for r in results if r.ok and r.output_ids is not None)
+    if not n:
+        return Check(name, True, "no output ids to count", skipped=True)
+    return Check(name, not bad, "; ".join(bad[:5]) + (f" (+{len(bad) - 5} more)" if len(bad) > 5 else "")
+                 if bad else f"usage, streamed chunks and finish reasons agree with the ids of {n} outputs")
+
+
+def same_tokens_differ(cand: GenResult, base: GenResult) -> str | None:
+    """Two outputs with the same token ids (same engine kind, same request) must carry the same text and the
+    same finish reason; the first difference, or None."""
+    if cand.text and base.text and cand.text != base.text:
+        k = next((i for i, (a, b) in enumerate(zip(cand.text, base.text, strict=False)) if a != b),
+                 min(len(cand.text), len(base.text)))
+        return (f"same tokens, different text from character {k}: {cand.text[max(0, k - 20):k + 20]!r} vs "
+                f"{base.text[max(0, k - 20):k + 20]!r}")
+    if cand.finish_reason and base.finish_reason and cand.finish_reason != base.finish_reason:
+        return f"same tokens, finish_reason {cand.finish_reason!r} vs the baseline's {base.finish_reason!r}"
+    return None
 
 
 def check_speculating(stats: AcceptanceEvidence) -> Check:

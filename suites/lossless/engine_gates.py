@@ -48,7 +48,7 @@ from specbench.harness.adapters.base import (
     counters_delta,
 )
 
-from .checks import AcceptanceEvidence, Check, check_after_stop, check_kv_idle, eos_ids_of
+from .checks import AcceptanceEvidence, Check, check_after_stop, check_kv_idle, count_problems, eos_ids_of
 from .greedy import (
     Divergence,
     GateRun,
@@ -320,11 +320,7 @@ class StopCase:
 def _counted(r: GenResult, gen_before: int | None, gen_after: int | None) -> list[str]:
     """Token counts that disagree with the returned ids: usage, streamed chunks, the generation counter."""
     n = len(r.output_ids or [])
-    bad = []
-    if r.completion_tokens is not None and r.completion_tokens != n:
-        bad.append(f"usage completion_tokens {r.completion_tokens} != {n} returned ids")
-    if r.chunk_tokens and r.token_count_method in ("engine", "ids") and sum(r.chunk_tokens) != n:
-        bad.append(f"streamed chunks carried {sum(r.chunk_tokens)} tokens, {n} returned")
+    bad = count_problems(r)
     if gen_before is not None and gen_after is not None and gen_after - gen_before != n:
         bad.append(f"the engine's generation-token counter moved by {gen_after - gen_before}, {n} returned")
     return bad

@@ -57,7 +57,15 @@ from dataclasses import dataclass, replace
 from specbench.harness.adapters.base import EngineAdapter, GenRequest, GenResult, PosLogprobs, counters_delta
 from specbench.harness.verdicts import CannotTest
 
-from .checks import acceptance_evidence, check_after_stop, check_counters, check_kv_idle, eos_ids_of
+from .checks import (
+    acceptance_evidence,
+    check_after_stop,
+    check_counters,
+    check_counts,
+    check_kv_idle,
+    eos_ids_of,
+    same_tokens_differ,
+)
 from .outcomes import Divergence, GateRun, Prompt, PromptCheck
 from .regret import MARGIN_TOL, STRICT_FP32_TOL, TOP_K, first_divergence, judge_pick, merged_dist
 
@@ -234,10 +242,22 @@ def rescore_disagreement(d: Divergence, opts: GreedyGateOptions) -> str | None:
     return None
 
 
+def same_engine_kind(a: EngineAdapter, b: EngineAdapter) -> bool:
+    """Both arms the same kind of engine (adapter kind, and the endpoint dialect where probed): then equal ids
+    must mean equal text and finish reason (`same_tokens_differ`); across kinds detokenizer conventions may
+    differ (special tokens, clean-up of spaces)."""
+    da, db = a.describe() or {}, b.describe() or {}
+    if da.get("kind") != db.get("kind"):
+        return False
+    ca, cb = da.get("capabilities") or {}, db.get("capabilities") or {}
+    return not isinstance(ca, dict) or not isinstance(cb, dict) or ca.get("dialect") == cb.get("dialect")
+
+
 async def check_output(baseline: EngineAdapter, prompt: Prompt, cand: GenResult, max_tokens: int,
                        opts: GreedyGateOptions, candidate: EngineAdapter | None = None,
-                       first_base: GenResult | None = None) -> PromptCheck:
-    """Judge one candidate output against baselines, re-anchoring after each benign flip."""
+                       first_base: GenResult | None = None, compare_text: bool = False) -> PromptCheck:
+    """Judge one candidate output against baselines, re-anchoring after each benign flip. compare_text: where
+    the whole output equals the first baseline's, its text and finish reason must equal the baseline's too."""
     pc = PromptCheck(prompt.pid, len(prompt.ids), max_tokens, spec=cand.spec)
     if not cand.ok:
         pc.status, pc.reason, pc.complete = "error", f"candidate request failed: {cand.error}", False
@@ -277,6 +297,9 @@ async def check_output(baseline: EngineAdapter, prompt: Prompt, cand: GenResult,
         i = first_divergence(rest, bids)
         if i is None:
             pc.tokens_compared = len(out)
+            bad = same_tokens_differ(cand, base) if compare_text and anchor == 0 else None
+            if bad:
+                pc.status, pc.reason = "fail", bad
             return pc
         pos = anchor + i
         pc.tokens_compared = pos + 1 if i < len(rest) else pos
@@ -388,11 +411,13 @@ async def health(adapter: EngineAdapter, settle_s: float = 2.0) -> dict | None:
 
 async def finish_run(name: str, candidate: EngineAdapter, baseline: EngineAdapter, prompts: list[PromptCheck],
                      results: Sequence[GenResult], delta: dict | None, opts: GreedyGateOptions, t0: float,
-                     k: int | None = None) -> GateRun:
-    """Spec statistics and the run checks (counters, after-EOS, KV idle) around one gate's requests."""
+                     k: int | None = None, max_tokens: Sequence[int] | None = None) -> GateRun:
+    """Spec statistics and the run checks (counters, after-EOS, output counts, KV idle) around one gate's
+    requests (`max_tokens`: each result's, in order, where known)."""
     stats = acceptance_evidence(results, delta, opts.min_accept_len)
     eos = eos_ids_of(candidate.describe()) or eos_ids_of(baseline.describe())
-    checks = [check_counters(stats, k), check_after_stop(results, eos), check_kv_idle(await health(candidate))]
+    checks = [check_counters(stats, k), check_after_stop(results, eos), check_counts(results, max_tokens),
+              check_kv_idle(await health(candidate))]
     return GateRun(name, prompts, stats, checks, time.perf_counter() - t0, results=list(results),
                    rule=opts.rule_dict(), delta=delta)
 
@@ -419,6 +444,7 @@ async def run_greedy(baseline: EngineAdapter, candidate: EngineAdapter, prompts:
     delta = counters_delta(before, await candidate.spec_counters())
     sem = asyncio.Semaphore(baseline_concurrency or concurrency or len(prompts))
     rendered: list[str] = []  # chat prompts: where the rendered ids came from
+    same_kind = same_engine_kind(baseline, candidate)
 
     async def one(p: Prompt, c: GenResult, m: int) -> PromptCheck:
         async with sem:
@@ -435,13 +461,14 @@ async def run_greedy(baseline: EngineAdapter, candidate: EngineAdapter, prompts:
                     if on_prompt is not None:
                         on_prompt(pc)
                     return pc
-            pc = await check_output(baseline, p, c, m, opts, candidate if opts.rescore else None, first_base=first)
+            pc = await check_output(baseline, p, c, m, opts, candidate if opts.rescore else None, first_base=first,
+                                    compare_text=same_kind)
         if on_prompt is not None:
             on_prompt(pc)
         return pc
 
     checks = await asyncio.gather(*(one(p, c, m) for p, c, m in zip(prompts, cands, mts, strict=True)))
-    run = await finish_run(name, candidate, baseline, list(checks), cands, delta, opts, t0, engine_k(candidate))
+    run = await finish_run(name, candidate, baseline, list(checks), cands, delta, opts, t0, engine_k(candidate), mts)
     if rendered:
         run.notes.append(f"chat endpoint: {len(rendered)} chat requests (one user message, the server's chat "
                          f"template); rendered prompt ids reported by both arms for {rendered.count('both')}, by one "
