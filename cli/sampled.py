@@ -64,8 +64,8 @@ def sampled(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress display and no summary table: the verdict "
                                "line only (--json implies it)."),
     report: Path | None = typer.Option(None, "--report", help="Write the markdown report here."),
-    results: Path | None = typer.Option(None, "--results", help="Results directory (default $SPECBENCH_RESULTS "
-                                        "or ./results)."),
+    results: Path | None = typer.Option(None, "--results-dir", "--results", help="The results store (default "
+                                        "$SPECBENCH_RESULTS or ./results; --results: its older name, kept)."),
     record: bool = typer.Option(True, "--record/--no-record", help="Write records to the results store."),
     tokenizer: Path | None = typer.Option(None, "--tokenizer", help="The model's tokenizer directory (tokenizer.json), "
                                           "used locally, round-trip checked, for an openai endpoint that cannot tokenize."),
