@@ -17,9 +17,8 @@ import sys
 import typer
 
 from specbench import __version__
+from specbench.cli.progress import NO_TERMINAL_WIDTH
 from specbench.extras import MissingExtra
-
-NO_TERMINAL_WIDTH = 120
 
 # name -> "module:function". Each function's docstring is its --help text.
 COMMANDS: dict[str, str] = {

@@ -2,7 +2,8 @@
 
 Contract: parses options, builds the suite's config, calls specbench.suites.evalparity, prints the
 markdown table (or one JSON document with --json); while it runs, one progress display on stderr (documents
-done / total over both arms, the arm and its phase, the ETA; none with --json). Exit codes: 0 PARITY, 1 DIFFERENT (with --strict
+done / total over both arms, the arm and its phase, the ETA), at the end a summary table on stderr
+(cli/summary.py: a row per task and metric); neither with --quiet or --json. Exit codes: 0 PARITY, 1 DIFFERENT (with --strict
 also any differing answer) or an arm that could not be evaluated, 2 bad usage (an unknown task, a bad
 engine string) or lm-eval not installed (with the command that installs it), 3 CANNOT TEST (no document
 was compared), 130 on Ctrl-C; servers it
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import typer
 
+from specbench.cli.flags import quiet_option, record_option, results_dir_option
 from specbench.harness.engines import EngineStringError, baseline_and_candidate
 
 
@@ -32,7 +34,9 @@ def eval_cmd(
                                           help="auto | remote (lm-eval tokenizes via /tokenize, truncates to the context) | none (text prompts)."),
     max_length: int | None = typer.Option(None, "--max-length", min=2,
                                           help="lm-eval's context budget for both arms (remote tokenizer; default: each server's context)."),
-    results: Path | None = typer.Option(None, "--results", help="Results folder (default $SPECBENCH_RESULTS or ./results)."),
+    results: Path | None = results_dir_option("--results"),
+    record: bool = record_option("Keep the run (per-sample outputs) in the results store (--no-record: a scratch store, deleted once the table is printed)."),
+    quiet: bool = quiet_option(),
     report: Path | None = typer.Option(None, "--report", help="Also write the markdown report here."),
     strict: bool = typer.Option(False, "--strict",
                                 help="Also exit 1 when any extracted answer differs, even within stderr (a losslessness gate)."),
@@ -63,17 +67,21 @@ def eval_cmd(
     except (TaskError, EngineStringError) as e:
         typer.echo(f"specbench eval: {e}", err=True)
         raise typer.Exit(2) from None
-    cfg = runner.EvalConfig(baseline=base, candidate=cand, tasks=tasks, limit=limit, num_fewshot=num_fewshot,
-                            concurrency=concurrency, tokenizer_backend=tokenizer_backend, max_length=max_length,
-                            results=str(results) if results else None, startup_timeout_s=startup_timeout)
+    from specbench.cli.flags import scratch_store
     from specbench.cli.progress import RunProgress
 
-    try:  # documents done over both arms, on stderr (none with --json): lm-eval's own output goes to its log
-        with RunProgress(0, quiet=json_out, unit="documents") as progress:
-            pr, path = runner.run_parity(cfg, progress=progress)
-    except (runner.EvalError, EndpointError) as e:
-        typer.echo(f"specbench eval: {e}", err=True)
-        raise typer.Exit(1) from None
+    with scratch_store(record, results) as store:
+        cfg = runner.EvalConfig(baseline=base, candidate=cand, tasks=tasks, limit=limit, num_fewshot=num_fewshot,
+                                concurrency=concurrency, tokenizer_backend=tokenizer_backend, max_length=max_length,
+                                results=store, startup_timeout_s=startup_timeout)
+        try:  # documents done over both arms, on stderr (none with --json): lm-eval's own output goes to its log
+            with RunProgress(0, quiet=quiet or json_out, unit="documents") as progress:
+                pr, path = runner.run_parity(cfg, progress=progress)
+        except (runner.EvalError, EndpointError) as e:
+            typer.echo(f"specbench eval: {e}", err=True)
+            raise typer.Exit(1) from None
+    if not record:
+        pr.samples_path = None  # the scratch store is gone
     from specbench.suites.evalparity.report import render_markdown, to_json
 
     md = render_markdown(pr)
@@ -84,7 +92,10 @@ def eval_cmd(
         typer.echo(json.dumps(to_json(pr), default=str))
     else:
         typer.echo(md)
-        typer.echo(f"results: {path}")
+        typer.echo(f"results: {path}" if record else "results: not kept (--no-record)")
+    from specbench.cli.summary import eval_summary, show
+
+    show(eval_summary(pr, path if record else None, report), quiet=quiet or json_out)
     if pr.verdict != "PARITY":
         from specbench.harness.verdicts import exit_code
 

@@ -13,17 +13,21 @@ from pathlib import Path
 
 import typer
 
+from specbench.cli.flags import results_dir_option
+
 
 def gaps(
     trace: Path = typer.Argument(..., help="nsys .sqlite export, nsys stats cuda_gpu_trace .csv, or Kineto .json/.json.gz"),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON document instead of the table."),
     phases: bool = typer.Option(False, "--phases", help="Also split busy and idle by NVTX / record_function range."),
     rules: Path | None = typer.Option(None, "--rules", help="Extra 'regex,class' lines, tried before the built-in rules."),
-    markdown: Path | None = typer.Option(None, "--markdown", help="Also write a markdown report section here."),
+    markdown: Path | None = typer.Option(None, "--report", "--markdown", help="Also write a markdown report section here "
+                                         "(--markdown: its older name, kept)."),
     plot: Path | None = typer.Option(None, "--plot", help="Also write a PNG bar chart of idle by kernel class (per phase)."),
     phase_filter: str | None = typer.Option(None, "--phase-filter", help="Only ranges whose name matches this regex count as phases."),
     outermost: bool = typer.Option(False, "--outermost", help="Attribute ops to the outermost covering range, not the innermost."),
-    results: Path | None = typer.Option(None, "--results", help="Results directory (default $SPECBENCH_RESULTS or ./results)."),
+    results: Path | None = results_dir_option("--results", help="The results store (default $SPECBENCH_RESULTS or "
+                                              "./results)."),
     record: bool = typer.Option(True, "--record/--no-record", help="Write the analysis to the results store (`specbench report` renders it)."),
 ) -> None:
     """Where did the GPU sit idle, and which kernels paid for it?

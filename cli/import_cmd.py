@@ -12,14 +12,15 @@ from pathlib import Path
 
 import typer
 
+from specbench.cli.flags import results_dir_option
+
 SOURCES = ("vllm-bench",)
 
 
 def import_cmd(
     source: str = typer.Argument(..., help=f"What the files are: {', '.join(SOURCES)}."),
     files: list[Path] = typer.Argument(..., help="The result files (vLLM: --save-result JSON, one per run)."),
-    out: str = typer.Option(None, "--out", help="Results directory (a run folder is created in it); default "
-                            "$SPECBENCH_RESULTS or ./results."),
+    out: str = results_dir_option("--out"),
     label: str = typer.Option(None, "--label", help="Arm label for every file (default: each file's label, else "
                               "its backend)."),
 ) -> None:

@@ -4,7 +4,8 @@ Contract: parses options, builds the two adapters (default: the bundled tiny pai
 candidate spec on; a local candidate alone gets the same model with speculation off as its baseline),
 opens a results run (records under results/<run-id>/: checks.jsonl per prompt, requests.jsonl of the
 candidate, gates.jsonl), calls specbench.suites.lossless.suite.run_lossless, prints the per-prompt table
-and the summary (one JSON document with --json), writes the markdown report with --report.
+and the summary (one JSON document with --json), writes the markdown report with --report, and ends with a
+summary table on stderr (cli/summary.py: a row per gate; none with --quiet or --json).
 --endpoint-type chat sends each prompt as the same chat request to both arms (suite.py's contract).
 Exit codes: 0 PASS; 1 FAIL or NOT SPECULATING (a pass that proves nothing is not a pass); 2 bad input
 (an engine string, an option value); 3 CANNOT TEST (the evidence could not be collected: no engine
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import typer
 
+from specbench.cli.flags import quiet_option, record_option, results_dir_option
 from specbench.harness.errors import usage_errors
 
 
@@ -28,7 +30,7 @@ def lossless(
     strict_tol: float | None = typer.Option(None, "--strict-tol", min=0.0, help="Strict mode's tolerance in nats (default 4e-4: 10x the fp32 noise measured between correct paths, docs/lossless.md)."),
     baseline: str | None = typer.Option(None, "--baseline", help="Engine string of the reference (speculation off). Default: the bundled pair, spec off."),
     candidate: str | None = typer.Option(None, "--candidate", help="Engine string under test (speculation on). Default: the bundled pair, spec on."),
-    dataset: str = typer.Option("gsm8k", "--dataset", help="gsm8k | spec_bench | mt_bench | sharegpt | humaneval"),
+    dataset: str = typer.Option("gsm8k", "--dataset", help="gsm8k | spec_bench | mt_bench | sharegpt | humaneval (spec-bench, mt-bench accepted)"),
     num_prompts: int = typer.Option(8, "--num-prompts", min=1, help="Prompts from the data set (file order)."),
     max_tokens: int = typer.Option(64, "--max-tokens", min=1, help="Greedy tokens per prompt."),
     max_divergences: int = typer.Option(8, "--max-divergences", min=1, help="Benign flips (re-anchors) judged per prompt before stopping."),
@@ -42,8 +44,9 @@ def lossless(
     min_accept_len: float = typer.Option(1.05, "--min-accept-len", min=1.0, help="At or below this mean accepted length the verdict is NOT SPECULATING."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON document instead of the tables."),
     report: Path | None = typer.Option(None, "--report", help="Write the markdown report here."),
-    results: Path | None = typer.Option(None, "--results", help="Results directory (default $SPECBENCH_RESULTS or ./results)."),
-    no_record: bool = typer.Option(False, "--no-record", help="Do not write a results run."),
+    results: Path | None = results_dir_option("--results"),
+    record: bool = record_option(),
+    quiet: bool = quiet_option(),
     check_draft: bool = typer.Option(True, "--check-draft/--no-check-draft", help="Run the checkpoint checks of specbench check-draft on a local candidate's drafter first (a FAIL there fails the run)."),
     tokenizer: Path | None = typer.Option(None, "--tokenizer", help="The model's tokenizer directory (tokenizer.json), used locally, round-trip checked, for an openai endpoint that cannot tokenize."),
     rate_test: bool = typer.Option(False, "--rate-test", help="Also run the divergence-rate gate: spec-on divergences per compared token vs the baseline's own spec-off batch noise on the same prompts (one-sided exact test)."),
@@ -77,6 +80,11 @@ def lossless(
     from specbench.suites.lossless.suite import SUITE_VERSION, LosslessConfig, LosslessError, run_lossless
 
     bad = usage_errors("lossless")
+    d = dataset.strip().lower().replace("-", "_")  # the spellings every --dataset accepts (cli/flags.py)
+    if d not in DATASETS:
+        raise bad(f"--dataset {dataset!r} is invalid: expected one of {', '.join(DATASETS)} (spec-bench and other "
+                  "spellings with '-' are accepted)")
+    dataset = d
     if suite not in ("greedy", "prefix"):
         raise bad(f"--suite {suite!r} is invalid: expected greedy or prefix")
     if endpoint_type not in ("completions", "chat"):
@@ -86,11 +94,9 @@ def lossless(
             raise bad("--suite prefix is not available with --endpoint-type chat: its conversations are token-id "
                       "prompts placed at block boundaries")
         _prefix(candidate, tokenizer, dataset, num_prompts, max_tokens, block_sizes, prefix_selftest, repeat,
-                json_out, report, bad, False if no_record else results)
+                json_out, report, bad, results if record else False)
         return
 
-    if dataset not in DATASETS:
-        raise bad(f"--dataset {dataset!r} is invalid: expected one of {', '.join(DATASETS)}")
     try:
         cfg = LosslessConfig(margin_tol=margin_tol, dataset=dataset, num_prompts=num_prompts, max_tokens=max_tokens,
                              max_divergences=max_divergences, rescore=rescore, concurrency=concurrency,
@@ -119,14 +125,15 @@ def lossless(
 
     async def main(run):
         try:  # prompts compared, on stderr (a bar on a terminal, a line per gate elsewhere; none with --json)
-            with RunProgress(0, quiet=json_out, unit="prompts") as progress:
+            with RunProgress(0, quiet=quiet or json_out, unit="prompts") as progress:
                 return await run_lossless(base, cand, cfg, run=run, log=log, progress=progress)
         finally:
             await base.aclose()
             await cand.aclose()
 
+    run_dir = None
     try:
-        if no_record:
+        if not record:
             out = asyncio.run(main(None))
         else:
             engines = {"baseline": base.describe(), "candidate": cand.describe()}
@@ -134,6 +141,7 @@ def lossless(
                           sampling={"temperature": 0.0, "max_tokens": max_tokens, "logprobs": cfg.top_k},
                           dataset={"name": dataset, "num_prompts": num_prompts}, config=cfg.__dict__) as run:
                 out = asyncio.run(main(run))
+            run_dir = run.path
     except LosslessError as e:
         raise bad(str(e)) from None
     if report is not None:
@@ -145,6 +153,9 @@ def lossless(
         typer.echo(render_console(out))
         if report is not None:
             typer.echo(f"report: {report}")
+    from specbench.cli.summary import lossless_summary, show
+
+    show(lossless_summary(out, run_dir, report), quiet=quiet or json_out)
     if not out.ok:
         raise typer.Exit(out.exit_code)
     if draft_verdict is not None and draft_verdict != "PASS":

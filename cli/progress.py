@@ -8,16 +8,20 @@ rich bar: phase, done / total, elapsed, ETA for the whole run; stdout is drawn a
 terminal too (else what a command prints there stays in the pipe). Without a terminal (a pipe, CI) it prints
 one plain line per phase to stderr instead (a bar that redraws is noise in a log) and a last line ("done", or
 "stopped at" when the run ended short of its total, e.g. on Ctrl-C, which it never swallows), and nothing at
-all when quiet (`--quiet`, `--json`, `--no-progress`). `summary_table` prints rows as a rich table on stdout
-at the end of a run. docs/cli.md has what each command counts.
+all when quiet (`--quiet`, `--json`, `--no-progress`). `summary_table` prints rows as one rich table (on stdout
+unless told a stream): the end-of-run summary every long command prints through cli/summary.py. docs/cli.md has
+what each command counts.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any, TextIO
+
+NO_TERMINAL_WIDTH = 120  # the width of --help (cli/app.py) and of these tables without a terminal
 
 
 class RunProgress:
@@ -152,4 +156,8 @@ def summary_table(title: str, header: Sequence[str], rows: Sequence[Sequence[Any
         table.add_column(h)
     for r in rows:
         table.add_row(*("—" if c is None else f"{c:.4g}" if isinstance(c, float) else str(c) for c in r))
-    Console(file=stream or sys.stdout).print(table)
+    out = stream or sys.stdout
+    # a terminal (or $COLUMNS) sets the width; without one (a pipe, a log, CI) 120 columns rather than rich's 80,
+    # as --help (cli/app.py), so a table of eight columns is not cut into slivers
+    width = None if _isatty(out) or os.environ.get("COLUMNS", "").isdigit() else NO_TERMINAL_WIDTH
+    Console(file=out, width=width).print(table)

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import typer
 
+from specbench.cli.flags import results_dir_option
+
 
 def report(
     runs: list[Path] = typer.Argument(..., help="Run directories (results/<run>) or run ids, of one kind: sweep, "
@@ -22,8 +24,8 @@ def report(
                             "only. Default: results/reports/<first run id>.md"),
     fmt: str = typer.Option("markdown", "--format", help="Output format: markdown."),
     plots: bool = typer.Option(True, "--plots/--no-plots", help="Write the PNG plots (sweep runs)."),
-    results: Path | None = typer.Option(None, "--results", help="Results directory for run ids and the default "
-                                        "output (default $SPECBENCH_RESULTS or ./results)."),
+    results: Path | None = results_dir_option("--results", help="The results store, for run ids and the default "
+                                              "output (default $SPECBENCH_RESULTS or ./results)."),
 ) -> None:
     """Render stored runs: sweep A/B tables and plots; lossless, sampled, selftest, eval and gaps verdicts and tables."""
     from specbench.harness.results import load_stored_run

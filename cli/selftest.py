@@ -5,7 +5,8 @@ with speculation on; faults= dropped) and its speculation-off twin as the baseli
 specbench.suites.lossless.selftest.run_selftest, which arms each fault on a fresh engine through the
 candidate's "faults" capability.
 Prints the fault -> gates matrix (one JSON document with --json), writes the markdown with --report, and
-records the run in the results store (`specbench report` renders it; --no-record skips it).
+records the run in the results store (`specbench report` renders it; --no-record skips it); ends with a
+summary table on stderr (cli/summary.py: a row per engine, what caught each fault; none with --quiet, --json).
 Exit codes: 0 every fault caught and the clean engine passed every gate in every repetition; 1 a fault
 was missed or the clean engine raised an alarm; 2 bad input.
 """
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import typer
 
+from specbench.cli.flags import record_option, results_dir_option
 from specbench.harness.errors import usage_errors
 
 
@@ -30,12 +32,11 @@ def selftest(
     margin_tol: float = typer.Option(0.20, "--margin-tol", min=0.0, help="Benign-flip margin in nats."),
     expect_accept_len: float | None = typer.Option(None, "--expect-accept-len", min=1.0, help="Reference acceptance (default: clean run 1)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON document instead of the table."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress display and no per-engine lines: the "
-                               "matrix and the verdict only (--json implies it)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress display, no per-engine lines and no summary "
+                               "table: the matrix and the verdict only (--json implies it)."),
     report: Path | None = typer.Option(None, "--report", help="Write the markdown matrix here."),
-    results: Path | None = typer.Option(None, "--results", help="Results directory (default $SPECBENCH_RESULTS "
-                                        "or ./results)."),
-    record: bool = typer.Option(True, "--record/--no-record", help="Write the run to the results store."),
+    results: Path | None = results_dir_option("--results"),
+    record: bool = record_option("Write the run to the results store."),
 ) -> None:
     """Prove the lossless gates have teeth: every named fault caught, no false alarm on the clean engine.
 
@@ -98,6 +99,7 @@ def selftest(
     except (ValueError, UnsupportedCapability) as e:
         raise bad(str(e)) from None
     md = render_selftest(out)
+    run_dir = None
     if record:
         from specbench.harness.results import open_run
 
@@ -106,6 +108,7 @@ def selftest(
                               "margin_tol": margin_tol, "expect_accept_len": expect_accept_len},
                       results=results) as run:
             run.update(summary=out.to_dict())
+        run_dir = run.path
         typer.echo(f"run: {run.path}", err=True)
     if report is not None:
         report.parent.mkdir(parents=True, exist_ok=True)
@@ -118,5 +121,8 @@ def selftest(
             typer.echo(f"MISSED faults: {', '.join(out.missed)}")
         if out.false_alarms:
             typer.echo(f"FALSE ALARMS on the clean engine: {'; '.join(out.false_alarms)}")
+    from specbench.cli.summary import selftest_summary, show
+
+    show(selftest_summary(out, run_dir, report), quiet=quiet or json_out)
     if not out.ok:
         raise typer.Exit(1)

@@ -4,7 +4,10 @@ Thin: parses and validates options (a bad value exits 2 with the option's name),
 `SweepConfig`, calls `suites.sweep.run_sweep`, prints where the records are and optionally renders the
 report. Ctrl-C keeps every record already written (the run is marked incomplete) and exits 130.
 Progress (cli/progress.py) goes to stderr: one display over the whole sweep, requests done / total and the
-current cell, with the sweep's ETA; --no-progress turns it off. stdout carries the same lines either way.
+current cell, with the sweep's ETA; at the end a summary table (cli/summary.py: per level and arm tok/s, the
+speedup over the baseline, TTFT / TPOT, acceptance), on stderr too. --quiet (-q, or its older name
+--no-progress) turns both off; stdout carries the same lines either way. --no-record runs the sweep in a
+scratch store deleted at the end (the summary and --report are computed from its records first).
 The acceptance / metrics audit (suites/sweep/audit.py) runs over the records of every complete sweep and
 is printed; with --audit it is a gate: exit 1 when it FAILs, 3 when it CANNOT TEST (an arm with neither
 spec counters nor per-request draft counts), 0 on PASS. Without --audit the sweep is a measurement and
@@ -22,17 +25,17 @@ import math
 
 import typer
 
-DATASETS = ("gsm8k", "spec_bench", "mt_bench", "sharegpt", "random", "custom", "shared_prefix")
+from specbench.cli.flags import dataset_name, quiet_option, record_option, results_dir_option, scratch_store
+from specbench.harness.datasets import BUNDLED, SYNTHETIC
+
+DATASETS = BUNDLED + SYNTHETIC  # = suites/sweep/workload.py DATASETS, without importing the sweep here
+
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 EXIT_FAILED_REQUESTS = 4
 
 
 def _dataset_name(name: str, option: str) -> str:
-    d = name.strip().lower().replace("-", "_")
-    if d not in DATASETS:
-        raise typer.BadParameter(f"{name!r} is invalid: expected one of {', '.join(DATASETS)} (vLLM spellings such "
-                                 "as spec-bench are accepted)", param_hint=option)
-    return d
+    return dataset_name(name, DATASETS, option)
 
 
 def _levels(text: str, option: str, rate: bool) -> tuple[float, ...]:
@@ -106,12 +109,14 @@ def sweep(
     client_procs: str = typer.Option("auto", "--client-procs", help="Client processes per openai arm: N, or auto (the "
                                      "default: one per 64 requests in flight, up to the cores - 1; below 128 in "
                                      "flight, or on 2 cores, the client stays in this process)."),
-    out: str = typer.Option(None, "--out", help="Results directory (a run folder is created in it); default "
-                            "$SPECBENCH_RESULTS or ./results."),
+    out: str = results_dir_option("--out", help="The results store: a run folder is created in it (default "
+                                  "$SPECBENCH_RESULTS or ./results; not --result-dir, vLLM bench's folder for copies "
+                                  "of the result JSON)."),
+    record: bool = record_option("Keep the run in the results store (--no-record: the sweep runs in a scratch store, "
+                                 "deleted once its summary and --report are written)."),
     report: str = typer.Option(None, "--report", help="Also render the report to this markdown path."),
-    progress: bool = typer.Option(True, "--progress/--no-progress", help="One progress display for the whole sweep "
-                                  "on stderr (requests done / total, the cell, ETA; a plain line per cell without a "
-                                  "terminal)."),
+    quiet: bool = quiet_option(progress_flag=True, help="No progress display (on stderr: requests done / total, the "
+                               "cell, ETA) and no summary table at the end; stdout and the exit code are the same."),
     audit: bool = typer.Option(False, "--audit", help="Make the acceptance / metrics audit a gate: exit 1 on FAIL, "
                                "3 on CANNOT TEST (the audit is always run and reported)."),
     tokenizer: str = typer.Option(None, "--tokenizer", help="The model's tokenizer directory (tokenizer.json), used "
@@ -218,26 +223,37 @@ def sweep(
     from specbench.cli.progress import RunProgress
     from specbench.harness.redact import redact_text
 
-    try:  # one display over every cell (requests done / total, warm-up included; the ETA of the whole sweep)
-        with RunProgress(0, quiet=not progress) as bar:
-            outcome = run_sweep(cfg, engines, label_list, out_dir=out, baseline=baseline, progress=bar,
-                                keep_records=True, api_key=api_key, result_dir=result_dir)
-    except EngineStringError as e:
-        raise typer.BadParameter(redact_text(str(e), [api_key]), param_hint="--arms") from None
-    except ValueError as e:
-        typer.echo(f"Error: {redact_text(str(e), [api_key])}", err=True)
-        raise typer.Exit(2) from None
-    if outcome.run_dir is None:
-        raise typer.Exit(130)
+    with scratch_store(record, out) as store:
+        try:  # one display over every cell (requests done / total, warm-up included; the ETA of the whole sweep)
+            with RunProgress(0, quiet=quiet) as bar:
+                outcome = run_sweep(cfg, engines, label_list, out_dir=store, baseline=baseline, progress=bar,
+                                    keep_records=True, api_key=api_key, result_dir=result_dir)
+        except EngineStringError as e:
+            raise typer.BadParameter(redact_text(str(e), [api_key]), param_hint="--arms") from None
+        except ValueError as e:
+            typer.echo(f"Error: {redact_text(str(e), [api_key])}", err=True)
+            raise typer.Exit(2) from None
+        if outcome.run_dir is None:
+            raise typer.Exit(130)
+        code = _finish(outcome, record=record, report=report, quiet=quiet, audit=audit, allow_failures=allow_failures,
+                       vllm_copies=save_result or result_dir is not None, result_dir=result_dir)
+    if code:
+        raise typer.Exit(code)
+
+
+def _finish(outcome, *, record: bool, report: str | None, quiet: bool, audit: bool, allow_failures: bool,
+            vllm_copies: bool, result_dir: str | None) -> int:
+    """Print what a finished (or interrupted) sweep has to say, the summary table last; its exit code."""
     acc = outcome.accounting
     nfail = int(acc.get("failed") or 0)
     if not outcome.complete:
-        status = "INCOMPLETE (interrupted; every finished record kept)"
+        status = "INCOMPLETE (interrupted; every finished record kept)" if record else "INCOMPLETE (interrupted)"
     elif nfail:
         status = f"complete_with_failures: {nfail} of {acc['requests']} requests FAILED"
     else:
         status = "complete"
-    typer.echo(f"records: {outcome.run_dir} ({status})")
+    typer.echo(f"records: {outcome.run_dir} ({status})" if record else
+               f"records: not kept (--no-record; {status})")
     if acc:
         typer.echo(f"requests: {acc['requests']} measured, {nfail} failed, {acc['retried']} retried "
                    f"({acc['extra_attempts']} extra attempts; latency counted from each request's first send)")
@@ -251,21 +267,27 @@ def sweep(
         typer.echo(f"warning: the client was saturated (its event loop busy >= 90 % of the time) in {len(cells)} "
                    f"cell(s): {', '.join(cells[:6])}{' ...' if len(cells) > 6 else ''}; their figures may measure "
                    "the client, not the engine (benchmarks/client.py shows what this client absorbs)", err=True)
-    if save_result or result_dir:
-        typer.echo(f"vLLM bench results: {outcome.run_dir / 'vllm-bench'}" + (f" and {result_dir}" if result_dir else ""))
-    if report:
-        from specbench.suites.report import load_run_summary, write_report
+    if vllm_copies:
+        where = [str(outcome.run_dir / "vllm-bench")] if record else []
+        typer.echo("vLLM bench results: " + " and ".join(where + ([result_dir] if result_dir else [])))
+    s = None
+    if report or not quiet:
+        from specbench.suites.report import load_run_summary
 
         s = load_run_summary(outcome.run_dir)  # from the stored records: the report is a function of them
+    if report and s is not None:
+        from specbench.suites.report import write_report
+
         paths = write_report([s], report)
         typer.echo(f"report: {paths[0]}")
         if outcome.complete:
             from specbench.suites.report.markdown import throughput_table
 
             typer.echo("\n".join(throughput_table(s)))
+    code = 0
     if not outcome.complete:
-        raise typer.Exit(130)
-    if outcome.audit is not None:
+        code = 130
+    elif outcome.audit is not None:
         from specbench.harness.verdicts import exit_code
 
         a = outcome.audit
@@ -275,6 +297,11 @@ def sweep(
             for prob in x["problems"][:5]:
                 typer.echo(f"  {prob}", err=True)
         if audit and exit_code(a["verdict"]) != 0:
-            raise typer.Exit(exit_code(a["verdict"]))
-    if nfail and not allow_failures:
-        raise typer.Exit(EXIT_FAILED_REQUESTS)
+            code = exit_code(a["verdict"])
+    if not code and nfail and not allow_failures:
+        code = EXIT_FAILED_REQUESTS
+    if s is not None and not quiet:
+        from specbench.cli.summary import show, sweep_summary
+
+        show(sweep_summary(s, outcome.run_dir if record else None, report), quiet=quiet)
+    return code

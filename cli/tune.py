@@ -4,8 +4,10 @@ setting per concurrency with noise floors (suites/tune.py).
 Thin: parses and validates options (a bad value exits 2 naming the option), builds the arms (bundled engine:
 --base plus the --k / --trim / --gate / --policy grid; any engine: --arms label=engine;...), runs the sweep with
 one progress display (cli/progress.py: requests done / total over every cell of the sweep, the cell, the ETA;
-on stderr, off with --no-progress), prints the table and writes --json / --report / --merge-into. Ctrl-C keeps every
-record already written and exits 130.
+on stderr), prints the table and writes --json / --report / --merge-into, and ends with a summary table on stderr
+(cli/summary.py: per concurrency the best setting and its ratio to plain, the crossover, the recommendation);
+--quiet (-q, or its older name --no-progress) turns the display and the summary off, stdout is the same. Ctrl-C keeps
+every record already written and exits 130.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 import json
 
 import typer
+
+from specbench.cli.flags import quiet_option, record_option, results_dir_option
 
 
 def _ints(text: str | None, option: str, lo: int) -> list[int]:
@@ -41,21 +45,24 @@ def tune(
     each: bool = typer.Option(False, "--each/--product", help="Grid: one lever at a time (spec without levers, then "
                               "each value of each knob alone) instead of every combination."),
     concurrency: str = typer.Option("1,8,16,32,64", "--concurrency", "-c", help="Concurrency levels."),
-    dataset: str = typer.Option("gsm8k", "--dataset"),
+    dataset: str = typer.Option("gsm8k", "--dataset", help="The sweep's data set: the same names as specbench sweep "
+                                "(gsm8k, spec_bench, mt_bench, sharegpt, humaneval, random, custom, shared_prefix)."),
     prompts_per_level: int = typer.Option(4, "--prompts-per-level", min=1),
     max_tokens: int = typer.Option(128, "--max-tokens", min=1),
     rounds: int = typer.Option(2, "--rounds", min=1, help="Interleaved rounds per level."),
     warmup: int = typer.Option(1, "--warmup", min=0),
     ignore_eos: bool = typer.Option(True, "--ignore-eos/--no-ignore-eos"),
-    out: str = typer.Option(None, "--out", help="Results directory (default $SPECBENCH_RESULTS or ./results)."),
+    out: str = results_dir_option("--out", help="The results store (default $SPECBENCH_RESULTS or ./results)."),
+    record: bool = record_option("Keep the sweep in the results store (--no-record: a scratch store, deleted once "
+                                 "the analysis is printed and written)."),
     json_out: str = typer.Option(None, "--json", help="Write the analysis as JSON here."),
     report: str = typer.Option(None, "--report", help="Write the markdown here."),
     merge_into: str = typer.Option(None, "--merge-into", help="Add this run as a section of a combined JSON (and its "
                                    ".md beside it), e.g. reports/h200-levers/levers.json."),
     section: str = typer.Option(None, "--section", help="The section's name with --merge-into (default: the arms)."),
-    progress: bool = typer.Option(True, "--progress/--no-progress", help="One progress display for the whole tune "
-                                  "on stderr (requests done / total, the cell, ETA; a plain line per cell without a "
-                                  "terminal)."),
+    quiet: bool = quiet_option(progress_flag=True, help="No progress display (on stderr: requests done / total, the "
+                               "cell, ETA) and no summary table at the end; stdout (the markdown) and the exit code "
+                               "are the same."),
 ) -> None:
     """Find the crossover concurrency and the best speculation setting per concurrency."""
     import os
@@ -64,9 +71,10 @@ def tune(
     from specbench.suites.sweep.runner import SweepConfig
     from specbench.suites.tune import merge, remote_arms, render, run_tune, tune_arms
 
-    from .sweep import _levels
+    from .sweep import _dataset_name, _levels
 
     levels = _levels(concurrency, "--concurrency", rate=False)
+    dataset = _dataset_name(dataset, "--dataset")
     pols = [p.strip() for p in policy.split(",") if p.strip()]
     bad = [p for p in pols if p not in ("off", "auto")]
     if bad or not pols:
@@ -83,18 +91,21 @@ def tune(
             base_label = labels[0]
         cfg = SweepConfig(levels=levels, dataset=dataset, prompts_per_level=prompts_per_level, max_tokens=max_tokens,
                           rounds=rounds, warmup=warmup, ignore_eos=ignore_eos)
+        from specbench.cli.flags import scratch_store
         from specbench.cli.progress import RunProgress
 
-        with RunProgress(0, quiet=not progress) as bar:
-            res = run_tune(cfg, engines, labels, out or os.environ.get("SPECBENCH_RESULTS") or "results",
+        with scratch_store(record, out) as store, RunProgress(0, quiet=quiet) as bar:
+            res = run_tune(cfg, engines, labels, store or os.environ.get("SPECBENCH_RESULTS") or "results",
                            baseline=base_label, progress=bar)
+        if not record:
+            res["run_dir"] = None  # the scratch store is gone
     except EngineStringError as e:
         raise typer.BadParameter(str(e), param_hint="--arms" if arms else "--base") from None
     except ValueError as e:
         typer.echo(f"specbench tune: {e}", err=True)
         raise typer.Exit(2) from None
     except KeyboardInterrupt:
-        typer.echo("specbench tune: interrupted; every finished record kept", err=True)
+        typer.echo("specbench tune: interrupted" + ("; every finished record kept" if record else ""), err=True)
         raise typer.Exit(130) from None
     typer.echo(render(res))
     if json_out:
@@ -106,5 +117,8 @@ def tune(
     if merge_into:
         j, md = merge(merge_into, section or ", ".join(labels), res)
         typer.echo(f"merged into {j} and {md}")
+    from specbench.cli.summary import show, tune_summary
+
+    show(tune_summary(res, report), quiet=quiet)
     if not res.get("complete"):
         raise typer.Exit(130)

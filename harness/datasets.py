@@ -14,6 +14,9 @@ from importlib import resources
 from pathlib import Path
 
 BUNDLED = ("gsm8k", "spec_bench", "mt_bench", "sharegpt", "humaneval")
+# made by the sweep (suites/sweep/workload.py) rather than read from a bundled file; every command that takes
+# --dataset accepts the names of BUNDLED + SYNTHETIC it can use, spelled alike (cli/flags.py dataset_name)
+SYNTHETIC = ("random", "custom", "shared_prefix")
 
 
 def gsm8k_prompt(question: str) -> str:

@@ -89,6 +89,9 @@ def test_selftest_counts_engines_with_an_eta(tiny_pair, tmp_path) -> None:
     assert "clean #1: 1 engines; 0/3 done" in r.stderr and "wrong_bonus: 1 engines; 1/3 done" in r.stderr
     assert "clean #2: 1 engines; 2/3 done" in r.stderr and ", ETA " in r.stderr and "done: 3/3 engines" in r.stderr
     assert "[selftest] wrong_bonus: caught by" in r.stderr and r.stdout.startswith("# Self-test: PASS")
+    tail = r.stderr.split("selftest: PASS (1 faults, 2 clean runs, ")[-1].splitlines()  # the summary table, last
+    assert [x.split("│")[1].strip() for x in tail if x.startswith("│ ") and x.split("│")[1].strip()] == [
+        "clean #1", "clean #2", "wrong_bonus"] and tail[-1].startswith("└")
     q = CliRunner().invoke(app, [*args, "--quiet"])
     assert q.exit_code == 0 and q.stderr == "" and q.stdout.startswith("# Self-test: PASS")
 
@@ -233,6 +236,15 @@ def test_lossless_counts_prompts_compared(tiny_pair, tmp_path, monkeypatch) -> N
     j = _lossless(tiny_pair, "--json", "--no-record")
     assert j.exit_code == 0 and "prompts;" not in j.stderr and "━" not in j.stderr
     assert json.loads(j.stdout)["verdict"] == "PASS"  # stdout is the one JSON document
+    # the run ends with its summary table (cli/summary.py) on stderr: a row per gate; none with --json or --quiet
+    err = r.stderr.splitlines()
+    tail = err[next(i for i, x in enumerate(err) if x.startswith("lossless: PASS (")):]
+    assert [[c.strip() for c in x.split("│")[1:3]] for x in tail if x.startswith("│")] == [["greedy", "PASS"],
+                                                                                         ["concurrent", "PASS"]]
+    assert "lossless: PASS" not in j.stderr
+    q = _lossless(tiny_pair, "--concurrent", "--no-record", "--quiet")
+    assert q.exit_code == 0 and q.stderr == "" and gate_lines(q.stdout) == gate_lines(r.stdout)
+    assert len(q.stdout.splitlines()) == len(r.stdout.splitlines())
 
 
 def test_interrupted_lossless_keeps_the_prompts_it_judged(tiny_pair, tmp_path, monkeypatch) -> None:
@@ -289,7 +301,8 @@ def test_eval_counts_documents_over_both_arms(monkeypatch, tmp_path) -> None:
     assert lines[1].startswith("baseline: lm-eval: 3 documents; 0/6 done")  # the candidate's 3 planned too
     assert lines[2].startswith("candidate: starting its server: 3/6 done") and ", ETA " in lines[2]
     assert lines[3].startswith("candidate: lm-eval: 3 documents; 3/6 done")
-    assert lines[4].startswith("done: 6/6 documents in ") and len(lines) == 5
+    assert lines[4].startswith("done: 6/6 documents in ")
+    assert lines[5].startswith("eval: PARITY (gsm8k)")  # then the summary table (cli/summary.py), stderr too
     assert r.stdout.startswith("## Task-level parity: gsm8k — **PARITY**") and "| gsm8k | strict-match |" in r.stdout
     monkeypatch.setattr(RunProgress, "force_terminal", True)
     t = CliRunner().invoke(app, args)
@@ -300,6 +313,8 @@ def test_eval_counts_documents_over_both_arms(monkeypatch, tmp_path) -> None:
     assert doc(t.stdout) == doc(r.stdout)
     j = CliRunner().invoke(app, [*args, "--json"])
     assert j.exit_code == 0 and j.stderr == "" and json.loads(j.stdout)["verdict"] == "PARITY"
+    q = CliRunner().invoke(app, [*args, "--quiet"])  # no display, no summary; the same markdown
+    assert q.exit_code == 0 and q.stderr == "" and doc(q.stdout) == doc(r.stdout)
 
 
 @pytest.mark.slow

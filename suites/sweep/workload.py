@@ -2,7 +2,7 @@
 
 Contract:
 - `load_texts(dataset, n, seed)` returns n prompt texts in a seeded order: spec_bench / mt_bench
-  (first turn), sharegpt (first human turn), gsm8k (test split, lm-eval's "Question: ...\\nAnswer:"
+  (first turn), sharegpt (first human turn), humaneval (each task's prompt), gsm8k (test split, lm-eval's "Question: ...\\nAnswer:"
   form, which is also what the bundled tiny pair was trained on), or random (words drawn from the
   bundled prompts: the trap to know is that random prompts understate acceptance). A data set smaller
   than n is cycled; `Workload.repeats` says so.
@@ -37,9 +37,9 @@ from pathlib import Path
 import numpy as np
 
 from specbench.harness.adapters.base import EngineAdapter, GenRequest
-from specbench.harness.datasets import bundled_prompts
+from specbench.harness.datasets import BUNDLED, SYNTHETIC, bundled_prompts
 
-DATASETS = ("gsm8k", "spec_bench", "mt_bench", "sharegpt", "random", "custom", "shared_prefix")
+DATASETS = BUNDLED + SYNTHETIC  # humaneval included: the same names as lossless
 _SYSTEM = ("You are a careful assistant for grade-school mathematics. Read each question twice, write down the "
            "quantities it gives, reason one step at a time, check every calculation, and end with the answer on "
            "its own line. ")
