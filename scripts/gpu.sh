@@ -6,7 +6,7 @@
 # Several modes run in one call, in the order given; DEADLINE (seconds, default 570) caps the whole call: each
 # step's timeout is cut to what is left, and results are packed into $OUT/results.tgz after every step, so a
 # call stopped at its limit still brings back what finished.
-#   tests        pytest -m gpu tests/gpu (all GPU tests)          bench       benchmarks/decode.py
+#   tests        pytest -m gpu ${TEST_PATHS:-tests/gpu}          bench       benchmarks/decode.py
 #   all          tests, then bench
 #   spec-tests   pytest -m gpu tests/gpu/test_spec_gpu.py (issue 8: regret gate, graph == eager, OOM)
 #   spec-steps   benchmarks/spec_step.py --part steps (per-step draft/verify/decode times, ideal speedups)
@@ -170,7 +170,7 @@ if [ "$what" = dflash2 ]; then
 fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
   log "pytest -m gpu"
-  timeout $(cap ${TEST_TIMEOUT:-300}) python3 -m pytest -m gpu tests/gpu ${TEST_ARGS:-} -q -rA -s -p no:cacheprovider 2>&1 | tee "$W/pytest.log"
+  timeout $(cap ${TEST_TIMEOUT:-300}) python3 -m pytest -m gpu ${TEST_PATHS:-tests/gpu} ${TEST_ARGS:-} -q -rA -s -p no:cacheprovider 2>&1 | tee "$W/pytest.log"
   r=${PIPESTATUS[0]}; [ "$r" = 0 ] || rc=$r
   log "pytest rc=$r"
 fi
