@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specbench.harness.benchdoc import emit_document
+from specbench.harness.benchdoc import emit_document, positive_ints
 
 VARIANTS = {  # name: (attention backend, capture graphs, ops: "engine" | "triton" | "gemv" | "torch", max batch)
     "fi-graph": ("flashinfer", True, "engine", None),
@@ -358,10 +358,6 @@ def render(res: dict) -> str:
     return "\n".join(lines)
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x.strip())
-
-
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="a Qwen3 checkpoint dir (default: build the Qwen3-4B-shaped random one)")
@@ -374,7 +370,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--quick", action="store_true", help="batches 1,16 and context 512 only")
     ap.add_argument("--budget-s", type=float, help="start no new row (and skip the HF peer) past this many seconds")
     a = ap.parse_args(argv)
-    batches, contexts = (_ints("1,16"), _ints("512")) if a.quick else (_ints(a.batches), _ints(a.contexts))
+    batches, contexts = ((1, 16), (512,)) if a.quick else (
+        positive_ints(a.batches, "--batches"), positive_ints(a.contexts, "--contexts"))
     bad = [v for v in a.variants.split(",") if v not in VARIANTS]
     if bad:
         raise SystemExit(f"--variants: {bad} invalid: expected some of {', '.join(VARIANTS)}")

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from specbench.harness.benchdoc import emit_document
+from specbench.harness.benchdoc import emit_document, positive_ints
 
 DEFAULT_ARMS = [{"name": "ladder", "kw": {"padded_rows": "ladder", "graph_logits": False}},
                 {"name": "bucket", "kw": {"padded_rows": "bucket", "graph_logits": True}}]
@@ -202,16 +202,6 @@ def render(res: dict) -> str:
     return "\n".join(lines)
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        out = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise SystemExit(f"expected a comma list of integers, got {text!r}") from None
-    if not out or min(out) < 1:
-        raise SystemExit(f"expected a comma list of integers >= 1, got {text!r}")
-    return out
-
-
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workdir", default="/tmp/q3-4b-pair", help="the Qwen3-4B-shaped pair (built when absent)")
@@ -254,7 +244,8 @@ def main(argv: list[str] | None = None) -> dict:
             (d / "load.json").write_text(json.dumps(res, default=str) + "\n")
             (d / "load.md").write_text(render(res) + "\n")
 
-    res = run(target, draft if a.tau else None, a.device, _ints(a.levels), arms, a.repeats, a.waves, a.prompt_min,
+    levels = positive_ints(a.levels, "--levels")
+    res = run(target, draft if a.tau else None, a.device, levels, arms, a.repeats, a.waves, a.prompt_min,
               a.prompt_max, a.max_tokens, a.tau, a.num_pages, dtype, save=save)
     save(res)
     print(render(res), flush=True)

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specbench.harness.benchdoc import emit_document
+from specbench.harness.benchdoc import emit_document, positive_ints
 
 SECTIONS = ("steps", "levels", "growth")
 MUST = {"plain_c1_over_dense": 1.10, "plain_over_dense": 1.30, "verify_over_decode_b1": 1.20,
@@ -282,13 +282,6 @@ def render(res: dict) -> str:
     return "\n".join(lines)
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise SystemExit(f"expected comma-separated integers, got {text!r}") from None
-
-
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m specbench.benchmarks.speed", description=__doc__.split("\n")[0])
     ap.add_argument("--workdir", default="/tmp/q3-4b-pair", help="the Qwen3-4B-shaped pair (built when absent)")
@@ -337,7 +330,8 @@ def main(argv: list[str] | None = None) -> dict:
             (d / "speed.json").write_text(json.dumps(res, default=str) + "\n")
             (d / "speed.md").write_text(render(res) + "\n")
 
-    res = run(target, draft, a.device, _ints(a.levels), _ints(a.contexts), a.growth_c, a.repeats, a.new_tokens,
+    levels, contexts = positive_ints(a.levels, "--levels"), positive_ints(a.contexts, "--contexts")
+    res = run(target, draft, a.device, levels, contexts, a.growth_c, a.repeats, a.new_tokens,
               a.prompt_len, a.tau, a.growth_tokens, a.step_context, a.dtype, save=save, engine_kw=engine_kw,
               sections=sections)
     save(res)

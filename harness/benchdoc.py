@@ -17,3 +17,14 @@ def emit_document(res: dict, out: str | Path | None = None) -> str:
         Path(out).write_text(doc + "\n")
     print(doc)
     return doc
+
+
+def positive_ints(text: str, field: str = "value") -> tuple[int, ...]:
+    """A benchmark flag's comma list of integers >= 1 ("1,8,16"); anything else exits naming the flag."""
+    try:
+        out = tuple(int(x) for x in str(text).split(",") if x.strip())
+    except ValueError:
+        raise SystemExit(f"{field}: expected a comma list of integers >= 1 (e.g. 1,8,16), got {text!r}") from None
+    if not out or min(out) < 1:
+        raise SystemExit(f"{field}: expected a comma list of integers >= 1 (e.g. 1,8,16), got {text!r}")
+    return out
