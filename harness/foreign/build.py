@@ -39,6 +39,13 @@ CMAKE_ARGS = (
     "-DGGML_BACKEND_DL=OFF",
     "-DGGML_NATIVE=ON",
 )
+# No AMX on x86: -march=native turns on ggml's AMX matmul on a CPU with AMX (Sapphire Rapids and later), and at
+# this pin it segfaults in ggml_backend_amx_mul_mat when llama-server loads the Q8_0 or Q4_0 fixture target
+# (signal 11 on every start, seen on a Xeon with amx_int8/amx_tile, 2026-12-02; the f32 target is unaffected).
+# GCC and clang let an explicit -mno-* win over -march=native whatever the order, so the rest stays native.
+_NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+if platform.machine().lower() in ("x86_64", "amd64"):
+    CMAKE_ARGS += (f"-DCMAKE_C_FLAGS={_NO_AMX}", f"-DCMAKE_CXX_FLAGS={_NO_AMX}")
 
 
 def build_dir(root: Path | None = None) -> Path:
@@ -91,7 +98,13 @@ class Build:
         return json.loads((self.root / "build.json").read_text())
 
     def complete(self) -> bool:
-        return (self.root / "build.json").is_file() and all((self.bin / b).is_file() for b in BINARIES)
+        """Built with today's CMAKE_ARGS: a build made with other flags (an older specbench) is rebuilt."""
+        if not ((self.root / "build.json").is_file() and all((self.bin / b).is_file() for b in BINARIES)):
+            return False
+        try:
+            return self.info.get("cmake_args") == list(CMAKE_ARGS)
+        except (OSError, ValueError):
+            return False
 
 
 def cached_build(root: Path | None = None) -> Build | None:
@@ -167,7 +180,7 @@ def ensure_build(root: Path | None = None, jobs: int | None = None) -> Build:
             return b
         for stale in root.glob(f".tmp-{sha12()}-*"):  # only the lock holder builds: the rest are dead
             shutil.rmtree(stale, ignore_errors=True)
-        if build_dir(root).exists():  # incomplete (no build.json): not ours to trust
+        if build_dir(root).exists():  # incomplete (no build.json) or other flags: not ours to trust
             shutil.rmtree(build_dir(root))
         sdist = fetch_sdist(root)
         tmp = root / f".tmp-{sha12()}-{os.getpid()}"
