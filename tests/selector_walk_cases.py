@@ -139,8 +139,11 @@ def _ties(dev, g, dt, selector_walk) -> None:
     earlier candidate (torch.argmax's rule)."""
     n, s, k, r, v = 3, 6, 8, 24, 300
     unary, ids, proj, anchor, pred, succ = _inputs(dev, g, n, s, k, r, v, dt)
-    succ = succ.clone()
-    unary = unary.clone()
+    succ, unary, ids = succ.clone(), unary.clone(), ids.clone()
+    # the three sites get disjoint candidate tokens: with random top-k ids one site's token could be another's,
+    # and its successor row, copied for the second tie, would break the first (seen on CUDA's random draws)
+    for i, (b, j) in enumerate(((0, 2), (1, 1), (2, 4))):
+        ids[b, j] = torch.arange(i * k, (i + 1) * k, device=dev, dtype=ids.dtype)
     # block 0 slot 2: every candidate the same (-> candidate 0); block 1 slot 1: candidates 2 and 5 tied and far
     # ahead of the rest (-> candidate 2); block 2 slot 4: candidates 0 and 1 tied on top (-> 0)
     c = ids[0, 2]
@@ -155,4 +158,6 @@ def _ties(dev, g, dt, selector_walk) -> None:
     got, _ = selector_walk(*x)
     assert torch.equal(got, ref), f"ties {dt}: kernel {got.tolist()} vs torch {ref.tolist()}"
     assert int(got[0, 2]) == int(ids[0, 2, 0]) and int(got[1, 1]) == int(ids[1, 1, 2]) \
-        and int(got[2, 4]) == int(ids[2, 4, 0]), f"ties {dt}: the earlier candidate was not taken"
+        and int(got[2, 4]) == int(ids[2, 4, 0]), \
+        f"ties {dt}: the earlier candidate was not taken: {got[0, 2]}, {got[1, 1]}, {got[2, 4]} vs " \
+        f"{ids[0, 2, 0]}, {ids[1, 1, 2]}, {ids[2, 4, 0]}"
