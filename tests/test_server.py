@@ -251,6 +251,32 @@ def test_oversize_body_answers_413(served):
     assert chunked.status_code == 413 and chunked.json()["error"]["code"] == "request_too_large"
 
 
+def test_a_body_of_too_many_json_values_answers_413_before_the_parse(served):
+    """The JSON parse holds the GIL (it would stall /health): a body with more ',' and ':' than the bound is
+    refused unparsed; the same prompt under the bound is parsed and refused for its length, not its size."""
+    from specbench.harness.server import protocol
+
+    big = {"model": MODEL, "prompt": [7] * (protocol.MAX_JSON_VALUES + 10), "max_tokens": 1}
+    r = post(served, "/v1/completions", big)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "too_many_values", r.text
+    assert "SPECBENCH_MAX_JSON_VALUES" in r.json()["error"]["message"]
+    ok = post(served, "/v1/completions", {**big, "prompt": [7] * 5000})
+    assert ok.status_code == 400 and ok.json()["error"]["code"] != "too_many_values", ok.text
+    assert httpx.get(served.url + "/health").status_code == 200
+
+
+def test_parse_json_bound():
+    from specbench.harness.server.errors import APIError
+    from specbench.harness.server.protocol import parse_json
+
+    raw = b'{"prompt": [' + b",".join([b"1"] * 99) + b"]}"
+    assert len(parse_json(raw, max_values=100)["prompt"]) == 99  # 98 commas + 1 colon
+    with pytest.raises(APIError) as e:
+        parse_json(raw, max_values=50)
+    assert e.value.status == 413 and "at most 50" in e.value.message
+    assert len(parse_json(raw, max_values=0)["prompt"]) == 99  # 0 = no bound
+
+
 def test_overload_answers_503(served):
     served.loop.max_pending = 0
     try:
