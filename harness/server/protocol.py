@@ -26,7 +26,18 @@ MAX_PROMPTS = 1024
 # ':' (an upper bound on the values of its arrays and objects; a count costs ~1 ms per MB): a prompt, a batch
 # of prompts or a message list that large cannot fit any context this server runs. At the bound the parse
 # stays near 20 ms. SPECBENCH_MAX_JSON_VALUES moves it (0 = no bound).
-MAX_JSON_VALUES = int(os.environ.get("SPECBENCH_MAX_JSON_VALUES") or 262_144)
+
+
+def _max_json_values() -> int:
+    raw = os.environ.get("SPECBENCH_MAX_JSON_VALUES", "").strip()
+    if not raw:
+        return 262_144
+    if not raw.isdigit():
+        raise SystemExit(f"SPECBENCH_MAX_JSON_VALUES={raw!r} is invalid: expected an integer >= 0 (0 = no bound)")
+    return int(raw)
+
+
+MAX_JSON_VALUES = _max_json_values()
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
