@@ -290,6 +290,7 @@ class LLMEngine:
                     self.policy.record(plan, results)
                 with self.ranges.phase("commit"):
                     outs = self.commit_step.commit(plan, results, fwd.taps, finished_only)
+                self.policy.step_done()
             if self.invariants is not None:
                 self.invariants.check(self.step_count)
             return outs

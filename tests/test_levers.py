@@ -304,6 +304,26 @@ def test_saved_cost_model(tiny_pair, fixed_costs, monkeypatch):
         _llm(tiny_pair, spec_policy="auto")
 
 
+def test_measured_step_times_include_the_commit(tiny_pair, fixed_costs, monkeypatch, prompts):
+    """The online step times run from the schedule phase through the commit: a commit made 20 ms slower shows
+    in every measured (bucket, span) time and in the host overhead (before, the window closed at the accept)."""
+    import time as _time
+
+    monkeypatch.setenv("SPECBENCH_SPEC_ONLINE", "1")
+    llm = _llm(tiny_pair, spec_policy="auto")
+    commit = llm.engine.commit_step.commit
+
+    def slow_commit(*a, **kw):
+        _time.sleep(0.02)
+        return commit(*a, **kw)
+
+    monkeypatch.setattr(llm.engine.commit_step, "commit", slow_commit)
+    llm.generate(prompts[:2], SamplingParams(max_tokens=24, ignore_eos=True))
+    walls = llm.engine.policy.walls
+    assert walls and all(w[0] >= 0.02 for w in walls.values()), walls
+    assert llm.engine.policy.overhead >= 0.015
+
+
 def test_span_counters_round_trip_through_metrics_text():
     """`specbench serve`'s /metrics -> the openai adapter's counters -> a sweep cell's delta (span histogram)."""
     from specbench.engine.metrics import EngineMetrics

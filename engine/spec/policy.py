@@ -22,7 +22,7 @@ many drafts every decode-phase request carries (the schedule phase's `draft_lens
   prior), C_* the start-up cost model (spec/costs.py) and `overhead` the running mean of the host time a
   step costs beyond the model (its wall time minus the model's figure). Online correction (off with
   SPECBENCH_SPEC_ONLINE=0): once a (batch bucket, span) pair has run `MIN_OBS` steps without a prefill chunk,
-  its measured step time (a running mean of schedule-to-accept wall time) replaces the model's figure for it,
+  its measured step time (a running mean of schedule-to-commit wall time) replaces the model's figure for it,
   so a cost the model does not see (attention over long contexts, host work that grows with the span) still
   decides. The best d wins (ties: the shorter span). Every `EXPLORE`-th decision runs another candidate
   instead (the least observed at this bucket, else the runner-up; reason "explore"), so neither the
@@ -170,6 +170,7 @@ class SpanPolicy:
         self.online = os.environ.get(ONLINE_ENV, "1").strip() not in ("0", "off", "false")
         self.walls: dict[tuple[int, int], list[float]] = {}  # (batch bucket, span) -> [mean step seconds, steps]
         self._choice: StepChoice | None = None
+        self._timed: StepChoice | None = None  # the step record() saw, timed by step_done() after its commit
         self._spans = spec.span_variants
 
     @property
@@ -271,7 +272,16 @@ class SpanPolicy:
             self._trace.append(c)
         if c.running and self.metrics is not None:
             self.metrics.record_span(c.span, gated=c.span == 1 and c.ready > 0)
-        if self.auto and c.running and not any(sp.kind == "prefill" for sp in plan.spans):
+        self._timed = c if self.auto and c.running and not any(sp.kind == "prefill" for sp in plan.spans) else None
+
+    def step_done(self) -> None:
+        """After the step's commit: its wall time from the schedule phase on, into the host overhead and the
+        measured step times. The commit is inside it (the drafter's context advance, the page bookkeeping, the
+        outputs): it costs about the same per step whatever the span, so leaving it out made every step look
+        cheaper by the same amount and favoured the short spans that take more steps per token (a likely part of
+        why, at tau 2.0 on the H200, the policy held one-token rounds at c1 for 236 tok/s where span 16 made 275)."""
+        c, self._timed = self._timed, None
+        if c is not None:
             assert self.costs is not None
             model = self.costs.verify(c.running, c.span) + (self.costs.draft(c.ready) if c.span > 1 else 0.0)
             wall = time.perf_counter() - c.t0
