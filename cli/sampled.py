@@ -170,6 +170,9 @@ def sampled(
     raise typer.Exit(code)
 
 
+_PLACEMENT = ("device", "dtype", "attention", "num_pages", "max_model_len", "max_num_seqs", "eager", "triton", "gemv")
+
+
 def _default_candidates(bspec) -> list:
     """The default configuration set's candidates on the baseline's target (suites/sampled/config.py
     DEFAULT_CANDIDATES): the soft-q n-gram always, the DFlash drafter where the target is the bundled one and
@@ -183,13 +186,15 @@ def _default_candidates(bspec) -> list:
     target, bdraft = bundled()
     tdir = bspec.target or target
     draft = bdraft if tdir == target else None
+    # where and how the baseline runs, the candidates run too (a CUDA baseline gets CUDA candidates)
+    placed = {k: v for k, v in bspec.options.items() if k in _PLACEMENT}
     out = []
     for label, o in DEFAULT_CANDIDATES:
         if o.get("spec") == "dflash":
             if not draft:
                 continue
             o = {"draft": draft, **o}
-        opts = {**o, "name": label}
+        opts = {**placed, **o, "name": label}
         out.append(EngineSpec("local", tdir, opts, f"local:{tdir}" + "".join(f",{k}={v}" for k, v in opts.items())))
     return out
 

@@ -412,3 +412,19 @@ def test_selftest_full_size(tiny_pair, request):
     assert all(r["ok"] for r in rows), rows
     assert len([r for r in rows if r["case"].startswith("clean")]) == SELFTEST_REPEAT
     assert not any(c.rejected for c in results["clean"].comparisons)
+
+
+def test_default_candidates_run_where_the_baseline_runs():
+    """The default configuration set's candidates take the baseline's placement (device, dtype, attention...):
+    `--selftest --baseline local,spec=off,device=cuda` tests CUDA candidates, not CPU ones against a CUDA baseline."""
+    from specbench.cli.sampled import _default_candidates
+    from specbench.harness.engines import parse_engine
+
+    cuda = _default_candidates(parse_engine("local,spec=off,device=cuda,dtype=bfloat16,attention=torch,num_pages=64"))
+    assert [c.options["name"] for c in cuda] == ["ngram-soft", "dflash"]
+    for c in cuda:
+        assert {k: c.options[k] for k in ("device", "dtype", "attention", "num_pages")} == \
+            {"device": "cuda", "dtype": "bfloat16", "attention": "torch", "num_pages": "64"}
+        assert c.options["spec"] in ("ngram", "dflash") and "faults" not in c.options
+    plain = _default_candidates(parse_engine("local,spec=off"))
+    assert all("device" not in c.options for c in plain)
