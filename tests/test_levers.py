@@ -433,3 +433,26 @@ def test_acceptance_extrapolates_unobserved_positions():
     c = a.conditional()
     pooled = (100 + 4 * 0.6) / (100 + 4)  # positions 0-1 together, shrunk toward the prior
     assert c[0] > 0.95 and c[1] > 0.95 and c[2] == pytest.approx(pooled) and c[3] == pytest.approx(pooled)
+
+
+def test_sweep_cells_carry_the_policy_state(tiny_pair, prompts, monkeypatch):
+    """With the automatic policy the local adapter's counters carry what the policy believes at the end of the
+    cell (acceptance per position, host overhead, measured step times), and counters_delta keeps that snapshot;
+    without it there is no policy_state."""
+    from specbench.harness.adapters import GenRequest, counters_delta
+    from specbench.harness.engines import build_adapter
+
+    monkeypatch.setenv("SPECBENCH_SPEC_ONLINE", "1")
+    t, d = tiny_pair
+    ad = build_adapter(f"local:{t},draft={d},spec=dflash,policy=auto,num_pages=256")
+    plain = build_adapter(f"local:{t},draft={d},spec=dflash,num_pages=256")
+    try:
+        before = ad.run(ad.spec_counters())
+        ad.generate_sync([GenRequest(prompt=p, max_tokens=24, ignore_eos=True) for p in prompts[:2]])
+        delta = counters_delta(before, ad.run(ad.spec_counters()))
+        st = delta["policy_state"]
+        assert len(st["acceptance"]) == 7 and st["measured_ms"] and st["overhead_ms"] >= 0, st
+        assert "policy_state" not in plain.run(plain.spec_counters())
+    finally:
+        ad.close()
+        plain.close()

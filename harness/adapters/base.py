@@ -360,4 +360,6 @@ def counters_delta(before: dict | None, after: dict | None) -> dict | None:
     if isinstance(after.get("span_hist"), dict):
         hb = before.get("span_hist") or {}
         out["span_hist"] = {s: n - hb.get(s, 0) for s, n in after["span_hist"].items() if n - hb.get(s, 0)}
+    if isinstance(after.get("policy_state"), dict):  # a snapshot at the end, not a difference
+        out["policy_state"] = after["policy_state"]
     return out

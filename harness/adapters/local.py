@@ -183,7 +183,18 @@ class LocalAdapter(EngineAdapter):
                 "num_accepted_tokens": snap["num_accepted_tokens"],
                 "accepted_per_pos": list(snap["accepted_per_pos"]), "generation_tokens": snap["generation_tokens"],
                 "num_full_accepts": snap["num_full_accepts"], "gated_rounds": snap["gated_rounds"],
-                "span_hist": dict(snap["span_hist"]), "source": "engine"}
+                "span_hist": dict(snap["span_hist"]), "source": "engine", **self._policy_state()}
+
+    def _policy_state(self) -> dict:
+        """With the automatic span policy: what it currently believes (the acceptance estimate per position, the
+        host overhead, the measured step time per (batch bucket, span)), a snapshot carried into each sweep
+        cell's counters so a chosen span can be explained after the run."""
+        pol = getattr(self.engine, "policy", None)
+        if pol is None or not getattr(pol, "auto", False):
+            return {}
+        with self.engine._lock:
+            d = pol.describe()
+        return {"policy_state": {k: d[k] for k in ("acceptance", "overhead_ms", "measured_ms") if k in d}}
 
     async def metrics_text(self) -> str | None:
         """The engine's Prometheus text, as `specbench serve` publishes it (gauges refreshed first)."""
