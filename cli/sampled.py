@@ -170,14 +170,11 @@ def sampled(
     raise typer.Exit(code)
 
 
-_PLACEMENT = ("device", "dtype", "attention", "num_pages", "max_model_len", "max_num_seqs", "eager", "triton", "gemv")
-
-
 def _default_candidates(bspec) -> list:
     """The default configuration set's candidates on the baseline's target (suites/sampled/config.py
     DEFAULT_CANDIDATES): the soft-q n-gram always, the DFlash drafter where the target is the bundled one and
     its drafter is built. A remote baseline has no target to put them on: that needs --candidate."""
-    from specbench.harness.engines import EngineSpec, EngineStringError, bundled
+    from specbench.harness.engines import TWIN_DROPS, EngineSpec, EngineStringError, bundled
     from specbench.suites.sampled.config import DEFAULT_CANDIDATES
 
     if bspec.kind != "local":
@@ -186,8 +183,9 @@ def _default_candidates(bspec) -> list:
     target, bdraft = bundled()
     tdir = bspec.target or target
     draft = bdraft if tdir == target else None
-    # where and how the baseline runs, the candidates run too (a CUDA baseline gets CUDA candidates)
-    placed = {k: v for k, v in bspec.options.items() if k in _PLACEMENT}
+    # the baseline's engine options (device, dtype, pages, backends, switches) are the candidates' too: the
+    # converse of spec_off_twin, dropping the same speculation and arm options
+    placed = {k: v for k, v in bspec.options.items() if k not in TWIN_DROPS}
     out = []
     for label, o in DEFAULT_CANDIDATES:
         if o.get("spec") == "dflash":
