@@ -189,12 +189,12 @@ class LocalAdapter(EngineAdapter):
         """With the automatic span policy: what it currently believes (the acceptance estimate per position, the
         host overhead, the measured step time per (batch bucket, span)), a snapshot carried into each sweep
         cell's counters so a chosen span can be explained after the run."""
-        pol = getattr(self.engine, "policy", None)
-        if pol is None or not getattr(pol, "auto", False):
+        pol = self.engine.policy
+        if not pol.auto:
             return {}
         with self.engine._lock:
             d = pol.describe()
-        return {"policy_state": {k: d[k] for k in ("acceptance", "overhead_ms", "measured_ms") if k in d}}
+        return {"policy_state": {k: d[k] for k in ("acceptance", "overhead_ms", "measured_ms")}}
 
     async def metrics_text(self) -> str | None:
         """The engine's Prometheus text, as `specbench serve` publishes it (gauges refreshed first)."""
