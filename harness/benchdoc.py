@@ -24,7 +24,7 @@ def positive_ints(text: str, field: str = "value") -> tuple[int, ...]:
     try:
         out = tuple(int(x) for x in str(text).split(",") if x.strip())
     except ValueError:
-        raise SystemExit(f"{field}: expected a comma list of integers >= 1 (e.g. 1,8,16), got {text!r}") from None
+        out = ()
     if not out or min(out) < 1:
         raise SystemExit(f"{field}: expected a comma list of integers >= 1 (e.g. 1,8,16), got {text!r}")
     return out
