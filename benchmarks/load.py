@@ -27,11 +27,16 @@ level, so an interrupted run keeps what it measured.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
 import gc
+import io
 import json
+import pstats
 import statistics
 import time
 from collections import deque
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -56,9 +61,48 @@ def workload(c: int, waves: int, lo: int, hi: int, vocab: int, seed: int) -> lis
     return [torch.randint(10, vocab - 10, (n_,), generator=g).tolist() for n_ in lens]
 
 
-def closed_loop(eng, prompts: list[list[int]], c: int, max_tokens: int, tag: str) -> dict:
-    """Run `prompts` with c in flight; per-request and per-step timings."""
+class PhaseClock:
+    """Host milliseconds per step phase through the engine's phase-range hook (`LLMEngine.ranges`: schedule,
+    draft, forward / verify, accept, commit), and on CUDA the forward's GPU milliseconds from a pair of CUDA
+    events around it (read after the step, whose accept phase has synchronised). `take()` returns and clears
+    the current step's figures. The accept phase waits for the GPU, so its host time includes the forward's
+    GPU time that the host did not overlap; `gpu` is that GPU time alone."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self.ms: dict[str, float] = {}
+        self._events: list = []
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        e0 = None
+        if self.cuda and name in ("forward", "verify"):
+            e0 = torch.cuda.Event(enable_timing=True)
+            e0.record()
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.ms[name] = self.ms.get(name, 0.0) + (time.perf_counter() - t) * 1e3
+            if e0 is not None:
+                e1 = torch.cuda.Event(enable_timing=True)
+                e1.record()
+                self._events.append((e0, e1))
+
+    def take(self) -> dict[str, float]:
+        out, self.ms = self.ms, {}
+        if self._events:
+            self._events[-1][1].synchronize()
+            out["gpu_forward"] = sum(a.elapsed_time(b) for a, b in self._events)
+            self._events = []
+        return out
+
+
+def closed_loop(eng, prompts: list[list[int]], c: int, max_tokens: int, tag: str, phases: bool = False) -> dict:
+    """Run `prompts` with c in flight; per-request and per-step timings (`phases`: per path, the mean host ms
+    of each step phase and the forward's GPU ms, `PhaseClock`)."""
     from specbench.engine import SamplingParams
+    from specbench.engine.ranges import NO_RANGES
 
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
     todo = deque(enumerate(prompts))
@@ -74,6 +118,10 @@ def closed_loop(eng, prompts: list[list[int]], c: int, max_tokens: int, tag: str
         arrive[rid] = time.perf_counter()
         eng.add_request(p, params, rid=rid)
 
+    clock = PhaseClock(eng.device.type == "cuda") if phases else None
+    saved_ranges = eng.ranges
+    if clock is not None:
+        eng.ranges = clock
     for _ in range(min(c, len(todo))):
         admit()
     t0 = time.perf_counter()
@@ -88,6 +136,12 @@ def closed_loop(eng, prompts: list[list[int]], c: int, max_tokens: int, tag: str
         pth["steps"] += 1
         pth["ms"] += (b - a) * 1e3
         pth["rows"] += rows
+        if clock is not None:
+            ph = pth.setdefault("phase_ms", {})
+            step_ms = clock.take()
+            step_ms["other"] = (b - a) * 1e3 - sum(v for k, v in step_ms.items() if k != "gpu_forward")
+            for k, v in step_ms.items():
+                ph[k] = ph.get(k, 0.0) + v
         for o in outs:
             n = len(o.output_ids)
             if n and o.rid not in first:
@@ -97,6 +151,7 @@ def closed_loop(eng, prompts: list[list[int]], c: int, max_tokens: int, tag: str
             if o.finished and todo:
                 admit()
     wall = time.perf_counter() - t0
+    eng.ranges = saved_ranges if saved_ranges is not None else NO_RANGES
     total = sum(ntok.values())
     ttft = [(first[r] - arrive[r]) * 1e3 for r in first]
     tpot = [(last[r] - first[r]) * 1e3 / (ntok[r] - 1) for r in first if ntok[r] > 1]
@@ -104,6 +159,8 @@ def closed_loop(eng, prompts: list[list[int]], c: int, max_tokens: int, tag: str
         p["mean_ms"] = p["ms"] / p["steps"]
         p["share"] = p["ms"] / (wall * 1e3)
         p["mean_rows"] = p["rows"] / p["steps"]
+        if "phase_ms" in p:
+            p["phase_mean_ms"] = {k: v / p["steps"] for k, v in p.pop("phase_ms").items()}
     return {"wall_s": wall, "tokens": total, "tok_s": total / wall, "steps": steps,
             "ttft_ms": statistics.median(ttft) if ttft else float("nan"),
             "tpot_ms": statistics.median(tpot) if tpot else float("nan"), "paths": paths}
@@ -118,12 +175,13 @@ def build(target: str, draft: str | None, device: str, dtype: str, tau: float | 
 
 def run(target: str, draft: str | None, device: str, levels: tuple[int, ...], arms: list[dict], repeats: int,
         waves: int, prompt_min: int, prompt_max: int, max_tokens: int, tau: float | None, pages: int,
-        dtype: str, save=None) -> dict:
+        dtype: str, save=None, phases: bool = False, cprofile: Path | None = None) -> dict:
     from specbench.benchmarks.speed import environment
 
     res: dict = {"environment": environment(device), "settings": {
         "levels": list(levels), "arms": arms, "repeats": repeats, "waves": waves, "prompt_len": [prompt_min, prompt_max],
-        "max_tokens": max_tokens, "tau": tau, "dtype": dtype, "target": target, "num_pages": pages},
+        "max_tokens": max_tokens, "tau": tau, "dtype": dtype, "target": target, "num_pages": pages,
+        "phases": phases},
         "levels": {}, "complete": False}
     keep = save or (lambda r: None)
     llms = {}
@@ -145,7 +203,18 @@ def run(target: str, draft: str | None, device: str, levels: tuple[int, ...], ar
                         c, 16, f"w{c}")
         for r in range(repeats):
             for arm in arms:
-                per[arm["name"]].append(closed_loop(llms[arm["name"]].engine, prompts, c, max_tokens, f"r{r}c{c}"))
+                prof = cProfile.Profile() if cprofile is not None and r == repeats - 1 else None
+                if prof is not None:
+                    prof.enable()
+                per[arm["name"]].append(closed_loop(llms[arm["name"]].engine, prompts, c, max_tokens, f"r{r}c{c}",
+                                                    phases))
+                if prof is not None:
+                    prof.disable()
+                    cprofile.mkdir(parents=True, exist_ok=True)
+                    buf = io.StringIO()
+                    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(45)
+                    pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(35)
+                    (cprofile / f"cprofile-{arm['name']}-c{c}.txt").write_text(buf.getvalue())
         base = arms[0]["name"]
         lvl: dict = {}
         for arm in arms:
@@ -197,6 +266,15 @@ def render(res: dict) -> str:
             lines.append(f"| {c} | {arm['name']} | {t['median']:.1f} [{t['min']:.1f}-{t['max']:.1f}] | "
                          f"{x['over_first']['median']:.3f} | {'' if nf is None else f'{nf:.1%}'} | "
                          f"{x['ttft_ms']['median']:.1f} | {x['tpot_ms']['median']:.2f} | {paths} |")
+    names = ["schedule", "draft", "forward", "verify", "accept", "commit", "other", "gpu_forward"]
+    rows = [(c, arm["name"], k, v["phase_mean_ms"]) for c, lvl in res["levels"].items() for arm in arms
+            for k, v in sorted(lvl[arm["name"]]["paths"].items()) if "phase_mean_ms" in v]
+    if rows:
+        lines += ["", "Mean ms per step by phase (the last repeat; host time, except `gpu_forward`: the forward's GPU "
+                  "time from CUDA events; `accept` waits for the GPU; `other` = the step's wall minus its phases):", "",
+                  "| c | arm | path | " + " | ".join(names) + " |", "|---:|---|---|" + "---:|" * len(names)]
+        for c, name, k, ph in rows:
+            lines.append(f"| {c} | {name} | {k} | " + " | ".join(f"{ph[n]:.3f}" if n in ph else "" for n in names) + " |")
     if not res.get("complete"):
         lines += ["", "Incomplete run: the levels above are all that finished."]
     return "\n".join(lines)
@@ -219,6 +297,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--num-pages", type=int, default=4000, help="KV pages per arm's engine (all arms live at once)")
     ap.add_argument("--arms", default=json.dumps(DEFAULT_ARMS), help="JSON list of {name, kw: EngineConfig fields}")
     ap.add_argument("--out-dir", help="write load.json and load.md there")
+    ap.add_argument("--cprofile", action="store_true",
+                    help="with --out-dir: cProfile each arm's last repeat per level (cprofile-ARM-cC.txt: top 45 by own time, 35 by cumulative)")
+    ap.add_argument("--phases", action="store_true",
+                    help="time each step phase per forward path (host ms, and the forward's GPU ms on CUDA)")
     a = ap.parse_args(argv)
     try:
         arms = json.loads(a.arms)
@@ -246,7 +328,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     levels = positive_ints(a.levels, "--levels")
     res = run(target, draft if a.tau else None, a.device, levels, arms, a.repeats, a.waves, a.prompt_min,
-              a.prompt_max, a.max_tokens, a.tau, a.num_pages, dtype, save=save)
+              a.prompt_max, a.max_tokens, a.tau, a.num_pages, dtype, save=save,
+              phases=a.phases, cprofile=d if a.cprofile and d is not None else None)
     save(res)
     print(render(res), flush=True)
     emit_document(res)
