@@ -243,7 +243,7 @@ if [ "$what" = load ]; then  # issues 19/28: the engine under closed-loop load, 
   timeout $(cap ${LOAD_TIMEOUT:-420}) python3 -m specbench.benchmarks.load --workdir "$SPEC_WORKDIR" \
     --out-dir "$W/h200-load" ${LOAD_ARGS:-} 2>&1 | tee "$W/load.log"
   r=${PIPESTATUS[0]}; [ "$r" = 0 ] || rc=$r; log "load rc=$r"
-  mkdir -p "$OUT/h200-load" && cp "$W"/h200-load/load.* "$OUT/h200-load/" 2>/dev/null
+  mkdir -p "$OUT/h200-load" && cp "$W"/h200-load/*.{json,md,txt} "$OUT/h200-load/" 2>/dev/null
 fi
 if [ "$what" = bisect ]; then  # issue 19: `speed --sections steps` on this tree and on each carried .bisect/<commit>.tgz
   pair "$SPEC_WORKDIR"
