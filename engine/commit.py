@@ -4,7 +4,8 @@ Contract, per span in plan order: the spec counters record a verify span's (K, a
 committed length becomes start + committed and the pages wholly past it return to the pool (the rollback
 of the rejected speculative tail); the new tokens are appended with stop handling (output.py), so a stop
 inside an accepted run ends the request there; a finished request leaves the scheduler and frees its
-pages. Before that loop the proposer appends the committed rows to its context: after m accepted drafts
+pages. Before that loop the proposer appends the committed rows to its context (their K/V already written
+by the captured step with EngineConfig.graph_context, else projected now): after m accepted drafts
 exactly m + 1 rows (anchor + accepted drafts); the bonus token has no features yet and becomes the next
 anchor. After each span's commit the request's full blocks inside its committed length are sealed into the
 prefix cache (engine/prefix_share.py), finished requests included, before their pages are freed (publish on

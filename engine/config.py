@@ -331,6 +331,14 @@ class EngineConfig:
     # padded row (before). Default from SPECBENCH_GRAPH_LOGITS, else off.
     graph_logits: bool = field(default_factory=lambda: env_flag("SPECBENCH_GRAPH_LOGITS", False))
     draft_graph: bool = True  # CUDA: the DFlash draft through the padded piecewise runner (False: plain draft)
+    # The DFlash drafter's context rows (fc + hidden_norm of the tapped features, each drafter layer's K/V at the
+    # row's slot) written inside the target's captured step (decode graphs, padded verify runner) for every row,
+    # so the commit only moves the context length: a one-token (gated) round then costs what a plain decode does
+    # (issue 20). False: projected after the accept for the committed rows alone, eagerly (before). Rows past the
+    # committed length hold context that is never read: the drafter attends to [0, committed) plus its own block,
+    # and a position's row is rewritten by the step that commits it. Off while a self-test fault is armed.
+    # Default from SPECBENCH_GRAPH_CONTEXT, else on.
+    graph_context: bool = field(default_factory=lambda: env_flag("SPECBENCH_GRAPH_CONTEXT", True))
     triton: bool = True  # Triton kernels on CUDA (also off with SPECBENCH_TRITON=0); CPU keeps torch
     # FlashInfer decode through its tensor-core (FA2 prefill) kernels instead of the CUDA-core decode kernel
     decode_tensor_cores: bool = True

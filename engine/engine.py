@@ -85,6 +85,8 @@ class LLMEngine:
                                   spec_span=self.spec.verify_span, span_variants=self.spec.span_variants)
         self.proposer = proposer if proposer is not None else \
             make_proposer(self.spec, cfg.spec, self.draft_model, self.model, self.runner, self.pool)
+        if cfg.graph_context and not self.faults.names and proposer is None:  # the faults break the rule it keeps
+            self.runner.context_writer = getattr(self.proposer, "write_context", None)
         self.metrics = EngineMetrics()
         # prefix hits at admission, sealing at commit (prefix_share.py); blocks carry the drafter's capture
         self.prefix = PrefixSharing(self.pool, self.metrics, drafter=self.spec.drafter and proposer is None)
@@ -158,7 +160,8 @@ class LLMEngine:
                 "decode_tensor_cores": self.cfg.decode_tensor_cores, "decode_attention": self.cfg.decode_attention,
                 "gemv": self.cfg.gemv, "selector_kernel": getattr(self.proposer, "walk_kernel", None),
                 "batched_draft": self.cfg.spec.batched_draft, "verify_graph": self.cfg.verify_graph,
-                "draft_graph": self.cfg.draft_graph, "faults": sorted(self.faults.names),
+                "draft_graph": self.cfg.draft_graph, "graph_context": self.runner.context_writer is not None,
+                "faults": sorted(self.faults.names),
                 "check_invariants": self.invariants is not None,
                 "synthetic_tau": self.cfg.spec.synthetic_tau if self.synthetic else None,
                 "prefix_cache": self.pool.prefix is not None,

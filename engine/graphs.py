@@ -76,6 +76,7 @@ class DecodeGraphs:
         self.runner = runner
         self.model, self.backend = runner.model, runner.backend
         self.tap = tuple(tap)
+        self.context = runner._writer(self.tap)  # the drafter's context rows, written inside the step (or None)
         self.capture = capture and runner.device.type == "cuda"
         self.full = not piecewise if piecewise is not None else bool(getattr(self.backend, "graph_safe", False))
         self.buckets = sorted(set(buckets or default_buckets(runner.cfg.max_num_seqs)))
@@ -141,7 +142,10 @@ class DecodeGraphs:
     def _whole(self, b: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         r = self.runner
         hidden, taps = self.model(self.io[0, :b], self.io[1, :b], self.backend, r.kv, r.rope, self.tap)
-        return self.model.logits(hidden).float(), (torch.cat(taps, dim=-1) if taps else None)
+        tapped = torch.cat(taps, dim=-1) if taps else None
+        if self.context is not None and tapped is not None:
+            self.context(tapped, self.io[1, :b], self.io[2, :b])
+        return self.model.logits(hidden).float(), tapped
 
     def _segments(self, b: int) -> tuple[list[Callable[[], None]], list[Callable[[], None]], dict]:
         """(dense segments, attentions, state): segment i, then attention i, ..., then the last segment."""
@@ -170,7 +174,10 @@ class DecodeGraphs:
                     st["q"][i], st["k"][i], st["v"][i], st["res"][i] = q, k, v, res
                 else:
                     hidden, taps = m.finish(x, res, dict(st["taps"]), self.tap)
-                    st["out"] = (m.logits(hidden).float(), torch.cat(taps, dim=-1) if taps else None)
+                    tapped = torch.cat(taps, dim=-1) if taps else None
+                    if self.context is not None and tapped is not None:
+                        self.context(tapped, pos, self.io[2, :b])
+                    st["out"] = (m.logits(hidden).float(), tapped)
             return run
 
         def attention(i: int) -> Callable[[], None]:
@@ -299,6 +306,7 @@ class TargetStack(PiecewiseStack):
                       torch.zeros(max_rows, self.hidden, dtype=runner.dtype, device=runner.device))
         self.taps = (torch.zeros(max_rows, len(tap) * self.hidden, dtype=runner.dtype, device=runner.device)
                      if tap else None)
+        self.context = runner._writer(self.tap)  # the drafter's context rows, written by the tail (or None)
 
     def static_bytes(self) -> int:
         extra = [t for t in (self.logits, self.final, self.taps) if t is not None]
@@ -326,6 +334,8 @@ class TargetStack(PiecewiseStack):
         last = len(self.layers) - 1
         if last in self.tap:  # HF's hidden_states[-1] is the final-normed output (Qwen3ForCausalLM.finish)
             self.tap_out(last, hidden, rows)
+        if self.context is not None and self.taps is not None:
+            self.context(self.taps[:rows], self.io[1, :rows], self.io[2, :rows])
         if self.logits is not None:
             self.logits[:rows].copy_(self.model.logits(hidden))
         else:

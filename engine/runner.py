@@ -24,6 +24,7 @@ them, with `verify_graph=False`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -117,6 +118,10 @@ class ModelRunner:
         # the path and row count of the last forward: ("decode-graph", bucket rows asked), ("padded", rows run),
         # ("plain", rows); read by benchmarks (benchmarks/load.py) to attribute step time
         self.last_path: tuple[str, int] = ("", 0)
+        # the drafter's `write_context(taps, positions, slots)` when the captured steps write its context rows
+        # (EngineConfig.graph_context; installed by the engine), and whether the last forward did so for every row
+        self.context_writer: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
+        self.context_fused = False
         self.draft_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
         if draft_cfg is not None:
             dshape = (slots, draft_cfg.num_key_value_heads, draft_cfg.head_dim)
@@ -162,18 +167,24 @@ class ModelRunner:
         """fp32 logits of `logit_rows` (flat row indices) and the tapped layers' outputs, concatenated.
         A decode-only step may take the decode graphs, any other step the verify graphs (unless
         `verify_graph` is False). slot_shift / pos_shift / mask_leak (see `metadata`) act in the plain forward only:
-        the self-test sets them on verify spans alone, with verify_graph=False."""
+        the self-test sets them on verify spans alone, with verify_graph=False. `context_fused` says afterwards
+        whether the step wrote the drafter's context rows of every span row (the graph paths with a context writer)."""
+        self.context_fused = False
         if self.use_graph_runner and all(len(s.tokens) == 1 and s.kind == "decode" for s in spans):
             graphs = self.decode_graphs(tuple(tap))
             if graphs.can_run(spans):
                 self.last_path = ("decode-graph", len(spans))
-                return graphs.run(spans, logit_rows)
+                out = graphs.run(spans, logit_rows)
+                self.context_fused = graphs.context is not None
+                return out
         elif self.use_graph_runner and self.cfg.verify_graph and verify_graph:
             vg = self.verify_graphs_for(tuple(tap))
             key = vg.key(spans)
             if key is not None:
                 self.last_path = ("padded", key[0] * key[1])
-                return vg.run(spans, logit_rows, key)
+                out = vg.run(spans, logit_rows, key)
+                self.context_fused = vg.stack.context is not None
+                return out
         self.last_path = ("plain", sum(len(s.tokens) for s in spans))
         meta, positions = self.metadata(spans, slot_shift=slot_shift, mask_leak=mask_leak, pos_shift=pos_shift)
         ids = torch.tensor([t for s in spans for t in s.tokens], dtype=torch.long, device=self.device)
@@ -184,9 +195,13 @@ class ModelRunner:
         tapped = torch.cat(taps, dim=-1) if taps else None
         return logits, tapped
 
+    def _writer(self, tap: tuple[int, ...]) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None:
+        """The context writer the graphs of this tap set carry (none without taps)."""
+        return self.context_writer if tap else None
+
     def decode_graphs(self, tap: tuple[int, ...] = ()) -> DecodeGraphs:
         """The decode graph runner for this tap set (captured now unless cfg.eager)."""
-        if self.graphs is None or self.graphs.tap != tap:
+        if self.graphs is None or self.graphs.tap != tap or self.graphs.context is not self._writer(tap):
             self.graphs = DecodeGraphs(self, tap, capture=not self.cfg.eager)
         return self.graphs
 
@@ -194,7 +209,8 @@ class ModelRunner:
         """The verify graph runner for this tap set, backend and op set (rebuilt when a benchmark swaps
         either); its row counts are captured lazily unless cfg.eager."""
         vg = self.verify_graphs
-        if vg is None or vg.tap != tap or vg.stack.backend is not self.backend or vg.stack.ops is not self.model.ops:
+        if vg is None or vg.tap != tap or vg.stack.backend is not self.backend or vg.stack.ops is not self.model.ops \
+                or vg.stack.context is not self._writer(tap):
             span = self.spec_span if self.spec_span > 1 else NO_SPEC_SPAN
             spans = tuple(s for s in self.span_variants if s > 1) or (span,)  # span 1 steps: the decode graphs
             vg = self.verify_graphs = VerifyGraphs(self, tap, spans, capture=not self.cfg.eager)

@@ -126,7 +126,7 @@ class Scheduler:
             n = 1 + k
             if n > budget and spans:
                 continue  # next step; always make progress with at least one span
-            last = req.all_ids[req.num_computed]
+            last = req.token_at(req.num_computed)
             spans.append(Span(req, [last], req.num_computed, "verify" if k else "decode",
                               state=states.get(req.rid, "") if states else ""))
             budget -= n

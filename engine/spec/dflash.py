@@ -3,7 +3,12 @@
 Context invariant: for a draft-ready request, the drafter's cache holds context K/V for exactly the
 request's committed positions [0, num_computed). After each target forward the committed rows' tapped
 features are projected (fc + hidden_norm) and their K/V written at those positions ("K-only" rows: no
-queries). After a verify that accepted m drafts that is m + 1 rows (anchor + accepted drafts); the bonus
+queries): by default inside the target's captured step itself, for every row at its own slot
+(`write_context`, installed as the runner's `context_writer`; EngineConfig.graph_context), so `observe` only
+moves the context length; a row past what the step commits holds context nobody reads (the drafter attends to
+[0, committed) plus its own block) until the step that commits its position rewrites it. With graph_context
+off, or on a forward path without the writer (the plain forward), `observe` projects the committed rows
+eagerly after the accept. After a verify that accepted m drafts that is m + 1 rows (anchor + accepted drafts); the bonus
 token has no features yet and becomes the next anchor. `context(rid)` reports (ctx_len, the end of the
 positions the last rows were written at); engine/invariants.py checks both equal num_computed.
 
@@ -66,6 +71,9 @@ class DFlashProposer(Proposer):
                 ctx_shift: int = 0) -> None:
         if taps is None:
             return
+        # The target's captured step already wrote every row's context at its own slot (`write_context` inside
+        # the graph, EngineConfig.graph_context): the committed rows' context is in place, only the lengths move.
+        fused = self.runner.context_fused and not ctx_shift
         rows: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -73,31 +81,38 @@ class DFlashProposer(Proposer):
         for s, c, ok in zip(spans, committed, eligible, strict=True):
             rid = s.req.rid
             if ok and c > 0 and self.ctx_len.get(rid, 0) == s.start:
-                rows += range(off, off + c)
-                positions += range(s.start, s.start + c)
-                if ctx_shift:  # rows written late need their slots: keep it a wrong answer, not a crash
-                    self.pool.ensure(rid, s.start + ctx_shift + c)
-                slots += self.pool.slots(rid, s.start + ctx_shift, s.start + ctx_shift + c)
+                if not fused:
+                    rows += range(off, off + c)
+                    positions += range(s.start, s.start + c)
+                    if ctx_shift:  # rows written late need their slots: keep it a wrong answer, not a crash
+                        self.pool.ensure(rid, s.start + ctx_shift + c)
+                    slots += self.pool.slots(rid, s.start + ctx_shift, s.start + ctx_shift + c)
                 self.ctx_len[rid] = s.start + c
                 self.ctx_end[rid] = s.start + ctx_shift + c
             off += len(s.tokens)
         if not rows:
             return
         dev = self.runner.device
-        feats = self.draft.project_context(taps[torch.tensor(rows, device=dev)])
-        pos = torch.tensor(positions, dtype=torch.long, device=dev)
-        slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
+        self.write_context(taps[torch.tensor(rows, device=dev)], torch.tensor(positions, dtype=torch.long, device=dev),
+                           torch.tensor(slots, dtype=torch.long, device=dev))
+
+    def write_context(self, taps: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor) -> None:
+        """The drafter's context rows: tapped features taps [T, L * H] of the tokens at positions pos [T]
+        projected (fc + hidden_norm) and each drafter layer's K (normed, rotated) and V stored at slots [T] of its
+        cache. Static shapes, no host read: the runner calls it inside the target's captured step for every row
+        (padding rows write the dummy slot), `observe` for the committed rows alone."""
+        feats = self.draft.project_context(taps)
         ops, cfg = self.runner.model.ops, self.draft.cfg
         for i, (kc, vc) in enumerate(self.runner.draft_kv):
             if ops is not None:  # K-only norm + RoPE kernel, storing K/V itself
                 ly = self.draft.layers[i]
                 kv = F.linear(feats, ly.qkv_w[cfg.q_size:])
                 ops.k_norm_rope(kv, ly.k_norm, cfg.rms_norm_eps, self.rope.cos, self.rope.sin, pos,
-                                cfg.num_key_value_heads, cfg.head_dim, (kc, vc, slot_t))
+                                cfg.num_key_value_heads, cfg.head_dim, (kc, vc, slots))
                 continue
             k, v = self.draft.context_kv(i, feats, pos, self.rope)
-            kc[slot_t] = k.to(kc.dtype)
-            vc[slot_t] = v.to(vc.dtype)
+            kc[slots] = k.to(kc.dtype)
+            vc[slots] = v.to(vc.dtype)
 
     def release(self, req):
         self.ctx_len.pop(req.rid, None)

@@ -70,3 +70,19 @@ def test_span_variants_replay_their_own_rows(tiny, prompts, baseline):
     assert out == baseline
     assert set(eng.metrics.span_hist) == {1, 2, 4, 8}
     assert all(vg.stack.shapes[r] == r for r in vg.stack.shapes)  # every row count replayed only at itself
+
+
+@pytest.mark.parametrize("dtype,tol", [("float32", (1e-4, 1e-4)), ("bfloat16", (2e-2, 2e-2))])
+@pytest.mark.parametrize("gate", [0, 3])
+def test_graph_context_equals_eager_projection_on_cuda(tiny, gsm8k_prompts, dtype, tol, gate):
+    """The drafter's context written inside the captured decode / verify steps (graph_context, on by default)
+    against the eager projection after the accept: after every step of two engines in lockstep, the same context
+    lengths and K/V at every committed position (bf16: FlashInfer's whole-step decode graphs), the same tokens."""
+    from graph_context_cases import BUDGETS as B  # noqa: PLC0415
+    from graph_context_cases import lockstep  # noqa: PLC0415
+
+    f, e, paths = lockstep(tiny, gsm8k_prompts[: len(B)], gate, device="cuda", dtype=dtype, tol=tol)
+    print(dtype, gate, paths, [o.spec["num_accepted_tokens"] for o in f], [o.spec["num_accepted_tokens"] for o in e])
+    assert "padded" in paths and (not gate or "decode-graph" in paths)
+    assert [o.output_ids for o in f] == [o.output_ids for o in e]
+    assert sum(o.spec["num_accepted_tokens"] for o in f) > 0
