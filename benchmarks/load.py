@@ -191,8 +191,10 @@ def run(target: str, draft: str | None, device: str, levels: tuple[int, ...], ar
         cap = llm.engine.capture_graphs()
         arm["build_s"] = round(time.perf_counter() - t, 2)
         arm["captured_rows"] = cap["verify_rows"]
+        arm["captured_draft_rows"] = cap.get("draft_rows", [])
         llms[arm["name"]] = llm
-        print(f"arm {arm['name']}: built + captured {len(cap['verify_rows'])} row counts in {arm['build_s']} s",
+        print(f"arm {arm['name']}: built + captured {len(cap['verify_rows'])} verify and "
+              f"{len(arm['captured_draft_rows'])} draft row counts in {arm['build_s']} s",
               flush=True)
     vocab = next(iter(llms.values())).engine.mcfg.vocab_size
     for c in levels:

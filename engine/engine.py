@@ -190,14 +190,22 @@ class LLMEngine:
         return out
 
     def capture_graphs(self) -> dict:
-        """Capture now every padded-runner row count a step can take (CUDA graphs on; a no-op elsewhere), so
-        that no step under load waits for a lazy capture; returns {"verify_rows": the row counts captured}."""
+        """Capture now every padded-runner row count a step can take (CUDA graphs on; a no-op elsewhere): the
+        target's verify / prefill-mixed rows and the drafter's draft rows (bucket x block), so that no step
+        under load waits for a lazy capture (before, the first draft at each new batch bucket captured its
+        graphs in the middle of serving); returns {"verify_rows": ..., "draft_rows": the row counts captured}."""
         self._check_open()
         r = self.runner
-        if not (r.use_graph_runner and self.cfg.verify_graph and not self.cfg.eager and r.device.type == "cuda"):
-            return {"verify_rows": []}
-        tap = self.proposer.tap_layers if self.proposer is not None else ()
-        return {"verify_rows": r.verify_graphs_for(tuple(tap)).capture_all()}
+        out: dict = {"verify_rows": [], "draft_rows": []}
+        if r.device.type != "cuda" or self.cfg.eager:
+            return out
+        if r.use_graph_runner and self.cfg.verify_graph:
+            tap = self.proposer.tap_layers if self.proposer is not None else ()
+            out["verify_rows"] = r.verify_graphs_for(tuple(tap)).capture_all()
+        drafts = getattr(self.proposer, "capture_graphs", None)
+        if callable(drafts):
+            out["draft_rows"] = drafts()
+        return out
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     rid: str | None = None) -> str:

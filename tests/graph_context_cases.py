@@ -28,11 +28,12 @@ def context_rows(eng, rid: str) -> tuple[int, list[torch.Tensor]]:
 
 
 def lockstep(pair, prompts, gate: int, writer=None, device: str = "cpu", dtype: str = "float32",
-             tol: tuple[float, float] = (1e-4, 1e-5)) -> tuple[list, list, set[str]]:
+             tol: tuple[float, float] = (1e-4, 1e-5), **kw) -> tuple[list, list, set[str]]:
     """Step a fused and an eager engine side by side; returns (fused outputs, eager outputs, the forward paths
     that ran fused) and asserts, after every step, equal context lengths and K/V within `tol` (rtol, atol).
     gate 3 with six requests: one-token rounds until three have finished, then verify spans."""
-    fused, eager = make_llm(pair, True, device, dtype, spec_gate=gate), make_llm(pair, False, device, dtype, spec_gate=gate)
+    fused = make_llm(pair, True, device, dtype, spec_gate=gate, **kw)
+    eager = make_llm(pair, False, device, dtype, spec_gate=gate, **kw)
     fe, ee = fused.engine, eager.engine
     assert fe.runner.context_writer is not None and ee.runner.context_writer is None
     if writer is not None:

@@ -45,3 +45,8 @@ def test_graph_context_off_with_faults_and_switch(tiny_pair, monkeypatch):
     assert LLM(tiny_pair[0], draft=tiny_pair[1], num_pages=64).engine.runner.context_writer is None
     spec = parse_engine(f"local:{tiny_pair[0]},draft={tiny_pair[1]},graph_context=0")
     assert spec.opt_bool("graph_context", True) is False
+
+
+def test_capture_graphs_is_a_no_op_off_cuda(tiny_pair):
+    eng = make_llm(tiny_pair, True).engine
+    assert eng.capture_graphs() == {"verify_rows": [], "draft_rows": []}

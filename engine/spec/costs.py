@@ -128,18 +128,11 @@ def _draft_stack(proposer: Proposer | None, runner: ModelRunner):
     if hasattr(proposer, "graphs2"):  # DFlash2: its own padded body (convolutions, the walk in the tail)
         from .dflash2_graphs import DraftGraphs2  # noqa: PLC0415
 
-        g2 = getattr(proposer, "graphs2", None)
-        if g2 is None and proposer.use_graphs:
-            g2 = proposer.graphs2 = DraftGraphs2(proposer, capture=not runner.cfg.eager)  # type: ignore[arg-type]
+        g2 = proposer.draft_graphs()
         return (g2 or DraftGraphs2(proposer, capture=False)).stack  # type: ignore[arg-type]
     if type(proposer) is not DFlashProposer:  # another subclass: time the shared DFlash body eagerly
         return DraftGraphs(proposer, capture=False).stack  # (an approximation)
-    g = proposer.graphs
-    if g is None and proposer.use_graphs:
-        g = proposer.graphs = DraftGraphs(proposer, capture=not runner.cfg.eager)
-    if g is None:
-        g = DraftGraphs(proposer, capture=False)
-    return g.stack
+    return (proposer.draft_graphs() or DraftGraphs(proposer, capture=False)).stack
 
 
 def measure_costs(runner: ModelRunner, proposer: Proposer | None, spans: tuple[int, ...], max_batch: int,

@@ -163,14 +163,27 @@ class DFlashProposer(Proposer):
                     g[i].drafts = drawn[j][:k]
                     g[i].draft_probs = q[j, :k]
 
+    def draft_graphs(self) -> DraftGraphs | None:
+        """The padded draft runner of the graph path (CUDA with `draft_graph`, or a test that installed
+        `self.graphs`), built at first use or for a swapped backend / op set; None off the graph path."""
+        if not (self.use_graphs or self.graphs is not None):
+            return None
+        g, r = self.graphs, self.runner
+        if g is None or g.stack.backend is not r.backend or g.stack.ops is not r.model.ops:
+            g = self.graphs = DraftGraphs(self, capture=not r.cfg.eager)
+        return g
+
+    def capture_graphs(self) -> list[int]:
+        """Capture now every row count (batch bucket x block) the draft graphs can take, so no draft under load
+        waits for a lazy capture (LLMEngine.capture_graphs); returns the row counts captured now."""
+        g = self.draft_graphs()
+        return g.capture_all() if g is not None else []
+
     def draft_logits(self, spans: list[Span], tile_starts: bool = False) -> torch.Tensor:
         """Draft logits [N, B - 1, V] for block slots 1..B-1 of each span's request."""
-        if self.use_graphs or self.graphs is not None:
-            g, r = self.graphs, self.runner
-            if g is None or g.stack.backend is not r.backend or g.stack.ops is not r.model.ops:
-                g = self.graphs = DraftGraphs(self, capture=not r.cfg.eager)  # first use, or a swapped backend/op set
-            if g.can_run(spans):
-                return g.run(spans, tile_starts)
+        g = self.draft_graphs()
+        if g is not None and g.can_run(spans):
+            return g.run(spans, tile_starts)
         return self.draft_logits_plain(spans, tile_starts)
 
     @torch.inference_mode()

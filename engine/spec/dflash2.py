@@ -112,15 +112,20 @@ class DFlash2Proposer(DFlashProposer):
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(logits, hidden, greedy path or None): the padded graph body on the graph path (CUDA with
         `draft_graph`, or a test that installed `graphs2`), else the plain pass."""
-        r = self.runner
-        if self.use_graphs or self.graphs2 is not None:
-            g = self.graphs2
-            if g is None or g.stack.backend is not r.backend or g.stack.ops is not r.model.ops:
-                g = self.graphs2 = DraftGraphs2(self, capture=not r.cfg.eager)
-            if g.can_run(spans):
-                return g.run2(spans, tile_starts, causal)
+        g = self.draft_graphs()
+        if g is not None and g.can_run(spans):
+            return g.run2(spans, tile_starts, causal)
         hidden = self.draft_hidden(spans, tile_starts, causal)
         return self.draft.draft_logits(hidden, self.target.lm_head_w), hidden, None
+
+    def draft_graphs(self) -> DraftGraphs2 | None:
+        """DFlash2's padded draft runner (its convolutions and the walk in the tail), as DFlash1's."""
+        if not (self.use_graphs or self.graphs2 is not None):
+            return None
+        g, r = self.graphs2, self.runner
+        if g is None or g.stack.backend is not r.backend or g.stack.ops is not r.model.ops:
+            g = self.graphs2 = DraftGraphs2(self, capture=not r.cfg.eager)
+        return g
 
     def draft_logits(self, spans: list[Span], tile_starts: bool = False) -> torch.Tensor:
         """Draft logits [N, B - 1, V] (the selector's unary scores; what check-draft's tensor probe reads)."""

@@ -127,6 +127,17 @@ class DraftGraphs:
         self.stats["padded_rows"] += pad
         return n
 
+    def capture_all(self) -> list[int]:
+        """Capture (CUDA, capture mode) every row count bucket x B not captured yet, on padding rows alone (the
+        dummy page), largest first; returns the row counts captured now (VerifyGraphs.capture_all's twin)."""
+        if not self.stack.capture:
+            return []
+        r, blk = self.proposer.runner, self.proposer.block
+        new = [b * blk for b in self.buckets if b * blk not in self.stack.captured]
+        for n in sorted(new, reverse=True):  # largest first: the shared pool is sized once
+            self.stack.time_padded(n, r.dummy_slot, r.dummy_page, r.pool.page_size, causal=False, reps=0)
+        return new
+
     def describe(self) -> dict:
         return {"mode": self.mode, "buckets": self.buckets, "block": self.proposer.block,
                 "captured_rows": self.stack.captured, "static_bytes": self.stack.static_bytes(),

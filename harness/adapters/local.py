@@ -83,6 +83,9 @@ class LocalAdapter(EngineAdapter):
     def __init__(self, engine: LLMEngine, name: str | None = None, max_pending: int | None = None) -> None:
         super().__init__(name or ("local-spec" if engine.spec_on else "local"))
         self.engine = engine
+        # every graph row count captured before the first request (CUDA; a no-op elsewhere), as the server's
+        # warm-up does: a sweep cell must not time a lazy capture at its first new batch bucket
+        engine.capture_graphs()
         self.loop = EngineLoop(engine, max_pending=max_pending)
 
     @classmethod

@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import torch
 
 from specbench.engine import LLM, SamplingParams
 
@@ -72,17 +73,48 @@ def test_span_variants_replay_their_own_rows(tiny, prompts, baseline):
     assert all(vg.stack.shapes[r] == r for r in vg.stack.shapes)  # every row count replayed only at itself
 
 
-@pytest.mark.parametrize("dtype,tol", [("float32", (1e-4, 1e-4)), ("bfloat16", (2e-2, 2e-2))])
+
+@pytest.mark.parametrize("case", ["tiny-fp32", "tiny-bf16", "4b-bf16"])
 @pytest.mark.parametrize("gate", [0, 3])
-def test_graph_context_equals_eager_projection_on_cuda(tiny, gsm8k_prompts, dtype, tol, gate):
+def test_graph_context_equals_eager_projection_on_cuda(tiny, gsm8k_prompts, case, gate):
     """The drafter's context written inside the captured decode / verify steps (graph_context, on by default)
     against the eager projection after the accept: after every step of two engines in lockstep, the same context
-    lengths and K/V at every committed position (bf16: FlashInfer's whole-step decode graphs), the same tokens."""
+    lengths and K/V at every committed position, the same tokens. tiny: the trained pair (acceptance; head_dim
+    32, so bf16 runs the torch attention and piecewise decode graphs); 4b: the Qwen3-4B-shaped random pair in
+    bf16 with FlashInfer (whole-step decode graphs, head_dim 128), random prompts."""
+    from pathlib import Path  # noqa: PLC0415
+
     from graph_context_cases import BUDGETS as B  # noqa: PLC0415
     from graph_context_cases import lockstep  # noqa: PLC0415
 
-    f, e, paths = lockstep(tiny, gsm8k_prompts[: len(B)], gate, device="cuda", dtype=dtype, tol=tol)
-    print(dtype, gate, paths, [o.spec["num_accepted_tokens"] for o in f], [o.spec["num_accepted_tokens"] for o in e])
+    from specbench.benchmarks.spec_step import ensure_pair  # noqa: PLC0415
+
+    if case == "4b-bf16":
+        pair = ensure_pair(Path("/tmp/q3-4b-pair"), "cuda")
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(10, 100_000, (int(n),), generator=g).tolist() for n in (40, 75, 130, 22, 300, 61)]
+        kw: dict = {"dtype": "bfloat16", "tol": (3e-2, 3e-2)}
+    else:
+        pair, prompts = tiny, gsm8k_prompts[: len(B)]
+        kw = {"dtype": "float32", "tol": (1e-4, 1e-4)} if case == "tiny-fp32" else \
+            {"dtype": "bfloat16", "tol": (3e-2, 3e-2), "attention_backend": "torch"}
+    f, e, paths = lockstep(pair, prompts, gate, device="cuda", **kw)
+    print(case, gate, paths, [o.spec["num_accepted_tokens"] for o in f], [o.spec["num_accepted_tokens"] for o in e])
     assert "padded" in paths and (not gate or "decode-graph" in paths)
     assert [o.output_ids for o in f] == [o.output_ids for o in e]
-    assert sum(o.spec["num_accepted_tokens"] for o in f) > 0
+    if case.startswith("tiny"):
+        assert sum(o.spec["num_accepted_tokens"] for o in f) > 0
+
+
+def test_capture_graphs_covers_every_draft_bucket(tiny, prompts):
+    """LLMEngine.capture_graphs() captures the drafter's graphs at every batch bucket (before, the first draft
+    at each new bucket captured in the middle of serving: a stall under load), and serving then captures none."""
+    llm = LLM(tiny[0], draft=tiny[1], device="cuda", num_pages=512, max_num_seqs=8)
+    eng = llm.engine
+    got = eng.capture_graphs()
+    dg = eng.proposer.draft_graphs()
+    want = sorted(b * eng.proposer.block for b in dg.buckets)
+    assert sorted(got["draft_rows"]) == want and dg.stack.captured == want and got["verify_rows"]
+    llm.generate(prompts, [SamplingParams(max_tokens=b, ignore_eos=True) for b in BUDGETS])
+    assert dg.stack.captured == want
+    assert eng.capture_graphs() == {"verify_rows": [], "draft_rows": []}
