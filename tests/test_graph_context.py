@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from graph_context_cases import BUDGETS, lockstep, make_llm
 
-from specbench.engine import LLM
+from specbench.engine import LLM, SamplingParams
 from specbench.harness.engines import parse_engine
 
 
@@ -50,3 +50,24 @@ def test_graph_context_off_with_faults_and_switch(tiny_pair, monkeypatch):
 def test_capture_graphs_is_a_no_op_off_cuda(tiny_pair):
     eng = make_llm(tiny_pair, True).engine
     assert eng.capture_graphs() == {"verify_rows": [], "draft_rows": []}
+
+
+def test_draft_lm_head_gets_one_contiguous_matrix(tiny_pair, gsm8k_prompts, monkeypatch):
+    """The draft's vocabulary projection sees a contiguous [blocks, B - 1, H] input on the graph path and the plain
+    path: on the strided slice of slots 1..B-1, F.linear runs one GEMM per block (a batched GEMM reading the whole
+    lm_head once per request; 11.7 ms of a 44 ms step at 64 requests on the H200)."""
+    for graphs in (True, False):
+        llm = make_llm(tiny_pair, True)
+        eng = llm.engine
+        eng.proposer.use_graphs = graphs
+        seen: list[bool] = []
+        real = eng.proposer.target.logits
+
+        def spy(h, real=real, seen=seen):
+            seen.append(h.is_contiguous())
+            return real(h)
+
+        monkeypatch.setattr(eng.proposer.target, "logits", spy)
+        eng.proposer.draft.__dict__.pop("_lm", None)
+        llm.generate(gsm8k_prompts[:3], SamplingParams(max_tokens=6, ignore_eos=True))
+        assert seen and all(seen), (graphs, seen)

@@ -212,6 +212,6 @@ class DFlashProposer(Proposer):
             o = backend.forward(q, k, v.reshape(t, hkv, d), kc, vc, self.draft.scale)
             x = x + F.linear(o.reshape(t, hq * d), ly.o_w)
             x = x + F.linear(swiglu(F.linear(rms_norm(x, ly.post_norm, cfg.rms_norm_eps), ly.gate_up_w)), ly.down_w)
-        h = rms_norm(x, self.draft.norm, cfg.rms_norm_eps).reshape(n, b, -1)[:, 1:]
+        h = rms_norm(x, self.draft.norm, cfg.rms_norm_eps).reshape(n, b, -1)[:, 1:].contiguous()  # one GEMM
         return self.target.logits(h)
 

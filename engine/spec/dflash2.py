@@ -164,4 +164,4 @@ class DFlash2Proposer(DFlashProposer):
             dm = mc.delta(h)
             y = F.linear(swiglu(F.linear(mc.conv(h, dm, 0), ly.gate_up_w)), ly.down_w)
             x = x + mc.conv(y, dm, 1)
-        return rms_norm(x, d.norm, cfg.rms_norm_eps)[:, 1:]
+        return rms_norm(x, d.norm, cfg.rms_norm_eps)[:, 1:].contiguous()  # one lm_head GEMM, not one per block

@@ -108,9 +108,9 @@ class DraftStack2(DraftStack):
         norm = self.ops.add_rms_norm if self.ops is not None else add_rms_norm
         hidden, _ = norm(x, res, self.draft.norm, self.draft.cfg.rms_norm_eps)
         blocks = rows // self.block
-        h = hidden.reshape(blocks, self.block, -1)[:, 1:]
+        self.hidden[:blocks].copy_(hidden.reshape(blocks, self.block, -1)[:, 1:])
+        h = self.hidden[:blocks]  # contiguous: one GEMM over the lm_head, not one per block (dflash_graphs.DraftStack)
         logits = self.draft.draft_logits(h, self.target.lm_head_w)
-        self.hidden[:blocks].copy_(h)
         self.logits[:blocks].copy_(logits)
         proj_w, pred, succ = self.draft.selector_weights()
         unary, ids = sel.candidates(logits, self.draft.selector_top_k)
