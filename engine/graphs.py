@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention.base import AttentionMetadata
-from .piecewise import PiecewiseStack, median_time
+from .piecewise import PiecewiseStack, gc_paused, median_time
 
 if TYPE_CHECKING:  # the runner imports this module
     from torch.cuda import _POOL_HANDLE  # the graph-pool handle's type in torch's stubs
@@ -205,7 +205,7 @@ class DecodeGraphs:
             self._whole(b)  # warm-up: Triton compiles/tunes, cuBLAS picks its kernels, outside the capture
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
+            with gc_paused(), torch.cuda.graph(g, pool=self.pool):
                 out = self._whole(b)
             graphs = [g]
         else:
@@ -214,13 +214,14 @@ class DecodeGraphs:
             torch.cuda.synchronize()
             segs, _, st = self._segments(b)
             graphs = []
-            for seg in segs:  # attention between segments is not captured: it only reads/writes static buffers
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self.pool):
-                    seg()
-                if self.pool is None:
-                    self.pool = g.pool()
-                graphs.append(g)
+            with gc_paused():
+                for seg in segs:  # attention between segments is not captured: it only reads/writes static buffers
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g, pool=self.pool):
+                        seg()
+                    if self.pool is None:
+                        self.pool = g.pool()
+                    graphs.append(g)
             out = st["out"]
         if self.pool is None:
             self.pool = graphs[0].pool()

@@ -29,8 +29,10 @@ Contract:
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -43,6 +45,23 @@ if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE  # the graph-pool handle's type in torch's stubs
 
 log = logging.getLogger("specbench.engine")
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Python's cycle collector off around CUDA-graph captures (after one collection): an engine dropped in a
+    reference cycle may be collected at any allocation, and its CUDA graphs destroyed inside another engine's
+    capture, which that destroy invalidates (seen once on the H200 in a process that had built and closed
+    engines before: "operation failed due to a previous error during capture", with "operation not permitted
+    when stream is capturing (function reset)" warnings)."""
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 class PiecewiseStack:
@@ -149,13 +168,14 @@ class PiecewiseStack:
         torch.cuda.synchronize()
         before = torch.cuda.memory_reserved()
         graphs = []
-        for i in range(len(self.layers) + 1):  # attention is not captured: it only touches static buffers
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
-                self._segment(i, rows, stored)
-            if self.pool is None:
-                self.pool = g.pool()
-            graphs.append(g)
+        with gc_paused():
+            for i in range(len(self.layers) + 1):  # attention is not captured: it only touches static buffers
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self.pool):
+                    self._segment(i, rows, stored)
+                if self.pool is None:
+                    self.pool = g.pool()
+                graphs.append(g)
         torch.cuda.synchronize()
         self.capture_bytes += max(0, torch.cuda.memory_reserved() - before)
         self._graphs[rows] = graphs
