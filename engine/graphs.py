@@ -256,7 +256,8 @@ class DecodeGraphs:
             out = logits[:n].clone()
         else:
             out = logits[torch.tensor(logit_rows, dtype=torch.long, device=logits.device)]
-        return out, (taps[:n].clone() if taps is not None else None)
+        # taps: a view of the static buffer, read by this step's commit only (as the verify graphs return theirs)
+        return out, (taps[:n] if taps is not None else None)
 
 
     @torch.inference_mode()
