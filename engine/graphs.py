@@ -14,6 +14,9 @@ Contract:
   ([embed + L0.pre], [L0.post + L1.pre], ..., [L_last.post + norm + lm_head]) are captured; attention runs
   eagerly between replays on the segment's static q/k/v and writes into a static output buffer. This is the
   shape issue 8's verify graphs take (span > 1: rows = bucket x span).
+- With the runner's context writer (a drafter's `write_context`, EngineConfig.graph_context) the body also
+  projects the tapped rows into the drafter's context at their slots, padding rows onto the dummy slot; the
+  verify graphs' tail does the same, so a step's commit only advances the drafter's context length.
 - Buckets are captured largest first into one memory pool; a bucket's graphs are only ever replayed at the
   row count they were captured with (capture shape == replay shape), and graphs of one bucket replay in
   capture order, so sharing the pool is safe for step-local tensors.
@@ -76,7 +79,7 @@ class DecodeGraphs:
         self.runner = runner
         self.model, self.backend = runner.model, runner.backend
         self.tap = tuple(tap)
-        self.context = runner._writer(self.tap)  # the drafter's context rows, written inside the step (or None)
+        self.context = runner.context_writer_for(self.tap)  # the drafter's context rows, written inside the step (or None)
         self.capture = capture and runner.device.type == "cuda"
         self.full = not piecewise if piecewise is not None else bool(getattr(self.backend, "graph_safe", False))
         self.buckets = sorted(set(buckets or default_buckets(runner.cfg.max_num_seqs)))
@@ -308,7 +311,7 @@ class TargetStack(PiecewiseStack):
                       torch.zeros(max_rows, self.hidden, dtype=runner.dtype, device=runner.device))
         self.taps = (torch.zeros(max_rows, len(tap) * self.hidden, dtype=runner.dtype, device=runner.device)
                      if tap else None)
-        self.context = runner._writer(self.tap)  # the drafter's context rows, written by the tail (or None)
+        self.context = runner.context_writer_for(self.tap)  # the drafter's context rows, written by the tail (or None)
 
     def static_bytes(self) -> int:
         extra = [t for t in (self.logits, self.final, self.taps) if t is not None]

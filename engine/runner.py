@@ -13,7 +13,9 @@ On CUDA, a step whose spans are all single decode tokens (at most the largest bu
 (verify spans, and prefill chunks with or without them; `EngineConfig.verify_graph`) runs through
 `graphs.VerifyGraphs`, padded to (batch bucket x span) rows, its dense segments captured or eager;
 what fits neither (more rows than the largest bucket holds, or a step called with `verify_graph=False`)
-runs the plain forward. On CPU the plain forward and the torch reference ops are all there is, unless a
+runs the plain forward. With a context writer installed (`context_writer`: the DFlash drafter's
+`write_context`, EngineConfig.graph_context) both graph runners also write the drafter's context rows of
+every row inside the step, and `context_fused` tells the commit so (spec/dflash.py). On CPU the plain forward and the torch reference ops are all there is, unless a
 test installs the graph runners with capture=False (`use_graph_runner = True`): the same padded bodies,
 run eagerly.
 `forward`'s `slot_shift` / `pos_shift` / `mask_leak` perturb the plain forward (K/V written late, the
@@ -195,13 +197,13 @@ class ModelRunner:
         tapped = torch.cat(taps, dim=-1) if taps else None
         return logits, tapped
 
-    def _writer(self, tap: tuple[int, ...]) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None:
+    def context_writer_for(self, tap: tuple[int, ...]) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None:
         """The context writer the graphs of this tap set carry (none without taps)."""
         return self.context_writer if tap else None
 
     def decode_graphs(self, tap: tuple[int, ...] = ()) -> DecodeGraphs:
         """The decode graph runner for this tap set (captured now unless cfg.eager)."""
-        if self.graphs is None or self.graphs.tap != tap or self.graphs.context is not self._writer(tap):
+        if self.graphs is None or self.graphs.tap != tap or self.graphs.context is not self.context_writer_for(tap):
             self.graphs = DecodeGraphs(self, tap, capture=not self.cfg.eager)
         return self.graphs
 
@@ -210,7 +212,7 @@ class ModelRunner:
         either); its row counts are captured lazily unless cfg.eager."""
         vg = self.verify_graphs
         if vg is None or vg.tap != tap or vg.stack.backend is not self.backend or vg.stack.ops is not self.model.ops \
-                or vg.stack.context is not self._writer(tap):
+                or vg.stack.context is not self.context_writer_for(tap):
             span = self.spec_span if self.spec_span > 1 else NO_SPEC_SPAN
             spans = tuple(s for s in self.span_variants if s > 1) or (span,)  # span 1 steps: the decode graphs
             vg = self.verify_graphs = VerifyGraphs(self, tap, spans, capture=not self.cfg.eager)
