@@ -10,9 +10,12 @@ Parts (--part):
   gates  vLLM spec off vs DFlash on the tiny trained pairs (tiny = the bundled fixture, its drafter taps the
          target's last layer; tiny-l12 = the same target with a drafter tapping layers 1 and 2, which vLLM and
          the bundled engine read the same way): lossless (+ --concurrent, --engine-gates), sampled (+ --null);
-         vLLM spec off vs its n-gram proposer on the Qwen3-4B-shaped pair: lossless (+ --concurrent);
+         vLLM spec off vs its n-gram proposer on the Qwen3-4B-shaped pair: lossless (+ --concurrent), and on the
+         tiny trained target (tiny-ngram: it repeats its own worked-answer phrases, so the lookup is accepted,
+         ~2 tokens per step on the bundled engine): lossless (+ --concurrent), sampled (+ --null, last);
          prefix-cache triage on vLLM spec off (the same greedy requests cold, then hitting the cache, and with a
-         per-request cache_salt); the bundled engine's acceptance on both tiny pairs (in process, CPU).
+         per-request cache_salt); the bundled engine's acceptance on both tiny pairs and with its n-gram proposer
+         on the tiny target (in process, CPU).
   speed  one `specbench sweep` over vLLM off / n-gram and the bundled engine (`specbench serve`) off / n-gram on
          the same GPU and pair, arms interleaved, noise floor, then the summary (ratios per concurrency).
   all    gates, then speed.
@@ -107,6 +110,7 @@ def servers() -> dict[str, dict]:
             "method": "dflash", "model": str(t12 / "draft"), "num_speculative_tokens": 7})),
         "vllm-tiny-l13": dict(kind="vllm", port=8107, argv=vllm_argv(t / "target", "tiny", 8107, 1536, 2, {
             "method": "dflash", "model": str(t / "draft"), "num_speculative_tokens": 7})),
+        "vllm-tiny-ngram": dict(kind="vllm", port=8108, argv=vllm_argv(t / "target", "tiny", 8108, 1536, 2, ng)),
         "vllm-4b-off": dict(kind="vllm", port=8103, argv=vllm_argv(PAIR4B / "target", "q3", 8103, 4096, 14, None)),
         "vllm-4b-ngram": dict(kind="vllm", port=8104, argv=vllm_argv(PAIR4B / "target", "q3", 8104, 4096, 14, ng)),
         "sb-4b-off": dict(kind="sb", port=8105, argv=sb_argv(PAIR4B / "target", "q3", 8105, "off", None, 5000)),
@@ -360,14 +364,21 @@ def url(name: str) -> str:
     return f"openai:http://127.0.0.1:{servers()[name]['port']}/v1"
 
 
-TINY = ["vllm-tiny-off", "vllm-tiny-l12", "vllm-tiny-l13"]
+TINY = ["vllm-tiny-off", "vllm-tiny-l12", "vllm-tiny-l13", "vllm-tiny-ngram"]
 BIG = ["vllm-4b-off", "vllm-4b-ngram"]
 SB = ["sb-4b-off", "sb-4b-ngram"]
+
+
+# the tiny n-gram gates' prompts: 16 gsm8k questions x 128 greedy tokens; the trained tiny target repeats its own
+# phrases ("The total number of ... is", the <<a*b=c>> calculations), so the lookup is accepted for real: the
+# bundled engine's n-gram (K 4, n 1-4) accepts 2.03 tokens per step here (CPU fp32; 1.98 concurrent)
+NG_TINY = ["--dataset", "gsm8k", "--num-prompts", "16", "--max-tokens", "128"]
 
 
 def gate_jobs(out: Path) -> list[tuple[str, list[str], float, list[str]]]:
     """(tag, servers it needs, a timeout, specbench args), in priority order."""
     L = ["lossless", "--margin-tol", "0.20"]
+    tng = ["vllm-tiny-off", "vllm-tiny-ngram"]
     return [
         ("lossless-tiny-l12", ["vllm-tiny-off", "vllm-tiny-l12"], 150, L + [
             "--baseline", url("vllm-tiny-off"), "--candidate", url("vllm-tiny-l12"), "--num-prompts", "16",
@@ -377,6 +388,9 @@ def gate_jobs(out: Path) -> list[tuple[str, list[str], float, list[str]]]:
             "--baseline", url("vllm-4b-off"), "--candidate", url("vllm-4b-ngram"), "--dataset", "humaneval",
             "--num-prompts", "16", "--max-tokens", "128", "--concurrent", "--json", "--no-record",
             "--report", str(out / "lossless-4b-ngram.md")]),
+        ("lossless-tiny-ngram", tng, 90, L + [
+            "--baseline", url("vllm-tiny-off"), "--candidate", url("vllm-tiny-ngram"), *NG_TINY, "--concurrent",
+            "--json", "--no-record", "--report", str(out / "lossless-tiny-ngram.md")]),
         ("sampled-tiny-l12", ["vllm-tiny-off", "vllm-tiny-l12"], 200, [
             "sampled", "--baseline", url("vllm-tiny-off"), "--candidate", url("vllm-tiny-l12"), "--num-prompts", "4",
             "--samples", "256", "--null", "--json", "--no-record", "--report", str(out / "sampled-tiny-l12.md")]),
@@ -385,6 +399,9 @@ def gate_jobs(out: Path) -> list[tuple[str, list[str], float, list[str]]]:
             "--max-tokens", "64", "--json", "--no-record", "--report", str(out / "lossless-tiny-l13.md")]),
         ("prefix-cache-vllm-4b-off", ["vllm-4b-off"], 120, ["q3"]),
         ("prefix-cache-vllm-tiny-off", ["vllm-tiny-off"], 60, ["tiny"]),
+        ("sampled-tiny-ngram", tng, 200, [
+            "sampled", "--baseline", url("vllm-tiny-off"), "--candidate", url("vllm-tiny-ngram"), "--num-prompts",
+            "4", "--samples", "256", "--null", "--json", "--no-record", "--report", str(out / "sampled-tiny-ngram.md")]),
     ]
 
 
@@ -434,13 +451,15 @@ def gates(out: Path, logs: Path, record: list) -> None:
     t = FIX / "tiny"
     side: list[dict] = []
 
-    def cpu_ref() -> None:  # the bundled engine's acceptance on both tiny pairs, in process on CPU
-        for tag, draft in (("bundled-tiny-l13", t / "draft"), ("bundled-tiny-l12", FIX / "tiny-l12" / "draft")):
+    def cpu_ref() -> None:  # the bundled engine's acceptance on both tiny pairs and its n-gram, in process on CPU
+        pair = ["--num-prompts", "16", "--max-tokens", "64"]
+        for tag, spec, prompts in (("bundled-tiny-l13", f"draft={t / 'draft'}", pair),
+                                   ("bundled-tiny-l12", f"draft={FIX / 'tiny-l12' / 'draft'}", pair),
+                                   ("bundled-tiny-ngram", f"spec=ngram,k={NGRAM_K}", NG_TINY + ["--concurrent"])):
             if not (out / f"{tag}.json").exists():
                 side.append(sb_cli(["lossless", "--margin-tol", "0.20", "--candidate",
-                                    f"local:{t / 'target'},draft={draft},device=cpu", "--num-prompts", "16",
-                                    "--max-tokens", "64", "--json", "--no-record", "--report", str(out / f"{tag}.md")],
-                                   out, tag, 200))
+                                    f"local:{t / 'target'},{spec},device=cpu", *prompts, "--json", "--no-record",
+                                    "--report", str(out / f"{tag}.md")], out, tag, 200))
 
     ths = [threading.Thread(target=cpu_ref), threading.Thread(target=lambda: side.append({"warm": bring_up_sb(logs)}))]
     for th in ths:
