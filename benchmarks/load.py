@@ -2,7 +2,9 @@
 
 `speed.py` times decode steps of a batch that was prefilled all at once; a served engine instead admits a new
 prompt whenever a request finishes, so at concurrency c most steps carry a prefill chunk beside c - 1 decodes.
-This benchmark runs that load in process (no HTTP: the engine alone) on the Qwen3-4B-shaped random pair:
+This benchmark runs that load in process (the engine alone), or through the project's HTTP server beside it
+(`"via": "http"`, issue 28: the serving overhead on identical workloads in one run), on the Qwen3-4B-shaped random
+pair:
 
   per level c     c requests in flight, `--waves` x c requests in all, prompt lengths drawn uniformly from
                   [--prompt-min, --prompt-max] (one seeded draw per level, the same for every arm), --max-tokens
@@ -13,6 +15,22 @@ This benchmark runs that load in process (no HTTP: the engine alone) on the Qwen
   figures         output tok/s over the measured window, TTFT (arrival -> first token) and TPOT ((last - first)
                   / (n - 1)) medians, and per forward path (decode-graph / padded / plain, from
                   `ModelRunner.last_path`) the step count, mean ms, share of the wall and mean rows
+  per arm, via    `"via": "process"` (the default): the loop above steps the engine itself. `"via": "http"`: the
+                  arm's engine is served by the project's own server app (`make_app` + `ServerThread`: uvicorn in
+                  a thread of this process, as the server tests run it; no warm-up plan, the benchmark's own
+                  warm-up wave and `capture_graphs()` as for every arm) on a free loopback port, and the SAME
+                  closed loop runs through `POST /v1/completions` (prompt = the same token-id lists, stream,
+                  max_tokens, ignore_eos, temperature 0, return_token_ids; c connections, a finished stream
+                  replaced at once) from an asyncio httpx client in a client process of its own (`"client":
+                  "process"`, the default: it does not share the server's GIL, as a sweep client does not with
+                  `specbench serve`; `"inline"`: on this process's main thread, a diagnostic). Arrival = just
+                  before the request is sent (the window opens as the first c are sent), first / last token =
+                  when the first / last SSE event carrying token ids arrived; the client parses only each event's `token_ids` list. tok/s, TTFT and TPOT
+                  are computed as for the in-process arm; the steps and paths (and `--phases`) are the server's
+                  engine's, timed around its `step()` on the engine-loop thread, so a path's share of the wall
+                  is how much of it that engine was stepping. `--cprofile` profiles process arms only. With the
+                  process arm first, the ratio column is http / process per level; `ids = first` says whether
+                  an arm's output token ids equal the first arm's (greedy: an http arm's must).
 
 Repeats are interleaved (every arm once per repeat, per level); each figure is the median over repeats with its
 min and max, the ratio to the first arm is the median of the paired per-repeat ratios, and the noise floor of a
@@ -21,15 +39,19 @@ level is the spread of the first arm's tok/s over the repeats ((max - min) / med
 Usage: python -m specbench.benchmarks.load --workdir DIR [--levels 1,8,32,64] [--repeats 2] [--arms JSON]
        [--out-dir DIR] [--device cuda] [--model TARGET --draft DRAFT] [--tau T]
 Prints a table, then one JSON document as the last line; with --out-dir writes load.json + load.md after every
-level, so an interrupted run keeps what it measured.
+level, so an interrupted run keeps what it measured. The in-process engine against the served one (one word for
+the shell, as `LOAD_ARGS` of `scripts/gpu.sh load` splits on spaces):
+       --arms '[{"name":"process","kw":{}},{"name":"http","kw":{},"via":"http"}]'
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import cProfile
 import gc
+import hashlib
 import io
 import json
 import pstats
@@ -98,78 +120,261 @@ class PhaseClock:
         return out
 
 
+class StepStats:
+    """Per forward path (`ModelRunner.last_path`: decode-graph / padded / plain) the step count, host ms and
+    rows of an engine's steps, and with `phases` each step phase's host ms (`PhaseClock`, installed as the
+    engine's `ranges` while the block runs). `record(a, b)` right after each step, on the thread that stepped."""
+
+    def __init__(self, eng, phases: bool = False) -> None:
+        self.eng = eng
+        self.paths: dict[str, dict] = {}
+        self.steps = 0
+        self.clock = PhaseClock(eng.device.type == "cuda") if phases else None
+        self._saved = None
+
+    def __enter__(self) -> StepStats:
+        self._saved = self.eng.ranges
+        if self.clock is not None:
+            self.eng.ranges = self.clock
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from specbench.engine.ranges import NO_RANGES
+
+        self.eng.ranges = self._saved if self._saved is not None else NO_RANGES
+
+    def record(self, a: float, b: float) -> None:
+        self.steps += 1
+        kind, rows = self.eng.runner.last_path
+        pth = self.paths.setdefault(kind or "none", {"steps": 0, "ms": 0.0, "rows": 0})
+        pth["steps"] += 1
+        pth["ms"] += (b - a) * 1e3
+        pth["rows"] += rows
+        if self.clock is not None:
+            ph = pth.setdefault("phase_ms", {})
+            step_ms = self.clock.take()
+            step_ms["other"] = (b - a) * 1e3 - sum(v for k, v in step_ms.items() if k != "gpu_forward")
+            for k, v in step_ms.items():
+                ph[k] = ph.get(k, 0.0) + v
+
+    def summary(self, wall: float) -> dict[str, dict]:
+        for p in self.paths.values():
+            p["mean_ms"] = p["ms"] / p["steps"]
+            p["share"] = p["ms"] / (wall * 1e3)
+            p["mean_rows"] = p["rows"] / p["steps"]
+            if "phase_ms" in p:
+                p["phase_mean_ms"] = {k: v / p["steps"] for k, v in p.pop("phase_ms").items()}
+        return self.paths
+
+
+def ids_digest(ids: dict[int, list[int]]) -> str:
+    """The output token ids of every request, in prompt order, as one short hash (arms compare outputs)."""
+    return hashlib.sha256(json.dumps([ids.get(i) for i in range(max(ids, default=-1) + 1)]).encode()).hexdigest()[:16]
+
+
+def figures(wall: float, arrive: dict, first: dict, last: dict, ntok: dict) -> dict:
+    """tok/s, TTFT (arrival -> first token) and TPOT ((last - first) / (n - 1)) medians: both arms' way."""
+    total = sum(ntok.values())
+    ttft = [(first[r] - arrive[r]) * 1e3 for r in first]
+    tpot = [(last[r] - first[r]) * 1e3 / (ntok[r] - 1) for r in first if ntok[r] > 1]
+    return {"wall_s": wall, "tokens": total, "tok_s": total / wall,
+            "ttft_ms": statistics.median(ttft) if ttft else float("nan"),
+            "tpot_ms": statistics.median(tpot) if tpot else float("nan")}
+
+
 def closed_loop(eng, prompts: list[list[int]], c: int, max_tokens: int, tag: str, phases: bool = False) -> dict:
     """Run `prompts` with c in flight; per-request and per-step timings (`phases`: per path, the mean host ms
     of each step phase and the forward's GPU ms, `PhaseClock`)."""
     from specbench.engine import SamplingParams
-    from specbench.engine.ranges import NO_RANGES
 
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
     todo = deque(enumerate(prompts))
+    index: dict[str, int] = {}
     arrive: dict[str, float] = {}
     first: dict[str, float] = {}
     last: dict[str, float] = {}
     ntok: dict[str, int] = {}
-    paths: dict[str, dict] = {}
+    ids: dict[int, list[int]] = {}
 
     def admit() -> None:
         i, p = todo.popleft()
         rid = f"{tag}-{i}"
+        index[rid] = i
         arrive[rid] = time.perf_counter()
         eng.add_request(p, params, rid=rid)
 
-    clock = PhaseClock(eng.device.type == "cuda") if phases else None
-    saved_ranges = eng.ranges
-    if clock is not None:
-        eng.ranges = clock
-    for _ in range(min(c, len(todo))):
-        admit()
-    t0 = time.perf_counter()
-    steps = 0
-    while eng.has_unfinished():
+    with StepStats(eng, phases) as stats:
+        for _ in range(min(c, len(todo))):
+            admit()
+        t0 = time.perf_counter()
+        while eng.has_unfinished():
+            a = time.perf_counter()
+            outs = eng.step()
+            b = time.perf_counter()
+            stats.record(a, b)
+            for o in outs:
+                n = len(o.output_ids)
+                if n and o.rid not in first:
+                    first[o.rid] = b
+                if n:
+                    last[o.rid], ntok[o.rid] = b, n
+                if o.finished:
+                    ids[index[o.rid]] = list(o.output_ids)
+                    if todo:
+                        admit()
+        wall = time.perf_counter() - t0
+    return {**figures(wall, arrive, first, last, ntok), "steps": stats.steps, "paths": stats.summary(wall),
+            "ids_sha": ids_digest(ids)}
+
+
+# ---- the http arm: the same closed loop through the project's server ----------------------------------------
+
+def _token_ids(event: bytes) -> list[int] | None:
+    """The `token_ids` of one SSE event of /v1/completions (None: an event without them). The key is the
+    choice's last and a JSON string cannot hold it unescaped, so its last occurrence is the field itself; only
+    that list is parsed, never the whole event."""
+    k = event.rfind(b'"token_ids":')
+    if k < 0:
+        return None
+    s = event.index(b"[", k)
+    e = event.index(b"]", s)
+    seg = event[s + 1:e].strip()
+    return [int(x) for x in seg.split(b",")] if seg else []
+
+
+async def http_closed_loop(url: str, prompts: list[list[int]], c: int, max_tokens: int) -> dict:
+    """`closed_loop` through `POST /v1/completions` (token-id prompt, stream, return_token_ids): c requests
+    in flight on c connections, each one's successor sent as soon as its stream ends. Arrival = just before
+    the request is sent, first / last token = when the first / last SSE event carrying token ids arrived."""
+    import httpx
+
+    todo = deque(enumerate(prompts))
+    arrive: dict[int, float] = {}
+    first: dict[int, float] = {}
+    last: dict[int, float] = {}
+    ntok: dict[int, int] = {}
+    ids: dict[int, list[int]] = {}
+    head = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
+            "return_token_ids": True}
+    hdrs = {"content-type": "application/json"}
+    limits = httpx.Limits(max_connections=c, max_keepalive_connections=c)
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(600.0)) as client:
+        async def one(i: int, p: list[int]) -> None:
+            body = json.dumps({**head, "prompt": p}).encode()
+            got: list[int] = []
+            buf = b""
+            arrive[i] = time.perf_counter()
+            async with client.stream("POST", "/v1/completions", content=body, headers=hdrs) as r:
+                if r.status_code != 200:
+                    raise RuntimeError(f"POST /v1/completions: {r.status_code} {(await r.aread())[:300]!r}")
+                async for chunk in r.aiter_raw():
+                    now = time.perf_counter()
+                    buf += chunk
+                    while (e := buf.find(b"\n\n")) >= 0:
+                        ev, buf = buf[:e], buf[e + 2:]
+                        new = _token_ids(ev)
+                        if new is None:
+                            if b'"error"' in ev:
+                                raise RuntimeError(f"the stream failed: {ev[:300]!r}")
+                            continue
+                        if new:
+                            if not got:
+                                first[i] = now
+                            last[i] = now
+                            got += new
+            ntok[i] = len(got)
+            ids[i] = got
+
+        async def worker() -> None:
+            while todo:
+                i, p = todo.popleft()
+                await one(i, p)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(min(c, len(todo)))))
+        wall = time.perf_counter() - t0
+    return {**figures(wall, arrive, first, last, ntok), "ids_sha": ids_digest(ids)}
+
+
+def client_run(url: str, prompts: list[list[int]], c: int, max_tokens: int) -> dict:
+    """`http_closed_loop` on its own event loop (the client process's entry point)."""
+    return asyncio.run(http_closed_loop(url, prompts, c, max_tokens))
+
+
+def _client_ready() -> bool:
+    import httpx  # noqa: F401  (imported before the first timed run)
+
+    return True
+
+
+@contextlib.contextmanager
+def stepping_recorded(eng, stats: StepStats) -> Iterator[None]:
+    """Every `eng.step()` (the server's engine-loop thread calls it) timed into `stats` while the block runs."""
+    inner = eng.step
+    had = "step" in vars(eng)
+
+    def step(*args, **kw):
         a = time.perf_counter()
-        outs = eng.step()
-        b = time.perf_counter()
-        steps += 1
-        kind, rows = eng.runner.last_path
-        pth = paths.setdefault(kind or "none", {"steps": 0, "ms": 0.0, "rows": 0})
-        pth["steps"] += 1
-        pth["ms"] += (b - a) * 1e3
-        pth["rows"] += rows
-        if clock is not None:
-            ph = pth.setdefault("phase_ms", {})
-            step_ms = clock.take()
-            step_ms["other"] = (b - a) * 1e3 - sum(v for k, v in step_ms.items() if k != "gpu_forward")
-            for k, v in step_ms.items():
-                ph[k] = ph.get(k, 0.0) + v
-        for o in outs:
-            n = len(o.output_ids)
-            if n and o.rid not in first:
-                first[o.rid] = b
-            if n:
-                last[o.rid], ntok[o.rid] = b, n
-            if o.finished and todo:
-                admit()
-    wall = time.perf_counter() - t0
-    eng.ranges = saved_ranges if saved_ranges is not None else NO_RANGES
-    total = sum(ntok.values())
-    ttft = [(first[r] - arrive[r]) * 1e3 for r in first]
-    tpot = [(last[r] - first[r]) * 1e3 / (ntok[r] - 1) for r in first if ntok[r] > 1]
-    for p in paths.values():
-        p["mean_ms"] = p["ms"] / p["steps"]
-        p["share"] = p["ms"] / (wall * 1e3)
-        p["mean_rows"] = p["rows"] / p["steps"]
-        if "phase_ms" in p:
-            p["phase_mean_ms"] = {k: v / p["steps"] for k, v in p.pop("phase_ms").items()}
-    return {"wall_s": wall, "tokens": total, "tok_s": total / wall, "steps": steps,
-            "ttft_ms": statistics.median(ttft) if ttft else float("nan"),
-            "tpot_ms": statistics.median(tpot) if tpot else float("nan"), "paths": paths}
+        outs = inner(*args, **kw)
+        stats.record(a, time.perf_counter())
+        return outs
+
+    eng.step = step
+    try:
+        yield
+    finally:
+        if had:
+            eng.step = inner
+        else:
+            del eng.step
+
+
+class HttpArm:
+    """An arm's engine behind the project's own server (`make_app` + `ServerThread`: uvicorn in a thread of
+    this process, as the server tests run it, no warm-up plan: the benchmark warms up itself), driven by
+    `http_closed_loop` in a client process of its own (`client="process"`, the default: the client's Python
+    does not share the server's GIL, as the sweep client's does not with `specbench serve`) or on this
+    process's main thread (`client="inline"`: a diagnostic, the client then competes for the GIL)."""
+
+    def __init__(self, llm, name: str, client: str = "process", max_pending: int | None = None) -> None:
+        from specbench.harness.server import ServerThread, make_app
+
+        if client not in ("process", "inline"):
+            raise SystemExit(f"arm {name}: client must be 'process' or 'inline', got {client!r}")
+        self.engine = llm.engine
+        self.app, self.loop = make_app(llm.engine, served_name=name, max_pending=max_pending, warmup=False)
+        self.srv = ServerThread(self.app).start()
+        self.url = self.srv.url
+        self.pool = None
+        if client == "process":
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
+
+            self.pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+            self.pool.submit(_client_ready).result()  # the child started and imported before any timing
+
+    def closed_loop(self, prompts: list[list[int]], c: int, max_tokens: int, phases: bool = False) -> dict:
+        # by its module name (not __main__), so that the client process finds it
+        from specbench.benchmarks import load as mod
+
+        with StepStats(self.engine, phases) as stats, stepping_recorded(self.engine, stats):
+            if self.pool is not None:
+                res = self.pool.submit(mod.client_run, self.url, prompts, c, max_tokens).result()
+            else:
+                res = client_run(self.url, prompts, c, max_tokens)
+        return {**res, "steps": stats.steps, "paths": stats.summary(res["wall_s"])}
+
+    def close(self) -> None:
+        self.srv.stop()
+        self.loop.close()
+        if self.pool is not None:
+            self.pool.shutdown()
 
 
 def build(target: str, draft: str | None, device: str, dtype: str, tau: float | None, kw: dict, pages: int):
     from specbench.engine import LLM
 
-    spec = {"draft": draft, "synthetic_tau": tau} if tau else {}
+    spec: dict = {"draft": draft, "synthetic_tau": tau} if tau else {}
     return LLM(target, device=device, dtype=dtype, num_pages=pages, max_num_seqs=64, **spec, **kw)
 
 
@@ -185,6 +390,7 @@ def run(target: str, draft: str | None, device: str, levels: tuple[int, ...], ar
         "levels": {}, "complete": False}
     keep = save or (lambda r: None)
     llms = {}
+    servers: dict[str, HttpArm] = {}
     for arm in arms:
         t = time.perf_counter()
         llm = build(target, draft, device, dtype, tau, arm.get("kw", {}), pages)
@@ -193,24 +399,33 @@ def run(target: str, draft: str | None, device: str, levels: tuple[int, ...], ar
         arm["captured_rows"] = cap["verify_rows"]
         arm["captured_draft_rows"] = cap.get("draft_rows", [])
         llms[arm["name"]] = llm
+        where = ""
+        if arm.get("via", "process") == "http":
+            servers[arm["name"]] = HttpArm(llm, arm["name"], arm.get("client", "process"), max(256, max(levels)))
+            where = f"; served on {servers[arm['name']].url} (client: {arm.get('client', 'process')})"
         print(f"arm {arm['name']}: built + captured {len(cap['verify_rows'])} verify and "
-              f"{len(arm['captured_draft_rows'])} draft row counts in {arm['build_s']} s",
+              f"{len(arm['captured_draft_rows'])} draft row counts in {arm['build_s']} s{where}",
               flush=True)
+
+    def loop(arm: dict, ps: list[list[int]], c: int, n: int, tag: str, ph: bool = False) -> dict:
+        if arm["name"] in servers:
+            return servers[arm["name"]].closed_loop(ps, c, n, ph)
+        return closed_loop(llms[arm["name"]].engine, ps, c, n, tag, ph)
     vocab = next(iter(llms.values())).engine.mcfg.vocab_size
     for c in levels:
         prompts = workload(c, waves, prompt_min, prompt_max, vocab, seed=1)
         per: dict[str, list[dict]] = {a["name"]: [] for a in arms}
-        for arm in arms:  # warm-up wave (excluded): every shape of this level once
-            closed_loop(llms[arm["name"]].engine, workload(c, 1, prompt_min, prompt_max, vocab, seed=2),
-                        c, 16, f"w{c}")
+        for arm in arms:  # warm-up wave (excluded): every shape of this level once (an http arm: through it)
+            loop(arm, workload(c, 1, prompt_min, prompt_max, vocab, seed=2), c, 16, f"w{c}")
         for r in range(repeats):
             for arm in arms:
-                prof = cProfile.Profile() if cprofile is not None and r == repeats - 1 else None
+                # cProfile sees only this thread: an http arm's server and engine run on others
+                prof = (cProfile.Profile() if cprofile is not None and r == repeats - 1 and arm["name"] not in servers
+                        else None)
                 if prof is not None:
                     prof.enable()
-                per[arm["name"]].append(closed_loop(llms[arm["name"]].engine, prompts, c, max_tokens, f"r{r}c{c}",
-                                                    phases))
-                if prof is not None:
+                per[arm["name"]].append(loop(arm, prompts, c, max_tokens, f"r{r}c{c}", phases))
+                if prof is not None and cprofile is not None:
                     prof.disable()
                     cprofile.mkdir(parents=True, exist_ok=True)
                     buf = io.StringIO()
@@ -224,14 +439,21 @@ def run(target: str, draft: str | None, device: str, levels: tuple[int, ...], ar
             lvl[arm["name"]] = {
                 "tok_s": stat([x["tok_s"] for x in runs]), "ttft_ms": stat([x["ttft_ms"] for x in runs]),
                 "tpot_ms": stat([x["tpot_ms"] for x in runs]), "steps": stat([x["steps"] for x in runs]),
+                "tokens": stat([x["tokens"] for x in runs]),
                 "over_first": stat([x["tok_s"] / y["tok_s"] for x, y in zip(runs, per[base], strict=True)]),
-                "paths": runs[-1]["paths"]}
+                "paths": runs[-1]["paths"], "via": arm.get("via", "process"),
+                # greedy: the same prompts give the same ids on every repeat, and across arms unless their
+                # kw change the arithmetic (bf16 at other batch shapes may differ in a late token)
+                "ids_sha": runs[-1]["ids_sha"], "ids_stable": len({x["ids_sha"] for x in runs}) == 1,
+                "same_ids_as_first": runs[-1]["ids_sha"] == per[base][-1]["ids_sha"]}
         b = lvl[base]["tok_s"]
         lvl["noise_floor"] = (b["max"] - b["min"]) / b["median"] if b["median"] else None
         res["levels"][str(c)] = lvl
         print(render_level(c, lvl, arms), flush=True)
         keep(res)
     res["complete"] = True
+    for srv in servers.values():
+        srv.close()
     for llm in llms.values():
         llm.close()
     gc.collect()
@@ -244,8 +466,10 @@ def render_level(c: int, lvl: dict, arms: list[dict]) -> str:
         x = lvl[arm["name"]]
         paths = ", ".join(f"{k} {v['steps']}x{v['mean_ms']:.2f} ms ({v['share']:.0%}, {v['mean_rows']:.0f} rows)"
                           for k, v in sorted(x["paths"].items()))
-        out.append(f"c{c} {arm['name']}: {x['tok_s']['median']:.1f} tok/s ({x['over_first']['median']:.2f}x), "
-                   f"TTFT {x['ttft_ms']['median']:.1f} ms, TPOT {x['tpot_ms']['median']:.2f} ms; {paths}")
+        out.append(f"c{c} {arm['name']}{' (http)' if x.get('via') == 'http' else ''}: "
+                   f"{x['tok_s']['median']:.1f} tok/s ({x['over_first']['median']:.2f}x), "
+                   f"TTFT {x['ttft_ms']['median']:.1f} ms, TPOT {x['tpot_ms']['median']:.2f} ms, "
+                   f"ids {'=' if x.get('same_ids_as_first') else '!='} first; {paths}")
     return "\n".join(out)
 
 
@@ -255,9 +479,13 @@ def render(res: dict) -> str:
     lines = [f"# The engine under closed-loop load ({env.get('gpu', env['device'])}, {env['date']})", "",
              f"commit {env.get('commit')}; torch {env['torch']}; settings: `{json.dumps(res['settings'], default=str)}`",
              "", "Output tok/s, median over repeats [min-max]; ratio = arm / first arm (median of paired ratios); "
-             "noise floor = spread of the first arm's tok/s; TTFT / TPOT medians in ms.", "",
-             "| c | arm | tok/s | ratio | noise floor | TTFT ms | TPOT ms | steps: path x mean ms (share of wall, mean rows) |",
-             "|---:|---|---:|---:|---:|---:|---:|---|"]
+             "noise floor = spread of the first arm's tok/s; TTFT / TPOT medians in ms; via = the engine in process "
+             "or behind the server (http: `/v1/completions` streamed, times taken at the client; the steps are the "
+             "server's engine's, so their share of the wall shows how much of it the engine was stepping); "
+             "ids = first: the output token ids equal the first arm's.", "",
+             "| c | arm | via | tok/s | ratio | noise floor | TTFT ms | TPOT ms | ids = first | "
+             "steps: path x mean ms (share of wall, mean rows) |",
+             "|---:|---|---|---:|---:|---:|---:|---:|---|---|"]
     for c, lvl in res["levels"].items():
         for arm in arms:
             x = lvl[arm["name"]]
@@ -265,9 +493,11 @@ def render(res: dict) -> str:
             paths = "; ".join(f"{k} {v['steps']} x {v['mean_ms']:.2f} ({v['share']:.0%}, {v['mean_rows']:.0f})"
                               for k, v in sorted(x["paths"].items()))
             nf = lvl.get("noise_floor")
-            lines.append(f"| {c} | {arm['name']} | {t['median']:.1f} [{t['min']:.1f}-{t['max']:.1f}] | "
+            same = {True: "yes", False: "no", None: ""}[x.get("same_ids_as_first")]
+            lines.append(f"| {c} | {arm['name']} | {x.get('via', 'process')} | "
+                         f"{t['median']:.1f} [{t['min']:.1f}-{t['max']:.1f}] | "
                          f"{x['over_first']['median']:.3f} | {'' if nf is None else f'{nf:.1%}'} | "
-                         f"{x['ttft_ms']['median']:.1f} | {x['tpot_ms']['median']:.2f} | {paths} |")
+                         f"{x['ttft_ms']['median']:.1f} | {x['tpot_ms']['median']:.2f} | {same} | {paths} |")
     names = ["schedule", "draft", "forward", "verify", "accept", "commit", "other", "gpu_forward"]
     rows = [(c, arm["name"], k, v["phase_mean_ms"]) for c, lvl in res["levels"].items() for arm in arms
             for k, v in sorted(lvl[arm["name"]]["paths"].items()) if "phase_mean_ms" in v]
@@ -297,7 +527,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--tau", type=float, help="speculate with the drafter at this synthetic acceptance length")
     ap.add_argument("--num-pages", type=int, default=4000, help="KV pages per arm's engine (all arms live at once)")
-    ap.add_argument("--arms", default=json.dumps(DEFAULT_ARMS), help="JSON list of {name, kw: EngineConfig fields}")
+    ap.add_argument("--arms", default=json.dumps(DEFAULT_ARMS),
+                    help='JSON list of {name, kw: EngineConfig fields[, via: "process" | "http"[, client: "process" | '
+                         '"inline"]]}')
     ap.add_argument("--out-dir", help="write load.json and load.md there")
     ap.add_argument("--cprofile", action="store_true",
                     help="with --out-dir: cProfile each arm's last repeat per level (cprofile-ARM-cC.txt: top 45 by own time, 35 by cumulative)")
@@ -307,8 +539,11 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         arms = json.loads(a.arms)
         assert isinstance(arms, list) and arms and all(isinstance(x, dict) and "name" in x for x in arms)
+        assert all(x.get("via", "process") in ("process", "http") for x in arms)
+        assert len({x["name"] for x in arms}) == len(arms)
     except (ValueError, AssertionError):
-        raise SystemExit(f"--arms: expected a JSON list of objects with a name (and kw), got {a.arms!r}") from None
+        raise SystemExit(f"--arms: expected a JSON list of objects with distinct names (and kw, via: process | "
+                         f"http), got {a.arms!r}") from None
     if a.repeats < 1 or a.waves < 1 or not 1 <= a.prompt_min <= a.prompt_max or a.max_tokens < 2:
         raise SystemExit("--repeats and --waves must be >= 1, 1 <= --prompt-min <= --prompt-max, --max-tokens >= 2")
     if a.model:

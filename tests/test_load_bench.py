@@ -1,0 +1,42 @@
+"""benchmarks/load.py on CPU with the bundled tiny pair: an in-process arm beside an http arm (issue 28), the same
+closed loop through `specbench serve`'s app, in one run on identical prompts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specbench.benchmarks import load
+
+
+def test_token_ids_reads_only_the_field():
+    from specbench.harness.server.serving import sse
+
+    ev = sse({"id": "x", "choices": [{"index": 0, "text": 'say "token_ids": [9, 9]', "logprobs": None,
+                                      "finish_reason": None, "stop_reason": None, "token_ids": [3, 14, 15]}]})
+    assert load._token_ids(ev.strip().encode()) == [3, 14, 15]
+    assert load._token_ids(sse({"choices": [{"token_ids": []}]}).strip().encode()) == []
+    assert load._token_ids(b"data: [DONE]") is None
+
+
+def test_process_and_http_arms_agree(tiny_target, tmp_path):
+    arms = [{"name": "process", "kw": {}}, {"name": "http", "kw": {}, "via": "http"}]
+    res = load.main(["--device", "cpu", "--model", tiny_target, "--levels", "1,4", "--prompt-min", "8",
+                     "--prompt-max", "24", "--max-tokens", "6", "--waves", "1", "--repeats", "1",
+                     "--num-pages", "256", "--arms", json.dumps(arms, separators=(",", ":")),
+                     "--out-dir", str(tmp_path)])
+    assert res["complete"]
+    for c in ("1", "4"):
+        lvl = res["levels"][c]
+        p, h = lvl["process"], lvl["http"]
+        assert (p["via"], h["via"]) == ("process", "http")
+        assert p["tokens"]["median"] == h["tokens"]["median"] == int(c) * 6  # waves 1: c requests of 6 tokens
+        for x in (p, h):
+            assert x["tok_s"]["median"] > 0 and x["ttft_ms"]["median"] > 0 and x["tpot_ms"]["median"] > 0
+            assert x["steps"]["median"] > 0 and x["paths"]  # the http arm's steps: its server's engine's
+        assert h["ids_sha"] == p["ids_sha"] and h["same_ids_as_first"]  # greedy: the same output ids
+        assert h["over_first"]["median"] == pytest.approx(h["tok_s"]["median"] / p["tok_s"]["median"])
+    md = (tmp_path / "load.md").read_text()
+    assert "| 4 | http | http |" in md and "| 4 | process | process |" in md
+    assert json.loads((tmp_path / "load.json").read_text())["complete"]
