@@ -18,6 +18,12 @@ Parts (--part):
          on the tiny target (in process, CPU).
   speed  one `specbench sweep` over vLLM off / n-gram and the bundled engine (`specbench serve`) off / n-gram on
          the same GPU and pair, arms interleaved, noise floor, then the summary (ratios per concurrency).
+  client `vllm bench serve` (vLLM's own client, in vLLM's interpreter environment) and `specbench sweep` on one
+         vLLM server with the same workload, interleaved over rounds (issue 28 item 3): vllm-4b-off on random
+         prompts of fixed lengths (the same lengths, not the same tokens), vllm-tiny-l12 (DFlash, real acceptance)
+         on the same gsm8k prompts in both; vLLM's files imported with `specbench import vllm-bench`; the
+         comparison (suites/sweep/client_compare.py) in client-compare.json / .md. VLLM_CLIENT=1 runs it at the
+         start of the speed part too (VLLM_CLIENT=only: instead of the sweep).
   all    gates, then speed.
 Servers are started in their own process sessions and recorded in STATE (/tmp/vllm-suite/servers.json), so a
 later call on the same machine reuses the healthy ones; --stop stops them all at the end.
@@ -544,6 +550,12 @@ print(json.dumps({"prompts": n, "diverging": summ, "max_regret": max(regs) if re
 
 
 def speed(out: Path, logs: Path, record: list) -> None:
+    cm = os.environ.get("VLLM_CLIENT", "0")
+    if cm in ("1", "only"):  # the client job first, on a GPU the bundled servers' warm-up does not share
+        client(out, logs, record, reserve=0.0 if cm == "only" else
+               float(os.environ.get("VLLM_SWEEP_MIN_S", "260")) + 120)
+        if cm == "only":
+            return
     big = BIG
     for n in big:
         start(n, logs)
@@ -594,6 +606,277 @@ def speed(out: Path, logs: Path, record: list) -> None:
         log(f"sweep summary failed: {e!r}")
 
 
+# ---- client: specbench's client against vLLM's own on the same server (issue 28 item 3) ---------------
+
+CLIENT_LEVELS = [int(x) for x in os.environ.get("VLLM_CLIENT_LEVELS", "1,8,32").split(",") if x.strip()]
+CLIENT_ROUNDS = int(os.environ.get("VLLM_CLIENT_ROUNDS", "3"))
+CLIENT_PPL = int(os.environ.get("VLLM_CLIENT_PPL", "4"))  # random job: max(8, K x C) prompts per cell, as the sweep
+CLIENT_IN = int(os.environ.get("VLLM_CLIENT_INPUT_LEN", "128"))
+CLIENT_OUT = int(os.environ.get("VLLM_CLIENT_OUTPUT_LEN", "128"))
+CLIENT_ACCEPT_PROMPTS = int(os.environ.get("VLLM_CLIENT_ACCEPT_PROMPTS", "64"))  # tiny-l12 job, every level
+CLIENT_STEP_S = 45.0  # what one bench or sweep call needs at least (interpreter start-up, tokenizer, warm-up)
+
+
+def client_jobs() -> list[dict]:
+    """The compared jobs: the 4B-shaped target with spec off on random prompts of fixed lengths (`vllm bench
+    serve`'s random data set against the sweep's: same lengths, different tokens), and with VLLM_CLIENT_ACCEPT=1
+    (the default) the tiny target + DFlash tapping layers 1, 2 (accepted length ~4 on vLLM) on the same gsm8k
+    prompts in both clients (one JSONL file, vLLM's custom data set and the sweep's), for acceptance."""
+    jobs = [dict(tag="client-4b-off", server="vllm-4b-off", model="q3", tokenizer=PAIR4B / "target", k=None,
+                 dataset="random", input_len=CLIENT_IN, output_len=CLIENT_OUT)]
+    if os.environ.get("VLLM_CLIENT_ACCEPT", "1") == "1":
+        jobs.append(dict(tag="client-tiny-l12", server="vllm-tiny-l12", model="tiny", tokenizer=FIX / "tiny" / "target",
+                         k=7, dataset="custom", source="gsm8k", prompts=CLIENT_ACCEPT_PROMPTS, output_len=CLIENT_OUT))
+    return jobs
+
+
+def cell_prompts(job: dict, level: int) -> int:
+    """Prompts per cell, the same in both clients: the whole shared file (custom), else max(8, K x C)."""
+    return job["prompts"] if job["dataset"] == "custom" else max(8, CLIENT_PPL * level)
+
+
+def run_logged(cmd: list[str], env: dict, path: Path, timeout: float) -> tuple[int | str, float]:
+    """Run cmd with stdout and stderr into path; (rc or "timeout", wall seconds)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    t = time.time()
+    with open(path, "w") as fh:
+        fh.write("$ " + shlex.join(cmd) + "\n")
+        fh.flush()
+        try:
+            rc: int | str = subprocess.run(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                           timeout=max(10.0, timeout), cwd=str(ROOT)).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    return rc, round(time.time() - t, 1)
+
+
+def vllm_bench_flags(logs: Path) -> dict:
+    """Which optional `vllm bench serve` flags this vLLM has (its --help, once): the custom data set's chat
+    template switch is --custom-skip-chat-template in some releases and --skip-chat-template in others."""
+    text = ""
+    for h in ("--help", "--help=all"):  # the second where a release groups its help
+        try:
+            r = subprocess.run([sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve", h],
+                               env=env_for("vllm"), capture_output=True, text=True,
+                               timeout=max(10, min(120, left() - 30)), cwd=str(ROOT))
+            text = r.stdout + r.stderr
+        except subprocess.TimeoutExpired:
+            text = ""
+        if "--dataset-name" in text:
+            break
+    logs.mkdir(parents=True, exist_ok=True)
+    (logs / "vllm-bench-help.txt").write_text(text)
+    skip = next((f for f in ("--custom-skip-chat-template", "--skip-chat-template") if f in text), None)
+    return {"help_ok": "--dataset-name" in text, "skip_chat_template": skip,
+            "disable_shuffle": "--disable-shuffle" in text, "save_detailed": "--save-detailed" in text}
+
+
+def vllm_bench_argv(job: dict, level: int | str, prompts: int | str, rnd: int | str, rdir: Path,
+                    flags: dict) -> list[str]:
+    """`vllm bench serve` for one level and round, in vLLM's interpreter (str arguments: for the docs line)."""
+    port = servers()[job["server"]]["port"]
+    a = [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "vllm",
+         "--base-url", f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions", "--model", job["model"],
+         "--tokenizer", str(job["tokenizer"]), "--label", "vllm-bench", "--max-concurrency", str(level),
+         "--num-prompts", str(prompts), "--num-warmups", str(level), "--seed", "0", "--ignore-eos",
+         "--temperature", "0", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+         "--disable-tqdm", "--save-result", "--save-detailed", "--result-dir", str(rdir),
+         "--result-filename", f"vllm-bench-c{level}-r{rnd}.json"]
+    if job["dataset"] == "random":
+        a += ["--dataset-name", "random", "--random-input-len", str(job["input_len"]), "--random-output-len",
+              str(job["output_len"]), "--random-range-ratio", "0"]
+    else:
+        a += ["--dataset-name", "custom", "--dataset-path", str(job["path"]), "--custom-output-len", str(job["output_len"]),
+              flags["skip_chat_template"]]
+        if flags.get("disable_shuffle"):
+            a.append("--disable-shuffle")
+    return a
+
+
+def sweep_argv(job: dict, rdir: Path, store: Path) -> list[str]:
+    """One `specbench sweep` round over every level: one arm, no noise-floor copy, the cells' vLLM-format
+    copies in rdir."""
+    port = servers()[job["server"]]["port"]
+    a = ["sweep", "--arms", f"openai:http://127.0.0.1:{port}/v1,name=specbench", "--labels", "specbench",
+         "--concurrency", ",".join(str(c) for c in CLIENT_LEVELS), "--max-tokens", str(job["output_len"]), "--ignore-eos",
+         "--temperature", "0", "--rounds", "1", "--warmup", "1", "--no-noise-floor", "--seed", "0",
+         "--result-dir", str(rdir), "--out", str(store), "--no-progress"]
+    if job["dataset"] == "random":
+        a += ["--dataset", "random", "--random-input-len", str(job["input_len"]), "--prompts-per-level", str(CLIENT_PPL)]
+    else:
+        a += ["--dataset", "custom", "--dataset-path", str(job["path"]), "--num-prompts", str(job["prompts"])]
+    return a
+
+
+def sweep_files(rdir: Path) -> dict[int, Path]:
+    """The sweep's vLLM-format copies in rdir by level (their max_concurrency)."""
+    got: dict[int, Path] = {}
+    for f in sorted(rdir.glob("*.json")) if rdir.is_dir() else []:
+        try:
+            mc = json.loads(f.read_text()).get("max_concurrency")
+        except (OSError, ValueError):
+            continue
+        if mc is not None:
+            got[int(mc)] = f
+    return got
+
+
+def import_vllm(files: list[Path], label: str, store: Path, log_path: Path) -> str | None:
+    """`specbench import vllm-bench FILES --label L --out STORE`; the imported run's directory."""
+    if not files:
+        return None
+    cmd = [sys.executable, "-m", "specbench", "import", "vllm-bench", *map(str, files), "--label", label, "--out",
+           str(store)]
+    rc, _ = run_logged(cmd, env_for("sb"), log_path, min(120, max(10, left() - 15)))
+    m = re.search(r"imported \d+ file\(s\): (\S+)", log_path.read_text(errors="replace"))
+    log(f"import vllm-bench --label {label}: rc={rc} -> {m.group(1) if m else None}")
+    return m.group(1) if m else None
+
+
+def client_job(job: dict, out: Path, reserve: float, flags: dict) -> dict:
+    """R rounds; in each, `vllm bench serve` at every level, then one `specbench sweep` over the same levels
+    (one round, no noise-floor copy) on the same server and workload; files already there are kept (a later
+    call finishes the rounds). Then the imports, a side-by-side report and the comparison."""
+    from specbench.suites.sweep.client_compare import round_metrics
+
+    tag = job["tag"]
+    d = out / "client" / tag
+    vdir, store, jlogs = d / "vllm-bench", d / "results", d / "logs"
+    vdir.mkdir(parents=True, exist_ok=True)
+    rec: dict = {"tag": tag, "server": job["server"], "levels": CLIENT_LEVELS, "rounds": CLIENT_ROUNDS, "steps": []}
+    if job["dataset"] == "custom":
+        if not (flags.get("help_ok") and flags.get("skip_chat_template")):
+            job = dict(job, dataset="random", input_len=CLIENT_IN)
+            rec["note"] = ("vllm bench serve --help lists no custom data set chat-template switch: random prompts "
+                           "instead of the shared gsm8k file (same lengths, different tokens)")
+            log(f"{tag}: {rec['note']}")
+        else:
+            from specbench.suites.sweep.workload import load_texts
+
+            texts, _ = load_texts(job["source"], job["prompts"], seed=0)
+            job = dict(job, path=d / f"{job['source']}-{job['prompts']}.jsonl")
+            job["path"].write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    rec["dataset"] = job["dataset"]
+    vllm_env = env_for("vllm")
+    fails = {"vllm": 0, "sweep": 0}  # two failures in a row on one side: that side is given up for this job
+    for rnd in range(CLIENT_ROUNDS):
+        for lv in CLIENT_LEVELS:
+            f = vdir / f"vllm-bench-c{lv}-r{rnd}.json"
+            if f.exists():
+                continue
+            if fails["vllm"] >= 2:
+                rec["steps"].append({"step": f"vllm-bench c{lv} r{rnd}", "skipped": "two failures in a row"})
+                continue
+            if left() - reserve < CLIENT_STEP_S:
+                rec["steps"].append({"step": f"vllm-bench c{lv} r{rnd}", "skipped": f"deadline ({left():.0f}s left)"})
+                continue
+            argv = vllm_bench_argv(job, lv, cell_prompts(job, lv), rnd, vdir, flags)
+            log(f"{tag} r{rnd} c{lv}: vllm {shlex.join(argv[3:])}")
+            rc, wall = run_logged(argv, vllm_env, jlogs / f"vllm-bench-c{lv}-r{rnd}.log", min(300, left() - reserve - 10))
+            rec["steps"].append({"step": f"vllm-bench c{lv} r{rnd}", "argv": argv[1:], "rc": rc, "wall_s": wall,
+                                 "file": f.exists()})
+            fails["vllm"] = 0 if f.exists() else fails["vllm"] + 1
+            log(f"{tag} r{rnd} c{lv}: vllm bench rc={rc} in {wall}s" +
+                ("" if f.exists() else "\n" + tail(str(jlogs / f"vllm-bench-c{lv}-r{rnd}.log"), 20)))
+        sdir = d / "specbench" / f"r{rnd}"
+        if set(CLIENT_LEVELS) <= set(sweep_files(sdir)):
+            continue
+        if fails["sweep"] >= 2:
+            rec["steps"].append({"step": f"sweep r{rnd}", "skipped": "two failures in a row"})
+            continue
+        if left() - reserve < CLIENT_STEP_S:
+            rec["steps"].append({"step": f"sweep r{rnd}", "skipped": f"deadline ({left():.0f}s left)"})
+            continue
+        args = sweep_argv(job, sdir, store)
+        log(f"{tag} r{rnd}: specbench {shlex.join(args)}")
+        rc, wall = run_logged([sys.executable, "-m", "specbench", *args], env_for("sb"), jlogs / f"sweep-r{rnd}.log",
+                              min(400, left() - reserve - 10))
+        got = sorted(sweep_files(sdir))
+        rec["steps"].append({"step": f"sweep r{rnd}", "argv": args, "rc": rc, "wall_s": wall, "levels": got})
+        fails["sweep"] = 0 if got else fails["sweep"] + 1
+        log(f"{tag} r{rnd}: sweep rc={rc} in {wall}s\n" + tail(str(jlogs / f"sweep-r{rnd}.log"), 12))
+
+    per: dict[str, dict[int, list]] = {"vllm": {}, "specbench": {}}
+    vfiles: list[Path] = []
+    sfiles: list[Path] = []
+    for lv in CLIENT_LEVELS:
+        for side in per.values():
+            side[lv] = []
+        for rnd in range(CLIENT_ROUNDS):
+            for side, f in (("vllm", vdir / f"vllm-bench-c{lv}-r{rnd}.json"),
+                            ("specbench", sweep_files(d / "specbench" / f"r{rnd}").get(lv))):
+                m = None
+                if f is not None and f.exists():
+                    try:
+                        m = round_metrics(json.loads(f.read_text()), str(f))
+                        (vfiles if side == "vllm" else sfiles).append(f)
+                    except (OSError, ValueError) as e:  # VllmFormatError is a ValueError
+                        rec["steps"].append({"step": f"read {f.name}", "error": str(e)[:300]})
+                per[side][lv].append(m)
+    rec["imported"] = {"vllm-bench": import_vllm(vfiles, "vllm-bench", store, jlogs / "import-vllm.log"),
+                       "specbench": import_vllm(sfiles, "specbench", store, jlogs / "import-specbench.log")}
+    runs = [r for r in (rec["imported"]["specbench"], rec["imported"]["vllm-bench"]) if r]
+    if len(runs) == 2 and left() > 20:
+        rc, _ = run_logged([sys.executable, "-m", "specbench", "report", *runs, "--out", str(out / f"{tag}-report.md"),
+                            "--no-plots"], env_for("sb"), jlogs / "report.log", min(120, left() - 15))
+        rec["report"] = f"{tag}-report.md" if rc == 0 else None
+    if job["dataset"] == "random":
+        wl = (f"random, {job['input_len']} prompt tokens / {job['output_len']} output tokens (--ignore-eos, greedy), "
+              f"max(8, {CLIENT_PPL} x C) prompts per cell: the same lengths in both clients, not the same tokens "
+              "(vLLM: random token ids; specbench: random words cut to the length by the server's tokenizer)")
+    else:
+        wl = (f"the same {job['prompts']} {job['source']} prompts in both clients ({job['path'].name}: vLLM's custom "
+              f"data set without chat template, the sweep's custom data set), {job['output_len']} output tokens "
+              "(--ignore-eos, greedy), every prompt at every level")
+    per_cell = str(job["prompts"]) if job["dataset"] == "custom" else f"max(8,{CLIENT_PPL}xC)"
+    rec["job"] = {"tag": tag, "server": job["server"], "workload": wl, "k": job["k"], "per_round": per, "commands": [
+        "# for R in rounds: for C in levels:",
+        shlex.join(["vllm", "bench", "serve", *vllm_bench_argv(job, "C", per_cell, "R", vdir, flags)[5:]]),
+        "# then, same round, every level:",
+        shlex.join(["specbench", *sweep_argv(job, d / "specbench" / "rR", store)]),
+        "# after the rounds:",
+        f"specbench import vllm-bench {vdir}/vllm-bench-c*-r*.json --label vllm-bench --out {store}"]}
+    return rec
+
+
+def client(out: Path, logs: Path, record: list, reserve: float = 0.0) -> None:
+    """The client job on every server of client_jobs(), then client-compare.json / .md over what finished."""
+    from specbench.suites.sweep.client_compare import CONVENTIONS, compare_clients, render_markdown
+
+    jobs = client_jobs()
+    names = [j["server"] for j in jobs]
+    for n in names:
+        start(n, logs)
+    flags: dict = {}
+    if any(j["dataset"] == "custom" for j in jobs):  # while the servers start: vLLM imports on the CPU
+        flags = vllm_bench_flags(logs)
+        record.append({"vllm_bench_flags": flags})
+        log(f"client: vllm bench serve flags {flags}")
+    up = wait(names, min(330, max(10, left() - reserve - 60)))
+    record.append({"client_servers_up": up})
+    done = []
+    for job in jobs:
+        if not up.get(job["server"]):
+            record.append({"tag": job["tag"], "skipped": f"server {job['server']} not healthy"})
+            continue
+        if left() - reserve < 2 * CLIENT_STEP_S:
+            record.append({"tag": job["tag"], "skipped": f"deadline ({left():.0f}s left, {reserve:.0f}s reserved)"})
+            continue
+        rec = client_job(job, out, reserve, flags)
+        done.append(rec.pop("job"))
+        record.append(rec)
+    if not done:
+        return
+    for j in done:
+        j["comparison"] = compare_clients(j["per_round"]["vllm"], j["per_round"]["specbench"], k=j["k"])
+    (out / "client-compare.json").write_text(json.dumps({"jobs": done, "conventions": CONVENTIONS}, indent=1,
+                                                         default=str))
+    (out / "client-compare.md").write_text(render_markdown(done))
+    record.append({"tag": "client-compare", "json": "client-compare.json", "md": "client-compare.md",
+                   "verdicts": {j["tag"]: j["comparison"]["verdicts"] for j in done}})
+    log("client-compare: " + json.dumps({j["tag"]: j["comparison"]["verdicts"] for j in done}))
+
+
 def median(xs: list) -> float | None:
     xs = sorted(xs)
     return None if not xs else (xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2)
@@ -629,7 +912,7 @@ def summarize_sweep(sweep_dir: Path, out: Path) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--part", choices=("gates", "speed", "all"), default="all")
+    ap.add_argument("--part", choices=("gates", "speed", "client", "all"), default="all")
     ap.add_argument("--out", required=True)
     ap.add_argument("--stop", action="store_true", help="stop every server at the end")
     a = ap.parse_args()
@@ -648,6 +931,8 @@ def main() -> None:
             gates(out, logs, record)
         if a.part in ("speed", "all") and left() > 120:
             speed(out, logs, record)
+        if a.part == "client":
+            client(out, logs, record)
     finally:
         vt.join(timeout=30)
         summary["runs"] = record
