@@ -44,6 +44,8 @@
 #   vllm-speed   scripts/vllm_suite.py --part speed: one sweep, vLLM and `specbench serve` (off, n-gram) side by side
 #                (VLLM_SWEEP_LEVELS, VLLM_SWEEP_ROUNDS, VLLM_SWEEP_PPL, VLLM_SWEEP_TOKENS, VLLM_SWEEP_DATASET);
 #                servers outlive a call (own sessions) for the next; VLLM_STOP=1 stops them at the end
+#   vllm-client  scripts/vllm_suite.py --part client: `vllm bench serve` and `specbench sweep` on one vLLM server,
+#                same workload, interleaved rounds, compared with noise floors (client-compare.{json,md})
 #   serve-ready  scripts/serve_ready.py: `specbench serve` on the Qwen3-4B-shaped pair (spec off), time to the first
 #                HTTP answer, to /health 200 (ready: warm-up done) and the first completion, three times: "carried"
 #                (the restored .cache modules and Triton cache), "cold" (no carried FlashInfer modules, empty JIT and
@@ -334,7 +336,7 @@ elif [ "$what" = serve-ready ]; then  # issue 28 item 5 (docs/server.md "Ready m
   mkdir -p "$FLASHINFER_WORKSPACE_BASE" && cp -rn /tmp/sr-cold/fi/. "$FLASHINFER_WORKSPACE_BASE/" 2>/dev/null  # back in fi_so.tgz
   cp "$W/serve_ready.jsonl" "$OUT/" 2>/dev/null
 fi
-if [ "$what" = vllm ] || [ "$what" = vllm-gates ] || [ "$what" = vllm-speed ]; then  # issue 28 (docs/vllm.md)
+if [ "$what" = vllm ] || [ "$what" = vllm-gates ] || [ "$what" = vllm-speed ] || [ "$what" = vllm-client ]; then  # issue 28
   pair "$SPEC_WORKDIR"
   part=${what#vllm-}; [ "$what" = vllm ] && part=all
   log "vLLM suites (--part $part)"
