@@ -191,17 +191,22 @@ class LLMEngine:
 
     def capture_graphs(self) -> dict:
         """Capture now every padded-runner row count a step can take (CUDA graphs on; a no-op elsewhere): the
-        target's verify / prefill-mixed rows and the drafter's draft rows (bucket x block), so that no step
-        under load waits for a lazy capture (before, the first draft at each new batch bucket captured its
-        graphs in the middle of serving); returns {"verify_rows": ..., "draft_rows": the row counts captured}."""
+        target's decode buckets, its verify / prefill-mixed rows and the drafter's draft rows (bucket x block), so
+        that no step under load waits for a lazy capture (before, the first draft at each new batch bucket, and a
+        speculating engine's first one-token step, captured graphs in the middle of serving or of a measured
+        cell); returns {"verify_rows", "draft_rows", "decode_buckets": what was captured now}."""
         self._check_open()
         r = self.runner
-        out: dict = {"verify_rows": [], "draft_rows": []}
+        out: dict = {"verify_rows": [], "draft_rows": [], "decode_buckets": []}
         if r.device.type != "cuda" or self.cfg.eager:
             return out
+        tap = tuple(self.proposer.tap_layers) if self.proposer is not None else ()
+        if r.use_graph_runner:  # the decode graphs capture every bucket when built (a one-token step's first use)
+            fresh = r.graphs is None or r.graphs.tap != tap or r.graphs.context is not r.context_writer_for(tap)
+            dg = r.decode_graphs(tap)
+            out["decode_buckets"] = list(dg.buckets) if fresh else []
         if r.use_graph_runner and self.cfg.verify_graph:
-            tap = self.proposer.tap_layers if self.proposer is not None else ()
-            out["verify_rows"] = r.verify_graphs_for(tuple(tap)).capture_all()
+            out["verify_rows"] = r.verify_graphs_for(tap).capture_all()
         drafts = getattr(self.proposer, "capture_graphs", None)
         if callable(drafts):
             out["draft_rows"] = drafts()

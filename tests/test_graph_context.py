@@ -49,7 +49,7 @@ def test_graph_context_off_with_faults_and_switch(tiny_pair, monkeypatch):
 
 def test_capture_graphs_is_a_no_op_off_cuda(tiny_pair):
     eng = make_llm(tiny_pair, True).engine
-    assert eng.capture_graphs() == {"verify_rows": [], "draft_rows": []}
+    assert eng.capture_graphs() == {"verify_rows": [], "draft_rows": [], "decode_buckets": []}
 
 
 def test_draft_lm_head_gets_one_contiguous_matrix(tiny_pair, gsm8k_prompts, monkeypatch):

@@ -8,8 +8,8 @@ queries): by default inside the target's captured step itself, for every row at 
 moves the context length; a row past what the step commits holds context nobody reads (the drafter attends to
 [0, committed) plus its own block) until the step that commits its position rewrites it. With graph_context
 off, or on a forward path without the writer (the plain forward), `observe` projects the committed rows
-eagerly after the accept. After a verify that accepted m drafts that is m + 1 rows (anchor + accepted drafts); the bonus
-token has no features yet and becomes the next anchor. `context(rid)` reports (ctx_len, the end of the
+eagerly after the accept. After a verify that accepted m drafts that is m + 1 rows (anchor + accepted
+drafts); the bonus token has no features yet and becomes the next anchor. `context(rid)` reports (ctx_len, the end of the
 positions the last rows were written at); engine/invariants.py checks both equal num_computed.
 
 The draft for N requests is ONE pass over an [N * B] row buffer: block = [anchor, MASK x (B-1)] at

@@ -222,7 +222,7 @@ def run_warmup(engine: Any, stop: threading.Event | None = None, progress: Calla
             t = time.perf_counter()
             got = capture()
             record.append({"name": "capture", "verify_rows": got.get("verify_rows", []),
-                           "draft_rows": got.get("draft_rows", []),
+                           "draft_rows": got.get("draft_rows", []), "decode_buckets": got.get("decode_buckets", []),
                            "seconds": round(time.perf_counter() - t, 3)})
     except _Stopped:
         record.append({"name": "stopped", "skipped": "the server is shutting down"})

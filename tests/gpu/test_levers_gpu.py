@@ -107,14 +107,17 @@ def test_graph_context_equals_eager_projection_on_cuda(tiny, gsm8k_prompts, case
 
 
 def test_capture_graphs_covers_every_draft_bucket(tiny, prompts):
-    """LLMEngine.capture_graphs() captures the drafter's graphs at every batch bucket (before, the first draft
-    at each new bucket captured in the middle of serving: a stall under load), and serving then captures none."""
+    """LLMEngine.capture_graphs() captures the drafter's graphs at every batch bucket and the decode graphs (before,
+    the first draft at each new bucket and the first one-token step captured in the middle of serving: a stall
+    under load), and serving then captures none."""
     llm = LLM(tiny[0], draft=tiny[1], device="cuda", num_pages=512, max_num_seqs=8)
     eng = llm.engine
     got = eng.capture_graphs()
     dg = eng.proposer.draft_graphs()
     want = sorted(b * eng.proposer.block for b in dg.buckets)
     assert sorted(got["draft_rows"]) == want and dg.stack.captured == want and got["verify_rows"]
+    decode = eng.runner.graphs  # built (every bucket captured) by capture_graphs, not by the first one-token step
+    assert decode is not None and got["decode_buckets"] == decode.buckets and decode.mode != "eager"
     llm.generate(prompts, [SamplingParams(max_tokens=b, ignore_eos=True) for b in BUDGETS])
-    assert dg.stack.captured == want
-    assert eng.capture_graphs() == {"verify_rows": [], "draft_rows": []}
+    assert dg.stack.captured == want and eng.runner.graphs is decode
+    assert eng.capture_graphs() == {"verify_rows": [], "draft_rows": [], "decode_buckets": []}
