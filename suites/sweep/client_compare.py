@@ -32,9 +32,11 @@ Pure: no I/O beyond what the caller passes in.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .compare import paired_ratios
 from .vllm_format import from_vllm
 
 COMPARED = ("output_tok_s", "ttft_ms", "tpot_ms", "itl_ms", "e2el_ms", "acceptance_length", "acceptance_rate",
@@ -119,18 +121,12 @@ def round_metrics(obj: Mapping[str, Any], where: str = "file") -> dict[str, Any]
     return out
 
 
-def _median(xs: Sequence[float]) -> float:
-    s = sorted(xs)
-    n = len(s)
-    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
-
-
 def spread(values: Sequence[Any]) -> dict | None:
     """Median, min, max and the noise floor (max - min) / median of one client's figure over rounds."""
     vs = [f for f in (_finite(v) for v in values) if f is not None]
     if not vs:
         return None
-    med = _median(vs)
+    med = statistics.median(vs)
     noise = None
     if len(vs) >= 2:
         noise = (max(vs) - min(vs)) / abs(med) if med else (0.0 if max(vs) == min(vs) else math.inf)
@@ -144,9 +140,8 @@ def _figure(rounds: Sequence[Mapping | None], key: str) -> list[float | None]:
 def compare_metric(vllm: Sequence[float | None], specbench: Sequence[float | None]) -> dict:
     """One figure, one level: both spreads, the paired ratios specbench / vllm, the noise floor, a verdict."""
     sv, ss = spread(vllm), spread(specbench)
-    ratios = [b / a for a, b in zip(vllm, specbench, strict=False)
-              if a is not None and b is not None and a > 0]
-    ratio = None if not ratios else {"median": _median(ratios), "min": min(ratios), "max": max(ratios),
+    ratios = paired_ratios(dict(enumerate(vllm)), dict(enumerate(specbench)))
+    ratio = None if not ratios else {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
                                      "per_round": ratios}
     noise = None
     if sv is None and ss is None:
@@ -167,7 +162,7 @@ def stream_check(rounds: Sequence[Mapping | None], k: int | None = None) -> dict
     s = spread(_figure(rounds, "stream_al"))
     bounds = [k * r["stream_requests"] / r["stream_gaps"] for r in rounds
               if k and r is not None and r.get("stream_gaps")]
-    bound = _median(bounds) if bounds else None
+    bound = statistics.median(bounds) if bounds else None
     out: dict[str, Any] = {"counters": c, "stream": s, "diff": None, "tolerance": None, "truncation_bound": bound,
                            "verdict": None}
     if c is None:
