@@ -759,16 +759,21 @@ def client_job(job: dict, out: Path, reserve: float, flags: dict) -> dict:
     rec["dataset"] = job["dataset"]
     vllm_env = env_for("vllm")
     fails = {"vllm": 0, "sweep": 0}  # two failures in a row on one side: that side is given up for this job
+
+    def skipped(side: str, step: str) -> bool:
+        """Records and says whether `step` of `side` is skipped: its side failed twice in a row, or the deadline."""
+        why = "two failures in a row" if fails[side] >= 2 else \
+            f"deadline ({left():.0f}s left)" if left() - reserve < CLIENT_STEP_S else None
+        if why is not None:
+            rec["steps"].append({"step": step, "skipped": why})
+        return why is not None
+
     for rnd in range(CLIENT_ROUNDS):
         for lv in CLIENT_LEVELS:
             f = vdir / f"vllm-bench-c{lv}-r{rnd}.json"
             if f.exists():
                 continue
-            if fails["vllm"] >= 2:
-                rec["steps"].append({"step": f"vllm-bench c{lv} r{rnd}", "skipped": "two failures in a row"})
-                continue
-            if left() - reserve < CLIENT_STEP_S:
-                rec["steps"].append({"step": f"vllm-bench c{lv} r{rnd}", "skipped": f"deadline ({left():.0f}s left)"})
+            if skipped("vllm", f"vllm-bench c{lv} r{rnd}"):
                 continue
             argv = vllm_bench_argv(job, lv, cell_prompts(job, lv), rnd, vdir, flags)
             log(f"{tag} r{rnd} c{lv}: vllm {shlex.join(argv[3:])}")
@@ -781,11 +786,7 @@ def client_job(job: dict, out: Path, reserve: float, flags: dict) -> dict:
         sdir = d / "specbench" / f"r{rnd}"
         if set(CLIENT_LEVELS) <= set(sweep_files(sdir)):
             continue
-        if fails["sweep"] >= 2:
-            rec["steps"].append({"step": f"sweep r{rnd}", "skipped": "two failures in a row"})
-            continue
-        if left() - reserve < CLIENT_STEP_S:
-            rec["steps"].append({"step": f"sweep r{rnd}", "skipped": f"deadline ({left():.0f}s left)"})
+        if skipped("sweep", f"sweep r{rnd}"):
             continue
         args = sweep_argv(job, sdir, store)
         log(f"{tag} r{rnd}: specbench {shlex.join(args)}")
