@@ -27,6 +27,8 @@ the K-only norm + RoPE kernel, which stores their K/V straight into the drafter'
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import torch
 import torch.nn.functional as F
 
@@ -41,6 +43,8 @@ from ..sampler import draw_rows, sampling_probs_rows, uniforms
 from ..scheduler import Span
 from .dflash_graphs import DraftGraphs, block_positions
 from .proposer import Proposer
+
+G = TypeVar("G", bound=DraftGraphs)
 
 
 class DFlashProposer(Proposer):
@@ -168,9 +172,14 @@ class DFlashProposer(Proposer):
         `self.graphs`), built at first use or for a swapped backend / op set; None off the graph path."""
         if not (self.use_graphs or self.graphs is not None):
             return None
-        g, r = self.graphs, self.runner
+        self.graphs = self._current(self.graphs, DraftGraphs)
+        return self.graphs
+
+    def _current(self, g: G | None, cls: type[G]) -> G:
+        """g, or a new `cls` runner when there is none or g was built for another backend or op set."""
+        r = self.runner
         if g is None or g.stack.backend is not r.backend or g.stack.ops is not r.model.ops:
-            g = self.graphs = DraftGraphs(self, capture=not r.cfg.eager)
+            g = cls(self, capture=not r.cfg.eager)
         return g
 
     def capture_graphs(self) -> list[int]:

@@ -122,10 +122,8 @@ class DFlash2Proposer(DFlashProposer):
         """DFlash2's padded draft runner (its convolutions and the walk in the tail), as DFlash1's."""
         if not (self.use_graphs or self.graphs2 is not None):
             return None
-        g, r = self.graphs2, self.runner
-        if g is None or g.stack.backend is not r.backend or g.stack.ops is not r.model.ops:
-            g = self.graphs2 = DraftGraphs2(self, capture=not r.cfg.eager)
-        return g
+        self.graphs2 = self._current(self.graphs2, DraftGraphs2)
+        return self.graphs2
 
     def draft_logits(self, spans: list[Span], tile_starts: bool = False) -> torch.Tensor:
         """Draft logits [N, B - 1, V] (the selector's unary scores; what check-draft's tensor probe reads)."""
