@@ -83,7 +83,10 @@ def env_for(kind: str) -> dict:
 
 # ---- servers ---------------------------------------------------------------------------------------------
 
-def vllm_argv(model: Path, name: str, port: int, max_len: int, kv_gib: float, spec: dict | None) -> list[str]:
+def vllm_argv(model: Path, name: str, port: int, max_len: int, kv_gib: float, spec: dict | None,
+              opt: int | None = None) -> list[str]:
+    """opt: vLLM's optimization level (-O0: no torch.compile, no CUDA graphs: starts in seconds, for the tiny gate
+    servers, where start-up, not speed, is the cost; None: vLLM's default, -O2, for the speed servers)."""
     a = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model), "--served-model-name", name,
          "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", str(max_len),
          # explicit KV bytes: no memory profiling, so servers can start side by side on one GPU
@@ -91,6 +94,8 @@ def vllm_argv(model: Path, name: str, port: int, max_len: int, kv_gib: float, sp
          "--max-num-seqs", "128", "--seed", "0"]
     if spec:
         a += ["--speculative-config", json.dumps(spec)]
+    if opt is not None:
+        a += ["--optimization-level", str(opt)]
     return a
 
 
@@ -103,6 +108,7 @@ def sb_argv(model: Path, name: str, port: int, spec: str, k: int | None, pages: 
     return a
 
 
+GATE_OPT = int(os.environ.get("VLLM_GATE_OPT", "0"))  # the tiny gate servers' -O level (docs/vllm.md)
 NGRAM_K, NGRAM_MIN, NGRAM_MAX = 4, 1, 4  # the bundled engine's n-gram defaults (engine/config.py SpecConfig)
 
 
@@ -111,12 +117,12 @@ def servers() -> dict[str, dict]:
     ng = {"method": "ngram", "num_speculative_tokens": NGRAM_K, "prompt_lookup_min": NGRAM_MIN,
           "prompt_lookup_max": NGRAM_MAX}
     return {
-        "vllm-tiny-off": dict(kind="vllm", port=8101, argv=vllm_argv(t / "target", "tiny", 8101, 1536, 2, None)),
+        "vllm-tiny-off": dict(kind="vllm", port=8101, argv=vllm_argv(t / "target", "tiny", 8101, 1536, 2, None, opt=GATE_OPT)),
         "vllm-tiny-l12": dict(kind="vllm", port=8102, argv=vllm_argv(t / "target", "tiny", 8102, 1536, 2, {
-            "method": "dflash", "model": str(t12 / "draft"), "num_speculative_tokens": 7})),
+            "method": "dflash", "model": str(t12 / "draft"), "num_speculative_tokens": 7}, opt=GATE_OPT)),
         "vllm-tiny-l13": dict(kind="vllm", port=8107, argv=vllm_argv(t / "target", "tiny", 8107, 1536, 2, {
-            "method": "dflash", "model": str(t / "draft"), "num_speculative_tokens": 7})),
-        "vllm-tiny-ngram": dict(kind="vllm", port=8108, argv=vllm_argv(t / "target", "tiny", 8108, 1536, 2, ng)),
+            "method": "dflash", "model": str(t / "draft"), "num_speculative_tokens": 7}, opt=GATE_OPT)),
+        "vllm-tiny-ngram": dict(kind="vllm", port=8108, argv=vllm_argv(t / "target", "tiny", 8108, 1536, 2, ng, opt=GATE_OPT)),
         "vllm-4b-off": dict(kind="vllm", port=8103, argv=vllm_argv(PAIR4B / "target", "q3", 8103, 4096, 14, None)),
         "vllm-4b-ngram": dict(kind="vllm", port=8104, argv=vllm_argv(PAIR4B / "target", "q3", 8104, 4096, 14, ng)),
         "sb-4b-off": dict(kind="sb", port=8105, argv=sb_argv(PAIR4B / "target", "q3", 8105, "off", None, 5000)),
@@ -411,10 +417,14 @@ def gate_jobs(out: Path) -> list[tuple[str, list[str], float, list[str]]]:
     ]
 
 
-def run_gates(out: Path, record: list, reserve: float) -> None:
-    """Every gate job whose output is not there yet, while more than `reserve` seconds are left."""
+def run_gates(out: Path, record: list, reserve: float, defer: bool = False) -> None:
+    """Every gate job whose output is not there yet, while more than `reserve` seconds are left. defer: a job
+    whose servers are not healthy yet is left for a later pass, not recorded as skipped."""
+    only = [t.strip() for t in os.environ.get("VLLM_GATES", "").split(",") if t.strip()]
     for tag, need, tmo, args in gate_jobs(out):
-        if (out / f"{tag}.json").exists():
+        if (out / f"{tag}.json").exists() or any(r.get("tag") == tag for r in record) or (only and tag not in only):
+            continue
+        if defer and not all(healthy(servers()[n]["port"]) for n in need):
             continue
         if left() - reserve < min(tmo, 60):
             record.append({"tag": tag, "skipped": f"deadline ({left():.0f}s left, {reserve:.0f}s reserved)"})
@@ -452,8 +462,11 @@ def bring_up_sb(logs: Path) -> dict:
 
 
 def gates(out: Path, logs: Path, record: list) -> None:
+    only = [t.strip() for t in os.environ.get("VLLM_GATES", "").split(",") if t.strip()]
+    need = {n for tag, ns, _t, _a in gate_jobs(out) if not only or tag in only for n in ns}
     for n in TINY + BIG:
-        start(n, logs)
+        if n in need or n in BIG:  # the 4B servers also serve the speed part
+            start(n, logs)
     t = FIX / "tiny"
     side: list[dict] = []
 
@@ -470,7 +483,9 @@ def gates(out: Path, logs: Path, record: list) -> None:
     ths = [threading.Thread(target=cpu_ref), threading.Thread(target=lambda: side.append({"warm": bring_up_sb(logs)}))]
     for th in ths:
         th.start()
-    up = wait(TINY + BIG, min(330, left() - 60))
+    up = wait([n for n in TINY if n in need], min(240, left() - 60))  # -O0: up in well under a minute; the 4B servers compile meanwhile
+    run_gates(out, record, reserve=20, defer=True)
+    up.update(wait(BIG, min(330, left() - 60)))
     record.append({"servers_up": up})
     run_gates(out, record, reserve=20)
     for th in ths:
