@@ -8,7 +8,9 @@ variant and CUDA graph the serving path uses; /health answers 503 "starting" unt
 `--no-warmup` skips it), then serves until SIGINT/SIGTERM (then drains for --shutdown-timeout seconds and
 exits 0 with one line; harness/server/lifecycle.py). Speculation: dflash when --draft is given, else off, unless
 --spec says otherwise; --spec-gate / --spec-trim / --spec-policy are the load-aware levers (engine/spec/policy.py),
-refused at start (exit 2, naming the knob) when out of range. Endpoints and errors: docs/server.md.
+refused at start (exit 2, naming the knob) when out of range. The engine runs in a process of its own unless
+--no-engine-process or SPECBENCH_ENGINE_PROCESS=0 (harness/server/engine_proc.py: the step loop then shares no
+GIL with the HTTP side). Endpoints and errors: docs/server.md.
 """
 
 from __future__ import annotations
@@ -24,6 +26,24 @@ import typer
 # Python's 5 ms changed nothing beyond the noise at c1-c64, so the default stays Python's own; the knob is for
 # experiments on other machines.
 DEFAULT_GIL_SWITCH_MS = 5.0
+# The engine and its step loop in a process of their own (harness/server/engine_proc.py): measured on the H200, the
+# in-process server made 0.71x the engine's own tok/s at c64 (the step thread waits for the GIL behind the HTTP side).
+ENGINE_PROCESS_ENV = "SPECBENCH_ENGINE_PROCESS"
+DEFAULT_ENGINE_PROCESS = True
+
+
+def engine_process_choice(flag: bool | None) -> bool:
+    """--engine-process/--no-engine-process, else $SPECBENCH_ENGINE_PROCESS (0 | 1), else the default; another
+    value of the variable is a ValueError naming it and what it accepts."""
+    if flag is not None:
+        return flag
+    raw = os.environ.get(ENGINE_PROCESS_ENV, "").strip()
+    if raw == "":
+        return DEFAULT_ENGINE_PROCESS
+    if raw not in ("0", "1"):
+        raise ValueError(f"{ENGINE_PROCESS_ENV}={raw!r} is invalid: expected 0 (the engine in the server's process) "
+                         "or 1 (in a process of its own)")
+    return raw == "1"
 
 
 def _env_ms(name: str, default: float) -> float | None:
@@ -86,6 +106,10 @@ def serve(
                                                     "how long the engine thread may wait for the GIL while the HTTP "
                                                     "side runs (default $SPECBENCH_GIL_SWITCH_MS, else 5, "
                                                     "Python's own)."),
+    engine_process: bool | None = typer.Option(None, "--engine-process/--no-engine-process",
+                                               help="Run the engine and its step loop in a process of their own, "
+                                                    "so they do not share the GIL with the HTTP side (default "
+                                                    "$SPECBENCH_ENGINE_PROCESS=0|1, else on; docs/server.md)."),
 ) -> None:
     """Serve the reference engine with an OpenAI-compatible API (/v1/completions, /v1/chat/completions, ...)."""
     from specbench.harness.engines import EngineStringError, bundled
@@ -110,6 +134,11 @@ def serve(
                    err=True)
         raise typer.Exit(EXIT_CONFIG)
     sys.setswitchinterval(switch / 1000.0)
+    try:
+        in_child = engine_process_choice(engine_process)
+    except ValueError as e:
+        typer.echo(f"specbench serve: {e}", err=True)
+        raise typer.Exit(EXIT_CONFIG) from None
     bad = check_dirs(model, draft if spec in (None, "dflash") else None) if model is not None else None
     if bad:
         typer.echo(f"specbench serve: {bad}", err=True)
@@ -136,22 +165,39 @@ def serve(
     levers = lever_kw(spec_gate, spec_trim, spec_policy)
     prefix_kw: dict[str, Any] = {k_: v for k_, v in (("prefix_cache", prefix_cache), ("prefix_cache_pages",
                                  prefix_cache_pages), ("spec_capture_cache_mb", spec_capture_cache_mb)) if v is not None}
+    app = engine = None
     try:
         cfg = EngineConfig(model=model, draft=draft if method == "dflash" else None, device=device, dtype=dtype,
                            max_model_len=max_model_len, num_pages=num_pages,
                            spec=SpecConfig(method=engine_method(method), num_speculative_tokens=k, **levers),
                            **prefix_kw)
-        engine = LLMEngine(cfg)
+        if in_child:  # the chat template is probed here before the engine process is spawned
+            from specbench.engine.tokenizer import Tokenizer
+
+            tokenizer = Tokenizer(cfg.model)
+        else:
+            engine = LLMEngine(cfg)
+            tokenizer = engine.tokenizer
     except (ConfigError, ValueError, FileNotFoundError) as e:
         typer.echo(f"specbench serve: {e}", err=True)
         raise typer.Exit(2) from None
-    unsafe = probe_template(engine.tokenizer)
+    unsafe = probe_template(tokenizer)
     if unsafe:
         typer.echo(f"specbench serve: --model={model!r}: {unsafe}", err=True)
         raise typer.Exit(EXIT_CONFIG)
+    if in_child:
+        from specbench.harness.server import make_proc_app, setup_logging
+
+        setup_logging(log_level)
+        try:
+            app, _ = make_proc_app(cfg, served_model_name, max_pending, warmup, opts, log_level)
+        except (ConfigError, ValueError, FileNotFoundError) as e:
+            typer.echo(f"specbench serve: {e}", err=True)
+            raise typer.Exit(2) from None
     typer.echo(f"specbench serve: {model} (spec={method}) on http://{host}:{port}/v1"
+               + (" (engine process)" if in_child else "")
                + ("; warming up, /health answers 200 when ready" if warmup else "; no warm-up"), err=True)
     line = run_server(engine, host=host, port=port, served_name=served_model_name, max_pending=max_pending,
-                      log_level=log_level, warmup=warmup, options=opts, sock=sock)
+                      log_level=log_level, warmup=warmup, options=opts, sock=sock, app=app)
     if line:
         typer.echo(f"specbench serve: {line}", err=True)

@@ -35,6 +35,10 @@ Contract:
   raises `NotReady` (the server answers 503 "starting"). A warm-up that raises is recorded (`warmup_info`
   state "failed", its error) and the loop serves anyway, like after any failed step; `close()` during the
   warm-up asks it to stop between steps. Without `warmup` the loop is ready at once (state "off").
+- Reuse: `admit(prompt, params, rid, sub)` is `submit` without the asyncio side (the engine process's child
+  registers its own subscriber records); a step's outputs leave through `_emit`, a failure through `_deliver`,
+  which harness/server/engine_child.py overrides to send them to its parent. `deliver` / `deliver_step` are the
+  thread-safe hand-overs both loops use.
 """
 
 from __future__ import annotations
@@ -75,6 +79,54 @@ class _Sub:
     received: float = 0.0  # perf_counter when the consumer received the request (a server: the HTTP request)
     submitted: float = 0.0  # perf_counter when it was handed to the engine
     scheduled: bool = False
+
+
+def deliver(sub: _Sub, item: Any) -> None:
+    """`item` onto the consumer's queue through its event loop (a closed loop: nobody listens, dropped)."""
+    try:
+        sub.loop.call_soon_threadsafe(sub.queue.put_nowait, (sub.tag, item))
+    except RuntimeError:
+        pass
+
+
+def deliver_step(items: list[tuple[_Sub, Any]], batch: bool = True) -> None:
+    """One step's outputs, in order: with `batch`, ONE thread-safe hand-over per event loop (one wake-up of
+    that loop per step, not one per request: at c64 that is 64 self-pipe writes and loop wake-ups fewer per
+    step, each taken while the engine thread waits for the GIL); else one per output."""
+    if not batch:
+        for sub, item in items:
+            deliver(sub, item)
+        return
+    batches: dict[asyncio.AbstractEventLoop, list[tuple[_Sub, Any]]] = {}
+    for sub, item in items:
+        batches.setdefault(sub.loop, []).append((sub, item))
+    for loop, group in batches.items():
+        def put_all(group: list[tuple[_Sub, Any]] = group) -> None:
+            for sub, item in group:
+                sub.queue.put_nowait((sub.tag, item))
+
+        try:
+            loop.call_soon_threadsafe(put_all)
+        except RuntimeError:  # the consumers' event loop is closed: nobody is listening
+            pass
+
+
+def warmup_status(info: dict) -> dict:
+    """A copy of a warm-up record; while it runs, with `elapsed_s` so far (from its monotonic `t_start`)."""
+    info = dict(info)
+    if info.get("state") == "running" and "t_start" in info:
+        info["elapsed_s"] = round(time.monotonic() - info["t_start"], 1)
+    info.pop("t_start", None)
+    return info
+
+
+def not_ready(status: dict) -> NotReady:
+    return NotReady(f"the server is warming up (compiling kernels, capturing CUDA graphs; "
+                    f"{status.get('elapsed_s', 0.0):.0f} s so far): retry once GET /health answers 200")
+
+
+def overloaded(n: int, limit: int) -> Overloaded:
+    return Overloaded(f"the server has {n} requests in flight (limit {limit}); retry later")
 
 
 class EngineLoop:
@@ -122,11 +174,7 @@ class EngineLoop:
 
     def warmup_status(self) -> dict:
         """A copy of the warm-up record; while it runs, with `elapsed_s` so far."""
-        info = dict(self.warmup_info)
-        if info.get("state") == "running" and "t_start" in info:
-            info["elapsed_s"] = round(time.monotonic() - info["t_start"], 1)
-        info.pop("t_start", None)
-        return info
+        return warmup_status(self.warmup_info)
 
     @property
     def num_pending(self) -> int:
@@ -141,26 +189,32 @@ class EngineLoop:
                ) -> tuple[str, asyncio.Queue]:
         """Add a request; returns (rid, queue). Called inside the consumer's running event loop, or from
         any thread with `loop=` that event loop."""
-        if not self.alive:
-            raise EngineFailure("the engine loop is not running")
-        if not self._ready.is_set():
-            w = self.warmup_status()
-            raise NotReady(f"the server is warming up (compiling kernels, capturing CUDA graphs; "
-                           f"{w.get('elapsed_s', 0.0):.0f} s so far): retry once GET /health answers 200")
+        self.check_accepting()
         loop = loop if loop is not None else asyncio.get_running_loop()
         q: asyncio.Queue = queue if queue is not None else asyncio.Queue()
         rid = rid or self.new_rid()
+        now = time.perf_counter()
+        return self.admit(prompt, params, rid, _Sub(loop, q, tag, received if received is not None else now, now)), q
+
+    def check_accepting(self) -> None:
+        """Raise what `submit` raises when no request can be accepted now (stopped, warming up)."""
+        if not self.alive:
+            raise EngineFailure("the engine loop is not running")
+        if not self._ready.is_set():
+            raise not_ready(self.warmup_status())
+
+    def admit(self, prompt: str | list[int], params: Any, rid: str, sub: _Sub) -> str:
+        """Register `sub` as the consumer of `rid`, then hand the request to the engine (its refusal is raised
+        as is, the registration undone). The engine process's child calls this with its own `sub`."""
         with self._lock:
             if self._held:
                 raise EngineFailure("the engine is held for synchronous stepping (a profiler window); "
                                     "submit after it is released")
             if self.max_pending is not None and len(self._subs) >= self.max_pending:
-                raise Overloaded(f"the server has {len(self._subs)} requests in flight "
-                                 f"(limit {self.max_pending}); retry later")
+                raise overloaded(len(self._subs), self.max_pending)
             if rid in self._subs:
                 raise ValueError(f"request id {rid!r} is already in flight")
-            now = time.perf_counter()
-            self._subs[rid] = _Sub(loop, q, tag, received if received is not None else now, now)
+            self._subs[rid] = sub
         try:
             self.engine.add_request(prompt, params, rid=rid)
         except BaseException:
@@ -168,7 +222,7 @@ class EngineLoop:
                 self._subs.pop(rid, None)
             raise
         self._wake.set()
-        return rid, q
+        return rid
 
     def abort(self, rid: str) -> None:
         with self._lock:
@@ -233,23 +287,11 @@ class EngineLoop:
 
     # ---- the loop thread -------------------------------------------------------------------------
     def _deliver(self, sub: _Sub, item: Any) -> None:
-        try:
-            sub.loop.call_soon_threadsafe(sub.queue.put_nowait, (sub.tag, item))
-        except RuntimeError:  # the consumer's event loop is closed: nobody is listening
-            pass
+        deliver(sub, item)
 
-    def _deliver_many(self, loop: asyncio.AbstractEventLoop, items: list[tuple[_Sub, Any]]) -> None:
-        """One step's deltas for the consumers of one event loop, handed over in ONE thread-safe call (one
-        wake-up of that loop per step, not one per request: at c64 that is 64 self-pipe writes and loop
-        wake-ups fewer per step, each taken while the engine thread waits for the GIL)."""
-        def put_all() -> None:
-            for sub, item in items:
-                sub.queue.put_nowait((sub.tag, item))
-
-        try:
-            loop.call_soon_threadsafe(put_all)
-        except RuntimeError:  # the consumers' event loop is closed: nobody is listening
-            pass
+    def _emit(self, items: list[tuple[_Sub, Any]]) -> None:
+        """One step's outputs to their consumers (the engine process's child sends them to its parent)."""
+        deliver_step(items, self.batch_delivery)
 
     def _progress(self, **fields: Any) -> None:
         self.warmup_info = {**self.warmup_info, **fields}
@@ -292,7 +334,7 @@ class EngineLoop:
                 self._wake.wait(self.idle_wait)
                 self._wake.clear()
                 continue
-            batches: dict[asyncio.AbstractEventLoop, list[tuple[_Sub, Any]]] = {}
+            items: list[tuple[_Sub, Any]] = []
             for out in outs:
                 with self._lock:
                     sub = self._subs.get(out.rid)
@@ -301,12 +343,8 @@ class EngineLoop:
                 if sub is not None:
                     if out.finished and self.on_finish is not None:
                         self.on_finish(out, sub)
-                    if self.batch_delivery:
-                        batches.setdefault(sub.loop, []).append((sub, out))
-                    else:
-                        self._deliver(sub, out)
-            for loop, items in batches.items():
-                self._deliver_many(loop, items)
+                    items.append((sub, out))
+            self._emit(items)
         with self._step_lock:  # the loop has stopped: what was aborted meanwhile is still freed
             self._apply_aborts()
 

@@ -14,7 +14,10 @@ Contract:
   its warm-up is done; `wait_ready()` waits for that; `stop()` shuts it down.
 - `make_app(..., options=ServerOptions(...))`: API key, CORS origins, shutdown grace, body limit
   (options.py).
-- `serve(engine, host, port, ..., warmup=True, options, sock=None)` runs in the foreground until SIGINT /
+- `make_proc_app(cfg, ...)` -> (app, ProcEngineLoop): the same app over an engine built from the `EngineConfig`
+  in a process of its own (engine_proc.py: the step loop no longer shares the GIL with the event loop);
+  `specbench serve --engine-process` (the default) serves that way.
+- `serve(engine, host, port, ..., warmup=True, options, sock=None, app=None)` runs in the foreground until SIGINT /
   SIGTERM, then drains (lifecycle.py) and returns the one-line shutdown summary; `sock` is a socket
   bound beforehand (`lifecycle.bind`, so a busy port fails before the engine loads). The warm-up
   (`specbench serve --no-warmup` turns it off) starts before the server accepts connections.
@@ -36,9 +39,10 @@ from .options import ServerOptions
 
 if TYPE_CHECKING:
     from ..adapters.loop import EngineLoop
+    from .engine_proc import ProcEngineLoop
     from .warmup import WarmupPlan
 
-__all__ = ["make_app", "ServerThread", "serve", "ServerState", "create_app", "WarmupPlan", "ServerOptions"]
+__all__ = ["make_app", "make_proc_app", "ServerThread", "serve", "ServerState", "create_app", "WarmupPlan", "ServerOptions"]
 
 
 def __getattr__(name: str) -> Any:
@@ -71,6 +75,25 @@ def make_app(engine: Any, served_name: str | None = None, max_pending: int | Non
         fn = None if warmup is False else make_warmup(warmup if isinstance(warmup, WarmupPlan) else None)
     loop = EngineLoop(engine, max_pending=max_pending, warmup=fn)
     state = ServerState(loop, served_names(engine.cfg.model, served_name), options or ServerOptions())
+    return create_app(state), loop
+
+
+def make_proc_app(cfg: Any, served_name: str | None = None, max_pending: int | None = 256,
+                  warmup: bool | WarmupPlan | Callable = False, options: ServerOptions | None = None,
+                  log_level: str = "warning") -> tuple[Any, ProcEngineLoop]:
+    """`make_app` over an engine in a process of its own (engine_proc.py), built there from `cfg` (an
+    `EngineConfig`); a callable `warmup` must be picklable. Returns once the engine is built (its refusal
+    raised here); the warm-up then runs in the child while /health answers 503 "starting"."""
+    from .app import create_app
+    from .engine_proc import ProcEngineLoop
+    from .serving import ServerState
+
+    loop = ProcEngineLoop(cfg, max_pending=max_pending, warmup=warmup, log_level=log_level)
+    try:
+        state = ServerState(loop, served_names(cfg.model, served_name), options or ServerOptions())
+    except BaseException:
+        loop.close()
+        raise
     return create_app(state), loop
 
 
@@ -126,21 +149,28 @@ class ServerThread:
         self.stop()
 
 
-def serve(engine: Any, host: str = "127.0.0.1", port: int = 8000, served_name: str | None = None,
-          max_pending: int | None = 256, log_level: str = "info", warmup: bool | WarmupPlan = True,
-          options: ServerOptions | None = None, sock: socket.socket | None = None) -> str | None:
+def setup_logging(log_level: str) -> None:
+    """The warm-up's and the engine's lines ("specbench" loggers), beside uvicorn's."""
     import logging
 
-    from .lifecycle import bind, run
-
     lg = logging.getLogger("specbench")
-    if not lg.handlers:  # the warm-up's and the engine's lines, beside uvicorn's
+    if not lg.handlers:
         h = logging.StreamHandler()
         h.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
         lg.addHandler(h)
         level = getattr(logging, log_level.upper(), None)
         lg.setLevel(level if isinstance(level, int) else logging.INFO)
+
+
+def serve(engine: Any, host: str = "127.0.0.1", port: int = 8000, served_name: str | None = None,
+          max_pending: int | None = 256, log_level: str = "info", warmup: bool | WarmupPlan = True,
+          options: ServerOptions | None = None, sock: socket.socket | None = None, app: Any = None) -> str | None:
+    """`engine`: an engine object (served in this process), or None with `app` already made (`make_proc_app`)."""
+    from .lifecycle import bind, run
+
+    setup_logging(log_level)
     opts = options or ServerOptions()
     sock = sock if sock is not None else bind(host, port)
-    app, _ = make_app(engine, served_name, max_pending, warmup, opts)
+    if app is None:
+        app, _ = make_app(engine, served_name, max_pending, warmup, opts)
     return run(app, sock, opts, log_level)

@@ -38,7 +38,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -53,6 +53,9 @@ from .metrics import ServerMetrics
 from .options import ServerOptions
 from .protocol import CommonParams
 
+if TYPE_CHECKING:
+    from .engine_proc import ProcEngineLoop
+
 DISCONNECT_POLL_S = 0.5
 # No tokenizer we serve has a token longer than this many characters; a prompt with more characters than
 # this times the usable context cannot fit, so it is refused without spending seconds tokenizing it.
@@ -61,7 +64,7 @@ MAX_CHARS_PER_TOKEN = 256
 
 @dataclass
 class ServerState:
-    loop: EngineLoop
+    loop: EngineLoop | ProcEngineLoop  # the engine in this process, or in its own (engine_proc.py)
     served_names: list[str]
     options: ServerOptions = field(default_factory=ServerOptions)
     created: int = field(default_factory=lambda: int(time.time()))

@@ -1,0 +1,199 @@
+"""The engine process itself (the child of `ProcEngineLoop`, engine_proc.py): build the engine, step it, send deltas.
+
+Contract:
+- `child_main(cfg, warmup, cmd, out, log_level)` is the spawned process's entry point: it ignores SIGINT /
+  SIGTERM (the parent drains and then closes it), builds `LLMEngine(cfg)` (a refusal is sent as ("fatal",
+  (type name, message), traceback) and the process ends), sends ("hello", static facts), then steps the engine
+  with `_ChildLoop` (harness/adapters/loop.py's `EngineLoop`, the warm-up first) while its main thread answers
+  the parent's commands: ("add", call, rid, prompt, params, submitted, received) -> ("ack", call, None | error),
+  ("abort", rid), ("cancel_all", reason), ("call", call, "snapshot" | "reset_prefix_cache") -> ("reply", call,
+  value, error), ("close",). It exits when told to close or when the command pipe ends (the parent is gone).
+- `_ChildLoop` is `EngineLoop` with its delivery replaced: per step ONE ("step", deltas, [(rid, queue s)])
+  message (`_delta`: the new ids, token times and logprobs, the text appended or, where it does not extend
+  what was sent, replaced, the finish fields, the prompt ids and arrival once, the spec record at the end),
+  ("fail", rid, "cancelled" | "failure", message, last_error) for a request a failed step or cancel_all ended,
+  ("aborted", rid, reason) for the on_abort observer, ("warmup", info) / ("ready", info) for the warm-up.
+- Errors cross as (type name, message) (`_encode_error` / `_decode_error`): ConfigError, AdmissionError and
+  the other types the server tells apart come back as themselves, anything else as `EngineFailure`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from specbench.engine.output import RequestOutput
+
+from ..adapters.loop import Cancelled, EngineFailure, EngineLoop, _Sub
+
+
+def _error_types() -> dict[str, type[BaseException]]:
+    from specbench.engine import ConfigError
+    from specbench.engine.scheduler import AdmissionError
+
+    return {"ConfigError": ConfigError, "AdmissionError": AdmissionError, "ValueError": ValueError,
+            "FileNotFoundError": FileNotFoundError, "EngineFailure": EngineFailure, "TypeError": TypeError}
+
+
+def _encode_error(e: BaseException) -> tuple[str, str]:
+    return type(e).__name__, str(e)
+
+
+def _decode_error(err: tuple[str, str]) -> BaseException:
+    name, msg = err
+    cls = _error_types().get(name)
+    return cls(msg) if cls is not None else EngineFailure(f"{name}: {msg}")
+
+
+# ---- the child ------------------------------------------------------------------------------------------
+
+class _Sender:
+    def __init__(self, conn: Any) -> None:
+        self.conn, self.lock = conn, threading.Lock()
+
+    def __call__(self, msg: tuple) -> None:
+        with self.lock:
+            try:
+                self.conn.send(msg)
+            except (OSError, ValueError):  # the parent is gone: the command pipe's EOF ends the child
+                pass
+
+
+@dataclass
+class _Sent:
+    n: int = 0  # output ids sent
+    text: str = ""
+    n_plp: int = 0  # prompt logprobs sent
+
+
+class _ChildLoop(EngineLoop):
+    """`EngineLoop` whose consumers are the parent: each step's outputs go out as one message of deltas."""
+
+    def __init__(self, engine: Any, send: _Sender, warmup: Callable | None) -> None:
+        self._send = send
+        self._sent: dict[str, _Sent] = {}
+        self._scheduled: list[tuple[str, float]] = []
+        super().__init__(engine, None, warmup=warmup)
+        self.on_abort = lambda rid, reason: self._send(("aborted", rid, reason))
+        self.on_scheduled = lambda rid, s: self._scheduled.append((rid, s))
+
+    def _progress(self, **fields: Any) -> None:
+        super()._progress(**fields)
+        self._send(("warmup", dict(self.warmup_info)))
+
+    def _run_warmup(self) -> None:
+        super()._run_warmup()
+        self._send(("ready", dict(self.warmup_info)))
+
+    def _deliver(self, sub: _Sub, item: Any) -> None:  # only failures come this way
+        self._sent.pop(sub.tag, None)
+        kind = "cancelled" if isinstance(item, Cancelled) else "failure"
+        self._send(("fail", sub.tag, kind, str(item), self.last_error))
+
+    def _emit(self, items: list[tuple[_Sub, Any]]) -> None:
+        sched, self._scheduled = self._scheduled, []
+        if items or sched:
+            self._send(("step", [self._delta(out) for _, out in items], sched))
+
+    def _delta(self, out: RequestOutput) -> tuple:
+        st = self._sent.get(out.rid)
+        head = None
+        if st is None:
+            st = self._sent[out.rid] = _Sent()
+            head = (out.prompt_ids, out.arrival)
+        n = st.n
+        ids = out.output_ids[n:]
+        lps = out.logprobs[n:] if out.logprobs is not None else None
+        text = out.text
+        appended = text.startswith(st.text)
+        tx = text[len(st.text):] if appended else text
+        plp = None
+        if out.prompt_logprobs is not None:
+            plp = out.prompt_logprobs[st.n_plp:]
+            st.n_plp = len(out.prompt_logprobs)
+        st.n, st.text = len(out.output_ids), text
+        if out.finished:
+            self._sent.pop(out.rid, None)
+        return (out.rid, head, ids, out.token_times[n:], lps, appended, tx, out.finished, out.finish_reason,
+                out.stop_reason, plp, out.spec if out.finished else None)
+
+    def forget(self, rid: str) -> None:
+        self._sent.pop(rid, None)
+
+
+def _snapshot(engine: Any) -> dict:
+    m = engine.metrics
+    figs = {f: getattr(m, f) for f in m.__dataclass_fields__}
+    figs = {k: (list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v) for k, v in figs.items()}
+    sched, pool = engine.scheduler, engine.pool
+    return {"metrics": figs, "running": len(sched.running), "waiting": len(sched.waiting),
+            "free": pool.num_free, "total": pool.num_pages, "prefix": pool.prefix is not None,
+            "unfinished": engine.has_unfinished(), "requests": len(engine.requests)}
+
+
+def child_main(cfg: Any, warmup: Any, cmd: Any, out: Any, log_level: str) -> None:
+    """The engine process: build the engine, say so, step it (warm-up first), answer commands until told to
+    close or the parent goes away."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    from . import setup_logging
+
+    setup_logging(log_level)
+    send = _Sender(out)
+    try:
+        from specbench.engine import LLMEngine
+
+        engine = LLMEngine(cfg)
+        fn: Callable | None
+        if warmup is False or warmup is None:
+            fn = None
+        elif warmup is True or not callable(warmup):  # True or a WarmupPlan
+            from .warmup import make_warmup
+
+            fn = make_warmup(None if warmup is True else warmup)
+        else:
+            fn = warmup
+    except BaseException as e:
+        send(("fatal", _encode_error(e), traceback.format_exc()))
+        return
+    send(("hello", {"max_model_len": engine.max_model_len, "mcfg": engine.mcfg, "k": engine.k,
+                    "spec_on": engine.spec_on, "describe": engine.describe(),
+                    "warmup": {"state": "off"} if fn is None else {"state": "pending"}}))
+    loop = _ChildLoop(engine, send, fn)
+    try:
+        while True:
+            try:
+                msg = cmd.recv()
+            except (EOFError, OSError):
+                break
+            op = msg[0]
+            if op == "add":
+                _, call, rid, prompt, params, submitted, received = msg
+                try:
+                    loop.admit(prompt, params, rid, _Sub(None, None, rid, received, submitted))  # type: ignore[arg-type]
+                    send(("ack", call, None))
+                except BaseException as e:
+                    send(("ack", call, _encode_error(e)))
+            elif op == "abort":
+                loop.abort(msg[1])
+                loop.forget(msg[1])
+            elif op == "cancel_all":
+                loop.cancel_all(msg[1])
+            elif op == "call":
+                _, call, name = msg
+                try:
+                    value = _snapshot(engine) if name == "snapshot" else engine.reset_prefix_cache()
+                    send(("reply", call, value, None))
+                except BaseException as e:
+                    send(("reply", call, None, _encode_error(e)))
+            elif op == "close":
+                break
+    finally:
+        loop.close()
+        with contextlib.suppress(Exception):
+            engine.close()

@@ -1,0 +1,248 @@
+"""The server over an engine in a process of its own (harness/server/engine_proc.py) against the same server over
+the engine in process: token-for-token equal greedy answers, the same 400s, disconnects that free the child's
+requests, /metrics from the child, the warm-up's 503 -> 200, and a child killed mid-run failing fast, not hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from specbench.engine import ConfigError, EngineConfig, LLMEngine, SamplingParams, SpecConfig
+from specbench.engine.scheduler import AdmissionError
+from specbench.harness.adapters.loop import EngineFailure
+from specbench.harness.server import ServerThread, make_app, make_proc_app
+
+MODEL = "tiny"
+
+
+def _cfg(target: str) -> EngineConfig:
+    return EngineConfig(model=target, spec=SpecConfig(method="ngram"), num_pages=256)
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_target):
+    app, loop = make_proc_app(_cfg(tiny_target), served_name=MODEL, max_pending=64)
+    proc = ServerThread(app).start()
+    eng = LLMEngine(_cfg(tiny_target))
+    app2, loop2 = make_app(eng, served_name=MODEL, max_pending=64)
+    local = ServerThread(app2).start()
+    yield SimpleNamespace(proc=proc, local=local, loop=loop, loop2=loop2, engine=loop.engine)
+    proc.stop()
+    loop.close()
+    local.stop()
+    loop2.close()
+
+
+def _post(url: str, path: str, body: dict, timeout: float = 60) -> httpx.Response:
+    return httpx.post(url + path, json=body, timeout=timeout)
+
+
+def _norm(r: httpx.Response) -> object:
+    """The answer without what differs by construction (ids, timestamps)."""
+    def strip(d: dict) -> dict:
+        return {k: v for k, v in d.items() if k not in ("id", "created")}
+
+    if r.headers.get("content-type", "").startswith("text/event-stream"):
+        # per choice, its events in order (how two choices' events interleave depends on the batching)
+        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        out: dict = {"rest": []}
+        for ev in map(json.loads, events[:-1]):
+            if ev.get("choices"):
+                out.setdefault(ev["choices"][0]["index"], []).append(strip(ev))
+            else:
+                out["rest"].append(strip(ev))
+        return out
+    return strip(r.json())
+
+
+def _same(a: object, b: object, where: str = "") -> None:
+    """Equal, but for floats (logprobs) within 1e-4: the two engines may batch the prompts differently, which
+    moves fp32 logprobs in their last bits; tokens and text must be identical."""
+    if isinstance(a, float) or isinstance(b, float):
+        assert a == pytest.approx(b, rel=1e-4, abs=1e-4), where
+    elif isinstance(a, dict) and isinstance(b, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            _same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, list) and isinstance(b, list):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def _idle(engine, timeout: float = 3.0) -> None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        snap = engine.refresh()
+        if snap["requests"] == 0 and snap["free"] == snap["total"] and not snap["unfinished"]:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the child's engine is not idle: {engine.refresh()}")
+
+
+BODIES = [
+    ("/v1/completions", {"prompt": ["Question: 2 + 3 =", "The cat sat on"], "max_tokens": 24, "temperature": 0,
+                         "logprobs": 2, "return_token_ids": True}),
+    ("/v1/completions", {"prompt": "Question: 2 + 3 =", "max_tokens": 32, "temperature": 0, "stop": [" the", "1"],
+                         "ignore_eos": True}),
+    ("/v1/completions", {"prompt": ["Question: 7 - 1 =", "x y z"], "max_tokens": 20, "temperature": 0,
+                         "stream": True, "logprobs": 1, "stream_options": {"include_usage": True}}),
+    ("/v1/completions", {"prompt": "Once upon", "max_tokens": 16, "temperature": 0, "echo": True,
+                         "prompt_logprobs": 1}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "What is 2 + 2?"}], "max_tokens": 20,
+                              "temperature": 0, "logprobs": True, "top_logprobs": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 12,
+                              "temperature": 0, "stream": True}),
+]
+
+
+@pytest.mark.parametrize("path,body", BODIES, ids=[f"{p.rsplit('/', 1)[-1]}-{i}" for i, (p, _) in enumerate(BODIES)])
+def test_greedy_answers_equal_the_in_process_server(pair, path, body):
+    body = {"model": MODEL, **body}
+    a, b = _post(pair.proc.url, path, body), _post(pair.local.url, path, body)
+    assert a.status_code == b.status_code == 200, (a.text[:300], b.text[:300])
+    _same(_norm(a), _norm(b))
+
+
+def test_bad_requests_get_the_same_400(pair):
+    n_ctx = pair.engine.max_model_len
+    for body, param in (({"prompt": "hi", "max_tokens": n_ctx + 5}, "max_tokens"),
+                        ({"prompt": [5] * (n_ctx + 1), "max_tokens": 1}, "prompt")):
+        a = _post(pair.proc.url, "/v1/completions", {"model": MODEL, **body})
+        b = _post(pair.local.url, "/v1/completions", {"model": MODEL, **body})
+        assert a.status_code == b.status_code == 400
+        assert a.json() == b.json() and a.json()["error"]["param"] == param
+
+
+def test_the_childs_refusals_are_raised_by_submit(pair):
+    """What only the engine checks comes back from the child synchronously, as the engine's own exception."""
+    async def refusals(loop) -> list[type]:
+        out = []
+        for prompt, params in (([pair.engine.mcfg.vocab_size + 3], SamplingParams(max_tokens=2)),
+                               ([5, 6, 7], SamplingParams(max_tokens=10 ** 6))):
+            with pytest.raises((ConfigError, AdmissionError)) as e:
+                loop.submit(prompt, params)
+            out.append(type(e.value))
+        return out
+
+    assert asyncio.run(refusals(pair.loop)) == asyncio.run(refusals(pair.loop2)) == [ConfigError, AdmissionError]
+    assert pair.loop.num_pending == 0
+    with pytest.raises(EngineFailure, match="--no-engine-process"), pair.loop.exclusive():
+        pass
+
+
+def test_client_disconnect_frees_the_childs_request(pair):
+    body = {"model": MODEL, "prompt": "Question: 1 + 1 =", "max_tokens": 1500, "temperature": 0, "ignore_eos": True,
+            "logprobs": 1, "stream": True}
+    with httpx.Client(timeout=60) as c, c.stream("POST", pair.proc.url + "/v1/completions", json=body) as r:
+        seen = 0
+        for line in r.iter_lines():
+            seen += line.startswith("data: {")
+            if seen >= 3:
+                break
+    assert pair.engine.refresh()["requests"] <= 1
+    _idle(pair.engine)
+    assert pair.loop.num_pending == 0
+    assert httpx.get(pair.proc.url + "/health").status_code == 200
+
+
+def test_metrics_come_from_the_child(pair):
+    _post(pair.proc.url, "/v1/completions", {"model": MODEL, "prompt": "a b c", "max_tokens": 5, "temperature": 0,
+                                             "ignore_eos": True})
+    _idle(pair.engine)
+    text = httpx.get(pair.proc.url + "/metrics").text
+
+    def value(name: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+    assert value("vllm:generation_tokens_total") >= 5 and value("vllm:prompt_tokens_total") >= 3
+    assert value("vllm:request_success_total") >= 1 and value("vllm:e2e_request_latency_seconds_count") >= 1
+    assert value("vllm:num_requests_running") == 0 and value("specbench:requests_in_flight") == 0
+    assert value("specbench:kv_pages_free") == value("specbench:kv_pages_total") > 0
+
+
+def _wait_for(path: str, engine, stop, progress) -> dict:
+    """A warm-up (picklable: it runs in the child) that lasts until the test creates `path`."""
+    progress(phase="gated")
+    while not os.path.exists(path) and not stop.is_set():
+        time.sleep(0.02)
+    return {"gated": True}
+
+
+def test_warmup_then_ready_then_a_killed_child_fails_fast(tiny_target, tmp_path):
+    gate = tmp_path / "go"
+    app, loop = make_proc_app(_cfg(tiny_target), served_name=MODEL, warmup=functools.partial(_wait_for, str(gate)))
+    srv = ServerThread(app).start(ready=False)
+    try:
+        h = httpx.get(srv.url + "/health")
+        assert h.status_code == 503 and h.json()["status"] == "starting"
+        r = _post(srv.url, "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "starting"
+        Path(gate).touch()
+        assert loop.wait_ready(10)
+        h = httpx.get(srv.url + "/health")
+        assert h.status_code == 200 and h.json()["warmup"]["state"] == "done" and h.json()["warmup"]["gated"]
+
+        got: dict = {}
+
+        def stream() -> None:
+            body = {"model": MODEL, "prompt": "Question: 3 + 4 =", "max_tokens": 1500, "temperature": 0,
+                    "ignore_eos": True, "logprobs": 1, "stream": True}
+            try:
+                with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=30) as resp:
+                    got["lines"] = [line for line in resp.iter_lines() if line.startswith("data: ")]
+            except httpx.HTTPError as e:
+                got["error"] = repr(e)
+
+        t = threading.Thread(target=stream)
+        t.start()
+        t0 = time.monotonic()
+        while loop.num_pending == 0 and time.monotonic() - t0 < 5:
+            time.sleep(0.02)
+        time.sleep(0.2)
+        os.kill(loop.pid, signal.SIGKILL)
+        t.join(10)
+        assert not t.is_alive(), "the stream hung after the engine process died"
+        assert "error" in got or any('"error"' in line for line in got["lines"]), got
+        assert time.monotonic() - t0 < 10
+        t1 = time.monotonic()
+        while httpx.get(srv.url + "/health").status_code == 200 and time.monotonic() - t1 < 5:
+            time.sleep(0.05)
+        h = httpx.get(srv.url + "/health")
+        assert h.status_code != 200 and "engine" in h.text
+        assert "killed by signal" in (loop.last_error or "")
+        r = _post(srv.url, "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 2}, timeout=10)
+        assert r.status_code >= 500 and r.json()["error"]
+        assert loop.num_pending == 0
+    finally:
+        srv.stop()
+        loop.close()
+
+
+def test_the_switch_and_its_variable(monkeypatch):
+    from specbench.cli.serve import DEFAULT_ENGINE_PROCESS, ENGINE_PROCESS_ENV, engine_process_choice
+
+    monkeypatch.delenv(ENGINE_PROCESS_ENV, raising=False)
+    assert engine_process_choice(None) is DEFAULT_ENGINE_PROCESS
+    assert engine_process_choice(False) is False and engine_process_choice(True) is True
+    monkeypatch.setenv(ENGINE_PROCESS_ENV, "0")
+    assert engine_process_choice(None) is False and engine_process_choice(True) is True
+    monkeypatch.setenv(ENGINE_PROCESS_ENV, "1")
+    assert engine_process_choice(None) is True
+    monkeypatch.setenv(ENGINE_PROCESS_ENV, "yes")
+    with pytest.raises(ValueError, match="SPECBENCH_ENGINE_PROCESS='yes' is invalid: expected 0 .* or 1"):
+        engine_process_choice(None)
