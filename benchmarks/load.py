@@ -28,7 +28,10 @@ pair:
                   when the first / last SSE event carrying token ids arrived; the client parses only each event's `token_ids` list. tok/s, TTFT and TPOT
                   are computed as for the in-process arm; the steps and paths (and `--phases`) are the server's
                   engine's, timed around its `step()` on the engine-loop thread, so a path's share of the wall
-                  is how much of it that engine was stepping. `--cprofile` profiles process arms only. With the
+                  is how much of it that engine was stepping. `"via": "http-proc"`: the same through the server with
+                  the engine in a process of its own (`make_proc_app`, `specbench serve`'s default; built from the
+                  arm's EngineConfig there, `capture_graphs()` as its warm-up); its steps run in that process, so
+                  steps, paths and `--phases` are reported as not available. `--cprofile` profiles process arms only. With the
                   process arm first, the ratio column is http / process per level; `ids = first` says whether
                   an arm's output token ids equal the first arm's (greedy: an http arm's must).
 
@@ -65,12 +68,14 @@ import torch
 
 from specbench.harness.benchdoc import emit_document, positive_ints
 
+NO_STEPS = "not available (the engine steps in its own process)"
+VIAS = ("process", "http", "http-proc")
 DEFAULT_ARMS = [{"name": "ladder", "kw": {"padded_rows": "ladder", "graph_logits": False}},
                 {"name": "bucket", "kw": {"padded_rows": "bucket", "graph_logits": True}}]
 
 
 def stat(xs: list[float]) -> dict:
-    xs = [x for x in xs if x == x]
+    xs = [x for x in xs if x is not None and x == x]
     if not xs:
         return {"median": None, "min": None, "max": None, "n": 0}
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
@@ -371,11 +376,55 @@ class HttpArm:
             self.pool.shutdown()
 
 
+def capture_warmup(engine, stop, progress) -> dict:
+    """The engine process's warm-up for an http-proc arm: `capture_graphs()`, as every other arm gets."""
+    return engine.capture_graphs()
+
+
+class ProcHttpArm(HttpArm):
+    """An arm's engine in a process of its own behind the project's server (`make_proc_app`, as `specbench serve`
+    runs by default): the same closed loop as `HttpArm`. Its steps are taken in the child, so the step counts,
+    forward paths and `--phases` are not available for it (reported as such, not as zeros)."""
+
+    def __init__(self, cfg, name: str, client: str = "process", max_pending: int | None = None) -> None:
+        from specbench.harness.server import ServerThread, make_proc_app
+
+        if client not in ("process", "inline"):
+            raise SystemExit(f"arm {name}: client must be 'process' or 'inline', got {client!r}")
+        from specbench.benchmarks import load as mod  # by module name: the child unpickles the warm-up by it
+
+        self.app, self.loop = make_proc_app(cfg, served_name=name, max_pending=max_pending, warmup=mod.capture_warmup)
+        self.engine = self.loop.engine
+        self.srv = ServerThread(self.app).start(timeout=1800)
+        self.url = self.srv.url
+        self.capture = self.loop.warmup_status()
+        self.pool = None
+        if client == "process":
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
+
+            self.pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+            self.pool.submit(_client_ready).result()
+
+    def closed_loop(self, prompts: list[list[int]], c: int, max_tokens: int, phases: bool = False) -> dict:
+        from specbench.benchmarks import load as mod
+
+        if self.pool is not None:
+            res = self.pool.submit(mod.client_run, self.url, prompts, c, max_tokens).result()
+        else:
+            res = client_run(self.url, prompts, c, max_tokens)
+        return {**res, "steps": None, "paths": {}, "steps_available": False}
+
+
+def build_kw(target: str, draft: str | None, device: str, dtype: str, tau: float | None, kw: dict, pages: int) -> dict:
+    spec: dict = {"draft": draft, "synthetic_tau": tau} if tau else {}
+    return {"model": target, "device": device, "dtype": dtype, "num_pages": pages, "max_num_seqs": 64, **spec, **kw}
+
+
 def build(target: str, draft: str | None, device: str, dtype: str, tau: float | None, kw: dict, pages: int):
     from specbench.engine import LLM
 
-    spec: dict = {"draft": draft, "synthetic_tau": tau} if tau else {}
-    return LLM(target, device=device, dtype=dtype, num_pages=pages, max_num_seqs=64, **spec, **kw)
+    return LLM(**build_kw(target, draft, device, dtype, tau, kw, pages))
 
 
 def run(target: str, draft: str | None, device: str, levels: tuple[int, ...], arms: list[dict], repeats: int,
@@ -393,14 +442,24 @@ def run(target: str, draft: str | None, device: str, levels: tuple[int, ...], ar
     servers: dict[str, HttpArm] = {}
     for arm in arms:
         t = time.perf_counter()
-        llm = build(target, draft, device, dtype, tau, arm.get("kw", {}), pages)
-        cap = llm.engine.capture_graphs()
-        arm["build_s"] = round(time.perf_counter() - t, 2)
-        arm["captured_rows"] = cap["verify_rows"]
-        arm["captured_draft_rows"] = cap.get("draft_rows", [])
-        llms[arm["name"]] = llm
+        via = arm.get("via", "process")
         where = ""
-        if arm.get("via", "process") == "http":
+        if via == "http-proc":  # built and captured in the engine process, from the config alone
+            from specbench.engine import LLM
+
+            cfg = LLM.config(**build_kw(target, draft, device, dtype, tau, arm.get("kw", {}), pages))
+            srv = servers[arm["name"]] = ProcHttpArm(cfg, arm["name"], arm.get("client", "process"),
+                                                    max(256, max(levels)))
+            cap = srv.capture
+            where = f"; served by an engine process on {srv.url} (client: {arm.get('client', 'process')})"
+        else:
+            llm = build(target, draft, device, dtype, tau, arm.get("kw", {}), pages)
+            cap = llm.engine.capture_graphs()
+            llms[arm["name"]] = llm
+        arm["build_s"] = round(time.perf_counter() - t, 2)
+        arm["captured_rows"] = cap.get("verify_rows", [])
+        arm["captured_draft_rows"] = cap.get("draft_rows", [])
+        if via == "http":
             servers[arm["name"]] = HttpArm(llm, arm["name"], arm.get("client", "process"), max(256, max(levels)))
             where = f"; served on {servers[arm['name']].url} (client: {arm.get('client', 'process')})"
         print(f"arm {arm['name']}: built + captured {len(cap['verify_rows'])} verify and "
@@ -411,7 +470,7 @@ def run(target: str, draft: str | None, device: str, levels: tuple[int, ...], ar
         if arm["name"] in servers:
             return servers[arm["name"]].closed_loop(ps, c, n, ph)
         return closed_loop(llms[arm["name"]].engine, ps, c, n, tag, ph)
-    vocab = next(iter(llms.values())).engine.mcfg.vocab_size
+    vocab = (next(iter(llms.values())).engine if llms else next(iter(servers.values())).engine).mcfg.vocab_size
     for c in levels:
         prompts = workload(c, waves, prompt_min, prompt_max, vocab, seed=1)
         per: dict[str, list[dict]] = {a["name"]: [] for a in arms}
@@ -442,6 +501,7 @@ def run(target: str, draft: str | None, device: str, levels: tuple[int, ...], ar
                 "tokens": stat([x["tokens"] for x in runs]),
                 "over_first": stat([x["tok_s"] / y["tok_s"] for x, y in zip(runs, per[base], strict=True)]),
                 "paths": runs[-1]["paths"], "via": arm.get("via", "process"),
+                "steps_available": runs[-1].get("steps_available", True),
                 # greedy: the same prompts give the same ids on every repeat, and across arms unless their
                 # kw change the arithmetic (bf16 at other batch shapes may differ in a late token)
                 "ids_sha": runs[-1]["ids_sha"], "ids_stable": len({x["ids_sha"] for x in runs}) == 1,
@@ -466,7 +526,10 @@ def render_level(c: int, lvl: dict, arms: list[dict]) -> str:
         x = lvl[arm["name"]]
         paths = ", ".join(f"{k} {v['steps']}x{v['mean_ms']:.2f} ms ({v['share']:.0%}, {v['mean_rows']:.0f} rows)"
                           for k, v in sorted(x["paths"].items()))
-        out.append(f"c{c} {arm['name']}{' (http)' if x.get('via') == 'http' else ''}: "
+        if not x.get("steps_available", True):
+            paths = NO_STEPS
+        via = x.get("via", "process")
+        out.append(f"c{c} {arm['name']}{f' ({via})' if via != 'process' else ''}: "
                    f"{x['tok_s']['median']:.1f} tok/s ({x['over_first']['median']:.2f}x), "
                    f"TTFT {x['ttft_ms']['median']:.1f} ms, TPOT {x['tpot_ms']['median']:.2f} ms, "
                    f"ids {'=' if x.get('same_ids_as_first') else '!='} first; {paths}")
@@ -492,6 +555,8 @@ def render(res: dict) -> str:
             t = x["tok_s"]
             paths = "; ".join(f"{k} {v['steps']} x {v['mean_ms']:.2f} ({v['share']:.0%}, {v['mean_rows']:.0f})"
                               for k, v in sorted(x["paths"].items()))
+            if not x.get("steps_available", True):
+                paths = NO_STEPS
             nf = lvl.get("noise_floor")
             same = {True: "yes", False: "no", None: ""}[x.get("same_ids_as_first")]
             lines.append(f"| {c} | {arm['name']} | {x.get('via', 'process')} | "
@@ -528,7 +593,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tau", type=float, help="speculate with the drafter at this synthetic acceptance length")
     ap.add_argument("--num-pages", type=int, default=4000, help="KV pages per arm's engine (all arms live at once)")
     ap.add_argument("--arms", default=json.dumps(DEFAULT_ARMS),
-                    help='JSON list of {name, kw: EngineConfig fields[, via: "process" | "http"[, client: "process" | '
+                    help='JSON list of {name, kw: EngineConfig fields[, via: "process" | "http" | "http-proc"[, client: "process" | '
                          '"inline"]]}')
     ap.add_argument("--out-dir", help="write load.json and load.md there")
     ap.add_argument("--cprofile", action="store_true",
@@ -539,11 +604,11 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         arms = json.loads(a.arms)
         assert isinstance(arms, list) and arms and all(isinstance(x, dict) and "name" in x for x in arms)
-        assert all(x.get("via", "process") in ("process", "http") for x in arms)
+        assert all(x.get("via", "process") in VIAS for x in arms)
         assert len({x["name"] for x in arms}) == len(arms)
     except (ValueError, AssertionError):
         raise SystemExit(f"--arms: expected a JSON list of objects with distinct names (and kw, via: process | "
-                         f"http), got {a.arms!r}") from None
+                         f"http | http-proc), got {a.arms!r}") from None
     if a.repeats < 1 or a.waves < 1 or not 1 <= a.prompt_min <= a.prompt_max or a.max_tokens < 2:
         raise SystemExit("--repeats and --waves must be >= 1, 1 <= --prompt-min <= --prompt-max, --max-tokens >= 2")
     if a.model:

@@ -40,3 +40,21 @@ def test_process_and_http_arms_agree(tiny_target, tmp_path):
     md = (tmp_path / "load.md").read_text()
     assert "| 4 | http | http |" in md and "| 4 | process | process |" in md
     assert json.loads((tmp_path / "load.json").read_text())["complete"]
+
+
+def test_http_proc_arm_agrees_and_says_its_steps_are_elsewhere(tiny_target, tmp_path, capsys):
+    """`"via": "http-proc"`: the same closed loop through the server with the engine in its own process."""
+    arms = [{"name": "process", "kw": {}}, {"name": "proc", "kw": {}, "via": "http-proc"}]
+    res = load.main(["--device", "cpu", "--model", tiny_target, "--levels", "1,4", "--prompt-min", "8",
+                     "--prompt-max", "24", "--max-tokens", "6", "--waves", "1", "--repeats", "1",
+                     "--num-pages", "256", "--arms", json.dumps(arms, separators=(",", ":")),
+                     "--out-dir", str(tmp_path)])
+    assert res["complete"]
+    for c in ("1", "4"):
+        p, h = res["levels"][c]["process"], res["levels"][c]["proc"]
+        assert h["via"] == "http-proc" and h["steps_available"] is False and h["paths"] == {}
+        assert h["steps"]["n"] == 0  # not zeros: no figure at all
+        assert p["tokens"]["median"] == h["tokens"]["median"] == int(c) * 6
+        assert h["tok_s"]["median"] > 0 and h["ids_sha"] == p["ids_sha"]
+    assert load.NO_STEPS in capsys.readouterr().out
+    assert "| 4 | proc | http-proc |" in (tmp_path / "load.md").read_text()
