@@ -240,6 +240,10 @@ if [ "$what" = speed ]; then
   mkdir -p "$OUT/h200-engine" && cp "$W"/h200-engine/speed.* "$OUT/h200-engine/" 2>/dev/null
 fi
 if [ "$what" = load ]; then  # issues 19/28: the engine under closed-loop load, arms interleaved -> $OUT/h200-load/
+  case "${LOAD_ARGS:-}" in *'"via"'*)  # an http / http-proc arm serves the engine: it needs the server stack
+    python3 -c "import fastapi, uvicorn, pydantic" 2>/dev/null || { log "load: the http arms need fastapi, uvicorn and \
+pydantic: carry .whl-eval (scripts/fetch-eval-wheels.sh) or use the vLLM stage's site-sb:site-vllm; skipped"; rc=2; continue; } ;;
+  esac
   pair "$SPEC_WORKDIR"
   log "load (benchmarks/load.py)"
   timeout $(cap ${LOAD_TIMEOUT:-420}) python3 -m specbench.benchmarks.load --workdir "$SPEC_WORKDIR" \
