@@ -129,7 +129,36 @@ def overloaded(n: int, limit: int) -> Overloaded:
     return Overloaded(f"the server has {n} requests in flight (limit {limit}); retry later")
 
 
-class EngineLoop:
+class ConsumerSurface:
+    """The read-only half of the loop surface the server uses, shared by `EngineLoop` and the engine-process loop
+    (harness/server/engine_proc.py): each sets `_ready` (an Event), `warmup_info`, `_subs` and `_ids`."""
+
+    _ready: threading.Event
+    warmup_info: dict
+    _subs: dict
+    _ids: Iterator[int]
+
+    @property
+    def ready(self) -> bool:
+        """False while the warm-up runs; True once it has finished (or failed), or when there is none."""
+        return self._ready.is_set()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        return self._ready.wait(timeout)
+
+    def warmup_status(self) -> dict:
+        """A copy of the warm-up record; while it runs, with `elapsed_s` so far."""
+        return warmup_status(self.warmup_info)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._subs)
+
+    def new_rid(self, prefix: str = "req") -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+
+class EngineLoop(ConsumerSurface):
     def __init__(self, engine: Any, max_pending: int | None = None, idle_wait: float = 0.05,
                  warmup: Callable[[Any, threading.Event, Callable[..., None]], dict] | None = None) -> None:
         self.engine = engine
@@ -163,25 +192,6 @@ class EngineLoop:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stop.is_set()
-
-    @property
-    def ready(self) -> bool:
-        """False while the warm-up runs; True once it has finished (or failed), or when there is none."""
-        return self._ready.is_set()
-
-    def wait_ready(self, timeout: float | None = None) -> bool:
-        return self._ready.wait(timeout)
-
-    def warmup_status(self) -> dict:
-        """A copy of the warm-up record; while it runs, with `elapsed_s` so far."""
-        return warmup_status(self.warmup_info)
-
-    @property
-    def num_pending(self) -> int:
-        return len(self._subs)
-
-    def new_rid(self, prefix: str = "req") -> str:
-        return f"{prefix}-{next(self._ids)}"
 
     def submit(self, prompt: str | list[int], params: Any, rid: str | None = None,
                queue: asyncio.Queue | None = None, tag: Any = None,

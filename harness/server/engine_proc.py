@@ -56,13 +56,13 @@ from specbench.engine.output import RequestOutput
 
 from ..adapters.loop import (
     Cancelled,
+    ConsumerSurface,
     EngineFailure,
     _Sub,
     deliver,
     deliver_step,
     not_ready,
     overloaded,
-    warmup_status,
 )
 from .engine_child import _decode_error, child_main
 
@@ -167,7 +167,7 @@ class ProcEngine:
         return int(self.refresh()["requests"])
 
 
-class ProcEngineLoop:
+class ProcEngineLoop(ConsumerSurface):
     def __init__(self, cfg: Any, max_pending: int | None = None, warmup: Any = False, log_level: str = "warning",
                  start_timeout: float = 900.0) -> None:
         self.max_pending = max_pending
@@ -228,23 +228,6 @@ class ProcEngineLoop:
     @property
     def alive(self) -> bool:
         return not self._dead and not self._closing and self.proc.is_alive()
-
-    @property
-    def ready(self) -> bool:
-        return self._ready.is_set()
-
-    def wait_ready(self, timeout: float | None = None) -> bool:
-        return self._ready.wait(timeout)
-
-    def warmup_status(self) -> dict:
-        return warmup_status(self.warmup_info)
-
-    @property
-    def num_pending(self) -> int:
-        return len(self._subs)
-
-    def new_rid(self, prefix: str = "req") -> str:
-        return f"{prefix}-{next(self._ids)}"
 
     def submit(self, prompt: str | list[int], params: Any, rid: str | None = None,
                queue: asyncio.Queue | None = None, tag: Any = None,
