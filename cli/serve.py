@@ -106,6 +106,11 @@ def serve(
                                                     "how long the engine thread may wait for the GIL while the HTTP "
                                                     "side runs (default $SPECBENCH_GIL_SWITCH_MS, else 5, "
                                                     "Python's own)."),
+    synthetic_tau: float | None = typer.Option(None, "--synthetic-tau", min=1.0,
+                                               help="Draw acceptance with this mean committed length per step "
+                                                    "(speed curves on random weights; outputs are not the target's, "
+                                                    "/v1/models says so and the lossless and sampled gates refuse "
+                                                    "the server)."),
     engine_process: bool | None = typer.Option(None, "--engine-process/--no-engine-process",
                                                help="Run the engine and its step loop in a process of their own, "
                                                     "so they do not share the GIL with the HTTP side (default "
@@ -169,7 +174,8 @@ def serve(
     try:
         cfg = EngineConfig(model=model, draft=draft if method == "dflash" else None, device=device, dtype=dtype,
                            max_model_len=max_model_len, num_pages=num_pages,
-                           spec=SpecConfig(method=engine_method(method), num_speculative_tokens=k, **levers),
+                           spec=SpecConfig(method=engine_method(method), num_speculative_tokens=k,
+                                           synthetic_tau=synthetic_tau, **levers),
                            **prefix_kw)
         if in_child:  # the chat template is probed here before the engine process is spawned
             from specbench.engine.tokenizer import Tokenizer
@@ -194,6 +200,9 @@ def serve(
         except (ConfigError, ValueError, FileNotFoundError) as e:
             typer.echo(f"specbench serve: {e}", err=True)
             raise typer.Exit(2) from None
+    if synthetic_tau is not None:
+        typer.echo(f"specbench serve: synthetic acceptance tau={synthetic_tau:g}: the number of accepted drafts is "
+                   "drawn, so outputs are NOT the target's (speed curves only)", err=True)
     typer.echo(f"specbench serve: {model} (spec={method}) on http://{host}:{port}/v1"
                + (" (engine process)" if in_child else "")
                + ("; warming up, /health answers 200 when ready" if warmup else "; no warm-up"), err=True)

@@ -14,7 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
-PAIRS = (("sb-4b-off", "vllm-4b-off"), ("sb-4b-ngram", "vllm-4b-ngram"))
+PAIRS = (("sb-4b-off", "vllm-4b-off"), ("sb-4b-ngram", "vllm-4b-ngram"), ("sb-4b-dflash", "vllm-4b-off"))
 
 
 def _ms(stats: dict, key: str, q: str = "median") -> float | None:

@@ -99,15 +99,17 @@ def vllm_argv(model: Path, name: str, port: int, max_len: int, kv_gib: float, sp
     return a
 
 
-def sb_argv(model: Path, name: str, port: int, spec: str, k: int | None, pages: int) -> list[str]:
+def sb_argv(model: Path, name: str, port: int, spec: str, k: int | None, pages: int, extra: tuple[str, ...] = ()
+            ) -> list[str]:
     a = [sys.executable, "-m", "specbench", "serve", "--model", str(model), "--served-model-name", name,
          "--port", str(port), "--device", "cuda", "--dtype", "bfloat16", "--spec", spec, "--num-pages", str(pages),
          "--max-model-len", "4096", "--max-pending", "1024"]
     if k:
         a += ["--k", str(k)]
-    return a
+    return a + list(extra)
 
 
+SB_TAU = os.environ.get("VLLM_SB_TAU", "6.5")  # the bundled DFlash arm's synthetic acceptance (sb-4b-dflash)
 GATE_OPT = int(os.environ.get("VLLM_GATE_OPT", "0"))  # the tiny gate servers' -O level (docs/vllm.md)
 NGRAM_K, NGRAM_MIN, NGRAM_MAX = 4, 1, 4  # the bundled engine's n-gram defaults (engine/config.py SpecConfig)
 
@@ -127,6 +129,10 @@ def servers() -> dict[str, dict]:
         "vllm-4b-ngram": dict(kind="vllm", port=8104, argv=vllm_argv(PAIR4B / "target", "q3", 8104, 4096, 14, ng)),
         "sb-4b-off": dict(kind="sb", port=8105, argv=sb_argv(PAIR4B / "target", "q3", 8105, "off", None, 5000)),
         "sb-4b-ngram": dict(kind="sb", port=8106, argv=sb_argv(PAIR4B / "target", "q3", 8106, "ngram", NGRAM_K, 5000)),
+        # DFlash at the synthetic tau (issue 28 item 4): vLLM's DFlash accepts nothing from the random drafter, so
+        # this arm has no vLLM twin; it shows what the bundled engine's speculation does beside vLLM's spec off
+        "sb-4b-dflash": dict(kind="sb", port=8109, argv=sb_argv(PAIR4B / "target", "q3", 8109, "dflash", None, 5000, (
+            "--draft", str(PAIR4B / "draft"), "--synthetic-tau", SB_TAU))),
     }
 
 
@@ -378,7 +384,7 @@ def url(name: str) -> str:
 
 TINY = ["vllm-tiny-off", "vllm-tiny-l12", "vllm-tiny-l13", "vllm-tiny-ngram"]
 BIG = ["vllm-4b-off", "vllm-4b-ngram"]
-SB = ["sb-4b-off", "sb-4b-ngram"]
+SB = ["sb-4b-off", "sb-4b-ngram", "sb-4b-dflash"]
 
 
 # the tiny n-gram gates' prompts: 16 gsm8k questions x 128 greedy tokens; the trained tiny target repeats its own
@@ -585,9 +591,9 @@ def speed(out: Path, logs: Path, record: list) -> None:
             except OSError:
                 pass
     up = wait(big, min(300, left() - 60))
-    up.update({n: healthy(servers()[n]["port"]) for n in ("sb-4b-off", "sb-4b-ngram")})
+    up.update({n: healthy(servers()[n]["port"]) for n in SB})
     record.append({"speed_servers_up": up, "warm": warm_s})
-    arms = [n for n in ("vllm-4b-off", "sb-4b-off", "vllm-4b-ngram", "sb-4b-ngram") if up.get(n)]
+    arms = [n for n in ("vllm-4b-off", "sb-4b-off", "vllm-4b-ngram", "sb-4b-ngram", "sb-4b-dflash") if up.get(n)]
     if len(arms) < 2:
         log(f"speed: too few servers up ({up})")
         return
@@ -913,7 +919,7 @@ def summarize_sweep(sweep_dir: Path, out: Path) -> dict:
             vals = [v for v in c.tok_s.values() if v is not None]
             row[arm] = {"tok_s_rounds": c.tok_s, "tok_s_median": median(vals),
                         "stats": c.stats, "acceptance": c.acceptance, "speedup_vs_baseline": s.speedups.get((arm, lv))}
-        for a, b in (("sb-4b-off", "vllm-4b-off"), ("sb-4b-ngram", "vllm-4b-ngram")):
+        for a, b in (("sb-4b-off", "vllm-4b-off"), ("sb-4b-ngram", "vllm-4b-ngram"), ("sb-4b-dflash", "vllm-4b-off")):
             if a in row and b in row:
                 ra, rb = row[a]["tok_s_rounds"], row[b]["tok_s_rounds"]
                 per = [ra[k] / rb[k] for k in ra if k in rb and ra[k] and rb[k]]

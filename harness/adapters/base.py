@@ -363,3 +363,25 @@ def counters_delta(before: dict | None, after: dict | None) -> dict | None:
     if isinstance(after.get("policy_state"), dict):  # a snapshot at the end, not a difference
         out["policy_state"] = after["policy_state"]
     return out
+
+
+def synthetic_tau_of(describe: dict) -> float | None:
+    """The synthetic acceptance tau an engine runs with (engine/spec/synthetic.py: drawn acceptance, outputs that
+    are not the target's), from its `describe()`: a local engine's config, or a `specbench serve --synthetic-tau`
+    server's /v1/models entries. None: it speculates for real (or says nothing)."""
+    tau = (describe.get("config") or {}).get("synthetic_tau") if isinstance(describe.get("config"), dict) else None
+    if tau is None:
+        models = ((describe.get("server") or {}).get("models") or []) if isinstance(describe.get("server"), dict) else []
+        taus = [m.get("synthetic_tau") for m in models if isinstance(m, dict) and m.get("synthetic_tau") is not None]
+        tau = taus[0] if taus else None
+    return float(tau) if tau is not None else None
+
+
+def refuse_synthetic(engines: dict[str, dict], suite: str, error: type[Exception]) -> None:
+    """A correctness gate cannot judge an engine whose acceptance is drawn: refuse it up front, naming the arm."""
+    for arm, d in engines.items():
+        tau = synthetic_tau_of(d or {})
+        if tau is not None:
+            raise error(f"{arm} runs synthetic acceptance (tau={tau:g}: the number of accepted drafts is drawn, so "
+                        f"its outputs are not the target's): {suite} cannot judge it; drop tau= from the engine "
+                        "string or --synthetic-tau from `specbench serve` (synthetic acceptance is for speed curves)")

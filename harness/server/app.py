@@ -54,8 +54,10 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> Any:
+        tau = state.engine.describe().get("synthetic_tau")  # drawn acceptance: the gates refuse such a server
         data = [{"id": n, "object": "model", "created": state.created, "owned_by": "specbench",
-                 "root": state.engine.cfg.model, "max_model_len": state.engine.max_model_len}
+                 "root": state.engine.cfg.model, "max_model_len": state.engine.max_model_len,
+                 **({"synthetic_tau": tau} if tau is not None else {})}
                 for n in state.served_names[:1]]
         return {"object": "list", "data": data}
 

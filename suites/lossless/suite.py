@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specbench.harness.adapters.base import EngineAdapter
+from specbench.harness.adapters.base import EngineAdapter, refuse_synthetic
 from specbench.harness.verdicts import CANNOT_TEST, CannotTest, exit_code
 
 from . import reference as accept_ref
@@ -236,6 +236,7 @@ async def run_lossless(baseline: EngineAdapter, candidate: EngineAdapter, cfg: L
     opts = resolve_rule(cfg.gate_options, baseline, candidate)
     texts = load_prompts(cfg.dataset, cfg.num_prompts, cfg.max_prompt_chars)
     engines = {"baseline": baseline.describe(), "candidate": candidate.describe()}  # with the capability records
+    refuse_synthetic(engines, "the lossless gates", LosslessError)
     try:
         if cfg.endpoint_type == "chat":  # the server renders (and tokenizes) each chat request itself
             prompts = [Prompt(pid, [], text, messages=[{"role": "user", "content": text}]) for pid, text in texts]

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from specbench.harness.adapters.base import EngineAdapter, counters_delta
+from specbench.harness.adapters.base import EngineAdapter, counters_delta, refuse_synthetic
 from specbench.harness.verdicts import CANNOT_TEST, FAIL, PASS, combine, exit_code
 
 from . import stats
@@ -458,6 +458,8 @@ def run_gate(baseline: EngineAdapter, candidate: EngineAdapter | Sequence[Engine
     labels = [c.name for c in cands] if multi else [""]
     if len(set(labels)) < len(labels):
         raise SampledError(f"the candidates need distinct names to be told apart: {labels}")
+    refuse_synthetic({"baseline": baseline.describe(), **{f"candidate {c.name}": c.describe() for c in cands}},
+                     "the sampled gate", SampledError)
 
     def phase(name: str, n: int) -> None:
         if progress is not None:
