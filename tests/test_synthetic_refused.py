@@ -48,3 +48,4 @@ def test_the_gates_refuse_a_synthetic_server_and_a_synthetic_local_engine(tiny_p
         remote.close()
         srv.stop()
         loop.close()
+

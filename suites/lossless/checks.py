@@ -380,14 +380,28 @@ def check_kv_idle(health: dict | None) -> Check:
                  + ("" if free == total else f": {total - free} page(s) leaked"))
 
 
+def _model_dir(describe: dict) -> Path | None:
+    """The engine's model directory on this machine: a local / hf engine's `model`; for an endpoint, the `root`
+    its /v1/models reports (vLLM and `specbench serve` give the model path there) or the local tokenizer
+    directory the adapter was given, when that path exists here (the server runs on this host)."""
+    server = describe.get("server") if isinstance(describe.get("server"), dict) else {}
+    config = describe.get("config") if isinstance(describe.get("config"), dict) else {}
+    roots = [m.get("root") for m in (server.get("models") or []) if isinstance(m, dict)]
+    for cand in (describe.get("model"), *roots, config.get("tokenizer")):
+        if cand and Path(str(cand)).is_dir() and (Path(str(cand)) / "config.json").is_file():
+            return Path(str(cand))
+    return None
+
+
 def eos_ids_of(describe: dict) -> set[int]:
-    """EOS ids of a local/hf model directory (config.json + generation_config.json); empty if unknown."""
-    model = describe.get("model")
+    """EOS ids from the engine's model directory (config.json + generation_config.json; `_model_dir`); empty
+    if unknown."""
+    model = _model_dir(describe)
     out: set[int] = set()
-    if not model or not Path(str(model)).is_dir():
+    if model is None:
         return out
     for fname in ("config.json", "generation_config.json"):
-        f = Path(str(model)) / fname
+        f = model / fname
         try:
             v = json.loads(f.read_text()).get("eos_token_id") if f.is_file() else None
         except (json.JSONDecodeError, OSError):
