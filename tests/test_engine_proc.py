@@ -246,3 +246,31 @@ def test_the_switch_and_its_variable(monkeypatch):
     monkeypatch.setenv(ENGINE_PROCESS_ENV, "yes")
     with pytest.raises(ValueError, match="SPECBENCH_ENGINE_PROCESS='yes' is invalid: expected 0 .* or 1"):
         engine_process_choice(None)
+
+
+def test_the_servers_log_handler_outlives_a_swapped_and_closed_stderr(capsys) -> None:
+    """`specbench serve` installs the "specbench" logger's handler before it spawns the engine process; run under
+    a test runner's captured stderr (closed afterwards), a handler bound to that stream made every later engine
+    log line a "--- Logging error ---" (ValueError: I/O operation on closed file) in unrelated tests."""
+    import io
+    import logging
+    import sys
+
+    from specbench.harness.server import setup_logging
+
+    lg = logging.getLogger("specbench")
+    saved = lg.handlers[:]
+    lg.handlers.clear()
+    try:
+        old, sys.stderr = sys.stderr, io.StringIO()
+        try:
+            setup_logging("info")
+            captured = sys.stderr
+        finally:
+            sys.stderr = old
+        captured.close()
+        logging.getLogger("specbench.engine").info("a line after the close")
+        err = capsys.readouterr().err
+        assert "Logging error" not in err and "a line after the close" in err
+    finally:
+        lg.handlers[:] = saved

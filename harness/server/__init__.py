@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -153,9 +154,21 @@ def setup_logging(log_level: str) -> None:
     """The warm-up's and the engine's lines ("specbench" loggers), beside uvicorn's."""
     import logging
 
+    class _CurrentStderr(logging.StreamHandler):
+        """Writes to whatever sys.stderr is at each record, not the stream of the moment it was made: a test
+        runner (or anything) that swaps and closes sys.stderr leaves no handler on a closed file."""
+
+        @property
+        def stream(self) -> Any:
+            return sys.stderr
+
+        @stream.setter
+        def stream(self, _value: Any) -> None:
+            pass
+
     lg = logging.getLogger("specbench")
     if not lg.handlers:
-        h = logging.StreamHandler()
+        h = _CurrentStderr()
         h.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
         lg.addHandler(h)
         level = getattr(logging, log_level.upper(), None)
