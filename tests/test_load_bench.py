@@ -20,12 +20,16 @@ def test_token_ids_reads_only_the_field():
     assert load._token_ids(b"data: [DONE]") is None
 
 
+def _run(target, arms, out) -> dict:
+    """The closed loop at c1 and c4 on the tiny target (waves 1, 6 tokens each), one repeat."""
+    return load.main(["--device", "cpu", "--model", target, "--levels", "1,4", "--prompt-min", "8",
+                      "--prompt-max", "24", "--max-tokens", "6", "--waves", "1", "--repeats", "1",
+                      "--num-pages", "256", "--arms", json.dumps(arms, separators=(",", ":")), "--out-dir", str(out)])
+
+
 def test_process_and_http_arms_agree(tiny_target, tmp_path):
     arms = [{"name": "process", "kw": {}}, {"name": "http", "kw": {}, "via": "http"}]
-    res = load.main(["--device", "cpu", "--model", tiny_target, "--levels", "1,4", "--prompt-min", "8",
-                     "--prompt-max", "24", "--max-tokens", "6", "--waves", "1", "--repeats", "1",
-                     "--num-pages", "256", "--arms", json.dumps(arms, separators=(",", ":")),
-                     "--out-dir", str(tmp_path)])
+    res = _run(tiny_target, arms, tmp_path)
     assert res["complete"]
     for c in ("1", "4"):
         lvl = res["levels"][c]
@@ -45,10 +49,7 @@ def test_process_and_http_arms_agree(tiny_target, tmp_path):
 def test_http_proc_arm_agrees_and_says_its_steps_are_elsewhere(tiny_target, tmp_path, capsys):
     """`"via": "http-proc"`: the same closed loop through the server with the engine in its own process."""
     arms = [{"name": "process", "kw": {}}, {"name": "proc", "kw": {}, "via": "http-proc"}]
-    res = load.main(["--device", "cpu", "--model", tiny_target, "--levels", "1,4", "--prompt-min", "8",
-                     "--prompt-max", "24", "--max-tokens", "6", "--waves", "1", "--repeats", "1",
-                     "--num-pages", "256", "--arms", json.dumps(arms, separators=(",", ":")),
-                     "--out-dir", str(tmp_path)])
+    res = _run(tiny_target, arms, tmp_path)
     assert res["complete"]
     for c in ("1", "4"):
         p, h = res["levels"][c]["process"], res["levels"][c]["proc"]

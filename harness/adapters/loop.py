@@ -137,6 +137,7 @@ class ConsumerSurface:
     warmup_info: dict
     _subs: dict
     _ids: Iterator[int]
+    max_pending: int | None
 
     @property
     def ready(self) -> bool:
@@ -156,6 +157,15 @@ class ConsumerSurface:
 
     def new_rid(self, prefix: str = "req") -> str:
         return f"{prefix}-{next(self._ids)}"
+
+    def _register(self, rid: str, sub: Any) -> None:
+        """The consumer, registered before the engine sees the request (the caller holds the loop's lock):
+        `Overloaded` at max_pending, a ValueError for a request id already in flight."""
+        if self.max_pending is not None and len(self._subs) >= self.max_pending:
+            raise overloaded(len(self._subs), self.max_pending)
+        if rid in self._subs:
+            raise ValueError(f"request id {rid!r} is already in flight")
+        self._subs[rid] = sub
 
 
 class EngineLoop(ConsumerSurface):
@@ -220,11 +230,7 @@ class EngineLoop(ConsumerSurface):
             if self._held:
                 raise EngineFailure("the engine is held for synchronous stepping (a profiler window); "
                                     "submit after it is released")
-            if self.max_pending is not None and len(self._subs) >= self.max_pending:
-                raise overloaded(len(self._subs), self.max_pending)
-            if rid in self._subs:
-                raise ValueError(f"request id {rid!r} is already in flight")
-            self._subs[rid] = sub
+            self._register(rid, sub)
         try:
             self.engine.add_request(prompt, params, rid=rid)
         except BaseException:

@@ -62,7 +62,6 @@ from ..adapters.loop import (
     deliver,
     deliver_step,
     not_ready,
-    overloaded,
 )
 from .engine_child import _decode_error, child_main
 
@@ -243,11 +242,7 @@ class ProcEngineLoop(ConsumerSurface):
         now = time.perf_counter()
         sub = _Sub(loop, q, tag, received if received is not None else now, now)
         with self._lock:
-            if self.max_pending is not None and len(self._subs) >= self.max_pending:
-                raise overloaded(len(self._subs), self.max_pending)
-            if rid in self._subs:
-                raise ValueError(f"request id {rid!r} is already in flight")
-            self._subs[rid] = sub
+            self._register(rid, sub)
         try:
             err = self._round_trip(lambda c: ("add", c, rid, prompt, params, sub.submitted, sub.received),
                                    SUBMIT_TIMEOUT_S)[1]
