@@ -192,9 +192,10 @@ def serve(
         typer.echo(f"specbench serve: --model={model!r}: {unsafe}", err=True)
         raise typer.Exit(EXIT_CONFIG)
     if in_child:
-        from specbench.harness.server import make_proc_app, setup_logging
+        from specbench.harness.server import make_proc_app
 
-        setup_logging(log_level)
+        # no logging set up here: a refusal below (exit 2) must leave the process's logging as it found it
+        # (run_server sets it up once serving starts; the child sets up its own)
         try:
             app, _ = make_proc_app(cfg, served_model_name, max_pending, warmup, opts, log_level)
         except (ConfigError, ValueError, FileNotFoundError) as e:
