@@ -42,12 +42,14 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import itertools
 import multiprocessing
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,6 +66,21 @@ from ..adapters.loop import (
     not_ready,
 )
 from .engine_child import _decode_error, child_main
+
+# Engine children still running when the interpreter exits (a loop never closed): killed before multiprocessing's
+# own exit handler joins them (atexit runs last-registered first, and this module imports multiprocessing first;
+# the child ignores SIGTERM, so that handler's terminate() would leave it running and the join would wait forever).
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _kill_children() -> None:
+    for p in list(_LIVE):
+        with contextlib.suppress(Exception):
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
 
 SUBMIT_TIMEOUT_S = 60.0  # a submit waits this long for the child's answer (at most one step, in practice)
 CALL_TIMEOUT_S = 10.0
@@ -191,6 +208,7 @@ class ProcEngineLoop(ConsumerSurface):
         self.proc = ctx.Process(target=child_main, args=(cfg, warmup, cmd_r, out_w, log_level),
                                 name="specbench-engine", daemon=True)
         self.proc.start()
+        _LIVE.add(self.proc)
         cmd_r.close()
         out_w.close()  # the child holds the only write end: its death is this end's EOF
         self._cmd, self._out = cmd_w, out_r
