@@ -409,11 +409,33 @@ class ProcHttpArm(HttpArm):
     def closed_loop(self, prompts: list[list[int]], c: int, max_tokens: int, phases: bool = False) -> dict:
         from specbench.benchmarks import load as mod
 
+        before = dict(self.loop.stepping)
         if self.pool is not None:
             res = self.pool.submit(mod.client_run, self.url, prompts, c, max_tokens).result()
         else:
             res = client_run(self.url, prompts, c, max_tokens)
-        return {**res, "steps": None, "paths": {}, "steps_available": False}
+        return {**res, "steps": None, "paths": {}, "steps_available": False,
+                "child": child_stepping(before, self.loop.stepping, res["wall_s"])}
+
+
+def child_stepping(before: dict, after: dict, wall: float) -> dict | None:
+    """The engine process's loop over one run (`ProcEngineLoop.stepping` before and after): steps, mean ms
+    inside engine.step(), its share of the run's wall, mean ms handing a step's outputs to the pipe, and
+    the parent's mean ms relaying them to the consumers."""
+    n = after.get("steps", 0) - before.get("steps", 0)
+    if not n:
+        return None
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in ("step_s", "emit_s", "relay_s")}
+    return {"steps": n, "step_ms": d["step_s"] * 1e3 / n, "share": d["step_s"] / wall,
+            "emit_ms": d["emit_s"] * 1e3 / n, "relay_ms": d["relay_s"] * 1e3 / n}
+
+
+def child_text(x: dict) -> str:
+    ch = x.get("child")
+    if not ch:
+        return NO_STEPS
+    return (f"engine process: {ch['steps']} steps x {ch['step_ms']:.2f} ms ({ch['share']:.0%}); emit "
+            f"{ch['emit_ms']:.2f} ms, parent relay {ch['relay_ms']:.2f} ms per step")
 
 
 def build_kw(target: str, draft: str | None, device: str, dtype: str, tau: float | None, kw: dict, pages: int) -> dict:
@@ -500,7 +522,7 @@ def run(target: str, draft: str | None, device: str, levels: tuple[int, ...], ar
                 "tpot_ms": stat([x["tpot_ms"] for x in runs]), "steps": stat([x["steps"] for x in runs]),
                 "tokens": stat([x["tokens"] for x in runs]),
                 "over_first": stat([x["tok_s"] / y["tok_s"] for x, y in zip(runs, per[base], strict=True)]),
-                "paths": runs[-1]["paths"], "via": arm.get("via", "process"),
+                "paths": runs[-1]["paths"], "via": arm.get("via", "process"), "child": runs[-1].get("child"),
                 "steps_available": runs[-1].get("steps_available", True),
                 # greedy: the same prompts give the same ids on every repeat, and across arms unless their
                 # kw change the arithmetic (bf16 at other batch shapes may differ in a late token)
@@ -527,7 +549,7 @@ def render_level(c: int, lvl: dict, arms: list[dict]) -> str:
         paths = ", ".join(f"{k} {v['steps']}x{v['mean_ms']:.2f} ms ({v['share']:.0%}, {v['mean_rows']:.0f} rows)"
                           for k, v in sorted(x["paths"].items()))
         if not x.get("steps_available", True):
-            paths = NO_STEPS
+            paths = child_text(x)
         via = x.get("via", "process")
         out.append(f"c{c} {arm['name']}{f' ({via})' if via != 'process' else ''}: "
                    f"{x['tok_s']['median']:.1f} tok/s ({x['over_first']['median']:.2f}x), "
@@ -556,7 +578,7 @@ def render(res: dict) -> str:
             paths = "; ".join(f"{k} {v['steps']} x {v['mean_ms']:.2f} ({v['share']:.0%}, {v['mean_rows']:.0f})"
                               for k, v in sorted(x["paths"].items()))
             if not x.get("steps_available", True):
-                paths = NO_STEPS
+                paths = child_text(x)
             nf = lvl.get("noise_floor")
             same = {True: "yes", False: "no", None: ""}[x.get("same_ids_as_first")]
             lines.append(f"| {c} | {arm['name']} | {x.get('via', 'process')} | "

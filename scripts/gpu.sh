@@ -28,6 +28,10 @@
 #   load         benchmarks/load.py (issues 19, 28): the engine in process under closed-loop load (a finished request
 #                replaced at once), arms interleaved (default: the padded runner's row ladder vs bucket x span), time per
 #                forward path; $W/h200-load/load.{json,md}, copied to $OUT/h200-load/; LOAD_ARGS adds flags
+#   serve-capacity  benchmarks/serve_capacity.py (issue 28): `specbench serve`'s app in process and with the engine
+#                process against a paced engine (the tiny target's output path, each step a CUDA-free sleep), c16/c64;
+#                what the serving stack streams when the engine is not the limit; CAPACITY_ARGS adds flags; needs the
+#                server stack (carry .whl-eval); $OUT/h200-serve-capacity/
 #   bisect       benchmarks/speed.py --sections steps on this tree ("head") and on every carried .bisect/<commit>.tgz
 #                (a `git archive` of the code folders; this tree's speed.py is used for each), one machine
 #   serve-ab     issue 28 item 4: `specbench serve` servers (Qwen3-4B-shaped pair, spec off), one per arm of SERVE_AB_ARMS
@@ -250,6 +254,13 @@ pydantic: carry .whl-eval (scripts/fetch-eval-wheels.sh) or use the vLLM stage's
     --out-dir "$W/h200-load" ${LOAD_ARGS:-} 2>&1 | tee "$W/load.log"
   r=${PIPESTATUS[0]}; [ "$r" = 0 ] || rc=$r; log "load rc=$r"
   mkdir -p "$OUT/h200-load" && cp "$W"/h200-load/*.{json,md,txt} "$OUT/h200-load/" 2>/dev/null
+fi
+if [ "$what" = serve-capacity ]; then  # issue 28: the server's streaming ceiling against a paced engine (no GPU used)
+  log "serve-capacity (benchmarks/serve_capacity.py)"
+  timeout $(cap ${CAPACITY_TIMEOUT:-240}) python3 -m specbench.benchmarks.serve_capacity --out-dir "$W/h200-serve-capacity" \
+    ${CAPACITY_ARGS:-} 2>&1 | tail -40 | tee "$W/serve_capacity.log"
+  r=${PIPESTATUS[0]}; [ "$r" = 0 ] || rc=$r; log "serve-capacity rc=$r"
+  mkdir -p "$OUT/h200-serve-capacity" && cp "$W"/h200-serve-capacity/* "$OUT/h200-serve-capacity/" 2>/dev/null
 fi
 if [ "$what" = bisect ]; then  # issue 19: `speed --sections steps` on this tree and on each carried .bisect/<commit>.tgz
   pair "$SPEC_WORKDIR"

@@ -46,7 +46,7 @@ def test_process_and_http_arms_agree(tiny_target, tmp_path):
     assert json.loads((tmp_path / "load.json").read_text())["complete"]
 
 
-def test_http_proc_arm_agrees_and_says_its_steps_are_elsewhere(tiny_target, tmp_path, capsys):
+def test_http_proc_arm_agrees_and_reports_the_engine_process_steps(tiny_target, tmp_path, capsys):
     """`"via": "http-proc"`: the same closed loop through the server with the engine in its own process."""
     arms = [{"name": "process", "kw": {}}, {"name": "proc", "kw": {}, "via": "http-proc"}]
     res = _run(tiny_target, arms, tmp_path)
@@ -57,5 +57,7 @@ def test_http_proc_arm_agrees_and_says_its_steps_are_elsewhere(tiny_target, tmp_
         assert h["steps"]["n"] == 0  # not zeros: no figure at all
         assert p["tokens"]["median"] == h["tokens"]["median"] == int(c) * 6
         assert h["tok_s"]["median"] > 0 and h["ids_sha"] == p["ids_sha"]
-    assert load.NO_STEPS in capsys.readouterr().out
+        ch = h["child"]  # what the engine process's loop reports instead: its steps, their time, the hand-over
+        assert ch["steps"] > 0 and ch["step_ms"] > 0 and 0 < ch["share"] <= 1.0 and ch["emit_ms"] >= 0
+    assert "engine process: " in capsys.readouterr().out
     assert "| 4 | proc | http-proc |" in (tmp_path / "load.md").read_text()

@@ -190,6 +190,8 @@ class EngineLoop(ConsumerSurface):
         self.on_abort: Callable[[str, str], None] | None = None
         self.on_scheduled: Callable[[str, float], None] | None = None
         self.last_error: str | None = None
+        # what the loop thread did so far: steps taken, seconds inside engine.step(), seconds handing outputs over
+        self.stepping = {"steps": 0, "step_s": 0.0, "emit_s": 0.0}
         self._warmup = warmup
         self._ready = threading.Event()
         self.warmup_info: dict = {"state": "off"} if warmup is None else {"state": "pending"}
@@ -350,6 +352,7 @@ class EngineLoop(ConsumerSurface):
                 self._wake.wait(self.idle_wait)
                 self._wake.clear()
                 continue
+            t_out = time.perf_counter()
             items: list[tuple[_Sub, Any]] = []
             for out in outs:
                 with self._lock:
@@ -361,6 +364,10 @@ class EngineLoop(ConsumerSurface):
                         self.on_finish(out, sub)
                     items.append((sub, out))
             self._emit(items)
+            st = self.stepping
+            st["steps"] += 1
+            st["step_s"] += t_out - t_step
+            st["emit_s"] += time.perf_counter() - t_out
         with self._step_lock:  # the loop has stopped: what was aborted meanwhile is still freed
             self._apply_aborts()
 

@@ -81,15 +81,15 @@ def make_app(engine: Any, served_name: str | None = None, max_pending: int | Non
 
 def make_proc_app(cfg: Any, served_name: str | None = None, max_pending: int | None = 256,
                   warmup: bool | WarmupPlan | Callable = False, options: ServerOptions | None = None,
-                  log_level: str = "warning") -> tuple[Any, ProcEngineLoop]:
+                  log_level: str = "warning", factory: Callable | None = None) -> tuple[Any, ProcEngineLoop]:
     """`make_app` over an engine in a process of its own (engine_proc.py), built there from `cfg` (an
-    `EngineConfig`); a callable `warmup` must be picklable. Returns once the engine is built (its refusal
+    `EngineConfig`, or by the picklable `factory(cfg)`); a callable `warmup` must be picklable. Returns once the engine is built (its refusal
     raised here); the warm-up then runs in the child while /health answers 503 "starting"."""
     from .app import create_app
     from .engine_proc import ProcEngineLoop
     from .serving import ServerState
 
-    loop = ProcEngineLoop(cfg, max_pending=max_pending, warmup=warmup, log_level=log_level)
+    loop = ProcEngineLoop(cfg, max_pending=max_pending, warmup=warmup, log_level=log_level, factory=factory)
     try:
         state = ServerState(loop, served_names(cfg.model, served_name), options or ServerOptions())
     except BaseException:

@@ -7,7 +7,7 @@ in-process tok/s at c64 (0.83x at c16, 0.96x at c1); per decode step the host ti
 in a process of its own for the same reason.
 
 Contract:
-- `ProcEngineLoop(cfg, max_pending, warmup, log_level)` spawns (multiprocessing "spawn": CUDA cannot be forked)
+- `ProcEngineLoop(cfg, max_pending, warmup, log_level, start_timeout, factory)` spawns (multiprocessing "spawn": CUDA cannot be forked)
   a child (engine_child.py) that builds `LLMEngine(cfg)` from the picklable `EngineConfig` and steps it with an
   `EngineLoop` (`_ChildLoop`: the same loop, its delivery replaced by a pipe). The constructor returns once the engine is
   built (its refusal, e.g. a `ConfigError`, is raised here as that type); the warm-up (harness/server/warmup.py:
@@ -185,7 +185,7 @@ class ProcEngine:
 
 class ProcEngineLoop(ConsumerSurface):
     def __init__(self, cfg: Any, max_pending: int | None = None, warmup: Any = False, log_level: str = "warning",
-                 start_timeout: float = 900.0) -> None:
+                 start_timeout: float = 900.0, factory: Callable | None = None) -> None:
         self.max_pending = max_pending
         self.batch_delivery = True
         self._subs: dict[str, _Sub] = {}
@@ -200,12 +200,13 @@ class ProcEngineLoop(ConsumerSurface):
         self.on_scheduled: Callable[[str, float], None] | None = None
         self.last_error: str | None = None
         self._ready = threading.Event()
+        self._relay_s = 0.0
         self._dead = False
         self._closing = False
         ctx = multiprocessing.get_context("spawn")
         cmd_r, cmd_w = ctx.Pipe(duplex=False)
         out_r, out_w = ctx.Pipe(duplex=False)
-        self.proc = ctx.Process(target=child_main, args=(cfg, warmup, cmd_r, out_w, log_level),
+        self.proc = ctx.Process(target=child_main, args=(cfg, warmup, cmd_r, out_w, log_level, factory),
                                 name="specbench-engine", daemon=True)
         self.proc.start()
         _LIVE.add(self.proc)
@@ -358,10 +359,19 @@ class ProcEngineLoop(ConsumerSurface):
                 self.last_error = traceback.format_exc(limit=3)
         self._died()
 
+    @property
+    def stepping(self) -> dict:
+        """The child loop's `EngineLoop.stepping` (steps, step_s, emit_s) and, as relay_s, the seconds this
+        process's reader spent turning its step messages into outputs and handing them over."""
+        s = self.engine.refresh().get("stepping") or {}
+        return {**s, "relay_s": self._relay_s}
+
     def _handle(self, msg: tuple) -> None:
         op = msg[0]
         if op == "step":
+            t0 = time.perf_counter()
             self._step(msg[1], msg[2])
+            self._relay_s += time.perf_counter() - t0
         elif op in ("ack", "reply"):
             slot = self._calls.get(msg[1])
             if slot is not None:

@@ -13,9 +13,10 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 API_KEY_ENV = "SPECBENCH_API_KEY"
+COALESCE_ENV = "SPECBENCH_COALESCE"
 _ORIGIN = re.compile(r"^(\*|https?://[^\s/]+)$")
 
 
@@ -27,6 +28,10 @@ class ServerOptions:
     shutdown_timeout: float = 30.0
     max_body_bytes: int = 32 * 1024 * 1024
     prep_threads: int = 8  # worker threads that parse, tokenize, render templates and admit requests
+    # SPECBENCH_COALESCE=1: a stream's outputs queued while its consumer was busy go out as one event (serving.py
+    # `deltas`); off by default: one event per engine step, so a stream's chunking does not depend on timing
+    coalesce: bool = field(default_factory=lambda: os.environ.get(COALESCE_ENV, "0").strip().lower()
+                           in ("1", "true", "yes", "on"))
 
     def __post_init__(self) -> None:
         if self.api_key is not None and (not self.api_key.strip() or any(c.isspace() for c in self.api_key)):

@@ -214,17 +214,39 @@ def admit(state: ServerState, jobs: list[Job], base: str, loop: asyncio.Abstract
     return q, rids
 
 
+def coalesced(items: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
+    """A backlog of one request's queued outputs, each choice's outputs but its latest dropped: an output is
+    cumulative (all ids, text, logprobs so far), so the latest carries every token the dropped ones did, and the
+    stream's deltas (`ChoiceStream`) come out the same, in fewer events. An exception keeps its place and ends
+    the batch (what follows it is never reached)."""
+    for n, (_, out) in enumerate(items):
+        if isinstance(out, Exception):
+            items = items[: n + 1]
+            break
+    last = {idx: n for n, (idx, out) in enumerate(items) if not isinstance(out, Exception)}
+    return [it for n, it in enumerate(items) if isinstance(it[1], Exception) or last[it[0]] == n]
+
+
 async def deltas(state: ServerState, q: asyncio.Queue, rids: dict[int, str]) -> AsyncIterator[tuple[int, Any]]:
-    """Yield (index, output) until every choice is finished; abort the rest on early exit."""
+    """Yield (index, output) until every choice is finished; abort the rest on early exit. With
+    `ServerOptions.coalesce` (SPECBENCH_COALESCE=1; off by default) the outputs queued while the consumer was busy are merged
+    (`coalesced`): a stream that falls behind the engine catches up in fewer, larger events instead of
+    falling further behind (vLLM's API server does the same)."""
     open_ = set(rids)
+    merge = state.options.coalesce
     try:
         while open_:
-            idx, out = await q.get()
-            if isinstance(out, Exception):
-                raise from_engine(out)
-            if out.finished:
-                open_.discard(idx)
-            yield idx, out
+            batch = [await q.get()]
+            if merge and not q.empty():
+                while not q.empty():
+                    batch.append(q.get_nowait())
+                batch = coalesced(batch)
+            for idx, out in batch:
+                if isinstance(out, Exception):
+                    raise from_engine(out)
+                if out.finished:
+                    open_.discard(idx)
+                yield idx, out
     finally:
         for i in open_:
             state.loop.abort(rids[i])
