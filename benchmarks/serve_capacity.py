@@ -13,12 +13,14 @@ Arms (interleaved per repeat, per level):
   direct     the paced engine stepped by this process, no server: what the engine side alone reaches
   http       `make_app` + `ServerThread` (uvicorn in a thread of this process, the engine loop a thread beside it)
   http-proc  `make_proc_app` with the paced engine built in the child (`factory`), as `specbench serve` runs
+  http-lock, http-proc-lock  the same with EngineConfig.admit_inbox=False: add_request waits for the step lock,
+             which the paced step holds while it sleeps, as a GPU step holds it (the path the inbox replaces)
 The client is benchmarks/load.py's streamed closed loop (httpx), `--client-procs` processes of c / N requests
 in flight each. Per cell: tok/s, its ratio to the ideal, TTFT / TPOT medians, and CPU busy (CPU seconds / wall)
 of the client processes, of this process (the server's parent) and of the engine child.
 
 Usage: python -m specbench.benchmarks.serve_capacity [--levels 16,64] [--step-ms 5] [--max-tokens 128]
-       [--waves 3] [--repeats 2] [--arms direct,http,http-proc] [--client-procs 1] [--out-dir DIR]
+       [--waves 3] [--repeats 2] [--arms direct,http,http-proc[,http-lock,http-proc-lock]] [--client-procs 1] [--out-dir DIR]
 Prints a table, then one JSON document as the last line (with --out-dir: serve_capacity.{json,md}).
 """
 
@@ -30,7 +32,6 @@ import os
 import resource
 import statistics
 import time
-from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,17 +40,21 @@ from typing import Any
 from specbench.harness.benchdoc import emit_document, positive_ints
 
 ARMS = ("direct", "http", "http-proc")
+# the same with the engine's admission inbox off (EngineConfig.admit_inbox=False: add_request waits for the step
+# lock, the simple path the inbox replaces)
+LOCK_ARMS = ("http-lock", "http-proc-lock")
 
 
 class PacedEngine:
-    """`LLMEngine`'s surface over a clock: admission, abort, the real `OutputWriter` (stop handling, incremental
-    detokenization, `RequestOutput` snapshots); each `step()` sleeps `step_s` and gives every running request
-    (at most `max_num_seqs`, the rest wait) one token. Everything else is read from the real engine."""
+    """`LLMEngine`'s surface over a clock: the real admission (add_request's checks and inbox, the step lock held
+    for the whole step, abort), the real `OutputWriter` (stop handling, incremental detokenization,
+    `RequestOutput` snapshots); each `step()` sleeps `step_s` holding the engine's step lock, as a GPU step holds
+    it, and gives every running request (at most `max_num_seqs`, the rest wait) one token. Everything else is
+    read from the real engine."""
 
     def __init__(self, engine: Any, step_s: float) -> None:
         self._engine, self.step_s = engine, step_s
         self._running: dict[str, Any] = {}
-        self._waiting: deque = deque()
         self._limit = engine.cfg.max_num_seqs
         self._vocab = engine.mcfg.vocab_size
 
@@ -57,36 +62,41 @@ class PacedEngine:
         return getattr(self._engine, name)
 
     def add_request(self, prompt: Any, params: Any = None, rid: str | None = None) -> str:
-        from specbench.engine import SamplingParams
-        from specbench.engine.request import Request
+        return self._engine.add_request(prompt, params, rid=rid)
 
-        ids = self._engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        req = Request(rid or f"paced-{len(self._running) + len(self._waiting)}", ids, params or SamplingParams())
-        self._waiting.append(req)
-        return req.rid
-
-    def abort(self, rid: str) -> None:
-        self._running.pop(rid, None)
-        self._waiting = deque(r for r in self._waiting if r.rid != rid)
+    def abort(self, rid: str) -> bool:
+        e = self._engine
+        with e._lock:
+            if self._running.pop(rid, None) is None:
+                return e.abort(rid)
+            e.requests.pop(rid, None)
+            e._gens.pop(rid, None)
+            return True
 
     def has_unfinished(self) -> bool:
-        return bool(self._running or self._waiting)
+        return bool(self._running) or self._engine.has_unfinished()
 
     def step(self, finished_only: bool = False) -> list:
-        while self._waiting and len(self._running) < self._limit:
-            r = self._waiting.popleft()
-            self._running[r.rid] = r
-        time.sleep(self.step_s)
-        out, outs = self._engine.output, []
-        self._engine.metrics.steps += 1
-        for rid, req in list(self._running.items()):
-            n0 = len(req.output_ids)
-            out.append(req, [(len(req.prompt_ids) * 7 + n0 * 13) % self._vocab], None)
-            if req.finished or not finished_only:
-                outs.append(out.build(req, req.output_ids[n0:]))
-            if req.finished:
-                del self._running[rid]
-        return outs
+        e = self._engine
+        with e._lock:
+            e._take_inbox()
+            waiting = e.scheduler.waiting
+            while waiting and len(self._running) < self._limit:
+                r = waiting.popleft()
+                self._running[r.rid] = r
+            time.sleep(self.step_s)
+            out, outs = e.output, []
+            e.metrics.steps += 1
+            for rid, req in list(self._running.items()):
+                n0 = len(req.output_ids)
+                out.append(req, [(len(req.prompt_ids) * 7 + n0 * 13) % self._vocab], None)
+                if req.finished or not finished_only:
+                    outs.append(out.build(req, req.output_ids[n0:]))
+                if req.finished:
+                    del self._running[rid]
+                    e.requests.pop(rid, None)
+                    e._gens.pop(rid, None)
+            return outs
 
 
 @dataclass(frozen=True)
@@ -144,12 +154,13 @@ def served(clients: ProcessPoolExecutor, n: int, url: str, prompts: list[list[in
             "client_busy": sum(p["cpu_s"] for p in parts) / wall}
 
 
-def build_cfg(step_s: float, max_num_seqs: int):
+def build_cfg(max_num_seqs: int, admit_inbox: bool = True):
     from specbench.engine import EngineConfig
     from specbench.harness.engines import bundled
 
     target, _ = bundled()
-    return EngineConfig(model=target, device="cpu", dtype="float32", max_num_seqs=max_num_seqs, num_pages=64)
+    return EngineConfig(model=target, device="cpu", dtype="float32", max_num_seqs=max_num_seqs, num_pages=64,
+                        admit_inbox=admit_inbox)
 
 
 def run(levels: tuple[int, ...], step_ms: float, max_tokens: int, waves: int, repeats: int, arms: list[str],
@@ -158,7 +169,6 @@ def run(levels: tuple[int, ...], step_ms: float, max_tokens: int, waves: int, re
     from specbench.harness.server import ServerThread, make_app, make_proc_app
 
     step_s = step_ms / 1e3
-    cfg = build_cfg(step_s, max(levels))
     res: dict = {"settings": {"levels": list(levels), "step_ms": step_ms, "max_tokens": max_tokens, "waves": waves,
                               "repeats": repeats, "arms": arms, "client_procs": client_procs,
                               "cpus": os.cpu_count()}, "levels": {}}
@@ -168,15 +178,17 @@ def run(levels: tuple[int, ...], step_ms: float, max_tokens: int, waves: int, re
         f.result()
     made: dict[str, Any] = {}
     try:
-        if "direct" in arms:
-            made["direct"] = PacedEngine(LLMEngine(cfg), step_s)
-        if "http" in arms:
-            eng = PacedEngine(LLMEngine(cfg), step_s)
-            app, loop = make_app(eng, served_name="paced", max_pending=None, warmup=False)
-            made["http"] = (ServerThread(app).start(), loop, None)
-        if "http-proc" in arms:
-            app, loop = make_proc_app(cfg, served_name="paced", max_pending=None, factory=PacedFactory(step_s))
-            made["http-proc"] = (ServerThread(app).start(timeout=600), loop, loop.pid)
+        for a in arms:
+            cfg = build_cfg(max(levels), admit_inbox=a not in LOCK_ARMS)
+            if a == "direct":
+                made[a] = PacedEngine(LLMEngine(cfg), step_s)
+            elif a.startswith("http-proc"):
+                app, loop = make_proc_app(cfg, served_name="paced", max_pending=None, factory=PacedFactory(step_s))
+                made[a] = (ServerThread(app).start(timeout=600), loop, loop.pid)
+            else:
+                app, loop = make_app(PacedEngine(LLMEngine(cfg), step_s), served_name="paced", max_pending=None,
+                                     warmup=False)
+                made[a] = (ServerThread(app).start(), loop, None)
         for c in levels:
             prompts = [[1 + (i * 31 + j) % 400 for j in range(16 + i % 48)] for i in range(waves * c)]
             warm = prompts[:c]
@@ -284,9 +296,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out-dir", type=Path)
     a = ap.parse_args(argv)
     arms = [x.strip() for x in a.arms.split(",") if x.strip()]
-    bad = [x for x in arms if x not in ARMS]
+    bad = [x for x in arms if x not in ARMS + LOCK_ARMS]
     if bad or not arms:
-        raise SystemExit(f"--arms={a.arms!r} is invalid: expected a comma-separated subset of {', '.join(ARMS)}")
+        raise SystemExit(f"--arms={a.arms!r} is invalid: expected a comma-separated subset of "
+                         f"{', '.join(ARMS + LOCK_ARMS)}")
     if a.step_ms <= 0 or a.max_tokens < 2 or a.waves < 1 or a.repeats < 1 or a.client_procs < 1:
         raise SystemExit("--step-ms must be > 0, --max-tokens >= 2, --waves, --repeats and --client-procs >= 1")
     res = run(tuple(a.levels), a.step_ms, a.max_tokens, a.waves, a.repeats, arms, a.client_procs, a.out_dir)

@@ -357,6 +357,9 @@ class EngineConfig:
     # Streamed text of unfinished requests in O(new tokens) per step (engine/detok.py); False decodes the whole
     # output every step (default from SPECBENCH_INCREMENTAL_DETOK, else on)
     incremental_detok: bool = field(default_factory=lambda: env_flag("SPECBENCH_INCREMENTAL_DETOK", True))
+    # add_request does not wait for a step in flight: the request is checked and left in an inbox the next step
+    # takes in (engine.py; default from SPECBENCH_ADMIT_INBOX, else on; off: add_request takes the step lock)
+    admit_inbox: bool = field(default_factory=lambda: env_flag("SPECBENCH_ADMIT_INBOX", True))
     seed: int = 0
     spec: SpecConfig = field(default_factory=SpecConfig)
     faults: tuple[str, ...] = ()

@@ -11,7 +11,12 @@ A request that cannot speculate (logprobs or prompt logprobs requested, sampling
 not draft-ready, one token left) runs as a span of 1 in the same step; it never turns speculation off for
 its neighbours. Which speculation a run uses (method, K, headroom) is decided once (spec/plan.py); the
 self-test's faults are one object (faults.py) whose hooks the phases call.
-Thread-safety: add_request / abort / step take one lock, so a server thread may add while a loop steps.
+Thread-safety: step / abort take one lock, so a server thread may add or abort while a loop steps. A request
+added while a step runs does not wait for that step: add_request checks it (every refusal is raised to the
+caller) and leaves it in an inbox under a lock of its own, and the next step takes the inbox into the scheduler
+before it schedules (the order of add_request calls kept). Off switch: EngineConfig.admit_inbox=False or
+SPECBENCH_ADMIT_INBOX=0 (add_request takes the step lock and goes straight into the scheduler, waiting for a step
+in flight).
 """
 
 from __future__ import annotations
@@ -110,6 +115,10 @@ class LLMEngine:
         self._gen = torch.Generator().manual_seed(cfg.seed)
         self._ids = itertools.count()
         self._lock = threading.RLock()
+        # requests added but not yet taken into the scheduler (see the module docstring), in arrival order
+        self._inbox: dict[str, tuple[Request, torch.Generator]] = {}
+        self._inbox_lock = threading.Lock()
+        self.admit_inbox = cfg.admit_inbox
         measure(self.memory, self.model, self.draft_model if dflash_cfg else None, self.runner, self.device)
         log.info("memory: %s", self.memory.summary())
         if self.spec.policy == "auto" and self.proposer is not None:  # the cost model, with the graphs it times
@@ -225,32 +234,57 @@ class LLMEngine:
         bad = [t for t in ids if not 0 <= t < self.mcfg.vocab_size]
         if bad:
             raise ConfigError(f"prompt token ids {bad[:5]} are out of range: expected 0 <= id < {self.mcfg.vocab_size}")
-        with self._lock:
-            rid = rid if rid is not None else f"req-{next(self._ids)}"
-            if rid in self.requests:
-                raise ConfigError(f"request id {rid!r} is already in use")
-            req = Request(rid, ids, params)
-            # before the scheduler sees it: a generator that cannot be made (a seed torch refuses) must not
-            # leave a scheduled request without one, which failed every later step
-            gen = make_generator(params.seed, self.device, self._gen)
-            try:
+        if not self.admit_inbox:
+            with self._lock:
+                req, gen = self._admission(ids, params, rid)
                 self.scheduler.add(req)
-            except AdmissionError:
-                self.metrics.requests_rejected += 1
-                raise
-            self.requests[rid] = req
-            self._gens[rid] = gen
-            return rid
+                self.requests[req.rid] = req
+                self._gens[req.rid] = gen
+                return req.rid
+        with self._inbox_lock:
+            req, gen = self._admission(ids, params, rid)
+            self._inbox[req.rid] = (req, gen)
+            return req.rid
 
-    def abort(self, rid: str) -> None:
+    def _admission(self, ids: list[int], params: SamplingParams, rid: str | None) -> tuple[Request, torch.Generator]:
+        """The request and its generator, or the refusal (a rid in use, a request that can never be served);
+        with the inbox lock or the step lock held."""
+        rid = rid if rid is not None else f"req-{next(self._ids)}"
+        if rid in self.requests or rid in self._inbox:
+            raise ConfigError(f"request id {rid!r} is already in use")
+        req = Request(rid, ids, params)
+        try:
+            self.scheduler.check(req)
+        except AdmissionError:
+            self.metrics.requests_rejected += 1
+            raise
+        # before the scheduler sees it: a generator that cannot be made (a seed torch refuses) must not
+        # leave a scheduled request without one, which failed every later step
+        return req, make_generator(params.seed, self.device, self._gen)
+
+    def _take_inbox(self) -> None:
+        """With the step lock held: the inbox into the scheduler, in arrival order."""
+        if not self._inbox:
+            return
+        with self._inbox_lock:
+            for rid, (req, gen) in self._inbox.items():
+                self.scheduler.add(req)  # checked at add_request already: the same static limits
+                self.requests[rid] = req
+                self._gens[rid] = gen
+            self._inbox.clear()
+
+    def abort(self, rid: str) -> bool:
+        """Stop `rid` and free what it holds; whether the engine had it (False: unknown or finished)."""
         with self._lock:
+            self._take_inbox()
             req = self.scheduler.abort(rid)
             if req is not None:
                 req.finish("abort")
                 self._release(req)
+            return req is not None
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return bool(self._inbox) or self.scheduler.has_work()
 
     def _release(self, req: Request) -> None:
         self.pool.free(req.rid)
@@ -290,6 +324,7 @@ class LLMEngine:
         checked after the commit (engine/invariants.py; InvariantError on a violation)."""
         self._check_open()
         with self._lock:
+            self._take_inbox()
             self.metrics.steps += 1
             self.step_count += 1
             with self.ranges.phase("schedule"):

@@ -261,9 +261,11 @@ class EngineLoop(ConsumerSurface):
         held = getattr(self.engine, "requests", None)
         known = held is None or rid in held
         try:
-            self.engine.abort(rid)
+            had = self.engine.abort(rid)
         except Exception:  # aborting must never raise into a disconnect handler
             return
+        if isinstance(had, bool):  # LLMEngine says (a request still in its inbox is not in `requests` yet)
+            known = had
         if known and self.on_abort is not None:
             self.on_abort(rid, "abort")
 
