@@ -286,6 +286,10 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self._inbox) or self.scheduler.has_work()
 
+    def num_waiting(self) -> int:
+        """Requests added and not yet running: the scheduler's waiting queue and the inbox."""
+        return len(self.scheduler.waiting) + len(self._inbox)
+
     def _release(self, req: Request) -> None:
         self.pool.free(req.rid)
         if self.proposer:

@@ -41,8 +41,9 @@ def test_add_request_does_not_wait_for_a_step_in_flight(monkeypatch) -> None:
         t, done = _add_in_thread(e, PROMPTS[0], "r0")
         assert done.wait(5.0), "add_request waited for the step lock"
         assert e.has_unfinished() and "r0" not in e.requests  # in the inbox, not yet scheduled
+        assert e.num_waiting() == 1  # the gauges count it as waiting
     outs = e.step()
-    assert [o.rid for o in outs] == ["r0"] and "r0" in e.requests
+    assert [o.rid for o in outs] == ["r0"] and "r0" in e.requests and e.num_waiting() == 0
     t.join()
 
 

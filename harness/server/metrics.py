@@ -104,7 +104,9 @@ class EngineCollector(Collector):
         yield spans
         sched, pool = getattr(e, "scheduler", None), getattr(e, "pool", None)
         running = len(sched.running) if sched is not None else m.num_running
-        waiting = len(sched.waiting) if sched is not None else m.num_waiting
+        # the inbox (requests added during a step, engine.py) counts as waiting
+        waiting = (e.num_waiting() if hasattr(e, "num_waiting") else len(sched.waiting)) if sched is not None \
+            else m.num_waiting
         yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", running)
         yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", waiting)
         if pool is not None:
