@@ -11,10 +11,11 @@ A request that cannot speculate (logprobs or prompt logprobs requested, sampling
 not draft-ready, one token left) runs as a span of 1 in the same step; it never turns speculation off for
 its neighbours. Which speculation a run uses (method, K, headroom) is decided once (spec/plan.py); the
 self-test's faults are one object (faults.py) whose hooks the phases call.
-Thread-safety: step / abort take one lock, so a server thread may add or abort while a loop steps. A request
-added while a step runs does not wait for that step: add_request checks it (every refusal is raised to the
-caller) and leaves it in an inbox under a lock of its own, and the next step takes the inbox into the scheduler
-before it schedules (the order of add_request calls kept). Off switch: EngineConfig.admit_inbox=False or
+Thread-safety: step / abort take one lock, so a server thread may add or abort while a loop steps. With no
+step in flight add_request takes that lock and puts the request straight into the scheduler. A request added
+while a step runs does not wait for that step: add_request checks it (every refusal is raised to the caller)
+and leaves it in an inbox under a lock of its own, and the next step (or add_request, or abort) takes the inbox
+into the scheduler first (the order of add_request calls kept). Off switch: EngineConfig.admit_inbox=False or
 SPECBENCH_ADMIT_INBOX=0 (add_request takes the step lock and goes straight into the scheduler, waiting for a step
 in flight).
 """
@@ -234,14 +235,18 @@ class LLMEngine:
         bad = [t for t in ids if not 0 <= t < self.mcfg.vocab_size]
         if bad:
             raise ConfigError(f"prompt token ids {bad[:5]} are out of range: expected 0 <= id < {self.mcfg.vocab_size}")
-        if not self.admit_inbox:
-            with self._lock:
-                req, gen = self._admission(ids, params, rid)
-                self.scheduler.add(req)
-                self.requests[req.rid] = req
-                self._gens[req.rid] = gen
+        # no step in flight (or the inbox off): straight into the scheduler, after any earlier arrivals
+        direct = self._lock.acquire(blocking=not self.admit_inbox)
+        if direct:
+            try:
+                with self._inbox_lock:
+                    self._drain_inbox()
+                    req, gen = self._admission(ids, params, rid)
+                    self._enter(req, gen)
                 return req.rid
-        with self._inbox_lock:
+            finally:
+                self._lock.release()
+        with self._inbox_lock:  # a step is in flight: leave it for the next one
             req, gen = self._admission(ids, params, rid)
             self._inbox[req.rid] = (req, gen)
             return req.rid
@@ -262,16 +267,22 @@ class LLMEngine:
         # leave a scheduled request without one, which failed every later step
         return req, make_generator(params.seed, self.device, self._gen)
 
+    def _enter(self, req: Request, gen: torch.Generator) -> None:
+        self.scheduler.add(req)  # checked by _admission already: the same static limits
+        self.requests[req.rid] = req
+        self._gens[req.rid] = gen
+
+    def _drain_inbox(self) -> None:
+        """With both locks held: the inbox into the scheduler, in arrival order."""
+        for req, gen in self._inbox.values():
+            self._enter(req, gen)
+        self._inbox.clear()
+
     def _take_inbox(self) -> None:
         """With the step lock held: the inbox into the scheduler, in arrival order."""
-        if not self._inbox:
-            return
-        with self._inbox_lock:
-            for rid, (req, gen) in self._inbox.items():
-                self.scheduler.add(req)  # checked at add_request already: the same static limits
-                self.requests[rid] = req
-                self._gens[rid] = gen
-            self._inbox.clear()
+        if self._inbox:
+            with self._inbox_lock:
+                self._drain_inbox()
 
     def abort(self, rid: str) -> bool:
         """Stop `rid` and free what it holds; whether the engine had it (False: unknown or finished)."""

@@ -47,6 +47,16 @@ def test_add_request_does_not_wait_for_a_step_in_flight(monkeypatch) -> None:
     t.join()
 
 
+def test_no_step_in_flight_goes_straight_into_the_scheduler(monkeypatch) -> None:
+    e = _engine(monkeypatch, inbox=True, spec=False)
+    with e._lock:  # an arrival during a step waits in the inbox ...
+        t, done = _add_in_thread(e, PROMPTS[0], "r0")
+        assert done.wait(5.0)
+    t.join()
+    e.add_request(PROMPTS[1], SamplingParams(max_tokens=4), rid="r1")  # ... and is scheduled before a later one
+    assert [r.rid for r in e.scheduler.waiting] == ["r0", "r1"] and e.num_waiting() == 2 and "r1" in e.requests
+
+
 def test_the_off_switch_waits_for_the_step(monkeypatch) -> None:
     e = _engine(monkeypatch, inbox=False, spec=False)
     assert not e.admit_inbox
