@@ -213,7 +213,13 @@ def test_serve_cli_passes_no_warmup(monkeypatch, tiny_pair):
     from specbench.cli.serve import serve
 
     seen = {}
-    monkeypatch.setattr(server_mod, "serve", lambda engine, **kw: seen.update(kw))
+
+    def fake_serve(engine, **kw):
+        seen.update(kw)
+        if kw.get("app") is not None:  # the engine process the CLI started: the real serve's shutdown closes it
+            kw["app"].state.sb.loop.close()
+
+    monkeypatch.setattr(server_mod, "serve", fake_serve)
     app = typer.Typer()
     app.command()(serve)
     runner = CliRunner()
