@@ -13,7 +13,7 @@ its neighbours. Which speculation a run uses (method, K, headroom) is decided on
 self-test's faults are one object (faults.py) whose hooks the phases call.
 Thread-safety: step / abort take one lock, so a server thread may add or abort while a loop steps. With no
 step in flight add_request takes that lock and puts the request straight into the scheduler. A request added
-while a step runs does not wait for that step: add_request checks it (every refusal is raised to the caller)
+while a step runs (or another thread holds that lock) does not wait for it: add_request checks it (every refusal is raised to the caller)
 and leaves it in an inbox under a lock of its own, and the next step (or add_request, or abort) takes the inbox
 into the scheduler first (the order of add_request calls kept). Off switch: EngineConfig.admit_inbox=False or
 SPECBENCH_ADMIT_INBOX=0 (add_request takes the step lock and goes straight into the scheduler, waiting for a step
@@ -235,7 +235,8 @@ class LLMEngine:
         bad = [t for t in ids if not 0 <= t < self.mcfg.vocab_size]
         if bad:
             raise ConfigError(f"prompt token ids {bad[:5]} are out of range: expected 0 <= id < {self.mcfg.vocab_size}")
-        # no step in flight (or the inbox off): straight into the scheduler, after any earlier arrivals
+        # the step lock free (no step in flight, no abort) or the inbox off: straight into the scheduler, after
+        # any earlier arrivals
         direct = self._lock.acquire(blocking=not self.admit_inbox)
         if direct:
             try:
@@ -273,10 +274,12 @@ class LLMEngine:
         self._gens[req.rid] = gen
 
     def _drain_inbox(self) -> None:
-        """With both locks held: the inbox into the scheduler, in arrival order."""
-        for req, gen in self._inbox.values():
+        """With both locks held: the inbox into the scheduler, in arrival order (each entry leaves the inbox as
+        it enters the scheduler, so a refusal midway cannot enter one twice)."""
+        while self._inbox:
+            rid = next(iter(self._inbox))
+            req, gen = self._inbox.pop(rid)
             self._enter(req, gen)
-        self._inbox.clear()
 
     def _take_inbox(self) -> None:
         """With the step lock held: the inbox into the scheduler, in arrival order."""

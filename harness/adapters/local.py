@@ -209,7 +209,7 @@ class LocalAdapter(EngineAdapter):
         e = self.engine
         with e._lock:
             return {"kv_free_pages": e.pool.num_free, "kv_total_pages": e.pool.num_pages,
-                    "running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting),
+                    "running": len(e.scheduler.running), "waiting": e.num_waiting(),
                     "pending": self.loop.num_pending}
 
     async def tokenize(self, text: str) -> list[int] | None:
@@ -264,7 +264,7 @@ class LocalAdapter(EngineAdapter):
                 for rid, p in zip(rids, prompts, strict=True):
                     eng.add_request(p, params, rid=rid)
                 sched = eng.scheduler
-                while sched.waiting or any(r.in_prefill for r in sched.running):
+                while eng.num_waiting() or any(r.in_prefill for r in sched.running):
                     eng.step()
                 for _ in range(warmup):
                     eng.step()

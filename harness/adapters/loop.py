@@ -282,7 +282,8 @@ class EngineLoop(ConsumerSurface):
         sched, pool, metrics = getattr(e, "scheduler", None), getattr(e, "pool", None), getattr(e, "metrics", None)
         if sched is None or pool is None or metrics is None or not hasattr(metrics, "set_gauges"):
             return
-        metrics.set_gauges(len(sched.running), len(sched.waiting), pool.num_free, pool.num_pages)
+        waiting = e.num_waiting() if hasattr(e, "num_waiting") else len(sched.waiting)  # LLMEngine: with its inbox
+        metrics.set_gauges(len(sched.running), waiting, pool.num_free, pool.num_pages)
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[Any]:

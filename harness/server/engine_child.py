@@ -146,8 +146,28 @@ class _ChildLoop(EngineLoop):
     def _emit(self, items: list[tuple[_Sub, Any]]) -> None:
         sched, self._scheduled = self._scheduled, []
         if items or sched:
-            outs = [out for _, out in items]
-            self._send.later(lambda: ("step", [self._delta(out) for out in outs], sched))
+            pairs = list(items)
+            self._send.later(lambda: self._step_message(pairs, sched))
+
+    def _step_message(self, pairs: list[tuple[_Sub, Any]], sched: list[tuple[str, float]]) -> tuple:
+        """The step's message, built on the sender thread. An unfinished output whose consumer is no longer
+        the one it was handed over for (aborted or cancelled after the step looked it up, or its rid reused)
+        sends nothing and keeps no state (its `_sent` entry would never be freed). A delta that cannot be
+        built fails its request (aborted here, a "fail" to the parent) instead of silently losing tokens."""
+        deltas = []
+        for sub, out in pairs:
+            if not out.finished and self._subs.get(out.rid) is not sub:
+                continue
+            try:
+                deltas.append(self._delta(out))
+            except Exception:
+                self._sent.pop(out.rid, None)
+                self.last_error = traceback.format_exc(limit=3)
+                traceback.print_exc()
+                self.abort(out.rid)
+                self._send.later(lambda rid=out.rid: ("fail", rid, "failure", "the engine process could not send "
+                                                      "this request's output", self.last_error))
+        return ("step", deltas, sched)
 
     def _delta(self, out: RequestOutput) -> tuple:
         st = self._sent.get(out.rid)
@@ -172,7 +192,8 @@ class _ChildLoop(EngineLoop):
                 out.stop_reason, plp, out.spec if out.finished else None)
 
     def forget(self, rid: str) -> None:
-        self._send.later(lambda: self._sent.pop(rid, None) and None)  # after the deltas already handed over
+        # after the deltas already handed over (those handed over later are dropped by `_step_message`)
+        self._send.later(lambda: self._sent.pop(rid, None) and None)
 
 
 def _snapshot(engine: Any, loop: EngineLoop | None = None) -> dict:
@@ -180,7 +201,7 @@ def _snapshot(engine: Any, loop: EngineLoop | None = None) -> dict:
     figs = {f: getattr(m, f) for f in m.__dataclass_fields__}
     figs = {k: (list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v) for k, v in figs.items()}
     sched, pool = engine.scheduler, engine.pool
-    return {"metrics": figs, "running": len(sched.running), "waiting": engine.num_waiting(),
+    return {"metrics": figs, "running": len(sched.running), "waiting": engine.num_waiting() if hasattr(engine, "num_waiting") else len(sched.waiting),
             "free": pool.num_free, "total": pool.num_pages, "prefix": pool.prefix is not None,
             "unfinished": engine.has_unfinished(), "requests": len(engine.requests),
             "stepping": dict(loop.stepping) if loop is not None else None}

@@ -401,18 +401,21 @@ class ProcEngineLoop(ConsumerSurface):
                 if rid in self._subs:
                     self.on_scheduled(rid, secs)
         items: list[tuple[_Sub, Any]] = []
+        broken: list[_Sub] = []
         for (rid, head, ids, times, lps, appended, tx, finished, reason, stop_reason, plp, spec) in deltas:
             with self._lock:
                 sub = self._subs.get(rid)
                 if sub is None:  # aborted here meanwhile: its outputs are dropped
                     self._accs.pop(rid, None)
                     continue
+                acc = self._accs.pop(rid, None) if finished else self._accs.get(rid)
+                if acc is None and head is None:  # its first delta never came: fail it, never leave it waiting
+                    del self._subs[rid]
+                    broken.append(sub)
+                    continue
                 if finished:
                     del self._subs[rid]
-                acc = self._accs.pop(rid, None) if finished else self._accs.get(rid)
                 if acc is None:
-                    if head is None:
-                        continue
                     acc = _Acc(list(head[0]), head[1])
                     if not finished:
                         self._accs[rid] = acc
@@ -436,6 +439,8 @@ class ProcEngineLoop(ConsumerSurface):
                 self.on_finish(out, sub)
             items.append((sub, out))
         deliver_step(items, self.batch_delivery)
+        for sub in broken:
+            deliver(sub, EngineFailure("the engine process sent this request's output without its start"))
 
     def _fail_all(self, err: Exception) -> None:
         with self._lock:
