@@ -165,9 +165,12 @@ class _ChildLoop(EngineLoop):
                 self.last_error = traceback.format_exc(limit=3)
                 traceback.print_exc()
                 self.abort(out.rid)
-                self._send.later(lambda rid=out.rid: ("fail", rid, "failure", "the engine process could not send "
-                                                      "this request's output", self.last_error))
+                self._send.later(self._failed(out.rid))
         return ("step", deltas, sched)
+
+    def _failed(self, rid: str) -> Callable[[], tuple]:
+        msg = ("fail", rid, "failure", "the engine process could not send this request's output", self.last_error)
+        return lambda: msg
 
     def _delta(self, out: RequestOutput) -> tuple:
         st = self._sent.get(out.rid)
@@ -193,7 +196,10 @@ class _ChildLoop(EngineLoop):
 
     def forget(self, rid: str) -> None:
         # after the deltas already handed over (those handed over later are dropped by `_step_message`)
-        self._send.later(lambda: self._sent.pop(rid, None) and None)
+        def drop() -> None:
+            self._sent.pop(rid, None)
+
+        self._send.later(drop)
 
 
 def _snapshot(engine: Any, loop: EngineLoop | None = None) -> dict:
