@@ -140,3 +140,34 @@ def test_in_process_gauges_count_the_inbox(monkeypatch) -> None:
             assert e.num_waiting() == 1 and e.metrics.num_waiting == 1
     finally:
         loop.close()
+
+
+def test_the_sender_backlog_is_bounded_and_the_thread_never_waits_on_itself() -> None:
+    gate, sent = threading.Event(), []
+
+    class _Slow:
+        def send(self, msg: tuple) -> None:
+            gate.wait(5.0)  # a parent that has fallen behind
+            sent.append(msg)
+
+    snd = _Sender(_Slow(), threaded=True, backlog=2)
+    snd(("m", 0))  # taken by the thread, stuck in send
+    time.sleep(0.05)
+    snd(("m", 1))
+    snd(("m", 2))  # the backlog is full now
+    third = threading.Thread(target=snd, args=(("m", 3),))
+    third.start()
+    third.join(0.2)
+    assert third.is_alive(), "a full backlog must make the caller wait"
+
+    def make() -> tuple:  # a message whose building sends another (the failure path): no self-deadlock
+        snd.later(lambda: ("inner",))
+        return ("outer",)
+
+    gate.set()
+    third.join(5.0)
+    done = threading.Thread(target=snd.later, args=(make,))
+    done.start()
+    done.join(5.0)
+    snd.flush()
+    assert sent[:4] == [("m", 0), ("m", 1), ("m", 2), ("m", 3)] and sent[4:] == [("inner",), ("outer",)]

@@ -57,29 +57,36 @@ def _decode_error(err: tuple[str, str]) -> BaseException:
 # ---- the child ------------------------------------------------------------------------------------------
 
 SENDER_ENV = "SPECBENCH_CHILD_SENDER"  # 0: the step thread builds and sends each step's message itself
+# messages the sender thread may hold unsent: beyond it the step thread waits, as it waited on a full pipe
+# before the thread existed (a parent that falls behind slows the engine instead of growing this process)
+SENDER_BACKLOG = 256
 
 
 class _Sender:
     """Every message to the parent, in order. With a sender thread (the default) `__call__` and `later` only
     enqueue: the step thread hands a step's outputs over in microseconds and the thread builds the deltas,
     pickles and writes them while the next step runs (measured against a paced engine at c64: 1.2 ms per step
-    on the step thread before); `threaded=False` does everything on the caller's thread."""
+    on the step thread before); `threaded=False` does everything on the caller's thread. At most `backlog`
+    messages wait: a caller beyond that waits for the thread to catch up."""
 
-    def __init__(self, conn: Any, threaded: bool = True) -> None:
+    def __init__(self, conn: Any, threaded: bool = True, backlog: int = SENDER_BACKLOG) -> None:
         self.conn, self.lock = conn, threading.Lock()
-        self._q: queue.SimpleQueue | None = queue.SimpleQueue() if threaded else None
+        self._q: queue.Queue | None = queue.Queue(maxsize=backlog) if threaded else None
+        self._thread: threading.Thread | None = None
         if self._q is not None:
-            threading.Thread(target=self._drain, name="specbench-engine-sender", daemon=True).start()
+            self._thread = threading.Thread(target=self._drain, name="specbench-engine-sender", daemon=True)
+            self._thread.start()
 
     def __call__(self, msg: tuple) -> None:
         self.later(lambda: msg)
 
     def later(self, make: Callable[[], tuple | None]) -> None:
-        """Send what `make()` returns (None: nothing), after everything handed over before it."""
-        if self._q is not None:
-            self._q.put(make)
-        else:
+        """Send what `make()` returns (None: nothing), after everything handed over before it (called from the
+        sender thread itself, e.g. inside a `make`: written at once)."""
+        if self._q is None or threading.current_thread() is self._thread:  # the thread itself never waits on itself
             self._write(make())
+        else:
+            self._q.put(make)
 
     def flush(self, timeout: float = 5.0) -> None:
         """Wait until everything handed over so far is written (or `timeout` passed)."""
