@@ -69,9 +69,13 @@ class PacedEngine:
         with e._lock:
             if self._running.pop(rid, None) is None:
                 return e.abort(rid)
-            e.requests.pop(rid, None)
-            e._gens.pop(rid, None)
+            self._forget(rid)
             return True
+
+    def _forget(self, rid: str) -> None:
+        """A request this engine ran, out of the real engine's tables (it never held KV pages)."""
+        self._engine.requests.pop(rid, None)
+        self._engine._gens.pop(rid, None)
 
     def has_unfinished(self) -> bool:
         return bool(self._running) or self._engine.has_unfinished()
@@ -94,8 +98,7 @@ class PacedEngine:
                     outs.append(out.build(req, req.output_ids[n0:]))
                 if req.finished:
                     del self._running[rid]
-                    e.requests.pop(rid, None)
-                    e._gens.pop(rid, None)
+                    self._forget(rid)
             return outs
 
 

@@ -11,11 +11,11 @@ A request that cannot speculate (logprobs or prompt logprobs requested, sampling
 not draft-ready, one token left) runs as a span of 1 in the same step; it never turns speculation off for
 its neighbours. Which speculation a run uses (method, K, headroom) is decided once (spec/plan.py); the
 self-test's faults are one object (faults.py) whose hooks the phases call.
-Thread-safety: step / abort take one lock, so a server thread may add or abort while a loop steps. With no
-step in flight add_request takes that lock and puts the request straight into the scheduler. A request added
-while a step runs (or another thread holds that lock) does not wait for it: add_request checks it (every refusal is raised to the caller)
-and leaves it in an inbox under a lock of its own, and the next step (or add_request, or abort) takes the inbox
-into the scheduler first (the order of add_request calls kept). Off switch: EngineConfig.admit_inbox=False or
+Thread-safety: step / abort take one lock, so a server thread may add or abort while a loop steps. With that
+lock free add_request takes it and puts the request straight into the scheduler. A request added while a step
+runs (or another thread holds that lock) does not wait for it: add_request checks it (every refusal is raised
+to the caller) and leaves it in an inbox under a lock of its own, and the next step (or add_request, or abort)
+takes the inbox into the scheduler first, in the order the requests entered the inbox. Off switch: EngineConfig.admit_inbox=False or
 SPECBENCH_ADMIT_INBOX=0 (add_request takes the step lock and goes straight into the scheduler, waiting for a step
 in flight).
 """

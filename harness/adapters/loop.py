@@ -89,6 +89,13 @@ def deliver(sub: _Sub, item: Any) -> None:
         pass
 
 
+def num_waiting(engine: Any) -> int:
+    """Requests added and not yet running: `LLMEngine.num_waiting()` (its admission inbox included), else the
+    length of the engine's scheduler's waiting queue."""
+    f = getattr(engine, "num_waiting", None)
+    return f() if callable(f) else len(engine.scheduler.waiting)
+
+
 def deliver_step(items: list[tuple[_Sub, Any]], batch: bool = True) -> None:
     """One step's outputs, in order: with `batch`, ONE thread-safe hand-over per event loop (one wake-up of
     that loop per step, not one per request: at c64 that is 64 self-pipe writes and loop wake-ups fewer per
@@ -282,8 +289,7 @@ class EngineLoop(ConsumerSurface):
         sched, pool, metrics = getattr(e, "scheduler", None), getattr(e, "pool", None), getattr(e, "metrics", None)
         if sched is None or pool is None or metrics is None or not hasattr(metrics, "set_gauges"):
             return
-        waiting = e.num_waiting() if hasattr(e, "num_waiting") else len(sched.waiting)  # LLMEngine: with its inbox
-        metrics.set_gauges(len(sched.running), waiting, pool.num_free, pool.num_pages)
+        metrics.set_gauges(len(sched.running), num_waiting(e), pool.num_free, pool.num_pages)
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[Any]:

@@ -33,7 +33,7 @@ from typing import Any
 
 from specbench.engine.output import RequestOutput
 
-from ..adapters.loop import Cancelled, EngineFailure, EngineLoop, _Sub
+from ..adapters.loop import Cancelled, EngineFailure, EngineLoop, _Sub, num_waiting
 
 
 def _error_types() -> dict[str, type[BaseException]]:
@@ -214,7 +214,7 @@ def _snapshot(engine: Any, loop: EngineLoop | None = None) -> dict:
     figs = {f: getattr(m, f) for f in m.__dataclass_fields__}
     figs = {k: (list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v) for k, v in figs.items()}
     sched, pool = engine.scheduler, engine.pool
-    return {"metrics": figs, "running": len(sched.running), "waiting": engine.num_waiting() if hasattr(engine, "num_waiting") else len(sched.waiting),
+    return {"metrics": figs, "running": len(sched.running), "waiting": num_waiting(engine),
             "free": pool.num_free, "total": pool.num_pages, "prefix": pool.prefix is not None,
             "unfinished": engine.has_unfinished(), "requests": len(engine.requests),
             "stepping": dict(loop.stepping) if loop is not None else None}

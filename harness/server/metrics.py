@@ -28,6 +28,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from ..adapters.loop import num_waiting
+
 # vLLM's bucket boundaries (vllm/v1/metrics/loggers.py), so its Grafana dashboards read ours as theirs
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -104,9 +106,7 @@ class EngineCollector(Collector):
         yield spans
         sched, pool = getattr(e, "scheduler", None), getattr(e, "pool", None)
         running = len(sched.running) if sched is not None else m.num_running
-        # the inbox (requests added during a step, engine.py) counts as waiting
-        waiting = (e.num_waiting() if hasattr(e, "num_waiting") else len(sched.waiting)) if sched is not None \
-            else m.num_waiting
+        waiting = num_waiting(e) if sched is not None else m.num_waiting  # the admission inbox included
         yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", running)
         yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", waiting)
         if pool is not None:
