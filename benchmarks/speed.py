@@ -13,6 +13,9 @@ benches, all in one process on one GPU:
   spec_speedup          wall of plain generate / wall of spec generate with synthetic acceptance tau (default
                         6.5: the accept count is drawn, the rest of the step is real), same prompts, N tokens
   context_growth        plain_ms_per_step at contexts --contexts and concurrency 1 and --growth-c
+  ahead_off_ms_per_step plain_ms_per_step with decode ahead off (engine/ahead.py: the simple path, each step
+                        ending on its host read), the same engine and prompts, interleaved with the on arm per
+                        repeat; ahead_gain = off / on per repeat (--no-ahead-ab skips it)
 
 Every figure is the median over --repeats repeats (warm-up excluded) with its min and max; the plain/spec
 generates are interleaved per repeat, and each speedup is the median of the paired per-repeat ratios. The
@@ -99,6 +102,17 @@ def step_ms(llm, ps: list[list[int]], n_new: int, device: str) -> tuple[float, f
     return (full - one) * 1e3 / (n_new - 1), full
 
 
+def ahead_outputs(llm, ps: list[list[int]], on: bool, max_tokens: int = 64) -> list[list[int]]:
+    """Greedy output ids of `ps` with decode ahead on or off (engine/ahead.py), the engine left on."""
+    from specbench.engine import SamplingParams
+
+    llm.engine.ahead.enabled = on
+    try:
+        return [o.output_ids for o in llm.generate(ps, SamplingParams(max_tokens=max_tokens, ignore_eos=True))]
+    finally:
+        llm.engine.ahead.enabled = True
+
+
 def step_benches(target: str, draft: str, device: str, repeats: int, context: int) -> dict:
     from specbench.benchmarks.spec_step import StepBench
 
@@ -143,7 +157,7 @@ def run(target: str, draft: str, device: str = "cuda", levels: tuple[int, ...] =
         contexts: tuple[int, ...] = (512, 2048, 8192), growth_c: int = 32, repeats: int = 3,
         new_tokens: int = 256, prompt_len: int = 128, tau: float = 6.5, growth_tokens: int = 64,
         step_context: int = 512, dtype: str | None = None, save=None, engine_kw: dict | None = None,
-        sections: tuple[str, ...] = SECTIONS) -> dict:
+        sections: tuple[str, ...] = SECTIONS, ahead_ab: bool = True) -> dict:
     """`save(res)` is called after every section, so an interrupted run keeps what it measured."""
     from specbench.engine import LLM
 
@@ -174,18 +188,34 @@ def run(target: str, draft: str, device: str = "cuda", levels: tuple[int, ...] =
           flush=True)
 
     res["plain_ms_per_step"], res["spec_speedup"], res["noise_floor"] = {}, {}, {}
+    ahead_ab = ahead_ab and plain.engine.ahead.usable()
+    if ahead_ab:
+        res["ahead_off_ms_per_step"], res["ahead_gain"] = {}, {}
     for c in (levels if "levels" in sections else ()):
         ps = prompts(c, prompt_len, vocab, seed=c)
         gen_wall(plain, ps, 8, device)  # warm-up: this batch size's graphs and buffers, both engines
         gen_wall(spec, ps, 8, device)
-        steps, walls, ratios = [], [], []
+        if ahead_ab:  # the fast path checked against the simple one on this backend: greedy tokens equal
+            res.setdefault("ahead_equal", {})[str(c)] = ahead_outputs(plain, ps, True) == ahead_outputs(plain, ps, False)
+        steps, walls, ratios, offs = [], [], [], []
         for _ in range(repeats):
             ms, wall_plain = step_ms(plain, ps, new_tokens, device)
             wall_spec = gen_wall(spec, ps, new_tokens, device)
             steps.append(ms)
             walls.append(wall_plain)
             ratios.append(wall_plain / wall_spec)
+            if ahead_ab:  # the same engine with decode ahead off: the simple path it replaces
+                plain.engine.ahead.enabled = False
+                try:
+                    offs.append(step_ms(plain, ps, new_tokens, device)[0])
+                finally:
+                    plain.engine.ahead.enabled = True
         d = res["dense_floor_ms"][str(c)]["median"]
+        if ahead_ab:
+            res["ahead_off_ms_per_step"][str(c)] = {**stat(offs), "over_dense": statistics.median(offs) / d}
+            res["ahead_gain"][str(c)] = stat([o / m for o, m in zip(offs, steps, strict=True)])
+            print(f"c{c}: decode ahead off {statistics.median(offs):.3f} ms/step "
+                  f"(off/on {res['ahead_gain'][str(c)]['median']:.2f}x)", flush=True)
         res["plain_ms_per_step"][str(c)] = {**stat(steps), "over_dense": statistics.median(steps) / d}
         res["spec_speedup"][str(c)] = stat(ratios)
         res["noise_floor"][str(c)] = (max(walls) - min(walls)) / statistics.median(walls)
@@ -255,6 +285,16 @@ def render(res: dict) -> str:
             lines.append(f"| {c} | {_r(row)} | {res['dense_floor_ms'][c]['median']:.3f} | {row['over_dense']:.2f}x | "
                          f"{res['noise_floor'][c]:.1%} |")
         lines.append("")
+    if res.get("ahead_off_ms_per_step"):
+        lines += ["## Decode ahead on vs off (engine/ahead.py; the same engine, arms interleaved per repeat)", "",
+                  "| concurrency | on ms per step | off ms per step | off / on | off over dense | greedy tokens equal |",
+                  "|---|---|---|---|---|---|"]
+        for c, row in res["ahead_off_ms_per_step"].items():
+            on = res["plain_ms_per_step"].get(c)
+            same = res.get("ahead_equal", {}).get(c)
+            lines.append(f"| {c} | {_r(on) if on else '-'} | {_r(row)} | {_r(res['ahead_gain'][c], '{:.2f}')}x | "
+                         f"{row['over_dense']:.2f}x | {'yes' if same else 'NO' if same is not None else '-'} |")
+        lines.append("")
     s = res.get("steps_b1")
     if s:
         lines += [f"## Step benches, batch 1, context {s['context']}, span {s['span']}", "",
@@ -301,6 +341,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--engine-kw", default="{}", help="JSON object of EngineConfig fields for both engines (A/B)")
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {', '.join(SECTIONS)}")
     ap.add_argument("--out-dir", help="write speed.json and speed.md there")
+    ap.add_argument("--no-ahead-ab", action="store_true", help="skip the decode-ahead-off arm of the levels section")
     a = ap.parse_args(argv)
     if a.repeats < 1 or a.new_tokens < 2 or a.growth_tokens < 2:
         raise SystemExit("--repeats must be >= 1, --new-tokens and --growth-tokens >= 2")
@@ -333,7 +374,7 @@ def main(argv: list[str] | None = None) -> dict:
     levels, contexts = positive_ints(a.levels, "--levels"), positive_ints(a.contexts, "--contexts")
     res = run(target, draft, a.device, levels, contexts, a.growth_c, a.repeats, a.new_tokens,
               a.prompt_len, a.tau, a.growth_tokens, a.step_context, a.dtype, save=save, engine_kw=engine_kw,
-              sections=sections)
+              sections=sections, ahead_ab=not a.no_ahead_ab)
     save(res)
     print(render(res), flush=True)
     emit_document(res)

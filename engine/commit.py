@@ -43,9 +43,10 @@ class CommitStep:
         self.prefix = prefix
 
     def commit(self, plan: StepPlan, results: list[SpanResult], taps: torch.Tensor | None,
-               finished_only: bool = False) -> list[RequestOutput]:
+               finished_only: bool = False, ahead: dict[str, int] | None = None) -> list[RequestOutput]:
         """The outputs of the requests that got new tokens or finished this step (finished_only: of those that
-        finished; nothing is built for the others)."""
+        finished; nothing is built for the others). ahead[rid]: positions past the new committed length that a
+        decode step already in flight writes (engine/ahead.py): their pages stay in the table."""
         spans = plan.spans
         knobs = self.faults.on_commit(spans)
         # With a prefix cache the drafter's context rows are written for every request, speculating or not
@@ -57,7 +58,7 @@ class CommitStep:
                                   ctx_shift=knobs.draft_shift)
         outs = []
         for i, (s, r) in enumerate(zip(spans, results, strict=True)):
-            out = self._commit_span(s, r, knobs, i, finished_only)
+            out = self._commit_span(s, r, knobs, i, finished_only, ahead.get(s.req.rid, 0) if ahead else 0)
             if out is not None:
                 outs.append(out)
         self.metrics.num_running = len(self.scheduler.running)
@@ -66,13 +67,13 @@ class CommitStep:
         return outs
 
     def _commit_span(self, s: Span, r: SpanResult, knobs: CommitKnobs, i: int,
-                     finished_only: bool = False) -> RequestOutput | None:
+                     finished_only: bool = False, ahead: int = 0) -> RequestOutput | None:
         req = s.req
         if r.accepted is not None:
             self.metrics.record_verify(r.drafts, r.accepted)
             req.spec.record(r.drafts, r.accepted)
         req.num_computed = s.start + r.committed
-        self.pool.commit(req.rid, req.num_computed, leak=knobs.leak(i), keep_extra=knobs.kept(i))
+        self.pool.commit(req.rid, req.num_computed, leak=knobs.leak(i), keep_extra=knobs.kept(i), ahead=ahead)
         if s.kind == "prefill":
             self.metrics.prompt_tokens += r.committed
         n0 = len(req.output_ids)

@@ -360,6 +360,10 @@ class EngineConfig:
     # add_request does not wait for a step in flight: the request is checked and left in an inbox the next step
     # takes in (engine.py; default from SPECBENCH_ADMIT_INBOX, else on; off: add_request takes the step lock)
     admit_inbox: bool = field(default_factory=lambda: env_flag("SPECBENCH_ADMIT_INBOX", True))
+    # Plain decode one step ahead (engine/ahead.py): the next decode step is launched before the host reads the
+    # tokens of the one on the device, so the host's commit / schedule / metadata work overlaps the GPU's step
+    # (CUDA graphs, no speculation; default from SPECBENCH_DECODE_AHEAD, else on)
+    decode_ahead: bool = field(default_factory=lambda: env_flag("SPECBENCH_DECODE_AHEAD", True))
     seed: int = 0
     spec: SpecConfig = field(default_factory=SpecConfig)
     faults: tuple[str, ...] = ()

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 import torch
 
 from .accept_step import AcceptStep
+from .ahead import DecodeAhead
 from .commit import CommitStep
 from .config import ConfigError, EngineConfig, ModelConfig, SamplingParams
 from .faults import make_faults
@@ -112,6 +113,7 @@ class LLMEngine:
                                       self.faults, self._release, prefix=self.prefix)
         self.invariants = InvariantChecker(self.pool, self.scheduler, self.proposer, self.spec) \
             if cfg.check_invariants else None
+        self.ahead = DecodeAhead(self)  # plain decode one step ahead (engine/ahead.py; EngineConfig.decode_ahead)
         self.step_count = 0  # step() calls so far (the step an InvariantError names)
         self._gen = torch.Generator().manual_seed(cfg.seed)
         self._ids = itertools.count()
@@ -169,6 +171,7 @@ class LLMEngine:
                 "attention": self.runner.backend.name, "triton": self.runner.model.ops is not None,
                 "decode_tensor_cores": self.cfg.decode_tensor_cores, "decode_attention": self.cfg.decode_attention,
                 "gemv": self.cfg.gemv, "selector_kernel": getattr(self.proposer, "walk_kernel", None),
+                "decode_ahead": self.ahead.usable(),
                 "batched_draft": self.cfg.spec.batched_draft, "verify_graph": self.cfg.verify_graph,
                 "draft_graph": self.cfg.draft_graph, "graph_context": self.runner.context_writer is not None,
                 "faults": sorted(self.faults.names),
@@ -345,9 +348,17 @@ class LLMEngine:
             self._take_inbox()
             self.metrics.steps += 1
             self.step_count += 1
+            if self.ahead.inflight is not None:  # a decode step on the device: chain the next, commit it
+                chained = self.ahead.step(finished_only)
+                self._check_invariants()
+                return chained
             with self.ranges.phase("schedule"):
                 ks, states = self.policy.choose(self.scheduler.running, self.proposer, self.step_count)
                 plan = self.scheduler.schedule(ks, states)
+            if self.ahead.eligible(plan):  # plain decode: launched, the next one chained, then committed
+                started = self.ahead.start(plan, finished_only)
+                self._check_invariants()
+                return started
             outs: list[RequestOutput] = []
             if plan.spans:
                 with self.ranges.phase("draft"):
@@ -360,9 +371,12 @@ class LLMEngine:
                 with self.ranges.phase("commit"):
                     outs = self.commit_step.commit(plan, results, fwd.taps, finished_only)
                 self.policy.step_done()
-            if self.invariants is not None:
-                self.invariants.check(self.step_count)
+            self._check_invariants()
             return outs
+
+    def _check_invariants(self) -> None:
+        if self.invariants is not None:
+            self.invariants.check(self.step_count, self.ahead.reserved())
 
     # ---- batch API -------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,

@@ -130,15 +130,22 @@ class DecodeGraphs:
                                  slot_mapping=self.io[2, :b], page_tables=tables + [[self.runner.dummy_page]] * pad,
                                  page_size=self.runner.pool.page_size, causal=True)
 
-    def _fill(self, spans: list[Span], b: int) -> AttentionMetadata:
+    def _fill(self, spans: list[Span], b: int, tokens: torch.Tensor | None = None) -> AttentionMetadata:
+        """The bucket's static inputs for `spans`: token ids (from the spans, or the device tensor `tokens`),
+        positions and slots, through one pinned, stream-ordered copy on CUDA (no host wait: the step before may
+        still be running, engine/ahead.py)."""
         pool = self.runner.pool
         n = len(spans)
-        host = torch.zeros(3, b, dtype=torch.long)
+        cuda = self.io.is_cuda
+        host = torch.zeros(3, b, dtype=torch.long, pin_memory=cuda)
         host[2].fill_(self.runner.dummy_slot)
-        host[0, :n] = torch.tensor([s.tokens[0] for s in spans], dtype=torch.long)
+        if tokens is None:
+            host[0, :n] = torch.tensor([s.tokens[0] for s in spans], dtype=torch.long)
         host[1, :n] = torch.tensor([s.start for s in spans], dtype=torch.long)
         host[2, :n] = torch.tensor([pool.slot(s.req.rid, s.start) for s in spans], dtype=torch.long)
-        self.io[:, :b].copy_(host)
+        self.io[:, :b].copy_(host, non_blocking=cuda)
+        if tokens is not None:
+            self.io[0, :n].copy_(tokens)
         return self._meta(b, [s.start + 1 for s in spans], [pool.table(s.req.rid) for s in spans])
 
     # ---- bodies --------------------------------------------------------------------------------
@@ -233,11 +240,14 @@ class DecodeGraphs:
         torch.cuda.synchronize()
 
     @torch.inference_mode()
-    def run(self, spans: list[Span], logit_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def launch(self, spans: list[Span], tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run the padded step of `spans` (input tokens from the device tensor `tokens` when given, else from
+        the spans) with no host read; (logits [n, V], taps [n, ...] or None): views of the bucket's static
+        buffers, valid until its next replay (stream order: ops queued after this see this step's values)."""
         n = len(spans)
         b = self.bucket(n)
         assert b is not None and self.can_run(spans)
-        meta = self._fill(spans, b)
+        meta = self._fill(spans, b, tokens)
         if self.full:
             self.backend.prepare_replay(meta)
         else:
@@ -255,12 +265,18 @@ class DecodeGraphs:
                 a()
             graphs[-1].replay()
             logits, taps = self._out[b]
+        return logits[:n], (taps[:n] if taps is not None else None)
+
+    @torch.inference_mode()
+    def run(self, spans: list[Span], logit_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        n = len(spans)
+        logits, taps = self.launch(spans)
         if logit_rows == list(range(n)):
-            out = logits[:n].clone()
+            out = logits.clone()
         else:
             out = logits[torch.tensor(logit_rows, dtype=torch.long, device=logits.device)]
         # taps: a view of the static buffer, read by this step's commit only (as the verify graphs return theirs)
-        return out, (taps[:n] if taps is not None else None)
+        return out, taps
 
 
     @torch.inference_mode()

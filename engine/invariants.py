@@ -80,7 +80,9 @@ class InvariantChecker:
         if pool.prefix is not None:
             pool.prefix.recent = []  # the index lists its new registrations for `_prefix`
 
-    def check(self, step: int) -> None:
+    def check(self, step: int, ahead: dict[str, int] | None = None) -> None:
+        """ahead[rid]: positions past the committed length that a decode step in flight writes (engine/ahead.py):
+        their pages are owned on purpose (every other relation is unchanged)."""
         pool, ps = self.pool, self.pool.page_size
         owned = pool.owned()
         running = {r.rid: r for r in self.scheduler.running}
@@ -92,11 +94,12 @@ class InvariantChecker:
             if length != req.num_computed:
                 raise InvariantError(step, rid, "has a pool length that is not its committed length",
                                      pool_length=length, num_computed=req.num_computed)
-            need = pages_for(req.num_computed, ps)
+            held = ahead.get(rid, 0) if ahead else 0
+            need = pages_for(req.num_computed + held, ps)
             if len(table) != need:
                 raise InvariantError(step, rid, f"owns {len(table)} pages where its committed length needs {need}",
                                      pages=len(table), needed=need, num_computed=req.num_computed, page_size=ps,
-                                     outstanding_reservation=0)
+                                     outstanding_reservation=held)
         stray = [rid for rid in owned if rid not in running]
         if stray:
             rid = stray[0]

@@ -239,8 +239,9 @@ class PagePool:
         """Speculative reservation: slots for `length + extra` tokens."""
         self.ensure(rid, self._reqs[rid].length + extra)
 
-    def commit(self, rid: str, new_length: int, leak: bool = False, keep_extra: int = 0) -> None:
-        """Record `new_length` committed tokens and release pages wholly past it (the rollback).
+    def commit(self, rid: str, new_length: int, leak: bool = False, keep_extra: int = 0, ahead: int = 0) -> None:
+        """Record `new_length` committed tokens and release pages wholly past it (the rollback), except the
+        pages of the `ahead` positions after it that a step in flight writes (engine/ahead.py).
 
         Self-test knobs (engine/faults.py), never set otherwise: `leak=True`: the pages leave the table but
         never reach the free list (lost; skip_rollback); `keep_extra=n`: the rollback keeps up to n pages
@@ -250,7 +251,7 @@ class PagePool:
             raise KVCacheError(f"request {rid!r}: commit of {new_length} tokens past capacity "
                                f"{len(e.table) * self.page_size}")
         e.length = new_length
-        keep = pages_for(new_length, self.page_size) + keep_extra
+        keep = pages_for(new_length + ahead, self.page_size) + keep_extra
         while len(e.table) > keep:
             self._drop(e.table.pop(), lose=leak)
         del e.keys[len(e.table):]  # a block key past the table names no page of this request

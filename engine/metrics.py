@@ -42,6 +42,8 @@ class EngineMetrics:
     prefix_hits: int = 0
     capture_hits: int = 0
     capture_fallbacks: int = 0
+    # plain decode steps launched one step ahead, before the host read the step on the device (engine/ahead.py)
+    decode_ahead_steps: int = 0
 
     def reset(self) -> None:
         """Every counter and gauge back to zero (the server's warm-up requests are not served traffic)."""
@@ -77,6 +79,7 @@ class EngineMetrics:
             "gated_rounds": self.gated_rounds, "span_hist": dict(self.span_hist),
             "prefix_queries": self.prefix_queries, "prefix_hits": self.prefix_hits,
             "capture_hits": self.capture_hits, "capture_fallbacks": self.capture_fallbacks,
+            "decode_ahead_steps": self.decode_ahead_steps,
         }
 
     def prometheus(self, model: str) -> str:
@@ -107,6 +110,8 @@ class EngineMetrics:
                 "Prefix hits without the drafter's capture: the request decodes without drafts.")
         counter("specbench:spec_gated_rounds_total", self.gated_rounds,
                 "Steps whose draft-ready requests verified one token (max-batch gate or span policy).")
+        counter("specbench:decode_ahead_steps_total", self.decode_ahead_steps,
+                "Plain decode steps launched before the host read the step on the device (decode ahead).")
         name = "specbench:spec_step_span_total"
         lines += [f"# HELP {name} Steps per chosen verify span (1 + drafts).", f"# TYPE {name} counter"]
         for span in sorted(self.span_hist):

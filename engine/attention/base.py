@@ -44,6 +44,10 @@ class AttentionBackend:
     # The current step's slot of every new token (set by `plan`); read by the fused rope + store kernel
     # of a backend that `accepts_stored_kv`.
     slot_mapping: torch.Tensor | None = None
+    # plan / prepare_replay may run while the step before is still on the device (engine/ahead.py): every
+    # device buffer they refresh is written by a copy on the current stream, never staged through host memory
+    # that a later plan overwrites before the copy ran
+    ahead_safe: bool = True
 
     def plan(self, meta: AttentionMetadata) -> None:
         raise NotImplementedError

@@ -115,6 +115,13 @@ class FlashInferAttention(AttentionBackend):
                      if self.device.type == "cuda" else 0)
 
     @property
+    def ahead_safe(self) -> bool:
+        """Decode steps may be planned while the one before runs (engine/ahead.py) with the Triton split-K
+        decode (its metadata: one stream-ordered copy into the bucket's buffer); not with FlashInfer's decode
+        wrapper, whose plan stages its metadata in one page-locked buffer that the next plan overwrites."""
+        return self.decode_attention == "triton"
+
+    @property
     def accepts_stored_kv(self) -> bool:
         """Whether the model may store K/V itself this step (not when the torch fallback serves it)."""
         return self._fallback is None
@@ -204,7 +211,8 @@ class FlashInferAttention(AttentionBackend):
         if len(host) > len(buf):
             raise ValueError(f"{len(a.kv_indices)} pages for a batch of {b} exceed the {self.max_pages + b} "
                              "the decode buffer holds")
-        buf[: len(host)].copy_(host)
+        # pinned and stream-ordered: the replay before may still be reading the buffer (engine/ahead.py)
+        buf[: len(host)].copy_(host.pin_memory() if buf.is_cuda else host, non_blocking=buf.is_cuda)
         self._tri = (buf[:b], buf[b: 2 * b + 1], buf[2 * b + 1:])
         self._tri_ctx = self.max_pages * meta.page_size
         self._active = None

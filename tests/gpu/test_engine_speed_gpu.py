@@ -57,3 +57,32 @@ def test_incremental_detok_equals_full_decode_on_cuda(tiny):
                  gpu_memory_utilization=0.3) as llm:
             got[on] = [(o.output_ids, o.text, o.finish_reason) for o in llm.generate(prompts, sp)]
     assert got[True] == got[False]
+
+
+def test_decode_ahead_equals_its_off_switch_on_cuda(tiny):
+    """engine/ahead.py on the device (CUDA graphs, real events and asynchronous copies): every step() call's
+    outputs equal the off switch's, greedy and seeded sampling, stops inside a chain, an abort mid-chain."""
+    from specbench.engine import LLM, SamplingParams
+
+    prompts = ["The quick brown fox", "Once upon a time, there was", "Question: what is 2 + 2?", "a b c d"]
+    reqs = [SamplingParams(max_tokens=40, temperature=0.0, stop=[" the"], ignore_eos=True),
+            SamplingParams(max_tokens=33, temperature=0.0),
+            SamplingParams(max_tokens=29, temperature=0.9, top_k=40, seed=11, ignore_eos=True),
+            SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True)]
+    got = {}
+    for on in (True, False):
+        with LLM(tiny[0], device="cuda", dtype="bfloat16", attention_backend="torch", decode_ahead=on,
+                 gpu_memory_utilization=0.3) as llm:
+            eng = llm.engine
+            for i, (p, sp) in enumerate(zip(prompts, reqs, strict=True)):
+                eng.add_request(p, sp, rid=f"r{i}")
+            calls = []
+            while eng.has_unfinished():
+                if len(calls) == 12:
+                    eng.abort("r1")
+                calls.append(sorted((o.rid, tuple(o.new_ids), o.text, o.finished, o.finish_reason)
+                                    for o in eng.step()))
+            got[on] = calls
+            if on:
+                assert eng.metrics.decode_ahead_steps > 10, "the chain did not run on CUDA"
+    assert got[True] == got[False]

@@ -1,0 +1,214 @@
+"""Decode one step ahead: the host builds and launches plain-decode step n+1 while the GPU runs step n.
+
+Without it every step ends on a host read (the sampled tokens), and the GPU idles while the host commits
+them, schedules the next step, fills its metadata and launches it (about 0.4 ms a step at one stream, over
+1 ms at 64, on the H200). With it (EngineConfig.decode_ahead, on by default; SPECBENCH_DECODE_AHEAD=0 off):
+
+- A step the scheduler planned as plain decode (every span one decode token, see `DecodeAhead.eligible`) is
+  launched through the decode graphs with no host read: its tokens are drawn on the device (the argmax, or
+  the request's transform and one uniform from its own generator, as the accept phase draws them), copied to
+  pinned host memory asynchronously, and an event marks the copy.
+- Before that step is read, the next one is built from it: the same requests, each one position further,
+  less those it finishes by length (their max_tokens is reached). Its input tokens are the older step's
+  device tokens (a gather, no host round trip), its positions, slots and attention metadata come from the
+  host as always, through pinned buffers and stream-ordered copies. Only then does the host wait for the
+  older step's event and commit its tokens (accept phase results of one token each, the commit phase as
+  in a normal step); the step() call returns the older step's outputs, so each call still returns one
+  step's outputs, one step late.
+- A request the older step finishes on EOS, a stop token or a stop string, or that is aborted meanwhile,
+  has a row in the newer step whose token is dropped at its commit. That row wrote its K/V at the request's
+  committed length: past every sealed block, on a page the request still holds or has given back, and every
+  later write to a page given back is queued after it on the same stream.
+- While a step is ahead, the commit of the older one keeps the page the newer one writes (`ahead` of
+  CommitStep.commit / PagePool.commit), and the run-time invariants count that one position
+  (InvariantChecker.check's `ahead`).
+- Anything else ends the chain: a waiting request that could be admitted, a request in prefill, speculation,
+  logprobs, top-p (its transform reads the host), armed faults, synthetic acceptance, an attention backend
+  whose plan is not stream-ordered (FlashInfer's own decode plan: `ahead_safe`), more requests than the
+  largest decode bucket. The step in flight is then committed first, and the next step runs as before.
+
+The ahead path changes when a token is read, never which token: the same graphs, the same sampling ops on
+the same rows, each generator drawn once per decode step in the same order (tests/test_decode_ahead.py
+checks it token for token against the off switch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from .accept_step import SpanResult
+from .output import RequestOutput
+from .sampler import draw_rows, sampling_probs_rows, uniforms
+from .scheduler import Span, StepPlan
+
+if TYPE_CHECKING:  # the engine builds this with itself
+    from .engine import LLMEngine
+
+PLACEHOLDER = -1  # a span's token while the step before it is still on the device
+
+
+@dataclass
+class InFlight:
+    """A launched decode step: its spans, its tokens on the device and (after the copy) in host memory."""
+
+    spans: list[Span]
+    tokens: torch.Tensor  # int64 [len(spans)], on the device
+    host: torch.Tensor  # int64 [len(spans)], pinned on CUDA; valid once `event` has completed
+    event: torch.cuda.Event | None  # None off CUDA (the copy has already happened)
+
+
+class DecodeAhead:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.inflight: InFlight | None = None
+        self.cuda = engine.device.type == "cuda"
+        self.enabled = engine.cfg.decode_ahead  # a benchmark may flip it between steps (A/B in one engine)
+
+    # ---- when ----------------------------------------------------------------------------------
+    def usable(self) -> bool:
+        """The engine-wide conditions (they do not change between steps, except a benchmark's swaps)."""
+        e = self.engine
+        return (self.enabled and e.proposer is None and not e.faults.names and e.synthetic is None
+                and e.runner.use_graph_runner and getattr(e.runner.backend, "ahead_safe", False))
+
+    @staticmethod
+    def request_ok(req) -> bool:
+        p = req.params
+        return p.logprobs is None and p.prompt_logprobs is None and (p.greedy or p.top_p >= 1.0)
+
+    def eligible(self, plan: StepPlan) -> bool:
+        """A plan the scheduler made that may start a chain: plain decode of eligible requests that fits the
+        decode graphs."""
+        spans = plan.spans
+        if not spans or not self.usable():
+            return False
+        if not all(s.kind == "decode" and len(s.tokens) == 1 and self.request_ok(s.req) for s in spans):
+            return False
+        return self.engine.runner.decode_graphs(()).can_run(spans)
+
+    def reserved(self) -> dict[str, int]:
+        """Positions held past the committed length by the step in flight, per request id (its one row)."""
+        return {s.req.rid: 1 for s in self.inflight.spans} if self.inflight is not None else {}
+
+    # ---- the step --------------------------------------------------------------------------------
+    def start(self, plan: StepPlan, finished_only: bool) -> list[RequestOutput]:
+        """Launch `plan` (eligible), chain the next step when it can be, commit `plan`'s tokens."""
+        assert self.inflight is None
+        with self.engine.ranges.phase("forward"):
+            first = self._launch(plan.spans, None)
+        return self._advance(first, finished_only)
+
+    def step(self, finished_only: bool) -> list[RequestOutput]:
+        """With a step in flight: chain the next one when it can be, then commit the one in flight."""
+        prev = self.inflight
+        assert prev is not None
+        self.inflight = None
+        return self._advance(prev, finished_only)
+
+    def drain(self) -> list[RequestOutput]:
+        """Commit the step in flight without launching another (its outputs; [] with none in flight)."""
+        prev, self.inflight = self.inflight, None
+        return self._finish(prev, False) if prev is not None else []
+
+    def _advance(self, prev: InFlight, finished_only: bool) -> list[RequestOutput]:
+        with self.engine.ranges.phase("forward"):
+            spans = self._next_spans(prev)
+            self.inflight = self._launch(spans, prev) if spans else None
+        if self.inflight is not None:
+            self.engine.metrics.decode_ahead_steps += 1
+        return self._finish(prev, finished_only)
+
+    def _next_spans(self, prev: InFlight) -> list[Span]:
+        """The decode step after `prev` (not yet committed), or [] when the chain must end here."""
+        e = self.engine
+        sch = e.scheduler
+        if not self.usable() or e._inbox or (sch.waiting and len(sch.running) < e.cfg.max_num_seqs):
+            return []
+        ahead = {id(s.req) for s in prev.spans}
+        if any(r.in_prefill or id(r) not in ahead for r in sch.running):
+            return []  # a request the chain does not know (admitted by a normal step): schedule normally
+        spans = []
+        for s in prev.spans:
+            req = s.req
+            # prev commits one token; a request it leaves at max_tokens gets no row (a stop is not known yet)
+            if req.finished or len(req.output_ids) + 1 >= req.params.max_tokens:
+                continue
+            spans.append(Span(req, [PLACEHOLDER], s.start + 1, "decode"))
+        if not spans or not e.runner.decode_graphs(()).can_run(spans):
+            return []
+        for s in spans:
+            e.pool.ensure(s.req.rid, s.start + 1)
+        return spans
+
+    def _launch(self, spans: list[Span], prev: InFlight | None) -> InFlight:
+        """Replay the decode graph of `spans` (input tokens from `prev`'s device tokens when given), draw the
+        tokens on the device and start their copy to the host."""
+        e = self.engine
+        src = None
+        if prev is not None:
+            src = prev.tokens
+            if len(spans) != len(prev.spans):
+                where = {id(s.req): i for i, s in enumerate(prev.spans)}
+                idx = torch.tensor([where[id(s.req)] for s in spans], dtype=torch.long)
+                src = prev.tokens[idx.to(prev.tokens.device, non_blocking=self.cuda)]
+        else:
+            for s in spans:
+                e.pool.ensure(s.req.rid, s.start + 1)
+        graphs = e.runner.decode_graphs(())
+        e.runner.last_path = ("decode-graph", len(spans))
+        e.runner.context_fused = False
+        logits, _ = graphs.launch(spans, src)
+        tokens = self._draw(spans, logits)
+        host = torch.empty(len(spans), dtype=torch.long, pin_memory=self.cuda)
+        host.copy_(tokens, non_blocking=self.cuda)
+        event = None
+        if self.cuda:
+            event = torch.cuda.Event()
+            event.record()
+        return InFlight(spans, tokens, host, event)
+
+    def _draw(self, spans: list[Span], logits: torch.Tensor) -> torch.Tensor:
+        """Each span's token on the device, as the accept phase picks it: the argmax for greedy requests; for
+        sampled ones the request's transform over its row and an inverse-CDF draw with one uniform from its
+        own generator, the sampled rows together in span order."""
+        sampled = [i for i, s in enumerate(spans) if not s.req.params.greedy]
+        tokens = logits.argmax(-1) if len(sampled) < len(spans) else None
+        if sampled:
+            dev = logits.device
+            rows = logits if len(sampled) == len(spans) else \
+                logits[torch.tensor(sampled, dtype=torch.long).to(dev, non_blocking=self.cuda)]
+            probs = sampling_probs_rows(rows, [spans[i].req.params for i in sampled])
+            u = uniforms([1] * len(sampled), [self.engine._gens[spans[i].req.rid] for i in sampled], dev)
+            drawn = draw_rows(probs, u)
+            if tokens is None:
+                tokens = drawn
+            else:
+                idx = torch.tensor(sampled, dtype=torch.long).to(dev, non_blocking=self.cuda)
+                tokens = tokens.index_copy(0, idx, drawn)
+        assert tokens is not None
+        return tokens
+
+    def _finish(self, fl: InFlight, finished_only: bool) -> list[RequestOutput]:
+        """Wait for `fl`'s tokens and commit them (requests finished or aborted since its launch dropped)."""
+        e = self.engine
+        with e.ranges.phase("accept"):
+            if fl.event is not None:
+                fl.event.synchronize()
+            toks = fl.host.tolist()
+            kept: list[Span] = []
+            results: list[SpanResult] = []
+            for s, t in zip(fl.spans, toks, strict=True):
+                req = s.req
+                if req.finished or e.requests.get(req.rid) is not req:
+                    continue  # finished by the step before (a stop) or aborted: the row's token is not the request's
+                if req.num_computed != s.start:
+                    raise RuntimeError(f"decode ahead: request {req.rid!r} is at {req.num_computed}, its step "
+                                       f"in flight at {s.start}")
+                s.tokens = [req.token_at(s.start)]
+                kept.append(s)
+                results.append(SpanResult(1, [t]))
+        with e.ranges.phase("commit"):
+            return e.commit_step.commit(StepPlan(kept), results, None, finished_only, ahead=self.reserved())
