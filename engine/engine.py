@@ -327,7 +327,7 @@ class LLMEngine:
             parts = [v for k, v in vars(self).items() if k not in keep]
             vars(self).clear()
             self.__dict__.update(keep, _closed=True)
-            dismantle(parts, keep=KEEP_AT_CLOSE)
+            dismantle(parts, keep=(*KEEP_AT_CLOSE, LLMEngine))  # parts that point back (DecodeAhead.engine)
             del parts
         if cuda:
             torch.cuda.synchronize()
