@@ -47,7 +47,9 @@ class AttentionBackend:
     # plan / prepare_replay may run while the step before is still on the device (engine/ahead.py): every
     # device buffer they refresh is written by a copy on the current stream, never staged through host memory
     # that a later plan overwrites before the copy ran
-    ahead_safe: bool = True
+    @property
+    def ahead_safe(self) -> bool:
+        return True
 
     def plan(self, meta: AttentionMetadata) -> None:
         raise NotImplementedError
