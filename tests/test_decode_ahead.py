@@ -148,3 +148,18 @@ def test_the_engine_string_switch(tiny_target) -> None:
     assert build_adapter(f"local:{tiny_target},decode_ahead=1").engine.cfg.decode_ahead is True
     with pytest.raises(ValueError, match="decode_ahead"):
         build_adapter(f"local:{tiny_target},decode_ahead=maybe")
+
+
+def test_the_steps_are_counted_on_both_metrics_endpoints(tiny_target, gsm8k_prompts) -> None:
+    """The engine's own text and the served /metrics collector show how many steps ran ahead."""
+    from types import SimpleNamespace
+
+    from specbench.harness.server.metrics import EngineCollector
+
+    llm = _llm(tiny_target, True)
+    llm.generate(gsm8k_prompts[:2], SamplingParams(max_tokens=12, ignore_eos=True))
+    n = llm.engine.metrics.decode_ahead_steps
+    assert n > 5
+    assert f'specbench:decode_ahead_steps_total{{model_name="x"}} {n}' in llm.engine.metrics.prometheus("x")
+    fams = {f.name: f for f in EngineCollector(SimpleNamespace(engine=llm.engine, num_pending=0), ("x", "e")).collect()}
+    assert [s.value for s in fams["specbench:decode_ahead_steps"].samples if s.name.endswith("_total")] == [n]

@@ -95,6 +95,9 @@ class EngineCollector(Collector):
         yield counter("specbench:spec_capture_fallbacks",
                       "Prefix hits without the drafter's capture: the request decodes without drafts.",
                       getattr(m, "capture_fallbacks", 0))
+        yield counter("specbench:decode_ahead_steps",
+                      "Plain-decode steps launched one ahead (engine/ahead.py; decode_ahead=0 turns it off).",
+                      getattr(m, "decode_ahead_steps", 0))
         # load-aware speculation (engine/spec/policy.py): one-token rounds and steps per chosen verify span
         yield counter("specbench:spec_gated_rounds",
                       "Steps whose draft-ready requests verified one token (max-batch gate or span policy).",
