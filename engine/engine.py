@@ -7,6 +7,9 @@ One step reads as its five phases, each a call into the module named for it:
   accept    accept_step.py: every span's new tokens (greedy match, rejection sampling, picks)
   commit    commit.py: KV rollback, drafter context, stop handling and outputs (output.py), counters
 then, with `EngineConfig.check_invariants`, the run-time invariants (invariants.py) after the commit.
+A plan of plain decode (no speculation, no logprobs, no top-p) may instead run one step ahead
+(ahead.py, `EngineConfig.decode_ahead`): launched with its tokens drawn on the device, the next step chained
+from them, then committed; each step() call still returns one step's outputs.
 A request that cannot speculate (logprobs or prompt logprobs requested, sampling with spec sampling off,
 not draft-ready, one token left) runs as a span of 1 in the same step; it never turns speculation off for
 its neighbours. Which speculation a run uses (method, K, headroom) is decided once (spec/plan.py); the
