@@ -31,11 +31,13 @@ Prints a table, then one JSON document as the last line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import statistics
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -102,15 +104,23 @@ def step_ms(llm, ps: list[list[int]], n_new: int, device: str) -> tuple[float, f
     return (full - one) * 1e3 / (n_new - 1), full
 
 
-def ahead_outputs(llm, ps: list[list[int]], on: bool, max_tokens: int = 64) -> list[list[int]]:
-    """Greedy output ids of `ps` with decode ahead on or off (engine/ahead.py), the engine left on."""
-    from specbench.engine import SamplingParams
-
+@contextlib.contextmanager
+def ahead_set(llm, on: bool) -> Iterator[None]:
+    """Decode ahead (engine/ahead.py) on or off inside the block, as it was after it."""
+    was = llm.engine.ahead.enabled
     llm.engine.ahead.enabled = on
     try:
-        return [o.output_ids for o in llm.generate(ps, SamplingParams(max_tokens=max_tokens, ignore_eos=True))]
+        yield
     finally:
-        llm.engine.ahead.enabled = True
+        llm.engine.ahead.enabled = was
+
+
+def ahead_outputs(llm, ps: list[list[int]], on: bool, max_tokens: int = 64) -> list[list[int]]:
+    """Greedy output ids of `ps` with decode ahead on or off."""
+    from specbench.engine import SamplingParams
+
+    with ahead_set(llm, on):
+        return [o.output_ids for o in llm.generate(ps, SamplingParams(max_tokens=max_tokens, ignore_eos=True))]
 
 
 def step_benches(target: str, draft: str, device: str, repeats: int, context: int) -> dict:
@@ -205,11 +215,8 @@ def run(target: str, draft: str, device: str = "cuda", levels: tuple[int, ...] =
             walls.append(wall_plain)
             ratios.append(wall_plain / wall_spec)
             if ahead_ab:  # the same engine with decode ahead off: the simple path it replaces
-                plain.engine.ahead.enabled = False
-                try:
+                with ahead_set(plain, False):
                     offs.append(step_ms(plain, ps, new_tokens, device)[0])
-                finally:
-                    plain.engine.ahead.enabled = True
         d = res["dense_floor_ms"][str(c)]["median"]
         if ahead_ab:
             res["ahead_off_ms_per_step"][str(c)] = {**stat(offs), "over_dense": statistics.median(offs) / d}

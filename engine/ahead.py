@@ -139,8 +139,6 @@ class DecodeAhead:
             spans.append(Span(req, [PLACEHOLDER], s.start + 1, "decode"))
         if not spans or not e.runner.decode_graphs(()).can_run(spans):
             return []
-        for s in spans:
-            e.pool.ensure(s.req.rid, s.start + 1)
         return spans
 
     def _launch(self, spans: list[Span], prev: InFlight | None) -> InFlight:
@@ -154,9 +152,8 @@ class DecodeAhead:
                 where = {id(s.req): i for i, s in enumerate(prev.spans)}
                 idx = torch.tensor([where[id(s.req)] for s in spans], dtype=torch.long)
                 src = prev.tokens[idx.to(prev.tokens.device, non_blocking=self.cuda)]
-        else:
-            for s in spans:
-                e.pool.ensure(s.req.rid, s.start + 1)
+        for s in spans:
+            e.pool.ensure(s.req.rid, s.start + 1)
         graphs = e.runner.decode_graphs(())
         e.runner.last_path = ("decode-graph", len(spans))
         e.runner.context_fused = False
@@ -178,15 +175,15 @@ class DecodeAhead:
         tokens = logits.argmax(-1) if len(sampled) < len(spans) else None
         if sampled:
             dev = logits.device
-            rows = logits if len(sampled) == len(spans) else \
-                logits[torch.tensor(sampled, dtype=torch.long).to(dev, non_blocking=self.cuda)]
-            probs = sampling_probs_rows(rows, [spans[i].req.params for i in sampled])
+            idx = None if tokens is None else torch.tensor(sampled, dtype=torch.long).to(dev, non_blocking=self.cuda)
+            probs = sampling_probs_rows(logits if idx is None else logits[idx],
+                                        [spans[i].req.params for i in sampled])
             u = uniforms([1] * len(sampled), [self.engine._gens[spans[i].req.rid] for i in sampled], dev)
             drawn = draw_rows(probs, u)
             if tokens is None:
                 tokens = drawn
             else:
-                idx = torch.tensor(sampled, dtype=torch.long).to(dev, non_blocking=self.cuda)
+                assert idx is not None  # some rows greedy: the sampled ones go into the argmax
                 tokens = tokens.index_copy(0, idx, drawn)
         assert tokens is not None
         return tokens
