@@ -94,6 +94,29 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     return out
 
 
+SEG_FIELDS = 5  # a span segment: (first row, query rows, key limit of its first row, limit step per row, page-list start)
+
+
+def span_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, segs: torch.Tensor,
+                       pages: torch.Tensor, page_size: int, scale: float) -> torch.Tensor:
+    """Torch reference of `span_attention`: every segment's rows attend to the first `base + j * step` keys of
+    its page list (row j of the segment); rows no segment covers get zeros."""
+    r, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    out = torch.zeros(r, hq, d, dtype=q.dtype, device=q.device)
+    pg = pages.long()
+    for row0, qlen, base, step, p0 in segs.view(-1, SEG_FIELDS).tolist():
+        for j in range(qlen):
+            n = base + j * step
+            pos = torch.arange(n, device=q.device)
+            slots = pg[p0 + pos // page_size] * page_size + pos % page_size
+            k = k_cache[slots].float().repeat_interleave(hq // hkv, dim=1)
+            v = v_cache[slots].float().repeat_interleave(hq // hkv, dim=1)
+            p = torch.softmax(torch.einsum("hd,nhd->hn", q[row0 + j].float(), k) * scale, dim=-1)
+            out[row0 + j] = torch.einsum("hn,nhd->hd", p, v).to(q.dtype)
+    return out
+
+
 if triton_importable():
     import triton
     import triton.language as tl
@@ -187,6 +210,67 @@ if triton_importable():
                     tl.atomic_xchg(cnt_ptr + b * HKV + h, 0, sem="relaxed", scope="gpu")
 
     @triton.jit
+    def _span_kernel(q_ptr, kc_ptr, vc_ptr, seg_ptr, pages_ptr, part_ptr, out_ptr, sq_b, sq_h, so_b, so_h, qk_scale,
+                     NSPLIT, NROWS, HKV: tl.constexpr, G: tl.constexpr, QM: tl.constexpr, TQ: tl.constexpr,
+                     D: tl.constexpr, DP: tl.constexpr, PS: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
+                     PREC: tl.constexpr):
+        """Program (segment, KV head, split): the segment's <= QM query rows x the G heads of KV head h as one
+        [TQ, D] tile (row t = query t // G, head t % G), one pass over the split's keys with a per-row limit."""
+        seg = tl.program_id(0)
+        h = tl.program_id(1)
+        s = tl.program_id(2)
+        qlen = tl.load(seg_ptr + seg * 5 + 1)
+        if qlen > 0:
+            row0 = tl.load(seg_ptr + seg * 5)
+            base = tl.load(seg_ptr + seg * 5 + 2)
+            step = tl.load(seg_ptr + seg * 5 + 3)
+            p0 = tl.load(seg_ptr + seg * 5 + 4)
+            kvlen = base + (qlen - 1) * step  # the last row sees the most keys
+            chunk = tl.cdiv(tl.cdiv(kvlen, NSPLIT), BLOCK_N) * BLOCK_N
+            start = s * chunk
+            end = tl.minimum(start + chunk, kvlen)
+            t = tl.arange(0, TQ)
+            j = t // G
+            g = t % G
+            tm = (j < qlen) & (t < QM * G)
+            rows = (row0 + j).to(tl.int64)
+            limit = tl.where(tm, base + j * step, 0)
+            d = tl.arange(0, DP)
+            n = tl.arange(0, BLOCK_N)
+            dm = d < D
+            q = tl.load(q_ptr + rows[:, None] * sq_b + (h * G + g)[:, None] * sq_h + d[None, :],
+                        mask=tm[:, None] & dm[None, :], other=0.0)
+            m_i = tl.full([TQ], float("-inf"), tl.float32)
+            l_i = tl.zeros([TQ], tl.float32)
+            acc = tl.zeros([TQ, DP], tl.float32)
+            for t0 in range(start, end, BLOCK_N):
+                pos = t0 + n
+                valid = pos < end
+                page = tl.load(pages_ptr + p0 + pos // PS, mask=valid, other=0).to(tl.int64)
+                row = ((page * PS + pos % PS) * HKV + h) * D
+                kv_mask = valid[:, None] & dm[None, :]
+                k = tl.load(kc_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+                qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # [TQ, BLOCK_N], log2 units
+                qk = tl.where(valid[None, :] & (pos[None, :] < limit[:, None]), qk, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(qk, 1))
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: weights 0, no NaN
+                alpha = tl.exp2(m_i - m_use)
+                p = tl.exp2(qk - m_use[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                v = tl.load(vc_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+                m_i = m_new
+            if DIRECT:
+                o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+                tl.store(out_ptr + rows[:, None] * so_b + (h * G + g)[:, None] * so_h + d[None, :],
+                         o.to(out_ptr.dtype.element_ty), mask=tm[:, None] & dm[None, :])
+            else:
+                r = ((rows * HKV + h) * NSPLIT + s) * G + g  # the decode kernel's partial layout, per row
+                tl.store(part_ptr + r[:, None] * D + d[None, :], acc, mask=(tm[:, None] & dm[None, :]) & (start < end))
+                tl.store(part_ptr + NROWS * D + r, m_i, mask=tm)
+                tl.store(part_ptr + NROWS * (D + 1) + r, l_i, mask=tm)
+
+    @triton.jit
     def _merge_kernel(part_ptr, out_ptr, so_b, so_h, NSPLIT, NROWS,
                       HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, SP: tl.constexpr):
         _merge_head(part_ptr, out_ptr, tl.program_id(0), tl.program_id(1), so_b, so_h, NSPLIT, NROWS, HKV, G, D, DP,
@@ -194,6 +278,48 @@ if triton_importable():
 
 
 LOG2E = 1.4426950408889634
+
+
+def span_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, segs: torch.Tensor,
+                   pages: torch.Tensor, page_size: int, scale: float, splits: int, quantum: int,
+                   partials: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                   tile: int | None = None) -> torch.Tensor:
+    """Paged attention of a padded step of spans (verify spans, a drafter's blocks): q [R, Hq, D]; segs an int32
+    device tensor [NSEG, 5] of (first row, query rows <= quantum, key limit of the first row, limit step per row:
+    1 causal / 0 not, start of its page list in `pages`); row j of a segment attends to its first base + j * step
+    keys. Every row of q belongs to exactly one segment (rows no segment covers are left undefined). A segment
+    with 0 rows is skipped, so a CUDA graph captured at NSEG segments replays any layout of up to NSEG. K/V are read once per (segment, KV head, split) for all its rows and heads (one [quantum x G, D] query
+    tile); splits merge like the decode kernel's, per row. Same contract as `span_attention_ref`; no host read."""
+    r, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    assert hq % hkv == 0 and k_cache.shape[2] == d and v_cache.shape == k_cache.shape
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and splits >= 1 and quantum >= 1
+    g = hq // hkv
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    if out is None:
+        out = torch.empty(r, hq, d, dtype=q.dtype, device=q.device)
+    nseg = segs.numel() // SEG_FIELDS
+    if r == 0 or nseg == 0:
+        return out
+    direct = splits == 1
+    nrows = r * hkv * splits * g
+    if direct:
+        part = out  # unused
+    else:
+        part = partials if partials is not None else alloc_partials(r, hkv, g, d, splits, q.device)
+        assert part.dtype == torch.float32 and part.numel() >= nrows * (d + 2), "partials too small"
+    dp, sp = triton.next_power_of_2(d), triton.next_power_of_2(splits)
+    tq = max(16, triton.next_power_of_2(quantum * g))
+    _span_kernel[(nseg, hkv, splits)](
+        q, k_cache, v_cache, segs, pages, part, out, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        scale * LOG2E, splits, nrows, HKV=hkv, G=g, QM=quantum, TQ=tq, D=d, DP=dp, PS=page_size,
+        BLOCK_N=tile or (32 if tq >= 64 else block_n(splits)), DIRECT=direct,
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4 if tq <= 64 else 8, num_stages=2)
+    if not direct:
+        _merge_kernel[(r, hq)](part, out, out.stride(0), out.stride(1), splits, nrows, HKV=hkv, G=g, D=d, DP=dp,
+                               SP=sp, num_warps=4)
+    return out
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,

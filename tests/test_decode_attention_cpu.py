@@ -4,6 +4,10 @@
 - the Triton kernels against the reference under the Triton interpreter (a subprocess: TRITON_INTERPRET must be
   set before triton is imported; fp32, the interpreter cannot run bf16 dots): ragged lengths 1..200, splits
   left empty, shuffled pages, length-0 and dummy-page padding rows, NaN in every slot no real row may read;
+- the span attention of padded verify and draft steps (`row_segments`, `span_attention`, `plan_rows`: the whole
+  graphs of engine/piecewise.py): the torch reference and the Triton kernel (direct and split, spans cut at the
+  quantum, unused segments) and FlashInferAttention.plan_rows, against TorchAttention on causal verify spans and
+  non-causal blocks with padding rows;
 - FlashInferAttention's Triton decode path (a stub `flashinfer` module: its wrappers are never called on
   decode steps) against TorchAttention: an eager step, then a graph bucket planned twice with other lengths
   and pages (the replay reads the refreshed static buffer);
@@ -59,6 +63,48 @@ def test_reference_matches_torch_backend():
     ta.plan(meta)
     ref = ta.forward(q, kc[slots], vc[slots], kc.clone(), vc.clone(), d ** -0.5)
     got = da.decode_attention_ref(q, kc, vc, lens, ptr, idx, ps, d ** -0.5)
+    assert (got - ref).abs().max() < 1e-5
+
+
+def test_row_segments():
+    from specbench.engine.attention.flashinfer import row_segments
+
+    # a 3-row causal span over 7 keys, a decode row, three padding rows on the dummy page (one shared segment)
+    segs, pages = row_segments([3, 1, 1, 1, 1], [7, 5, 1, 1, 1], [[4, 2], [9, 1, 6], [0], [0], [0]], 4, True, 16)
+    assert segs == [(0, 3, 5, 1, 0), (3, 1, 5, 1, 2), (4, 3, 1, 0, 4)] and pages == [4, 2, 9, 1, 0]
+    segs, _ = row_segments([3, 1], [7, 5], [[4, 2], [9, 1]], 4, False, 16)
+    assert segs == [(0, 3, 7, 0, 0), (3, 1, 5, 0, 2)]
+    segs, _ = row_segments([5], [9], [[4, 2, 3]], 4, True, 2)  # a span longer than the quantum: cut
+    assert segs == [(0, 2, 5, 1, 0), (2, 2, 7, 1, 0), (4, 1, 9, 1, 0)]
+    segs, _ = row_segments([1] * 5, [1] * 5, [[0]] * 5, 4, True, 2)  # padding rows: segments of <= quantum
+    assert [c for _, c, _, _, _ in segs] == [2, 2, 1]
+    with pytest.raises(ValueError, match="not a valid span"):
+        row_segments([4], [3], [[1]], 4, True, 16)  # more queries than keys
+    with pytest.raises(ValueError, match="not a valid span"):
+        row_segments([1], [9], [[1, 2]], 4, True, 16)  # 9 keys need 3 pages
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_span_reference_matches_torch_backend(causal):
+    """The span attention reference over row_segments' layout == TorchAttention on a padded step of verify spans
+    (causal) or drafter blocks (not), padding rows on the dummy page included."""
+    from rows_cases import rows_step
+
+    from specbench.engine.attention.flashinfer import row_segments
+
+    ps, hq, hkv, d, pages = 4, 8, 2, 32, 40
+    g = torch.Generator().manual_seed(1)
+    kc = torch.randn((pages + 1) * ps, hkv, d, generator=g)
+    vc = torch.randn((pages + 1) * ps, hkv, d, generator=g)
+    perm = torch.randperm(pages, generator=g).tolist()
+    tables = [perm[0:12], perm[12:20], perm[20:40]]
+    meta, q, k, v = rows_step([(5, 40), (1, 17), (16, 77)], tables, ps, pages, 4, hq, hkv, d, causal, g)
+    ta = TorchAttention("cpu")
+    ta.plan(meta)
+    ref = ta.forward(q, k, v, kc, vc, d ** -0.5)  # stores k, v in the caches first
+    segs, idx = row_segments(meta.q_lens, meta.kv_lens, meta.page_tables, ps, causal, 8)  # the 16-row span: cut
+    i32 = torch.int32
+    got = da.span_attention_ref(q, kc, vc, torch.tensor(segs, dtype=i32), torch.tensor(idx, dtype=i32), ps, d ** -0.5)
     assert (got - ref).abs().max() < 1e-5
 
 
@@ -141,6 +187,34 @@ SCRIPT = PRELUDE + textwrap.dedent('''
     step([8], 1, None)
     assert len(fa._tri_bufs) == 1 and set(k[-1] for k in fa._tri_scratch) == {4}
     print("BACKEND OK")
+
+    # span attention (kernels) and plan_rows (the backend): padded steps of spans of any length
+    from rows_cases import rows_step
+
+    from specbench.engine.attention.flashinfer import row_segments
+
+    i32 = torch.int32
+    for causal in (True, False):
+        for spans, quantum, splits in (([(4, 12), (1, 31), (16, 80)], 16, 1), ([(16, 16), (3, 31), (2, 9)], 16, 4),
+                                       ([(7, 40), (1, 5)], 4, 3), ([(2, 9), (1, 5), (16, 80)], 16, 16)):
+            meta, q, k, v = rows_step(spans, tables, ps, dummy, 3, hq, hkv, d, causal, g)
+            ta = TorchAttention("cpu")
+            ta.plan(meta)
+            kr, vr = kc.clone(), vc.clone()
+            ref = ta.forward(q, k, v, kr, vr, d ** -0.5)
+            segs, idx = row_segments(meta.q_lens, meta.kv_lens, meta.page_tables, ps, causal, quantum)
+            st = torch.tensor(segs + [(0, 0, 0, 0, 0)] * 2, dtype=i32)  # two unused segments: skipped
+            out = da.span_attention(q, kr, vr, st, torch.tensor(idx, dtype=i32), ps, d ** -0.5, splits, quantum)
+            err = (out - ref).abs().max().item()
+            assert err < 1e-4, ("kernel", spans, causal, quantum, splits, err)
+            fa.plan_rows(meta, quantum)
+            out = fa.forward(q, k, v, kc, vc, d ** -0.5)
+            assert torch.equal(kc, kr) and torch.equal(vc, vr), "K/V store"
+            err = (out - ref).abs().max().item()
+            assert err < 1e-4, ("backend", spans, causal, quantum, err)
+    buf = fa._row_bufs[(meta.num_tokens, 16)]
+    assert fa._span[0].data_ptr() == buf.data_ptr(), "the row count's buffer"
+    print("ROWS OK")
 ''')
 
 
@@ -150,7 +224,7 @@ def test_decode_attention_under_interpreter():
     env.pop("SPECBENCH_DECODE_SPLITS", None)
     out = subprocess.run([sys.executable, "-c", SCRIPT, str(Path(__file__).parent)], env=env,
                          capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0 and "BACKEND OK" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.returncode == 0 and "ROWS OK" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
 
 
 def test_decode_attention_switch(monkeypatch):

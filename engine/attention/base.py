@@ -54,6 +54,16 @@ class AttentionBackend:
     def plan(self, meta: AttentionMetadata) -> None:
         raise NotImplementedError
 
+    # Whole graphs of padded steps (engine/piecewise.py `step`): a backend that can plan a step of any span lengths
+    # (segments of <= quantum rows) in fixed device buffers, so a graph over every layer replays at other lengths
+    # and pages
+    @property
+    def rows_ok(self) -> bool:
+        return False
+
+    def plan_rows(self, meta: AttentionMetadata, quantum: int = 16) -> None:
+        raise NotImplementedError(f"{self.name} cannot plan a step as one-token rows")
+
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D], or None when the caller already stored them (a backend that

@@ -62,6 +62,38 @@ def paged_arrays(q_lens: list[int], kv_lens: list[int], page_tables: list[list[i
                        torch.tensor(last, dtype=i32))
 
 
+def row_segments(q_lens: list[int], kv_lens: list[int], page_tables: list[list[int]], page_size: int,
+                 causal: bool, quantum: int) -> tuple[list[tuple[int, int, int, int, int]], list[int]]:
+    """A padded step's sequences as segments of `kernels.decode_attention.span_attention`: (first row, rows <=
+    quantum, key limit of the first row, limit step, page-list start), and the page lists (each sequence's once).
+    Causal rows are aligned to the end of their keys (row j of a span of q_len over kv_len keys sees
+    kv_len - q_len + 1 + j, as FlashInfer's prefill); non-causal rows see all kv_len. A span longer than
+    `quantum` is cut into several segments; a run of identical one-token sequences (the padding rows: one key on
+    the dummy page) shares one segment of up to `quantum` rows."""
+    segs: list[tuple[int, int, int, int, int]] = []
+    pages: list[int] = []
+    row = 0
+    prev: tuple | None = None  # (kv_len, pages) of the last one-token sequence, while its segment has room
+    for ql, kl, table in zip(q_lens, kv_lens, page_tables, strict=True):
+        n = -(-kl // page_size)
+        if kl < ql or ql < 1 or n > len(table):
+            raise ValueError(f"q_len={ql}, kv_len={kl} with a page table of {len(table)} pages is not a valid span")
+        key = (kl, tuple(table[:n]))
+        if ql == 1 and prev == key and segs[-1][1] < quantum:
+            r0, c, b, st, p0 = segs[-1]
+            segs[-1] = (r0, c + 1, b, 0, p0)
+            row += 1
+            continue
+        p0 = len(pages)
+        pages.extend(table[:n])
+        for j0 in range(0, ql, quantum):
+            c = min(quantum, ql - j0)
+            segs.append((row + j0, c, kl - ql + 1 + j0 if causal else kl, 1 if causal else 0, p0))
+        row += ql
+        prev = key if ql == 1 else None
+    return segs, pages
+
+
 def flashinfer_available() -> bool:
     try:
         import flashinfer  # noqa: F401
@@ -109,6 +141,8 @@ class FlashInferAttention(AttentionBackend):
         self.decode_attention = decode_attention
         self._tri: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._tri_bufs: dict[int, torch.Tensor] = {}  # batch bucket -> its int32 metadata buffer
+        self._row_bufs: dict[tuple[int, int], torch.Tensor] = {}  # (rows, quantum) -> int32 metadata (plan_rows)
+        self._span: tuple[torch.Tensor, torch.Tensor, int, int] | None = None  # (segments, pages, quantum, cap)
         self._tri_scratch: dict[tuple, torch.Tensor] = {}  # (B, Hkv, G, D, splits) -> fp32 partials
         self._tri_ctx = 0  # the longest context a request can have (pages the cache holds x page size)
         self._sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
@@ -133,6 +167,7 @@ class FlashInferAttention(AttentionBackend):
         self._key = None
         self._fallback = None
         self._tri = None
+        self._span = None
         if meta.leak is not None and any(meta.leak):
             from .torch_ref import TorchAttention  # noqa: PLC0415
 
@@ -182,6 +217,7 @@ class FlashInferAttention(AttentionBackend):
         self.meta = meta
         self.slot_mapping = meta.slot_mapping
         self._fallback = None
+        self._span = None
         if self.decode_attention == "triton":
             self._plan_graph_triton(meta, a)
             return
@@ -233,6 +269,62 @@ class FlashInferAttention(AttentionBackend):
         lens, indptr, indices = self._tri
         return da.decode_attention(q, k_cache, v_cache, lens, indptr, indices, page_size, scale, splits, part)
 
+    # ---- whole graphs of padded steps (every query row a one-token sequence) -------------------
+    @property
+    def rows_ok(self) -> bool:
+        """Whether `plan_rows` can serve a step: the split-K decode kernel is the decode attention."""
+        return self.decode_attention == "triton"
+
+    def plan_rows(self, meta: AttentionMetadata, quantum: int = 16) -> None:
+        """Plan a padded step of any span lengths (verify spans, a drafter's non-causal blocks) for the span kernel
+        (`row_segments`: segments of <= quantum rows, K/V read once per segment), in a fixed buffer per (row count,
+        quantum): [segments (cap x 5) | pages (max_pages + cap)], cap = 2 x ceil(rows / quantum) + 1 (a step padded to
+        bucket x span holds at most bucket spans and bucket padding segments), refreshed by one stream-ordered copy
+        (unused segments: 0 rows): the forward reads no host value, so a graph captured over every layer replays at
+        any lengths and pages."""
+        from specbench.kernels.decode_attention import SEG_FIELDS  # noqa: PLC0415
+
+        if meta.leak is not None and any(meta.leak):
+            raise ValueError("plan_rows cannot express a leaky mask (the torch reference backend serves it)")
+        if not self.rows_ok:
+            raise ValueError("plan_rows needs decode_attention='triton'")
+        segs, pages = row_segments(meta.q_lens, meta.kv_lens, meta.page_tables, meta.page_size, meta.causal, quantum)
+        r = meta.num_tokens
+        cap = 2 * -(-r // quantum) + 1
+        if len(segs) > cap or len(pages) > self.max_pages + cap:
+            raise ValueError(f"a step of {r} rows in {len(segs)} segments on {len(pages)} pages exceeds the row "
+                             f"buffer ({cap} segments of <= {quantum} rows, {self.max_pages + cap} pages)")
+        buf = self._row_bufs.get((r, quantum))
+        if buf is None:
+            buf = self._row_bufs[(r, quantum)] = torch.zeros(cap * SEG_FIELDS + self.max_pages + cap,
+                                                             dtype=torch.int32, device=self.device)
+        flat = [x for sg in segs for x in sg] + [0] * ((cap - len(segs)) * SEG_FIELDS) + pages
+        host = torch.tensor(flat, dtype=torch.int32)
+        buf[: len(host)].copy_(host.pin_memory() if buf.is_cuda else host, non_blocking=buf.is_cuda)
+        self.meta = meta
+        self.slot_mapping = meta.slot_mapping
+        self._fallback = None
+        self._tri = None
+        self._span = (buf[: cap * SEG_FIELDS], buf[cap * SEG_FIELDS:], quantum, cap)
+        self._tri_ctx = self.max_pages * meta.page_size
+        self._active = None
+        self._key = ("rows", r, quantum)
+
+    def _span_forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+                      page_size: int) -> torch.Tensor:
+        from specbench.kernels import decode_attention as da  # noqa: PLC0415
+
+        assert self._span is not None
+        segs, pages, quantum, cap = self._span
+        r, hq, d = q.shape
+        hkv = k_cache.shape[1]
+        splits = da.num_splits(cap, hkv, self._tri_ctx, self._sms or da.DEFAULT_SMS)
+        key = (r, hkv, hq // hkv, d, splits)
+        part = self._tri_scratch.get(key)
+        if part is None and splits > 1:  # first met at a warm-up forward, before any capture
+            part = self._tri_scratch[key] = da.alloc_partials(r, hkv, hq // hkv, d, splits, q.device)
+        return da.span_attention(q, k_cache, v_cache, segs, pages, page_size, scale, splits, quantum, part)
+
     def prepare_capture(self, meta: AttentionMetadata) -> None:
         self._graph_pages.pop(meta.num_seqs, None)
         self._plan_graph(meta)
@@ -253,6 +345,8 @@ class FlashInferAttention(AttentionBackend):
             else:
                 k_cache[meta.slot_mapping] = k.to(k_cache.dtype)
                 v_cache[meta.slot_mapping] = v.to(v_cache.dtype)
+        if self._span is not None:
+            return self._span_forward(q, k_cache, v_cache, scale, meta.page_size)
         if self._tri is not None:
             return self._triton_decode(q, k_cache, v_cache, scale, meta.page_size)
         if self._key is None or self._key[0] == "eager":
