@@ -320,6 +320,12 @@ class EngineConfig:
     attention_backend: str = "auto"
     eager: bool = False  # True: no CUDA graphs (launches only; the kernels and their shapes are the same)
     verify_graph: bool = True  # CUDA: non-decode steps (verify, prefill) via the padded piecewise runner
+    # Padded steps with no prefill chunk (verify spans, the DFlash drafts) as one CUDA graph per row count, attention
+    # included: every query row a one-token sequence of the Triton split-K decode kernel (its causal limit its own
+    # key count), metadata in fixed per-row-count buffers (FlashInferAttention.plan_rows). Needs
+    # decode_attention="triton". False: piecewise segments with FlashInfer's prefill eager between them (before).
+    # Default from SPECBENCH_WHOLE_GRAPHS, else on.
+    whole_graphs: bool = field(default_factory=lambda: env_flag("SPECBENCH_WHOLE_GRAPHS", True))
     # Rows a prefill-mixed step of the padded runner is padded to (engine/graphs.py): "ladder" = the smallest
     # row count of a fixed ladder (16-row steps to 128, 32 to 256, 64 to 512, 128 beyond, up to
     # max_num_batched_tokens) that holds the step; "bucket" = batch bucket x span (before: a 391-row step of 63

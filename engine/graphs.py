@@ -315,7 +315,7 @@ class TargetStack(PiecewiseStack):
                  graph_logits: bool = True) -> None:
         m = runner.model
         super().__init__(m.layers, runner.kv, runner.rope, m.scale, m.ops, runner.backend, max_rows, runner.dtype,
-                         runner.device, capture, tap)
+                         runner.device, capture, tap, whole=runner.cfg.whole_graphs)
         self.model = m
         self.hidden = m.cfg.hidden_size
         self.graph_logits = graph_logits
@@ -386,7 +386,7 @@ class VerifyGraphs:
         self.ladder = row_ladder(top) if self.padded_rows == "ladder" else []
         gl = runner.cfg.graph_logits if graph_logits is None else graph_logits
         self.stack = TargetStack(runner, self.tap, top, capture, graph_logits=gl)
-        self.stats = {"steps": 0, "real_rows": 0, "padded_rows": 0, "prefill_steps": 0}
+        self.stats = {"steps": 0, "whole_steps": 0, "real_rows": 0, "padded_rows": 0, "prefill_steps": 0}
 
     @property
     def mode(self) -> str:
@@ -431,12 +431,12 @@ class VerifyGraphs:
                                  slot_mapping=io[2, :rows],
                                  page_tables=[pool.table(s.req.rid) for s in spans] + [[r.dummy_page]] * pad,
                                  page_size=pool.page_size, causal=True)
-        self.stack.backend.plan(meta)
-        self.stack.run(rows)
+        prefill = any(s.kind == "prefill" for s in spans)
+        self.stats["whole_steps"] += self.stack.step(meta, rows, whole=not prefill, quantum=span)
         self.stats["steps"] += 1
         self.stats["real_rows"] += real
         self.stats["padded_rows"] += pad
-        self.stats["prefill_steps"] += any(s.kind == "prefill" for s in spans)
+        self.stats["prefill_steps"] += prefill
         out = self.stack.logits_of(logit_rows, real)
         taps = self.stack.taps[:real] if self.stack.taps is not None else None
         return out, taps
@@ -451,13 +451,19 @@ class VerifyGraphs:
         if not self.stack.capture:
             return []
         r = self.runner
-        new = [n for n in self.row_counts() if n not in self.stack.captured]
-        for n in sorted(new, reverse=True):  # largest first: the shared pool is sized once
-            self.stack.time_padded(n, r.dummy_slot, r.dummy_page, r.pool.page_size, causal=True, reps=0)
-        return new
+        # verify steps (bucket x span rows, no prefill chunk) run whole where the stack can; prefill-mixed steps
+        # (the ladder's row counts) run piecewise
+        whole = self.stack.whole_rows()
+        want = [(b * s, s if whole else 0) for b in self.buckets for s in self.spans] + [(n, 0) for n in self.ladder]
+        new = [(n, q) for n, q in dict.fromkeys(want) if n not in self.stack.captured_as(q > 0, q)]
+        for n, q in sorted(new, reverse=True):  # largest first: the shared pool is sized once
+            self.stack.time_padded(n, r.dummy_slot, r.dummy_page, r.pool.page_size, causal=True, reps=0,
+                                   whole=q > 0, quantum=q or 16)
+        return sorted({n for n, _ in new})
 
     def describe(self) -> dict:
-        return {"mode": self.mode, "buckets": self.buckets, "spans": list(self.spans), "rows": self.padded_rows,
+        return {"mode": self.mode, "whole_rows": self.stack.captured_as(True), "buckets": self.buckets,
+                "spans": list(self.spans), "rows": self.padded_rows,
                 "graph_logits": self.stack.logits is not None, "max_rows": self.stack.max_rows,
                 "captured_rows": self.stack.captured, "static_bytes": self.stack.static_bytes(),
                 "capture_bytes": self.stack.capture_bytes, **self.stats}

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .attention.base import AttentionBackend
+from .attention.base import AttentionBackend, AttentionMetadata
 from .models.qwen3 import Qwen3Layer
 from .rope import RotaryCache
 
@@ -71,12 +71,14 @@ class PiecewiseStack:
 
     def __init__(self, layers: Sequence[Qwen3Layer], kv: list[tuple[torch.Tensor, torch.Tensor]],
                  rope: RotaryCache, scale: float, ops, backend: AttentionBackend, max_rows: int,
-                 dtype: torch.dtype, device: torch.device, capture: bool, tap: tuple[int, ...] = ()) -> None:
+                 dtype: torch.dtype, device: torch.device, capture: bool, tap: tuple[int, ...] = (),
+                 whole: bool = False) -> None:
         self.layers, self.kv, self.rope, self.scale, self.ops = list(layers), kv, rope, scale, ops
         self.backend = backend
         self.max_rows = max_rows
         self.capture = capture and device.type == "cuda"
         self.tap = tuple(tap)
+        self.whole = whole  # steps `step` may run whole (one graph, attention by the backend's plan_rows)
         cfg = self.layers[0].cfg
         hq, hkv, d, h = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
         self.io = torch.zeros(3, max_rows, dtype=torch.long, device=device)
@@ -86,8 +88,9 @@ class PiecewiseStack:
         self.o = torch.zeros(max_rows, hq, d, dtype=dtype, device=device)
         self.res = torch.zeros(max_rows, h, dtype=dtype, device=device)
         self.shapes: dict[int, int] = {}  # key (row count) -> rows it was captured / first run at
-        self._graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
-        self._stored: dict[int, bool] = {}  # row count -> K/V stored by the rope kernel at capture
+        # (rows, quantum of a whole graph or 0 = piecewise) -> graphs; and K/V stored by the rope kernel at capture
+        self._graphs: dict[tuple[int, int], list[torch.cuda.CUDAGraph]] = {}
+        self._stored: dict[tuple[int, int], bool] = {}
         self.pool: _POOL_HANDLE | None = None
         self.capture_bytes = 0  # CUDA memory reserved by the captures (the graph pool), measured around each
 
@@ -135,6 +138,23 @@ class PiecewiseStack:
         k, v = (None, None) if stored else (self.k[:rows], self.v[:rows])
         self.o[:rows].copy_(self.backend.forward(self.q[:rows], k, v, kc, vc, self.scale))
 
+    def _direct(self, rows: int, stored: bool) -> None:
+        """The body of a whole step: the layers back to back, each attention on its layer's own q and output
+        (no segment boundary to cross, so none of the static hand-over copies of `_segment`)."""
+        x, res = self.head(self.io[0, :rows]), None
+        o = None
+        for i, layer in enumerate(self.layers):
+            if o is not None:
+                x, res = self.layers[i - 1].post_attn(o, res, self.ops)
+                if i - 1 in self.tap:
+                    self.tap_out(i - 1, x + res, rows)
+            kc, vc = self.kv[i]
+            store = (kc, vc, self.io[2, :rows]) if stored else None
+            q, k, v, res = layer.pre_attn(x, res, self.io[1, :rows], self.rope, self.ops, store)
+            o = self.backend.forward(q, k, v, kc, vc, self.scale)
+        x, res = self.layers[-1].post_attn(o, res, self.ops)
+        self.tail(x, res, rows)
+
     def _eager(self, rows: int, stored: bool) -> None:
         for i in range(len(self.layers)):
             self._segment(i, rows, stored)
@@ -142,64 +162,106 @@ class PiecewiseStack:
         self._segment(len(self.layers), rows, stored)
 
     # ---- run -------------------------------------------------------------------------------------
+    def whole_rows(self) -> bool:
+        """Whether steps without a leaky mask run whole: the `whole` switch on and a backend with `plan_rows`."""
+        return self.whole and self.backend.rows_ok
+
+    def whole_for(self, meta: AttentionMetadata, allowed: bool = True) -> bool:
+        """Whether a padded step planned by `meta` runs whole (see `step`)."""
+        return allowed and self.whole_rows() and not (meta.leak is not None and any(meta.leak))
+
+    def step(self, meta: AttentionMetadata, rows: int, whole: bool = True, quantum: int = 16) -> bool:
+        """Plan the backend for the padded step `meta` (rows query rows) and run it. Whole (when `whole`, the
+        stack's `whole` switch and the backend's `rows_ok` allow, and no leaky mask): the backend's `plan_rows`
+        (the spans as segments of <= quantum rows for the span attention kernel, metadata in fixed buffers), so
+        the body, attention included, is one CUDA graph per (row count, quantum); else `plan` and the piecewise
+        segments with attention eager between replays. Returns whether it ran whole."""
+        whole = self.whole_for(meta, whole)
+        if whole:
+            self.backend.plan_rows(meta, quantum)
+        else:
+            self.backend.plan(meta)
+        self.run(rows, quantum if whole else 0)
+        return whole
+
     @torch.inference_mode()
-    def run(self, rows: int) -> None:
+    def run(self, rows: int, whole: int = 0) -> None:
+        """Run the planned step: `whole` = the quantum the backend's `plan_rows` planned it with (one graph per
+        (rows, quantum): the attention grid depends on both), 0 = planned by `plan` (piecewise)."""
         if not 0 < rows <= self.max_rows:
             raise ValueError(f"rows={rows} is invalid: expected 1..{self.max_rows}")
         stored = self.stores_kv()
         first = self.shapes.setdefault(rows, rows)
         if first != rows:  # unreachable by construction; kept as the invariant's guard
             raise RuntimeError(f"{self.name}: graphs captured at {first} rows replayed at {rows}")
-        if not self.capture or self._stored.get(rows, stored) != stored:
-            self._eager(rows, stored)  # eager mode, or a step whose store mode differs from the capture
+        if not self.capture or self._stored.get((rows, whole), stored) != stored:
+            # eager mode, or a step whose store mode differs from the capture
+            (self._direct if whole else self._eager)(rows, stored)
             return
-        if rows not in self._graphs:
-            self._capture(rows, stored)
-        graphs = self._graphs[rows]
+        if (rows, whole) not in self._graphs:
+            self._capture(rows, stored, whole)
+        graphs = self._graphs[(rows, whole)]
+        if whole:
+            graphs[0].replay()
+            return
         for i in range(len(self.layers)):
             graphs[i].replay()
             self._attention(i, rows, stored)
         graphs[-1].replay()
 
-    def _capture(self, rows: int, stored: bool) -> None:
+    def _capture(self, rows: int, stored: bool, whole: int = 0) -> None:
         # Warm-up outside the capture: Triton compiles, cuBLAS picks its kernels (the outputs are redone
         # by the replay that follows, so this step's result comes from the graphs like every later one).
-        self._eager(rows, stored)
+        (self._direct if whole else self._eager)(rows, stored)
         torch.cuda.synchronize()
         before = torch.cuda.memory_reserved()
         graphs = []
         with gc_paused():
-            for i in range(len(self.layers) + 1):  # attention is not captured: it only touches static buffers
+            if whole:  # attention reads only the backend's fixed row buffers: capture the whole body
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=self.pool):
-                    self._segment(i, rows, stored)
-                if self.pool is None:
-                    self.pool = g.pool()
+                    self._direct(rows, stored)
                 graphs.append(g)
+            else:
+                for i in range(len(self.layers) + 1):  # attention is not captured: it only touches static buffers
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g, pool=self.pool):
+                        self._segment(i, rows, stored)
+                    if self.pool is None:
+                        self.pool = g.pool()
+                    graphs.append(g)
+            if self.pool is None:
+                self.pool = graphs[0].pool()
         torch.cuda.synchronize()
         self.capture_bytes += max(0, torch.cuda.memory_reserved() - before)
-        self._graphs[rows] = graphs
-        self._stored[rows] = stored
-        log.debug("%s: captured %d segments at %d rows", self.name, len(graphs), rows)
+        self._graphs[(rows, whole)] = graphs
+        self._stored[(rows, whole)] = stored
+        log.debug("%s: captured %s at %d rows", self.name, "the whole body" if whole else f"{len(graphs)} segments",
+                  rows)
 
     @torch.inference_mode()
     def time_padded(self, rows: int, dummy_slot: int, dummy_page: int, page_size: int, causal: bool = True,
-                    reps: int = 3) -> float:
-        """Median seconds of `run(rows)` on a step of padding rows only (token 0, position 0, the dummy slot,
-        each a one-token sequence on the dummy page), after one untimed run (the capture on CUDA): the
-        dense work and launches of that row count, for the span cost model (spec/costs.py)."""
-        from .attention.base import AttentionMetadata  # noqa: PLC0415
-
+                    reps: int = 3, whole: bool = True, quantum: int = 16) -> float:
+        """Median seconds of `step` on a step of padding rows only (token 0, position 0, the dummy slot, each a
+        one-token sequence on the dummy page), after one untimed run (the capture on CUDA): the dense work and
+        launches of that row count, whole or piecewise as a served step of that kind (`whole`) would run, for
+        the span cost model (spec/costs.py) and the pre-captures."""
         self.io[0, :rows].zero_()
         self.io[1, :rows].zero_()
         self.io[2, :rows].fill_(dummy_slot)
-        self.backend.plan(AttentionMetadata(q_lens=[1] * rows, kv_lens=[1] * rows, slot_mapping=self.io[2, :rows],
-                                            page_tables=[[dummy_page]] * rows, page_size=page_size, causal=causal))
-        return median_time(lambda: self.run(rows), self.io.device, reps)
+        meta = AttentionMetadata(q_lens=[1] * rows, kv_lens=[1] * rows, slot_mapping=self.io[2, :rows],
+                                 page_tables=[[dummy_page]] * rows, page_size=page_size, causal=causal)
+        return median_time(lambda: self.step(meta, rows, whole, quantum), self.io.device, reps)
 
     @property
     def captured(self) -> list[int]:
-        return sorted(self._graphs)
+        """Row counts with graphs captured (whole or piecewise)."""
+        return sorted({rows for rows, _ in self._graphs})
+
+    def captured_as(self, whole: bool, quantum: int | None = None) -> list[int]:
+        """Row counts captured whole (at `quantum`, or any) or piecewise."""
+        return sorted({rows for rows, q in self._graphs
+                       if (q > 0) == whole and (quantum is None or not whole or q == quantum)})
 
 
 def median_time(fn, device: torch.device, reps: int) -> float:

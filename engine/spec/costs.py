@@ -151,7 +151,7 @@ def measure_costs(runner: ModelRunner, proposer: Proposer | None, spans: tuple[i
                 row.append(dg.time_padded(dg.bucket(b) or b, reps))
             else:
                 rows = b * s
-                row.append(vg.stack.time_padded(rows, *geom, causal=True, reps=reps) if rows <= vg.stack.max_rows
+                row.append(vg.stack.time_padded(rows, *geom, causal=True, reps=reps, quantum=s) if rows <= vg.stack.max_rows
                            else float("nan"))
         verify[s] = _fill_nan(batches, row)
     stack = _draft_stack(proposer, runner)
@@ -159,7 +159,7 @@ def measure_costs(runner: ModelRunner, proposer: Proposer | None, spans: tuple[i
         draft = [0.0] * len(batches)
     else:
         blk = int(getattr(proposer, "block", 0) or 1)  # a dflash proposer's block size B (rows per draft)
-        draft = _fill_nan(batches, [stack.time_padded(b * blk, *geom, causal=False, reps=reps)
+        draft = _fill_nan(batches, [stack.time_padded(b * blk, *geom, causal=False, reps=reps, quantum=blk)
                                     if b * blk <= stack.max_rows else float("nan") for b in batches])
     verify, draft = monotone(verify), monotone({0: draft})[0]
     kind = {"DFlashProposer": "dflash", "DFlash2Proposer": "dflash2"}.get(type(proposer).__name__)

@@ -49,7 +49,7 @@ class DraftStack(PiecewiseStack):
     def __init__(self, proposer: DFlashProposer, max_blocks: int, capture: bool) -> None:
         d, r = proposer.draft, proposer.runner
         super().__init__(d.layers, r.draft_kv, proposer.rope, d.scale, r.model.ops, r.backend,
-                         max_blocks * proposer.block, r.dtype, r.device, capture)
+                         max_blocks * proposer.block, r.dtype, r.device, capture, whole=r.cfg.whole_graphs)
         self.draft, self.target, self.block = d, proposer.target, proposer.block
         self.logits = torch.zeros(max_blocks, self.block - 1, self.target.cfg.vocab_size, dtype=torch.float32,
                                   device=r.device)
@@ -78,7 +78,7 @@ class DraftGraphs:
         self.proposer = proposer
         self.buckets = sorted(set(buckets or default_buckets(proposer.runner.cfg.max_num_seqs)))
         self.stack = self.stack_class(proposer, self.buckets[-1], capture)
-        self.stats = {"steps": 0, "real_rows": 0, "padded_rows": 0}
+        self.stats = {"steps": 0, "whole_steps": 0, "real_rows": 0, "padded_rows": 0}
 
     @property
     def mode(self) -> str:
@@ -123,8 +123,7 @@ class DraftGraphs:
                                  slot_mapping=io[2, :rows],
                                  page_tables=[pool.table(s.req.rid) for s in spans] + [[r.dummy_page]] * pad,
                                  page_size=pool.page_size, causal=causal)
-        self.stack.backend.plan(meta)
-        self.stack.run(rows)
+        self.stats["whole_steps"] += self.stack.step(meta, rows, quantum=blk)
         self.stats["steps"] += 1
         self.stats["real_rows"] += real
         self.stats["padded_rows"] += pad
@@ -136,9 +135,9 @@ class DraftGraphs:
         if not self.stack.capture:
             return []
         r, blk = self.proposer.runner, self.proposer.block
-        new = [b * blk for b in self.buckets if b * blk not in self.stack.captured]
+        new = [b * blk for b in self.buckets if b * blk not in self.stack.captured_as(self.stack.whole_rows(), blk)]
         for n in sorted(new, reverse=True):  # largest first: the shared pool is sized once
-            self.stack.time_padded(n, r.dummy_slot, r.dummy_page, r.pool.page_size, causal=False, reps=0)
+            self.stack.time_padded(n, r.dummy_slot, r.dummy_page, r.pool.page_size, causal=False, reps=0, quantum=blk)
         return new
 
     def describe(self) -> dict:

@@ -160,6 +160,46 @@ def test_verify_graph_replay_bit_identical_to_eager(geo_pair, backend):
     _free()
 
 
+def test_whole_verify_and_draft_graphs_match_piecewise(geo_pair):
+    """EngineConfig.whole_graphs (engine/piecewise.py `step`): verify spans and DFlash drafts as one graph per row
+    count, attention by the split-K kernel over one-token rows, against the piecewise graphs with FlashInfer's
+    prefill between segments (the off switch). Different attention kernels, so not bit-equal: the logits agree to
+    bf16 noise and their argmax almost everywhere; the whole graph is what ran (whole_steps, whole_rows)."""
+    from specbench.engine.graphs import VerifyGraphs
+    from specbench.engine.scheduler import Span
+    from specbench.engine.spec.dflash_graphs import DraftGraphs
+
+    target, draft = geo_pair
+    eng, reqs = _ready_engine(target, "flashinfer", draft)
+    assert eng.cfg.whole_graphs and eng.runner.backend.rows_ok
+    tap, span = (1, 3), 16
+    whole, piece = (VerifyGraphs(eng.runner, tap, (span,), capture=True) for _ in range(2))
+    piece.stack.whole = False
+    for lens in ([span], [span] * 3, [span] * 8, [span, 5, 1, span, 2]):
+        spans = verify_spans(eng, reqs[: len(lens)], lens)
+        rows = list(range(sum(lens)))
+        a = piece.run(spans, rows)[0].clone()
+        for _ in range(2):
+            b = whole.run(spans, rows)[0]
+            rel = ((a - b).norm() / a.norm()).item()
+            agree = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+            assert rel < 2e-2 and agree > 0.95, f"verify {lens}: relative diff {rel:.3g}, argmax agreement {agree:.3f}"
+    assert whole.stats["whole_steps"] == 8 and piece.stats["whole_steps"] == 0
+    assert whole.stack.captured_as(True) and not piece.stack.captured_as(True)
+    p = eng.proposer
+    dw, dp = DraftGraphs(p, capture=True), DraftGraphs(p, capture=True)
+    dp.stack.whole = False
+    for n in (1, 3, 8):
+        spans = [Span(r, [r.all_ids[r.num_computed]], r.num_computed, "verify") for r in reqs[:n]]
+        a = dp.run(spans).clone()
+        b = dw.run(spans)
+        agree = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+        assert agree > 0.95, f"draft n={n}: argmax agreement {agree:.3f}"
+    assert dw.stats["whole_steps"] == 3 and dp.stats["whole_steps"] == 0
+    del eng
+    _free()
+
+
 def test_draft_graph_replay_bit_identical_to_eager(geo_pair):
     from specbench.engine.scheduler import Span
     from specbench.engine.spec.dflash_graphs import DraftGraphs
