@@ -115,6 +115,26 @@ def ahead_set(llm, on: bool) -> Iterator[None]:
         llm.engine.ahead.enabled = was
 
 
+@contextlib.contextmanager
+def whole_set(stacks: list, on: bool) -> Iterator[None]:
+    """Whole graphs (EngineConfig.whole_graphs, engine/piecewise.py `step`) on or off inside the block for these
+    piecewise stacks, as they were after it."""
+    was = [s.whole for s in stacks]
+    for s in stacks:
+        s.whole = on
+    try:
+        yield
+    finally:
+        for s, w in zip(stacks, was, strict=True):
+            s.whole = w
+
+
+def engine_stacks(llm) -> list:
+    """The verify and draft stacks an engine has built so far (after a warm-up spec run)."""
+    eng = llm.engine
+    return [g.stack for g in (eng.runner.verify_graphs, getattr(eng.proposer, "graphs", None)) if g is not None]
+
+
 def ahead_outputs(llm, ps: list[list[int]], on: bool, max_tokens: int = 64) -> list[list[int]]:
     """Greedy output ids of `ps` with decode ahead on or off."""
     from specbench.engine import SamplingParams
@@ -129,15 +149,24 @@ def step_benches(target: str, draft: str, device: str, repeats: int, context: in
     bench = StepBench(target, draft, 1, device)
     reqs = bench.fill(1, context, seed=1)
     vspans, dspans, cspans = bench.spans(reqs, "verify"), bench.spans(reqs, "verify"), bench.spans(reqs, "decode")
-    dec, ver, dra = [], [], []
-    for _ in range(repeats):  # interleaved: each repeat times all three (each a median of 10 calls)
+    dec, ver, dra, pver, pdra = [], [], [], [], []
+    stacks = [bench.verify["verify-graph"].stack, bench.draft["draft-graph"].stack]
+    whole = all(s.whole_rows() for s in stacks)
+    for _ in range(repeats):  # interleaved: each repeat times every figure (each a median of 10 calls)
         dec.append(bench.time_decode(cspans, 10))
         ver.append(bench.time_verify("verify-graph", vspans, 10))
         dra.append(bench.time_draft("draft-graph", dspans, 10))
-    out = {"context": context, "span": bench.k + 1, "decode_ms": stat(dec), "verify_ms": stat(ver),
+        if whole:  # the piecewise graphs whole graphs replace (their off switch), same spans
+            with whole_set(stacks, False):
+                pver.append(bench.time_verify("verify-graph", vspans, 10))
+                pdra.append(bench.time_draft("draft-graph", dspans, 10))
+    out = {"context": context, "span": bench.k + 1, "whole": whole, "decode_ms": stat(dec), "verify_ms": stat(ver),
            "draft_ms": stat(dra),
            "verify_over_decode": stat([v / d for v, d in zip(ver, dec, strict=True)]),
            "draft_over_verify": stat([d / v for d, v in zip(dra, ver, strict=True)])}
+    if whole:
+        out.update({"piecewise_verify_ms": stat(pver), "piecewise_draft_ms": stat(pdra),
+                    "piecewise_verify_over_decode": stat([v / d for v, d in zip(pver, dec, strict=True)])})
     bench.abort(reqs)
     del bench, reqs, vspans, dspans, cspans
     gc.collect()
@@ -167,7 +196,7 @@ def run(target: str, draft: str, device: str = "cuda", levels: tuple[int, ...] =
         contexts: tuple[int, ...] = (512, 2048, 8192), growth_c: int = 32, repeats: int = 3,
         new_tokens: int = 256, prompt_len: int = 128, tau: float = 6.5, growth_tokens: int = 64,
         step_context: int = 512, dtype: str | None = None, save=None, engine_kw: dict | None = None,
-        sections: tuple[str, ...] = SECTIONS, ahead_ab: bool = True) -> dict:
+        sections: tuple[str, ...] = SECTIONS, ahead_ab: bool = True, whole_ab: bool = True) -> dict:
     """`save(res)` is called after every section, so an interrupted run keeps what it measured."""
     from specbench.engine import LLM
 
@@ -191,6 +220,14 @@ def run(target: str, draft: str, device: str = "cuda", levels: tuple[int, ...] =
     plain = LLM(target, spec="off", gpu_memory_utilization=0.45, **common)
     spec = LLM(target, draft=draft, spec="dflash", synthetic_tau=tau, gpu_memory_utilization=0.9, **common)
     vocab = plain.engine.mcfg.vocab_size
+    # every graph a step can take, captured before any timing (as `specbench serve` does at start): no repeat pays
+    # a lazy capture; with the whole-graphs arm, the piecewise graphs it switches to as well
+    plain.engine.capture_graphs()
+    spec.engine.capture_graphs()
+    whole_ab = whole_ab and spec.engine.cfg.whole_graphs
+    if whole_ab:
+        with whole_set(engine_stacks(spec), False):
+            spec.engine.capture_graphs()
     rows = sorted(set(levels) | {1, spec.engine.k + 1})
     res["dense_floor_ms"] = {str(r): stat([dense_floor(plain.engine.model, r, device) for _ in range(repeats)])
                              for r in rows}
@@ -201,19 +238,25 @@ def run(target: str, draft: str, device: str = "cuda", levels: tuple[int, ...] =
     ahead_ab = ahead_ab and plain.engine.ahead.usable()
     if ahead_ab:
         res["ahead_off_ms_per_step"], res["ahead_gain"] = {}, {}
+    if whole_ab:
+        res["piecewise_spec_speedup"] = {}
     for c in (levels if "levels" in sections else ()):
         ps = prompts(c, prompt_len, vocab, seed=c)
         gen_wall(plain, ps, 8, device)  # warm-up: this batch size's graphs and buffers, both engines
         gen_wall(spec, ps, 8, device)
         if ahead_ab:  # the fast path checked against the simple one on this backend: greedy tokens equal
             res.setdefault("ahead_equal", {})[str(c)] = ahead_outputs(plain, ps, True) == ahead_outputs(plain, ps, False)
-        steps, walls, ratios, offs = [], [], [], []
+        steps, walls, ratios, offs, pieces = [], [], [], [], []
+        stacks = engine_stacks(spec)  # built by the warm-up
         for _ in range(repeats):
             ms, wall_plain = step_ms(plain, ps, new_tokens, device)
             wall_spec = gen_wall(spec, ps, new_tokens, device)
             steps.append(ms)
             walls.append(wall_plain)
             ratios.append(wall_plain / wall_spec)
+            if whole_ab:  # the same spec engine on piecewise verify / draft graphs (whole graphs' off switch)
+                with whole_set(stacks, False):
+                    pieces.append(wall_plain / gen_wall(spec, ps, new_tokens, device))
             if ahead_ab:  # the same engine with decode ahead off: the simple path it replaces
                 with ahead_set(plain, False):
                     offs.append(step_ms(plain, ps, new_tokens, device)[0])
@@ -225,6 +268,8 @@ def run(target: str, draft: str, device: str = "cuda", levels: tuple[int, ...] =
                   f"(off/on {res['ahead_gain'][str(c)]['median']:.2f}x)", flush=True)
         res["plain_ms_per_step"][str(c)] = {**stat(steps), "over_dense": statistics.median(steps) / d}
         res["spec_speedup"][str(c)] = stat(ratios)
+        if whole_ab:
+            res["piecewise_spec_speedup"][str(c)] = stat(pieces)
         res["noise_floor"][str(c)] = (max(walls) - min(walls)) / statistics.median(walls)
         print(f"c{c}: plain {statistics.median(steps):.3f} ms/step ({statistics.median(steps) / d:.2f}x dense), "
               f"spec/plain {statistics.median(ratios):.2f}x at tau {tau}", flush=True)
@@ -309,10 +354,22 @@ def render(res: dict) -> str:
                   f"| decode step ms | {_r(s['decode_ms'])} |", f"| verify graph ms | {_r(s['verify_ms'])} |",
                   f"| draft graph ms | {_r(s['draft_ms'])} |",
                   f"| verify / decode | {_r(s['verify_over_decode'], '{:.2f}')} |",
-                  f"| draft / verify | {_r(s['draft_over_verify'], '{:.2f}')} |", ""]
+                  f"| draft / verify | {_r(s['draft_over_verify'], '{:.2f}')} |"]
+        if s.get("piecewise_verify_ms"):  # whole graphs' off switch, interleaved with the figures above
+            lines += [f"| verify, piecewise graphs (whole off) ms | {_r(s['piecewise_verify_ms'])} |",
+                      f"| draft, piecewise graphs (whole off) ms | {_r(s['piecewise_draft_ms'])} |",
+                      f"| piecewise verify / decode | {_r(s['piecewise_verify_over_decode'], '{:.2f}')} |"]
+        lines.append("")
     if res.get("spec_speedup"):
-        lines += [f"## Spec vs plain at synthetic tau {st.get('tau')}", "", "| concurrency | speedup |", "|---|---|"]
-        lines += [f"| {c} | {_r(v, '{:.2f}')}x |" for c, v in res["spec_speedup"].items()]
+        pw = res.get("piecewise_spec_speedup") or {}
+        lines += [f"## Spec vs plain at synthetic tau {st.get('tau')}", ""]
+        if pw:  # the same spec engine with whole graphs off, interleaved per repeat
+            lines += ["| concurrency | speedup | piecewise graphs (whole off) |", "|---|---|---|"]
+            lines += [f"| {c} | {_r(v, '{:.2f}')}x | {_r(pw[c], '{:.2f}') + 'x' if c in pw else '-'} |"
+                      for c, v in res["spec_speedup"].items()]
+        else:
+            lines += ["| concurrency | speedup |", "|---|---|"]
+            lines += [f"| {c} | {_r(v, '{:.2f}')}x |" for c, v in res["spec_speedup"].items()]
         lines.append("")
     if res.get("context_growth"):
         cs = sorted({c for row in res["context_growth"].values() for c in row}, key=int)
@@ -349,6 +406,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {', '.join(SECTIONS)}")
     ap.add_argument("--out-dir", help="write speed.json and speed.md there")
     ap.add_argument("--no-ahead-ab", action="store_true", help="skip the decode-ahead-off arm of the levels section")
+    ap.add_argument("--no-whole-ab", action="store_true",
+                    help="skip the whole-graphs-off (piecewise verify / draft) spec arm of the levels section")
     a = ap.parse_args(argv)
     if a.repeats < 1 or a.new_tokens < 2 or a.growth_tokens < 2:
         raise SystemExit("--repeats must be >= 1, --new-tokens and --growth-tokens >= 2")
@@ -381,7 +440,7 @@ def main(argv: list[str] | None = None) -> dict:
     levels, contexts = positive_ints(a.levels, "--levels"), positive_ints(a.contexts, "--contexts")
     res = run(target, draft, a.device, levels, contexts, a.growth_c, a.repeats, a.new_tokens,
               a.prompt_len, a.tau, a.growth_tokens, a.step_context, a.dtype, save=save, engine_kw=engine_kw,
-              sections=sections, ahead_ab=not a.no_ahead_ab)
+              sections=sections, ahead_ab=not a.no_ahead_ab, whole_ab=not a.no_whole_ab)
     save(res)
     print(render(res), flush=True)
     emit_document(res)

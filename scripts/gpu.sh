@@ -63,6 +63,7 @@
 #                workload behind a PREFIX_TOKENS (1000) shared prefix, prefix cache on vs off): the bundled pair
 #                (its real drafter: acceptance on warm turns vs cold) and the Qwen3-4B-shaped pair at synthetic tau
 #                PREFIX_TAU (6.5: speed); $W/h200-prefix/*, copied to $OUT/h200-prefix/ (reports/h200-prefix/)
+#   script       python3 $PROBE after the setup (a one-off probe: PROBE="scratch/x.py args"; carry its folder)
 # Knobs: TEST_TIMEOUT, BENCH_TIMEOUT, BENCH_BUDGET (decode); SPEC_TIMEOUT, SPEC_BUDGET (steps), SWEEP_TIMEOUT
 # (the sweep is interrupted like Ctrl-C at it: records kept), SWEEP_LEVELS, SWEEP_TAUS, SWEEP_ROUNDS, SWEEP_PPL,
 # SWEEP_MAX_TOKENS, SPEC_WORKDIR (the Qwen3-4B-shaped pair; built there when absent).
@@ -179,6 +180,12 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   timeout $(cap ${TEST_TIMEOUT:-300}) python3 -m pytest -m gpu ${TEST_PATHS:-tests/gpu} ${TEST_ARGS:-} -q -rA -s -p no:cacheprovider 2>&1 | tee "$W/pytest.log"
   r=${PIPESTATUS[0]}; [ "$r" = 0 ] || rc=$r
   log "pytest rc=$r"
+fi
+if [ "$what" = script ]; then  # a one-off probe: PROBE="path/to/script.py args" after the setup above
+  log "script: ${PROBE:-}"
+  timeout $(cap 560) python3 ${PROBE:?PROBE=\"script.py args\" is needed} 2>&1 | tee "$W/probe.log"
+  r=${PIPESTATUS[0]}; [ "$r" = 0 ] || rc=$r
+  log "script rc=$r"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   log "benchmark"
