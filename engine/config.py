@@ -326,6 +326,12 @@ class EngineConfig:
     # decode_attention="triton". False: piecewise segments with FlashInfer's prefill eager between them (before).
     # Default from SPECBENCH_WHOLE_GRAPHS, else on.
     whole_graphs: bool = field(default_factory=lambda: env_flag("SPECBENCH_WHOLE_GRAPHS", True))
+    # Greedy DFlash drafts stay on the device from the draft pass to the verify forward (engine/spec/pending.py):
+    # the host lays out the verify step while the draft runs and the verify runner copies the drafts into its input
+    # rows on the device; the host reads them (pinned copy + event) just before the accept. Off with a fault armed.
+    # False: the drafts are read to the host before the verify step is built (before). Default from
+    # SPECBENCH_DEFER_DRAFTS, else on.
+    defer_drafts: bool = field(default_factory=lambda: env_flag("SPECBENCH_DEFER_DRAFTS", True))
     # Rows a prefill-mixed step of the padded runner is padded to (engine/graphs.py): "ladder" = the smallest
     # row count of a fixed ladder (16-row steps to 128, 32 to 256, 64 to 512, 128 beyond, up to
     # max_num_batched_tokens) that holds the step; "bucket" = batch bucket x span (before: a 391-row step of 63

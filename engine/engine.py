@@ -99,6 +99,9 @@ class LLMEngine:
             self.runner.context_writer = getattr(self.proposer, "write_context", None)
         self.metrics = EngineMetrics()
         # prefix hits at admission, sealing at commit (prefix_share.py); blocks carry the drafter's capture
+        # greedy drafts kept on the device until the accept (spec/pending.py); off with a fault armed (the faults
+        # read and rewrite drafts on the host)
+        self.defer_drafts = cfg.defer_drafts and not self.faults.names
         self.prefix = PrefixSharing(self.pool, self.metrics, drafter=self.spec.drafter and proposer is None)
         self.prefix.proposer = self.proposer
         self.scheduler.prefix = self.prefix
@@ -365,10 +368,12 @@ class LLMEngine:
             outs: list[RequestOutput] = []
             if plan.spans:
                 with self.ranges.phase("draft"):
-                    propose(plan, self.proposer, ks, self.faults)
+                    propose(plan, self.proposer, ks, self.faults, defer=self.defer_drafts)
                 with self.ranges.phase("verify" if plan.has_verify else "forward"):
                     fwd = run_forward(plan, self.runner, self.proposer, self.faults)
                 with self.ranges.phase("accept"):
+                    if plan.pending is not None:  # deferred drafts: on the host before they are judged
+                        plan.pending.resolve()
                     results = self.accept_step.accept(plan, fwd)
                     self.policy.record(plan, results)
                 with self.ranges.phase("commit"):

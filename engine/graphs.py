@@ -54,6 +54,7 @@ if TYPE_CHECKING:  # the runner imports this module
 
     from .runner import ModelRunner
     from .scheduler import Span
+    from .spec.pending import PendingDrafts
 
 log = logging.getLogger("specbench.engine")
 NO_SPEC_SPAN = 16  # row quantum of the padded runner in an engine without speculation (prefill-mixed steps)
@@ -386,7 +387,8 @@ class VerifyGraphs:
         self.ladder = row_ladder(top) if self.padded_rows == "ladder" else []
         gl = runner.cfg.graph_logits if graph_logits is None else graph_logits
         self.stack = TargetStack(runner, self.tap, top, capture, graph_logits=gl)
-        self.stats = {"steps": 0, "whole_steps": 0, "real_rows": 0, "padded_rows": 0, "prefill_steps": 0}
+        self.stats = {"steps": 0, "whole_steps": 0, "real_rows": 0, "padded_rows": 0, "prefill_steps": 0,
+                      "deferred_rows": 0}
 
     @property
     def mode(self) -> str:
@@ -408,8 +410,10 @@ class VerifyGraphs:
         b = next((x for x in self.buckets if x >= len(spans) and x * span >= rows), None)
         return None if b is None else (b, span)
 
-    def run(self, spans: list[Span], logit_rows: list[int], key: tuple[int, int] | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run(self, spans: list[Span], logit_rows: list[int], key: tuple[int, int] | None = None,
+            pending: PendingDrafts | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`pending`: drafts still on the device (spec/pending.py): their rows hold placeholders in the spans and
+        are filled in from the device tensor after the host rows are copied (no host read)."""
         key = key or self.key(spans)
         assert key is not None, "run() on a step that key() refuses"
         b, span = key
@@ -425,7 +429,16 @@ class VerifyGraphs:
         host[2, :real] = torch.tensor([x for s in spans for x in pool.slots(s.req.rid, s.start, s.start + len(s.tokens))],
                                       dtype=torch.long)
         io = self.stack.io
-        io[:, :rows].copy_(host)
+        cuda = io.is_cuda
+        # pinned and stream-ordered: the host lays the step out while the draft before it still runs
+        io[:, :rows].copy_(host.pin_memory() if cuda else host, non_blocking=cuda)
+        if pending is not None:
+            dst, src = pending.flat_rows(spans)
+            if dst:
+                ix = torch.tensor([dst, src], dtype=torch.long)
+                ix = ix.pin_memory().to(io.device, non_blocking=True) if cuda else ix
+                io[0].index_copy_(0, ix[0], pending.tokens.view(-1).index_select(0, ix[1]))
+                self.stats["deferred_rows"] += len(dst)
         meta = AttentionMetadata(q_lens=[len(s.tokens) for s in spans] + [1] * pad,
                                  kv_lens=[s.start + len(s.tokens) for s in spans] + [1] * pad,
                                  slot_mapping=io[2, :rows],

@@ -141,18 +141,15 @@ class PiecewiseStack:
     def _direct(self, rows: int, stored: bool) -> None:
         """The body of a whole step: the layers back to back, each attention on its layer's own q and output
         (no segment boundary to cross, so none of the static hand-over copies of `_segment`)."""
+        last = len(self.layers) - 1
         x, res = self.head(self.io[0, :rows]), None
-        o = None
         for i, layer in enumerate(self.layers):
-            if o is not None:
-                x, res = self.layers[i - 1].post_attn(o, res, self.ops)
-                if i - 1 in self.tap:
-                    self.tap_out(i - 1, x + res, rows)
             kc, vc = self.kv[i]
             store = (kc, vc, self.io[2, :rows]) if stored else None
-            q, k, v, res = layer.pre_attn(x, res, self.io[1, :rows], self.rope, self.ops, store)
-            o = self.backend.forward(q, k, v, kc, vc, self.scale)
-        x, res = self.layers[-1].post_attn(o, res, self.ops)
+            q, k, v, r = layer.pre_attn(x, res, self.io[1, :rows], self.rope, self.ops, store)
+            x, res = layer.post_attn(self.backend.forward(q, k, v, kc, vc, self.scale), r, self.ops)
+            if i in self.tap and i < last:
+                self.tap_out(i, x + res, rows)
         self.tail(x, res, rows)
 
     def _eager(self, rows: int, stored: bool) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -116,6 +117,7 @@ class ModelRunner:
                                     cfg.decode_tensor_cores, cfg.decode_attention, cfg.triton)
         self.graphs: DecodeGraphs | None = None  # built at the first eligible decode step (CUDA only)
         self.verify_graphs: VerifyGraphs | None = None  # built at the first verify step (CUDA, verify_graph)
+        self.pending: Any = None  # the step's deferred drafts (spec/pending.PendingDrafts), set by run_forward
         self.use_graph_runner = device.type == "cuda"
         # the path and row count of the last forward: ("decode-graph", bucket rows asked), ("padded", rows run),
         # ("plain", rows); read by benchmarks (benchmarks/load.py) to attribute step time
@@ -172,6 +174,9 @@ class ModelRunner:
         the self-test sets them on verify spans alone, with verify_graph=False. `context_fused` says afterwards
         whether the step wrote the drafter's context rows of every span row (the graph paths with a context writer)."""
         self.context_fused = False
+        pending, self.pending = self.pending, None
+        if pending is not None and not (self.use_graph_runner and self.cfg.verify_graph and verify_graph):
+            pending.resolve()  # a path that builds its inputs on the host needs the drafts there
         if self.use_graph_runner and all(len(s.tokens) == 1 and s.kind == "decode" for s in spans):
             graphs = self.decode_graphs(tuple(tap))
             if graphs.can_run(spans):
@@ -184,9 +189,11 @@ class ModelRunner:
             key = vg.key(spans)
             if key is not None:
                 self.last_path = ("padded", key[0] * key[1])
-                out = vg.run(spans, logit_rows, key)
+                out = vg.run(spans, logit_rows, key, pending=pending)
                 self.context_fused = vg.stack.context is not None
                 return out
+        if pending is not None:
+            pending.resolve()
         self.last_path = ("plain", sum(len(s.tokens) for s in spans))
         meta, positions = self.metadata(spans, slot_shift=slot_shift, mask_leak=mask_leak, pos_shift=pos_shift)
         ids = torch.tensor([t for s in spans for t in s.tokens], dtype=torch.long, device=self.device)

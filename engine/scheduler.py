@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .config import EngineConfig
 from .kv_cache import PagePool
@@ -49,6 +49,9 @@ class Span:
 @dataclass
 class StepPlan:
     spans: list[Span]
+    # greedy drafts still on the device (spec/pending.PendingDrafts; set by the propose phase, resolved before the
+    # accept), or None
+    pending: Any = None
 
     @property
     def num_tokens(self) -> int:

@@ -42,6 +42,7 @@ from ..runner import ModelRunner
 from ..sampler import draw_rows, sampling_probs_rows, uniforms
 from ..scheduler import Span
 from .dflash_graphs import DraftGraphs, block_positions
+from .pending import PendingDrafts
 from .proposer import Proposer
 
 G = TypeVar("G", bound=DraftGraphs)
@@ -49,6 +50,7 @@ G = TypeVar("G", bound=DraftGraphs)
 
 class DFlashProposer(Proposer):
     name = "dflash"
+    defers = True  # propose(..., defer=True) may leave greedy drafts on the device (spec/pending.py)
     block: int  # the drafter's block size B: one draft pass writes B scratch slots past the committed length
 
     def __init__(self, k: int, draft: DFlashDraftModel, target: Qwen3ForCausalLM, runner: ModelRunner,
@@ -139,9 +141,17 @@ class DFlashProposer(Proposer):
         return self.ctx_len.get(rid, 0), self.ctx_end.get(rid, 0)
 
     # ---- draft ----------------------------------------------------------------------------------
-    def propose(self, spans, ks, tile_starts=False):
+    def propose(self, spans, ks, tile_starts=False, defer=False):
+        """Fill each span's drafts (at most its k). `defer` (the engine's EngineConfig.defer_drafts): when every span
+        is greedy and the pass is batched, the drafts stay on the device; returns their PendingDrafts (the spans
+        hold placeholders until its `resolve`; spec/pending.py). Else None, the drafts on the host."""
         if not spans:
-            return
+            return None
+        if defer and self.batched and not tile_starts and all(s.req.params.greedy for s in spans):
+            dev = self.draft_logits(spans).argmax(-1)  # [N, B - 1] on the device; no host read
+            for s, k in zip(spans, ks, strict=True):
+                s.drafts = [0] * k
+            return PendingDrafts(dev, spans, ks)
         groups = [spans] if self.batched else [[s] for s in spans]
         kmap = {id(s): k for s, k in zip(spans, ks, strict=True)}
         for g in groups:
@@ -166,6 +176,7 @@ class DFlashProposer(Proposer):
                     k = kmap[id(g[i])]
                     g[i].drafts = drawn[j][:k]
                     g[i].draft_probs = q[j, :k]
+        return None
 
     def draft_graphs(self) -> DraftGraphs | None:
         """The padded draft runner of the graph path (CUDA with `draft_graph`, or a test that installed

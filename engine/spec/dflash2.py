@@ -50,6 +50,7 @@ def dflash_proposer(k: int, draft: DFlashDraftModel, target: Qwen3ForCausalLM, r
 class DFlash2Proposer(DFlashProposer):
     name = "dflash"  # the method; the architecture is the drafter's (describe() names the draft dir)
     variants = ("selector", "causal")
+    defers = False  # its own propose (the selector walk): drafts always come back to the host
     draft: DFlash2DraftModel
 
     def __init__(self, k: int, draft: DFlashDraftModel, target: Qwen3ForCausalLM, runner: ModelRunner,

@@ -26,12 +26,18 @@ def draft_lens(running: list[Request], proposer: Proposer | None, spec: SpecPlan
             if not r.in_prefill and spec.can_speculate(r.params) and r.remaining >= 2 and proposer.ready(r)}
 
 
-def propose(plan: StepPlan, proposer: Proposer | None, ks: dict[str, int], faults: Faults = NO_FAULTS) -> None:
+def propose(plan: StepPlan, proposer: Proposer | None, ks: dict[str, int], faults: Faults = NO_FAULTS,
+            defer: bool = False) -> None:
+    """`defer` (EngineConfig.defer_drafts, the engine checks no fault is armed): a proposer that `defers` may keep
+    greedy drafts on the device; their PendingDrafts goes to plan.pending (spec/pending.py)."""
     spans = [s for s in plan.spans if s.kind == "verify"]
     if not spans or proposer is None:
         return
     knobs = faults.on_propose(spans)
-    proposer.propose(spans, [ks[s.req.rid] for s in spans], **knobs.overrides(getattr(proposer, "variants", ())))
+    kw = knobs.overrides(getattr(proposer, "variants", ()))
+    if defer and proposer.defers:
+        kw["defer"] = True
+    plan.pending = proposer.propose(spans, [ks[s.req.rid] for s in spans], **kw)
     for s in spans:
         if s.drafts:
             s.tokens = s.tokens + list(s.drafts)

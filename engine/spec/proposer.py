@@ -8,6 +8,7 @@ proposer uses any) stay inside it.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -21,6 +22,7 @@ class Proposer:
     # Positions one draft pass writes past the committed length (a block drafter's scratch); None: none
     # beyond the verify span. The run's headroom derives from it (spec/plan.py).
     block: int | None = None
+    defers = False  # whether propose takes defer=True (greedy drafts left on the device: spec/pending.py)
 
     def __init__(self, k: int) -> None:
         self.k = k
@@ -29,10 +31,11 @@ class Proposer:
     def ready(self, req: Request) -> bool:
         return True
 
-    def propose(self, spans: list[Span], ks: list[int], tile_starts: bool = False) -> None:
+    def propose(self, spans: list[Span], ks: list[int], tile_starts: bool = False) -> Any:
         """Fill each span's drafts (at most ks[i]). `tile_starts`: a batched block draft lays out its
         positions from the request starts tiled instead of repeated per row (only the self-test sets it;
-        proposers without block positions ignore it)."""
+        proposers without block positions ignore it). Returns None, or (a proposer that `defers`, asked to) the
+        spec/pending.PendingDrafts of drafts left on the device."""
         raise NotImplementedError
 
     def observe(self, spans: list[Span], committed: list[int], taps: torch.Tensor | None,
