@@ -105,28 +105,17 @@ def step_ms(llm, ps: list[list[int]], n_new: int, device: str) -> tuple[float, f
 
 
 @contextlib.contextmanager
-def ahead_set(llm, on: bool) -> Iterator[None]:
-    """Decode ahead (engine/ahead.py) on or off inside the block, as it was after it."""
-    was = llm.engine.ahead.enabled
-    llm.engine.ahead.enabled = on
+def switched(objs: list, attr: str, on: bool) -> Iterator[None]:
+    """`obj.attr = on` for each obj inside the block, each restored after it: decode ahead
+    (`engine.ahead.enabled`), whole graphs (a piecewise stack's `whole`), deferred drafts (`engine.defer_drafts`)."""
+    was = [getattr(o, attr) for o in objs]
+    for o in objs:
+        setattr(o, attr, on)
     try:
         yield
     finally:
-        llm.engine.ahead.enabled = was
-
-
-@contextlib.contextmanager
-def whole_set(stacks: list, on: bool) -> Iterator[None]:
-    """Whole graphs (EngineConfig.whole_graphs, engine/piecewise.py `step`) on or off inside the block for these
-    piecewise stacks, as they were after it."""
-    was = [s.whole for s in stacks]
-    for s in stacks:
-        s.whole = on
-    try:
-        yield
-    finally:
-        for s, w in zip(stacks, was, strict=True):
-            s.whole = w
+        for o, w in zip(objs, was, strict=True):
+            setattr(o, attr, w)
 
 
 def engine_stacks(llm) -> list:
@@ -139,7 +128,7 @@ def ahead_outputs(llm, ps: list[list[int]], on: bool, max_tokens: int = 64) -> l
     """Greedy output ids of `ps` with decode ahead on or off."""
     from specbench.engine import SamplingParams
 
-    with ahead_set(llm, on):
+    with switched([llm.engine.ahead], "enabled", on):
         return [o.output_ids for o in llm.generate(ps, SamplingParams(max_tokens=max_tokens, ignore_eos=True))]
 
 
@@ -157,7 +146,7 @@ def step_benches(target: str, draft: str, device: str, repeats: int, context: in
         ver.append(bench.time_verify("verify-graph", vspans, 10))
         dra.append(bench.time_draft("draft-graph", dspans, 10))
         if whole:  # the piecewise graphs whole graphs replace (their off switch), same spans
-            with whole_set(stacks, False):
+            with switched(stacks, "whole", False):
                 pver.append(bench.time_verify("verify-graph", vspans, 10))
                 pdra.append(bench.time_draft("draft-graph", dspans, 10))
     out = {"context": context, "span": bench.k + 1, "whole": whole, "decode_ms": stat(dec), "verify_ms": stat(ver),
@@ -196,7 +185,8 @@ def run(target: str, draft: str, device: str = "cuda", levels: tuple[int, ...] =
         contexts: tuple[int, ...] = (512, 2048, 8192), growth_c: int = 32, repeats: int = 3,
         new_tokens: int = 256, prompt_len: int = 128, tau: float = 6.5, growth_tokens: int = 64,
         step_context: int = 512, dtype: str | None = None, save=None, engine_kw: dict | None = None,
-        sections: tuple[str, ...] = SECTIONS, ahead_ab: bool = True, whole_ab: bool = True) -> dict:
+        sections: tuple[str, ...] = SECTIONS, ahead_ab: bool = True, whole_ab: bool = True,
+        defer_ab: bool = True) -> dict:
     """`save(res)` is called after every section, so an interrupted run keeps what it measured."""
     from specbench.engine import LLM
 
@@ -224,9 +214,9 @@ def run(target: str, draft: str, device: str = "cuda", levels: tuple[int, ...] =
     # a lazy capture; with the whole-graphs arm, the piecewise graphs it switches to as well
     plain.engine.capture_graphs()
     spec.engine.capture_graphs()
-    whole_ab = whole_ab and spec.engine.cfg.whole_graphs
+    whole_ab = whole_ab and spec.engine.cfg.whole_graphs and spec.engine.runner.backend.rows_ok
     if whole_ab:
-        with whole_set(engine_stacks(spec), False):
+        with switched(engine_stacks(spec), "whole", False):
             spec.engine.capture_graphs()
     rows = sorted(set(levels) | {1, spec.engine.k + 1})
     res["dense_floor_ms"] = {str(r): stat([dense_floor(plain.engine.model, r, device) for _ in range(repeats)])
@@ -240,13 +230,16 @@ def run(target: str, draft: str, device: str = "cuda", levels: tuple[int, ...] =
         res["ahead_off_ms_per_step"], res["ahead_gain"] = {}, {}
     if whole_ab:
         res["piecewise_spec_speedup"] = {}
+    defer_ab = defer_ab and spec.engine.defer_drafts
+    if defer_ab:
+        res["undeferred_spec_speedup"] = {}
     for c in (levels if "levels" in sections else ()):
         ps = prompts(c, prompt_len, vocab, seed=c)
         gen_wall(plain, ps, 8, device)  # warm-up: this batch size's graphs and buffers, both engines
         gen_wall(spec, ps, 8, device)
         if ahead_ab:  # the fast path checked against the simple one on this backend: greedy tokens equal
             res.setdefault("ahead_equal", {})[str(c)] = ahead_outputs(plain, ps, True) == ahead_outputs(plain, ps, False)
-        steps, walls, ratios, offs, pieces = [], [], [], [], []
+        steps, walls, ratios, offs, pieces, undeferred = [], [], [], [], [], []
         stacks = engine_stacks(spec)  # built by the warm-up
         for _ in range(repeats):
             ms, wall_plain = step_ms(plain, ps, new_tokens, device)
@@ -255,10 +248,13 @@ def run(target: str, draft: str, device: str = "cuda", levels: tuple[int, ...] =
             walls.append(wall_plain)
             ratios.append(wall_plain / wall_spec)
             if whole_ab:  # the same spec engine on piecewise verify / draft graphs (whole graphs' off switch)
-                with whole_set(stacks, False):
+                with switched(stacks, "whole", False):
                     pieces.append(wall_plain / gen_wall(spec, ps, new_tokens, device))
+            if defer_ab:  # the same spec engine with its drafts read to the host before the verify (defer's off switch)
+                with switched([spec.engine], "defer_drafts", False):
+                    undeferred.append(wall_plain / gen_wall(spec, ps, new_tokens, device))
             if ahead_ab:  # the same engine with decode ahead off: the simple path it replaces
-                with ahead_set(plain, False):
+                with switched([plain.engine.ahead], "enabled", False):
                     offs.append(step_ms(plain, ps, new_tokens, device)[0])
         d = res["dense_floor_ms"][str(c)]["median"]
         if ahead_ab:
@@ -270,6 +266,8 @@ def run(target: str, draft: str, device: str = "cuda", levels: tuple[int, ...] =
         res["spec_speedup"][str(c)] = stat(ratios)
         if whole_ab:
             res["piecewise_spec_speedup"][str(c)] = stat(pieces)
+        if defer_ab:
+            res["undeferred_spec_speedup"][str(c)] = stat(undeferred)
         res["noise_floor"][str(c)] = (max(walls) - min(walls)) / statistics.median(walls)
         print(f"c{c}: plain {statistics.median(steps):.3f} ms/step ({statistics.median(steps) / d:.2f}x dense), "
               f"spec/plain {statistics.median(ratios):.2f}x at tau {tau}", flush=True)
@@ -361,15 +359,16 @@ def render(res: dict) -> str:
                       f"| piecewise verify / decode | {_r(s['piecewise_verify_over_decode'], '{:.2f}')} |"]
         lines.append("")
     if res.get("spec_speedup"):
-        pw = res.get("piecewise_spec_speedup") or {}
-        lines += [f"## Spec vs plain at synthetic tau {st.get('tau')}", ""]
-        if pw:  # the same spec engine with whole graphs off, interleaved per repeat
-            lines += ["| concurrency | speedup | piecewise graphs (whole off) |", "|---|---|---|"]
-            lines += [f"| {c} | {_r(v, '{:.2f}')}x | {_r(pw[c], '{:.2f}') + 'x' if c in pw else '-'} |"
-                      for c, v in res["spec_speedup"].items()]
-        else:
-            lines += ["| concurrency | speedup |", "|---|---|"]
-            lines += [f"| {c} | {_r(v, '{:.2f}')}x |" for c, v in res["spec_speedup"].items()]
+        # the same spec engine with one fast path off, interleaved per repeat
+        arms = [(k, label) for k, label in (("piecewise_spec_speedup", "piecewise graphs (whole off)"),
+                                            ("undeferred_spec_speedup", "drafts read before verify (defer off)"))
+                if res.get(k)]
+        lines += [f"## Spec vs plain at synthetic tau {st.get('tau')}", "",
+                  "| " + " | ".join(["concurrency", "speedup"] + [label for _, label in arms]) + " |",
+                  "|---" * (2 + len(arms)) + "|"]
+        for c, v in res["spec_speedup"].items():
+            cells = [c, _r(v, "{:.2f}") + "x"] + [_r(res[k][c], "{:.2f}") + "x" if c in res[k] else "-" for k, _ in arms]
+            lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
     if res.get("context_growth"):
         cs = sorted({c for row in res["context_growth"].values() for c in row}, key=int)
@@ -406,6 +405,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {', '.join(SECTIONS)}")
     ap.add_argument("--out-dir", help="write speed.json and speed.md there")
     ap.add_argument("--no-ahead-ab", action="store_true", help="skip the decode-ahead-off arm of the levels section")
+    ap.add_argument("--no-defer-ab", action="store_true",
+                    help="skip the deferred-drafts-off spec arm of the levels section")
     ap.add_argument("--no-whole-ab", action="store_true",
                     help="skip the whole-graphs-off (piecewise verify / draft) spec arm of the levels section")
     a = ap.parse_args(argv)
@@ -440,7 +441,8 @@ def main(argv: list[str] | None = None) -> dict:
     levels, contexts = positive_ints(a.levels, "--levels"), positive_ints(a.contexts, "--contexts")
     res = run(target, draft, a.device, levels, contexts, a.growth_c, a.repeats, a.new_tokens,
               a.prompt_len, a.tau, a.growth_tokens, a.step_context, a.dtype, save=save, engine_kw=engine_kw,
-              sections=sections, ahead_ab=not a.no_ahead_ab, whole_ab=not a.no_whole_ab)
+              sections=sections, ahead_ab=not a.no_ahead_ab, whole_ab=not a.no_whole_ab,
+              defer_ab=not a.no_defer_ab)
     save(res)
     print(render(res), flush=True)
     emit_document(res)
