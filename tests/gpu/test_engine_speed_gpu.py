@@ -86,3 +86,22 @@ def test_decode_ahead_equals_its_off_switch_on_cuda(tiny):
             if on:
                 assert eng.metrics.decode_ahead_steps > 10, "the chain did not run on CUDA"
     assert got[True] == got[False]
+
+
+def test_defer_drafts_equals_its_off_switch_on_cuda(tiny):
+    """Deferred drafts (engine/spec/pending.py: drafts left on the device, the verify rows filled there, the host
+    read through a pinned copy + event) on vs off, on the tiny DFlash pair with every CUDA graph on (whole verify
+    and draft graphs included): the same kernels either way, so greedy outputs equal token for token, and the
+    deferred path is what ran (the verify runner's deferred_rows)."""
+    from specbench.engine import LLM, SamplingParams
+
+    prompts = ["The quick brown fox", "Once upon a time, there was", "Question: what is 2 + 2?", "a b c d"]
+    sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    got = {}
+    for defer in (True, False):
+        with LLM(tiny[0], draft=tiny[1], device="cuda", dtype="bfloat16", defer_drafts=defer,
+                 gpu_memory_utilization=0.3) as llm:
+            got[defer] = [o.output_ids for o in llm.generate(prompts, sp)]
+            vg = llm.engine.runner.verify_graphs
+            assert vg is not None and (vg.stats["deferred_rows"] > 0) == defer, vg.stats
+    assert got[True] == got[False]
