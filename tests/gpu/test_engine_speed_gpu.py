@@ -90,8 +90,8 @@ def test_decode_ahead_equals_its_off_switch_on_cuda(tiny):
 
 def test_defer_drafts_equals_its_off_switch_on_cuda(tiny):
     """Deferred drafts (engine/spec/pending.py: drafts left on the device, the verify rows filled there, the host
-    read through a pinned copy + event) on vs off, on the tiny DFlash pair with every CUDA graph on (whole verify
-    and draft graphs included): the same kernels either way, so greedy outputs equal token for token, and the
+    read through a pinned copy + event) on vs off, on the tiny DFlash pair with every CUDA graph on (piecewise: the
+    torch attention of its head_dim 32; the whole graphs are covered in test_spec_gpu.py): the same kernels either way, so greedy outputs equal token for token, and the
     deferred path is what ran (the verify runner's deferred_rows)."""
     from specbench.engine import LLM, SamplingParams
 
@@ -100,7 +100,7 @@ def test_defer_drafts_equals_its_off_switch_on_cuda(tiny):
     got = {}
     for defer in (True, False):
         with LLM(tiny[0], draft=tiny[1], device="cuda", dtype="bfloat16", defer_drafts=defer,
-                 gpu_memory_utilization=0.3) as llm:
+                 attention_backend="torch", gpu_memory_utilization=0.3) as llm:  # head_dim 32: no FlashInfer sm90
             got[defer] = [o.output_ids for o in llm.generate(prompts, sp)]
             vg = llm.engine.runner.verify_graphs
             assert vg is not None and (vg.stats["deferred_rows"] > 0) == defer, vg.stats

@@ -78,6 +78,43 @@ def test_decode_attention_qwen3_4b(batch, ctx):
             print(f"decode attention B={batch} ctx={ctx} splits={splits} fused={fused}: max abs err {err:.3g}")
 
 
+@pytest.mark.parametrize("ctx", [17, 600, 3000])
+@pytest.mark.parametrize("causal", [True, False])
+def test_span_attention_qwen3_4b(causal, ctx):
+    """The span attention of whole verify / draft graphs (kernels/decode_attention.span_attention) vs its torch
+    reference in bf16 at the Qwen3-4B geometry (32 query heads, 8 KV heads, head_dim 128, page 16): verify spans
+    of 16 and shorter, a decode row, padding rows on a dummy page shared in one segment, unused segments; one
+    split and several."""
+    from specbench.engine.attention.flashinfer import row_segments
+    from specbench.kernels import decode_attention as da
+
+    dev, ps, hq, hkv, d = torch.device("cuda"), 16, 32, 8, 128
+    g = torch.Generator(device=dev).manual_seed(ctx + causal)
+    spans = [(16, ctx + 16), (5, ctx // 2 + 5), (1, ctx), (16, 16)]  # (q_len, kv_len)
+    need = [-(-kl // ps) for _, kl in spans]
+    npages = sum(need) + 1
+    perm = torch.randperm(npages - 1, device=dev, generator=g).tolist()
+    tables, at = [], 0
+    for n in need:
+        tables.append(perm[at:at + n])
+        at += n
+    q_lens, kv_lens = [ql for ql, _ in spans] + [1] * 6, [kl for _, kl in spans] + [1] * 6
+    tables += [[npages - 1]] * 6
+    kc = torch.randn(npages * ps, hkv, d, device=dev, generator=g).to(torch.bfloat16)
+    vc = torch.randn(npages * ps, hkv, d, device=dev, generator=g).to(torch.bfloat16)
+    rows = sum(q_lens)
+    q = torch.randn(rows, hq, d, device=dev, generator=g).to(torch.bfloat16)
+    segs, pages = row_segments(q_lens, kv_lens, tables, ps, causal, 16)
+    st = torch.tensor(segs + [(0, 0, 0, 0, 0)] * 3, dtype=torch.int32, device=dev)
+    pg = torch.tensor(pages, dtype=torch.int32, device=dev)
+    ref = da.span_attention_ref(q, kc, vc, st, pg, ps, d ** -0.5).float()
+    for splits in (1, 4, 17):
+        out = da.span_attention(q, kc, vc, st, pg, ps, d ** -0.5, splits, 16).float()
+        err = (out - ref).abs().max().item()
+        print(f"span attention causal={causal} ctx={ctx} splits={splits}: max abs err {err:.3g}")
+        assert err < 2e-2 and bool(torch.isfinite(out).all())
+
+
 def test_decode_attention_cuda_graph_replay():
     """Captured once with static metadata buffers (the engine's graph bucket), replayed after lengths and pages
     change, padding rows included (length 0, one key on a dummy page): each replay matches the reference and is
