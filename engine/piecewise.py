@@ -25,6 +25,14 @@ Contract:
 - capture=False runs the same segments eagerly: same kernels, same shapes, so a replay is bit-identical
   to the eager run of the same step and `eager` measures launch overhead alone. This is also how the CPU
   tests drive it.
+- Whole steps (`step`, `whole` on, a backend whose `rows_ok`: FlashInfer with the Triton decode attention): a
+  step the caller allows (no prefill chunk) is planned by the backend's `plan_rows` instead: its spans as
+  segments of <= quantum rows for `kernels.decode_attention.span_attention`, the segment table and page lists
+  in fixed buffers per (rows, quantum), so attention reads no host value and the whole body (`_direct`: the
+  layers back to back, no static hand-over copies) is ONE graph per (rows, quantum), replayed at any lengths and
+  pages; eager mode runs the same `_direct` body. A whole step and a piecewise step of the same row count use
+  different graphs (keyed (rows, quantum) and (rows, 0)); the attention kernels differ, so the two agree to
+  bf16 noise, not bit for bit (tests/gpu/test_spec_gpu.py).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""The DFlash draft as a padded piecewise graph: dense ops per drafter layer captured, the non-causal block
-attention over the drafter's paged context eager between replays.
+"""The DFlash draft as a padded graph: with whole graphs (EngineConfig.whole_graphs, a backend with `plan_rows`)
+one graph per row count, the non-causal block attention over the drafter's paged context inside it (the span
+attention, quantum B); else dense ops per drafter layer captured, that attention eager between replays.
 
 Contract:
 - A draft of N requests runs padded to rows = bucket x B (B = block size; bucket the smallest batch
@@ -10,8 +11,8 @@ Contract:
 - The body is `piecewise.PiecewiseStack` over the drafter's layers (each a `Qwen3Layer`, so on CUDA the
   Triton ops and the fused rope + K/V store serve the drafter too): head = the target's embedding times
   the drafter's input scale; tail = final norm and the target's lm_head over block slots 1..B-1 into a
-  static fp32 [bucket, B - 1, V] buffer. Graphs are keyed by row count, captured at first use, only ever
-  replayed at it. `run` returns a view of that buffer, valid until the next draft.
+  static fp32 [bucket, B - 1, V] buffer. Graphs are keyed by row count (and whole or not), captured at
+  first use, only ever replayed at it. `run` returns a view of that buffer, valid until the next draft.
 - Same function as `DFlashProposer.draft_logits_plain` (tested on CPU with capture=False).
 """
 
