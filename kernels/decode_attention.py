@@ -151,6 +151,60 @@ if triton_importable():
         tl.store(out_ptr + b.to(tl.int64) * so_b + hq * so_h + d, o.to(out_ptr.dtype.element_ty), mask=dm)
 
     @triton.jit
+    def _kv_pass(q, kc_ptr, vc_ptr, pages_ptr, p0, start, end, h, qk_scale, limit, M: tl.constexpr, HKV: tl.constexpr,
+                 D: tl.constexpr, DP: tl.constexpr, PS: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+                 LIMIT: tl.constexpr):
+        """Online softmax of the query tile q [M, DP] over keys [start, end) of one page list and KV head h (fp32
+        max / sum / weighted V, base-2 exponent): (max, sum, unnormalized output) per tile row. LIMIT: query row t
+        sees only keys < limit[t] (a row may then meet a tile with no key: its weights stay 0, no NaN)."""
+        m_i = tl.full([M], float("-inf"), tl.float32)
+        l_i = tl.zeros([M], tl.float32)
+        acc = tl.zeros([M, DP], tl.float32)
+        d = tl.arange(0, DP)
+        n = tl.arange(0, BLOCK_N)
+        dm = d < D
+        for t0 in range(start, end, BLOCK_N):
+            pos = t0 + n
+            valid = pos < end
+            page = tl.load(pages_ptr + p0 + pos // PS, mask=valid, other=0).to(tl.int64)
+            row = ((page * PS + pos % PS) * HKV + h) * D
+            kv_mask = valid[:, None] & dm[None, :]
+            k = tl.load(kc_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # [M, BLOCK_N], log2 units
+            if LIMIT:
+                qk = tl.where(valid[None, :] & (pos[None, :] < limit[:, None]), qk, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(qk, 1))
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            else:
+                qk = tl.where(valid[None, :], qk, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(qk, 1))  # finite: every tile holds >= 1 valid token
+                m_use = m_new
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(qk - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(vc_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+            m_i = m_new
+        return m_i, l_i, acc
+
+    @triton.jit
+    def _finish(acc, l_i, m_i, out_ptr, part_ptr, rows, heads, mask, so_b, so_h, r, nonempty, NROWS,
+                D: tl.constexpr, DP: tl.constexpr, DIRECT: tl.constexpr):
+        """One split (DIRECT): the normalized output of each tile row (its output row `rows`, head `heads`); else
+        the split's partial at partial row r. An empty range writes max -inf and sum 0 only: the merge reads no V
+        partial behind a -inf max."""
+        d = tl.arange(0, DP)
+        dm = d < D
+        if DIRECT:
+            o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            tl.store(out_ptr + rows[:, None] * so_b + heads[:, None] * so_h + d[None, :],
+                     o.to(out_ptr.dtype.element_ty), mask=mask[:, None] & dm[None, :])
+        else:
+            tl.store(part_ptr + r[:, None] * D + d[None, :], acc, mask=(mask[:, None] & dm[None, :]) & nonempty)
+            tl.store(part_ptr + NROWS * D + r, m_i, mask=mask)
+            tl.store(part_ptr + NROWS * (D + 1) + r, l_i, mask=mask)
+
+    @triton.jit
     def _split_kernel(q_ptr, kc_ptr, vc_ptr, lens_ptr, indptr_ptr, pages_ptr, part_ptr, out_ptr, cnt_ptr,
                       sq_b, sq_h, so_b, so_h, qk_scale, NSPLIT, NROWS,
                       HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
@@ -166,40 +220,16 @@ if triton_importable():
         end = tl.minimum(start + chunk, seq)
         g = tl.arange(0, GP)
         d = tl.arange(0, DP)
-        n = tl.arange(0, BLOCK_N)
         gm = g < G
         dm = d < D
         q = tl.load(q_ptr + b.to(tl.int64) * sq_b + (h * G + g)[:, None] * sq_h + d[None, :],
                     mask=gm[:, None] & dm[None, :], other=0.0)
-        m_i = tl.full([GP], float("-inf"), tl.float32)
-        l_i = tl.zeros([GP], tl.float32)
-        acc = tl.zeros([GP, DP], tl.float32)
-        for t0 in range(start, end, BLOCK_N):
-            pos = t0 + n
-            valid = pos < end
-            page = tl.load(pages_ptr + p0 + pos // PS, mask=valid, other=0).to(tl.int64)
-            row = ((page * PS + pos % PS) * HKV + h) * D
-            kv_mask = valid[:, None] & dm[None, :]
-            k = tl.load(kc_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # [GP, BLOCK_N], log2 units
-            qk = tl.where(valid[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))  # finite: every tile holds >= 1 valid token
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(vc_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-            m_i = m_new
-        if DIRECT:  # one split: this program holds the whole softmax
-            o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-            tl.store(out_ptr + b.to(tl.int64) * so_b + (h * G + g)[:, None] * so_h + d[None, :],
-                     o.to(out_ptr.dtype.element_ty), mask=gm[:, None] & dm[None, :])
-        else:
-            r = ((b * HKV + h) * NSPLIT + s) * G + g  # partial row of each query head of the group
-            # an empty range writes max -inf and sum 0 only: the merge reads no V partial behind a -inf max
-            tl.store(part_ptr + r[:, None] * D + d[None, :], acc, mask=(gm[:, None] & dm[None, :]) & (start < end))
-            tl.store(part_ptr + NROWS * D + r, m_i, mask=gm)
-            tl.store(part_ptr + NROWS * (D + 1) + r, l_i, mask=gm)
+        m_i, l_i, acc = _kv_pass(q, kc_ptr, vc_ptr, pages_ptr, p0, start, end, h, qk_scale, end, GP, HKV, D, DP, PS,
+                                 BLOCK_N, PREC, False)
+        r = ((b * HKV + h) * NSPLIT + s) * G + g  # partial row of each query head of the group
+        _finish(acc, l_i, m_i, out_ptr, part_ptr, b.to(tl.int64) + g * 0, h * G + g, gm, so_b, so_h, r, start < end,
+                NROWS, D, DP, DIRECT)
+        if not DIRECT:
             if FUSED:
                 tl.debug_barrier()  # every thread's partial stores precede the release below
                 arrived = tl.atomic_add(cnt_ptr + b * HKV + h, 1, sem="acq_rel", scope="gpu")
@@ -236,39 +266,14 @@ if triton_importable():
             rows = (row0 + j).to(tl.int64)
             limit = tl.where(tm, base + j * step, 0)
             d = tl.arange(0, DP)
-            n = tl.arange(0, BLOCK_N)
             dm = d < D
             q = tl.load(q_ptr + rows[:, None] * sq_b + (h * G + g)[:, None] * sq_h + d[None, :],
                         mask=tm[:, None] & dm[None, :], other=0.0)
-            m_i = tl.full([TQ], float("-inf"), tl.float32)
-            l_i = tl.zeros([TQ], tl.float32)
-            acc = tl.zeros([TQ, DP], tl.float32)
-            for t0 in range(start, end, BLOCK_N):
-                pos = t0 + n
-                valid = pos < end
-                page = tl.load(pages_ptr + p0 + pos // PS, mask=valid, other=0).to(tl.int64)
-                row = ((page * PS + pos % PS) * HKV + h) * D
-                kv_mask = valid[:, None] & dm[None, :]
-                k = tl.load(kc_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-                qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # [TQ, BLOCK_N], log2 units
-                qk = tl.where(valid[None, :] & (pos[None, :] < limit[:, None]), qk, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(qk, 1))
-                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: weights 0, no NaN
-                alpha = tl.exp2(m_i - m_use)
-                p = tl.exp2(qk - m_use[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                v = tl.load(vc_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-                m_i = m_new
-            if DIRECT:
-                o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-                tl.store(out_ptr + rows[:, None] * so_b + (h * G + g)[:, None] * so_h + d[None, :],
-                         o.to(out_ptr.dtype.element_ty), mask=tm[:, None] & dm[None, :])
-            else:
-                r = ((rows * HKV + h) * NSPLIT + s) * G + g  # the decode kernel's partial layout, per row
-                tl.store(part_ptr + r[:, None] * D + d[None, :], acc, mask=(tm[:, None] & dm[None, :]) & (start < end))
-                tl.store(part_ptr + NROWS * D + r, m_i, mask=tm)
-                tl.store(part_ptr + NROWS * (D + 1) + r, l_i, mask=tm)
+            m_i, l_i, acc = _kv_pass(q, kc_ptr, vc_ptr, pages_ptr, p0, start, end, h, qk_scale, limit, TQ, HKV, D, DP,
+                                     PS, BLOCK_N, PREC, True)
+            r = ((rows * HKV + h) * NSPLIT + s) * G + g  # the decode kernel's partial layout, per row
+            _finish(acc, l_i, m_i, out_ptr, part_ptr, rows, h * G + g, tm, so_b, so_h, r, start < end, NROWS, D, DP,
+                    DIRECT)
 
     @triton.jit
     def _merge_kernel(part_ptr, out_ptr, so_b, so_h, NSPLIT, NROWS,

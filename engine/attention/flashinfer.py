@@ -254,18 +254,26 @@ class FlashInferAttention(AttentionBackend):
         self._active = None
         self._key = ("graph-triton", b)
 
+    def _partials(self, q: torch.Tensor, hkv: int, splits: int) -> torch.Tensor | None:
+        """The split partials' fp32 scratch for q's rows (one per (rows, Hkv, G, D, splits), shared by the steps
+        and graphs of that shape: they run one at a time); None with one split."""
+        from specbench.kernels import decode_attention as da  # noqa: PLC0415
+
+        r, hq, d = q.shape
+        key = (r, hkv, hq // hkv, d, splits)
+        part = self._tri_scratch.get(key)
+        if part is None and splits > 1:  # first met at a warm-up forward, before any capture
+            part = self._tri_scratch[key] = da.alloc_partials(r, hkv, hq // hkv, d, splits, q.device)
+        return part
+
     def _triton_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
                        page_size: int) -> torch.Tensor:
         from specbench.kernels import decode_attention as da  # noqa: PLC0415
 
         assert self._tri is not None
-        b, hq, d = q.shape
-        hkv = k_cache.shape[1]
+        b, hkv = q.shape[0], k_cache.shape[1]
         splits = da.num_splits(b, hkv, self._tri_ctx, self._sms or da.DEFAULT_SMS)
-        key = (b, hkv, hq // hkv, d, splits)
-        part = self._tri_scratch.get(key)
-        if part is None and splits > 1:  # first met at a warm-up forward, before any capture
-            part = self._tri_scratch[key] = da.alloc_partials(b, hkv, hq // hkv, d, splits, q.device)
+        part = self._partials(q, hkv, splits)
         lens, indptr, indices = self._tri
         return da.decode_attention(q, k_cache, v_cache, lens, indptr, indices, page_size, scale, splits, part)
 
@@ -316,13 +324,9 @@ class FlashInferAttention(AttentionBackend):
 
         assert self._span is not None
         segs, pages, quantum, cap = self._span
-        r, hq, d = q.shape
         hkv = k_cache.shape[1]
         splits = da.num_splits(cap, hkv, self._tri_ctx, self._sms or da.DEFAULT_SMS)
-        key = (r, hkv, hq // hkv, d, splits)
-        part = self._tri_scratch.get(key)
-        if part is None and splits > 1:  # first met at a warm-up forward, before any capture
-            part = self._tri_scratch[key] = da.alloc_partials(r, hkv, hq // hkv, d, splits, q.device)
+        part = self._partials(q, hkv, splits)
         return da.span_attention(q, k_cache, v_cache, segs, pages, page_size, scale, splits, quantum, part)
 
     def prepare_capture(self, meta: AttentionMetadata) -> None:
