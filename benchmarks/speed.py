@@ -97,6 +97,15 @@ def gen_wall(llm, ps: list[list[int]], max_tokens: int, device: str) -> float:
     return wall
 
 
+def spec_wall(llm, ps: list[list[int]], max_tokens: int, device: str, seed: int) -> float:
+    """gen_wall of the synthetic-acceptance engine with its accept draws restarted from `seed`: the arms of one
+    repeat draw the same accept lengths (a paired comparison: at c1 a run is a few dozen draws, whose spread
+    otherwise exceeds the gap between arms), repeats draw different ones."""
+    if llm.engine.synthetic is not None:
+        llm.engine.synthetic.gen.manual_seed(seed)
+    return gen_wall(llm, ps, max_tokens, device)
+
+
 def step_ms(llm, ps: list[list[int]], n_new: int, device: str) -> tuple[float, float]:
     """(ms per decode step, wall s of the full generate): prefill-only run subtracted."""
     full = gen_wall(llm, ps, n_new, device)
@@ -241,18 +250,18 @@ def run(target: str, draft: str, device: str = "cuda", levels: tuple[int, ...] =
             res.setdefault("ahead_equal", {})[str(c)] = ahead_outputs(plain, ps, True) == ahead_outputs(plain, ps, False)
         steps, walls, ratios, offs, pieces, undeferred = [], [], [], [], [], []
         stacks = engine_stacks(spec)  # built by the warm-up
-        for _ in range(repeats):
+        for rep in range(repeats):
             ms, wall_plain = step_ms(plain, ps, new_tokens, device)
-            wall_spec = gen_wall(spec, ps, new_tokens, device)
+            wall_spec = spec_wall(spec, ps, new_tokens, device, seed=1000 * c + rep)
             steps.append(ms)
             walls.append(wall_plain)
             ratios.append(wall_plain / wall_spec)
             if whole_ab:  # the same spec engine on piecewise verify / draft graphs (whole graphs' off switch)
                 with switched(stacks, "whole", False):
-                    pieces.append(wall_plain / gen_wall(spec, ps, new_tokens, device))
+                    pieces.append(wall_plain / spec_wall(spec, ps, new_tokens, device, seed=1000 * c + rep))
             if defer_ab:  # the same spec engine with its drafts read to the host before the verify (defer's off switch)
                 with switched([spec.engine], "defer_drafts", False):
-                    undeferred.append(wall_plain / gen_wall(spec, ps, new_tokens, device))
+                    undeferred.append(wall_plain / spec_wall(spec, ps, new_tokens, device, seed=1000 * c + rep))
             if ahead_ab:  # the same engine with decode ahead off: the simple path it replaces
                 with switched([plain.engine.ahead], "enabled", False):
                     offs.append(step_ms(plain, ps, new_tokens, device)[0])
