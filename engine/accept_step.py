@@ -23,7 +23,7 @@ import torch
 from .config import SamplingParams
 from .faults import Faults
 from .forward import StepForward
-from .sampler import draw_rows, sampling_probs_rows, topk_logprobs, uniforms
+from .sampler import draw_one_each, sampling_probs_rows, topk_logprobs
 from .scheduler import Span, StepPlan
 from .spec.accept import accept_greedy, accept_greedy_within
 from .spec.sampling import accept_sampled_batch
@@ -123,9 +123,9 @@ class AcceptStep:
             params.append(s.req.params)
         if not idx:
             return {}
-        probs = sampling_probs_rows(logits[torch.tensor(rows, device=logits.device)], params)
-        u = uniforms([1] * len(idx), [self.gens[spans[i].req.rid] for i in idx], logits.device)
-        return dict(zip(idx, draw_rows(probs, u).tolist(), strict=True))
+        drawn = draw_one_each(logits[torch.tensor(rows, device=logits.device)], params,
+                              [self.gens[spans[i].req.rid] for i in idx])
+        return dict(zip(idx, drawn.tolist(), strict=True))
 
     @staticmethod
     def _prompt_logprobs(s: Span, lg: torch.Tensor) -> None:

@@ -41,7 +41,7 @@ import torch
 
 from .accept_step import SpanResult
 from .output import RequestOutput
-from .sampler import draw_rows, sampling_probs_rows, uniforms
+from .sampler import draw_one_each
 from .scheduler import Span, StepPlan
 
 if TYPE_CHECKING:  # the engine builds this with itself
@@ -176,10 +176,8 @@ class DecodeAhead:
         if sampled:
             dev = logits.device
             idx = None if tokens is None else torch.tensor(sampled, dtype=torch.long).to(dev, non_blocking=self.cuda)
-            probs = sampling_probs_rows(logits if idx is None else logits[idx],
-                                        [spans[i].req.params for i in sampled])
-            u = uniforms([1] * len(sampled), [self.engine._gens[spans[i].req.rid] for i in sampled], dev)
-            drawn = draw_rows(probs, u)
+            drawn = draw_one_each(logits if idx is None else logits[idx], [spans[i].req.params for i in sampled],
+                                  [self.engine._gens[spans[i].req.rid] for i in sampled])
             if tokens is None:
                 tokens = drawn
             else:

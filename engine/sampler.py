@@ -134,3 +134,9 @@ def topk_logprobs(logits: torch.Tensor, chosen: list[int], k: int) -> list[tuple
         top = dict(zip(idx_l[r], vals_l[r], strict=True)) if k > 0 else {}
         out.append((chosen_lp[r], top))
     return out
+
+
+def draw_one_each(rows: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator | None]) -> torch.Tensor:
+    """One sampled token per logits row on the device: row i's request transform (`sampling_probs_rows`) and an
+    inverse-CDF draw with one uniform from gens[i] (the decode pick of the accept phase and of decode ahead)."""
+    return draw_rows(sampling_probs_rows(rows, params), uniforms([1] * len(params), gens, rows.device))
