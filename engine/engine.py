@@ -178,6 +178,8 @@ class LLMEngine:
                 "decode_tensor_cores": self.cfg.decode_tensor_cores, "decode_attention": self.cfg.decode_attention,
                 "gemv": self.cfg.gemv, "selector_kernel": getattr(self.proposer, "walk_kernel", None),
                 "decode_ahead": self.ahead.usable(),
+                "whole_graphs": self.cfg.whole_graphs and self.runner.backend.rows_ok,
+                "defer_drafts": self.defer_drafts and bool(self.proposer is not None and self.proposer.defers),
                 "batched_draft": self.cfg.spec.batched_draft, "verify_graph": self.cfg.verify_graph,
                 "draft_graph": self.cfg.draft_graph, "graph_context": self.runner.context_writer is not None,
                 "faults": sorted(self.faults.names),
