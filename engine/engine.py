@@ -92,7 +92,8 @@ class LLMEngine:
         self.pool = PagePool(self.memory.num_pages, cfg.page_size, self._prefix_index())
         self.scheduler = Scheduler(cfg, self.pool, self.max_model_len, self.spec.headroom)
         self.runner = ModelRunner(cfg, self.mcfg, self.model, self.pool, self.device, self.dtype, dflash_cfg,
-                                  spec_span=self.spec.verify_span, span_variants=self.spec.span_variants)
+                                  spec_span=self.spec.verify_span, span_variants=self.spec.span_variants,
+                                  seq_pages=-(-context // cfg.page_size) + 1)
         self.proposer = proposer if proposer is not None else \
             make_proposer(self.spec, cfg.spec, self.draft_model, self.model, self.runner, self.pool)
         if cfg.graph_context and not self.faults.names and proposer is None:  # the faults break the rule it keeps

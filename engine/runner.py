@@ -63,8 +63,8 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype | None =
 
 def make_backend(name: str, device: torch.device, mcfg: ModelConfig | None = None, dtype: torch.dtype | None = None,
                  max_pages: int = 0, ops=None, decode_tensor_cores: bool = True, decode_attention: str = "triton",
-                 triton: bool = True) -> AttentionBackend:
-    """Defaults as EngineConfig's. decode_attention="triton": the FlashInfer backend runs decode-only steps
+                 triton: bool = True, seq_pages: int | None = None) -> AttentionBackend:
+    """Defaults as EngineConfig's; seq_pages: the most pages one request's table holds (None: max_pages). decode_attention="triton": the FlashInfer backend runs decode-only steps
     through the Triton split-K kernel (kernels/decode_attention.py) when Triton is enabled (`triton`,
     SPECBENCH_TRITON), else FlashInfer's decode wrapper (logged)."""
     if resolve_backend(name, device, dtype) == "flashinfer":
@@ -80,7 +80,8 @@ def make_backend(name: str, device: torch.device, mcfg: ModelConfig | None = Non
                 decode_attention = "flashinfer"
         return FlashInferAttention(device, mcfg.num_attention_heads, mcfg.num_key_value_heads, mcfg.head_dim, dtype,
                                    max_pages, store_op=ops.kv_store if ops is not None else None,
-                                   decode_tensor_cores=decode_tensor_cores, decode_attention=decode_attention)
+                                   decode_tensor_cores=decode_tensor_cores, decode_attention=decode_attention,
+                                   seq_pages=seq_pages)
     return TorchAttention(device)
 
 
@@ -98,9 +99,11 @@ def select_ops(cfg: EngineConfig, device: torch.device):
 class ModelRunner:
     def __init__(self, cfg: EngineConfig, mcfg: ModelConfig, model: Qwen3ForCausalLM, pool: PagePool,
                  device: torch.device, dtype: torch.dtype, draft_cfg: ModelConfig | None = None,
-                 spec_span: int = 0, span_variants: tuple[int, ...] = ()) -> None:
+                 spec_span: int = 0, span_variants: tuple[int, ...] = (), seq_pages: int | None = None) -> None:
         """spec_span: the longest verify span (K + 1) when speculation is on, else 0; span_variants: every
-        verify span length a step may take (SpecPlan.span_variants; default: spec_span alone)."""
+        verify span length a step may take (SpecPlan.span_variants; default: spec_span alone); seq_pages: the
+        most pages one request can hold (the engine's context; sizes the attention backend's fixed page
+        buffers, None: the whole pool)."""
         self.cfg, self.mcfg, self.model, self.pool = cfg, mcfg, model, pool
         self.spec_span = spec_span
         self.span_variants = tuple(span_variants)
@@ -114,7 +117,7 @@ class ModelRunner:
         self.rope = RotaryCache(mcfg, device, dtype)
         model.ops = select_ops(cfg, device)
         self.backend = make_backend(cfg.attention_backend, device, mcfg, dtype, pool.num_pages + 1, model.ops,
-                                    cfg.decode_tensor_cores, cfg.decode_attention, cfg.triton)
+                                    cfg.decode_tensor_cores, cfg.decode_attention, cfg.triton, seq_pages)
         self.graphs: DecodeGraphs | None = None  # built at the first eligible decode step (CUDA only)
         self.verify_graphs: VerifyGraphs | None = None  # built at the first verify step (CUDA, verify_graph)
         self.pending: Any = None  # the step's deferred drafts (spec/pending.PendingDrafts), set by run_forward

@@ -108,6 +108,33 @@ def test_span_reference_matches_torch_backend(causal):
     assert (got - ref).abs().max() < 1e-5
 
 
+def test_fixed_page_buffers_hold_shared_prefix_pages(monkeypatch):
+    """Requests that share prefix pages (engine/prefix_share.py) each list them: a step's page lists can exceed
+    the pool, so the fixed decode and row buffers are sized per request (`seq_pages`), not by the pool. Eight
+    requests on one 30-page prefix of a 40-page pool: 8 x 31 page ids, planned without error (host side only)."""
+    import types
+
+    monkeypatch.setitem(sys.modules, "flashinfer", types.SimpleNamespace(
+        BatchPrefillWithPagedKVCacheWrapper=lambda *a, **k: None, BatchDecodeWithPagedKVCacheWrapper=lambda *a, **k: None))
+    from specbench.engine.attention.flashinfer import FlashInferAttention
+
+    ps, pool = 16, 40
+    fa = FlashInferAttention("cpu", 8, 2, 32, torch.float32, pool + 1, workspace_bytes=16, decode_attention="triton",
+                             seq_pages=33)
+    prefix = list(range(30))
+    tables = [prefix + [30 + i] for i in range(8)]
+    lens = [30 * ps + 5] * 8
+    meta = AttentionMetadata(q_lens=[1] * 8, kv_lens=lens, slot_mapping=torch.zeros(8, dtype=torch.long),
+                             page_tables=tables, page_size=ps)
+    fa.prepare_replay(meta)
+    assert fa._tri is not None and fa._tri[2][:8 * 31].tolist() == [p for t in tables for p in t]
+    meta = AttentionMetadata(q_lens=[16] * 8, kv_lens=lens, slot_mapping=torch.zeros(128, dtype=torch.long),
+                             page_tables=tables, page_size=ps)
+    fa.plan_rows(meta, 16)
+    assert fa._span is not None and fa._span[1][:8 * 31].tolist() == [p for t in tables for p in t]
+    assert fa.page_room(8) < 8 * (pool + 1)  # per request, not the pool per request
+
+
 SCRIPT = PRELUDE + textwrap.dedent('''
 
     sys.path.insert(0, sys.argv[1])

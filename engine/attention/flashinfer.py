@@ -111,7 +111,8 @@ class FlashInferAttention(AttentionBackend):
 
     def __init__(self, device: torch.device | str, num_qo_heads: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, max_pages: int, workspace_bytes: int = 512 << 20, store_op=None,
-                 decode_tensor_cores: bool = False, decode_attention: str = "flashinfer") -> None:
+                 decode_tensor_cores: bool = False, decode_attention: str = "flashinfer",
+                 seq_pages: int | None = None) -> None:
         if decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention={decode_attention!r} is invalid: expected one of "
                              f"{', '.join(DECODE_ATTENTION)}")
@@ -123,6 +124,9 @@ class FlashInferAttention(AttentionBackend):
         self.dtype = dtype
         self.scale = head_dim ** -0.5
         self.max_pages = max_pages
+        # the most pages one request's table can hold (the engine's context in pages); requests sharing prefix
+        # pages list them once each, so a step's page lists are bounded per request, not by the pool
+        self.seq_pages = min(seq_pages or max_pages, max_pages)
         self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self.decode_tensor_cores = decode_tensor_cores  # decode via FlashInfer's tensor-core (FA2) kernels
@@ -198,10 +202,15 @@ class FlashInferAttention(AttentionBackend):
             self._active = self._prefill
         self._key = key
 
+    def page_room(self, n: int) -> int:
+        """Page ids a fixed buffer holds for a step of n sequences: each a table of at most `seq_pages` (shared
+        prefix pages counted once per request that lists them: the pool's size is no bound), plus n."""
+        return n * self.seq_pages + n
+
     # ---- CUDA graphs (decode) -------------------------------------------------------------------
     def _graph_wrapper(self, b: int):
         if b not in self._graph:
-            buf = torch.zeros(2 * b + 1 + self.max_pages + b, dtype=torch.int32, device=self.device)
+            buf = torch.zeros(2 * b + 1 + self.page_room(b), dtype=torch.int32, device=self.device)
             w = self.fi.BatchDecodeWithPagedKVCacheWrapper(
                 self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.decode_tensor_cores,
                 paged_kv_indptr_buffer=buf[: b + 1],
@@ -236,16 +245,16 @@ class FlashInferAttention(AttentionBackend):
         self._key = ("graph", b)
 
     def _plan_graph_triton(self, meta: AttentionMetadata, a: PagedArrays) -> None:
-        """The bucket's fixed buffer [seq_lens (b) | kv_indptr (b + 1) | page ids (max_pages + b)], refreshed
+        """The bucket's fixed buffer [seq_lens (b) | kv_indptr (b + 1) | page ids (page_room(b))], refreshed
         by one copy; the captured kernels read it at every replay."""
         b = meta.num_seqs
         buf = self._tri_bufs.get(b)
         if buf is None:
-            buf = self._tri_bufs[b] = torch.zeros(2 * b + 1 + self.max_pages + b, dtype=torch.int32,
+            buf = self._tri_bufs[b] = torch.zeros(2 * b + 1 + self.page_room(b), dtype=torch.int32,
                                                   device=self.device)
         host = torch.cat([torch.tensor(meta.kv_lens, dtype=torch.int32), a.kv_indptr, a.kv_indices])
         if len(host) > len(buf):
-            raise ValueError(f"{len(a.kv_indices)} pages for a batch of {b} exceed the {self.max_pages + b} "
+            raise ValueError(f"{len(a.kv_indices)} pages for a batch of {b} exceed the {self.page_room(b)} "
                              "the decode buffer holds")
         # pinned and stream-ordered: the replay before may still be reading the buffer (engine/ahead.py)
         buf[: len(host)].copy_(host.pin_memory() if buf.is_cuda else host, non_blocking=buf.is_cuda)
@@ -286,7 +295,7 @@ class FlashInferAttention(AttentionBackend):
     def plan_rows(self, meta: AttentionMetadata, quantum: int = 16) -> None:
         """Plan a padded step of any span lengths (verify spans, a drafter's non-causal blocks) for the span kernel
         (`row_segments`: segments of <= quantum rows, K/V read once per segment), in a fixed buffer per (row count,
-        quantum): [segments (cap x 5) | pages (max_pages + cap)], cap = 2 x ceil(rows / quantum) + 1 (a step padded to
+        quantum): [segments (cap x 5) | pages (page_room(cap))], cap = 2 x ceil(rows / quantum) + 1 (a step padded to
         bucket x span holds at most bucket spans and bucket padding segments), refreshed by one stream-ordered copy
         (unused segments: 0 rows): the forward reads no host value, so a graph captured over every layer replays at
         any lengths and pages."""
@@ -299,12 +308,12 @@ class FlashInferAttention(AttentionBackend):
         segs, pages = row_segments(meta.q_lens, meta.kv_lens, meta.page_tables, meta.page_size, meta.causal, quantum)
         r = meta.num_tokens
         cap = 2 * -(-r // quantum) + 1
-        if len(segs) > cap or len(pages) > self.max_pages + cap:
+        if len(segs) > cap or len(pages) > self.page_room(cap):
             raise ValueError(f"a step of {r} rows in {len(segs)} segments on {len(pages)} pages exceeds the row "
-                             f"buffer ({cap} segments of <= {quantum} rows, {self.max_pages + cap} pages)")
+                             f"buffer ({cap} segments of <= {quantum} rows, {self.page_room(cap)} pages)")
         buf = self._row_bufs.get((r, quantum))
         if buf is None:
-            buf = self._row_bufs[(r, quantum)] = torch.zeros(cap * SEG_FIELDS + self.max_pages + cap,
+            buf = self._row_bufs[(r, quantum)] = torch.zeros(cap * SEG_FIELDS + self.page_room(cap),
                                                              dtype=torch.int32, device=self.device)
         flat = [x for sg in segs for x in sg] + [0] * ((cap - len(segs)) * SEG_FIELDS) + pages
         host = torch.tensor(flat, dtype=torch.int32)
