@@ -31,8 +31,9 @@ forward), padding rows after them as their own one-token sequences on the dummy 
 `piecewise.PiecewiseStack`: num_layers + 1 dense segments captured per row count, attention eager between
 replays; a step with no prefill chunk runs whole instead where the backend can (`PiecewiseStack.step`,
 EngineConfig.whole_graphs: one graph per (rows, span), the span attention inside). Deferred drafts
-(spec/pending.py): their rows hold placeholders in the host copy and are filled in from the device tensor. A truncated span (a request near max_tokens), a decode span among verify spans or a prefill
-chunk is therefore padded, never replayed at a shape it was not captured at: the seed engine's
+(spec/pending.py): their rows hold placeholders in the host copy and are filled in from the device tensor.
+A truncated span (a request near max_tokens), a decode span among verify spans or a prefill chunk is
+therefore padded, never replayed at a shape it was not captured at: the seed engine's
 short-then-long bug (a bucket captured at a short span replayed for a long one left the tail rows' logits
 stale) cannot happen by construction. Logits and taps returned are views of static buffers, valid until
 the next step of this runner. Under closed-loop load a new request's prefill joins almost every
