@@ -266,14 +266,14 @@ class FrozenFirstShape(VerifyGraphs):
         super().__init__(*a, **kw)
         self.frozen: dict[int, int] = {}
 
-    def run(self, spans, logit_rows, key=None):
+    def run(self, spans, logit_rows, key=None, pending=None):
         if any(s.kind == "prefill" for s in spans):  # the seed's graphs served verify steps only
-            return super().run(spans, logit_rows, key)
+            return super().run(spans, logit_rows, key, pending)
         b = (key or self.key(spans))[0]
         real = sum(len(s.tokens) for s in spans)
         captured = self.frozen.setdefault(b, real)
         stale = self.stack.logits[captured:real].clone()
-        out, taps = super().run(spans, logit_rows, key)
+        out, taps = super().run(spans, logit_rows, key, pending)
         if real > captured:
             out = out.clone()
             out[captured:real] = stale
