@@ -4,7 +4,7 @@ Contract: an engine holds ONE `Faults` object, `make_faults(EngineConfig.faults)
 refused), and calls one hook per phase that a fault can break:
   propose  `on_propose(spans)` returns the step's `DraftKnobs` (how the batched draft lays out its block
            positions);
-  forward  `on_forward(runner, spans, rows, tap)` runs the target forward with the knobs the armed faults
+  forward  `on_forward(runner, spans, rows, tap, pending)` runs the target forward with the knobs the armed faults
            set (K/V slot shift, drafted rows' position shift, mask leak, no verify graph) and may rewrite
            its logits;
   accept   `accept_rule` is the accept rule the greedy match and the batched speculative-sampling resolve
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from .accept_step import SpanResult
     from .runner import ModelRunner
     from .scheduler import Span
+    from .spec.pending import PendingDrafts
 
 
 @dataclass
@@ -368,13 +369,13 @@ class Faults:
             knobs = f.draft(spans, knobs)
         return knobs
 
-    def on_forward(self, runner: ModelRunner, spans: list[Span], rows: list[int], tap: tuple[int, ...]
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def on_forward(self, runner: ModelRunner, spans: list[Span], rows: list[int], tap: tuple[int, ...],
+                   pending: PendingDrafts | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         knobs = ForwardKnobs()
         for f in self._armed:
             f.forward(spans, knobs)
         logits, taps = runner.forward(spans, rows, tap, slot_shift=knobs.slot_shift, pos_shift=knobs.pos_shift,
-                                      mask_leak=knobs.mask_leak, verify_graph=knobs.verify_graph)
+                                      mask_leak=knobs.mask_leak, verify_graph=knobs.verify_graph, pending=pending)
         for f in self._armed:
             logits = f.logits(spans, logits)
         return logits, taps
@@ -399,9 +400,9 @@ class _NoFaults(Faults):
     def on_propose(self, spans: list[Span]) -> DraftKnobs:
         return NO_DRAFT_KNOBS
 
-    def on_forward(self, runner: ModelRunner, spans: list[Span], rows: list[int], tap: tuple[int, ...]
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return runner.forward(spans, rows, tap)
+    def on_forward(self, runner: ModelRunner, spans: list[Span], rows: list[int], tap: tuple[int, ...],
+                   pending: PendingDrafts | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return runner.forward(spans, rows, tap, pending=pending)
 
     def on_accept(self, spans: list[Span], results: list[SpanResult]) -> None:
         return None

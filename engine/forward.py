@@ -52,9 +52,6 @@ def run_forward(plan: StepPlan, runner: ModelRunner, proposer: Proposer | None, 
     for s in plan.spans:
         runner.pool.ensure(s.req.rid, s.start + len(s.tokens))
     tap = proposer.tap_layers if proposer is not None else ()
-    runner.pending = plan.pending  # deferred drafts: the verify runner fills them in on the device
-    try:
-        logits, taps = faults.on_forward(runner, plan.spans, flat, tap)
-    finally:
-        runner.pending = None
+    # deferred drafts (spec/pending.py): the verify runner fills them in on the device
+    logits, taps = faults.on_forward(runner, plan.spans, flat, tap, plan.pending)
     return StepForward(logits, taps, per_span)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -39,6 +39,9 @@ from .kv_cache import PagePool
 from .models.qwen3 import Qwen3ForCausalLM
 from .rope import RotaryCache
 from .scheduler import Span
+
+if TYPE_CHECKING:
+    from .spec.pending import PendingDrafts
 
 log = logging.getLogger("specbench.engine")
 
@@ -64,9 +67,10 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype | None =
 def make_backend(name: str, device: torch.device, mcfg: ModelConfig | None = None, dtype: torch.dtype | None = None,
                  max_pages: int = 0, ops=None, decode_tensor_cores: bool = True, decode_attention: str = "triton",
                  triton: bool = True, seq_pages: int | None = None) -> AttentionBackend:
-    """Defaults as EngineConfig's; seq_pages: the most pages one request's table holds (None: max_pages). decode_attention="triton": the FlashInfer backend runs decode-only steps
-    through the Triton split-K kernel (kernels/decode_attention.py) when Triton is enabled (`triton`,
-    SPECBENCH_TRITON), else FlashInfer's decode wrapper (logged)."""
+    """Defaults as EngineConfig's; seq_pages: the most pages one request's table holds (None: max_pages).
+    decode_attention="triton": the FlashInfer backend runs decode-only steps through the Triton split-K kernel
+    (kernels/decode_attention.py) when Triton is enabled (`triton`, SPECBENCH_TRITON), else FlashInfer's decode
+    wrapper (logged)."""
     if resolve_backend(name, device, dtype) == "flashinfer":
         from .attention.flashinfer import FlashInferAttention  # noqa: PLC0415 - optional dependency
 
@@ -120,7 +124,6 @@ class ModelRunner:
                                     cfg.decode_tensor_cores, cfg.decode_attention, cfg.triton, seq_pages)
         self.graphs: DecodeGraphs | None = None  # built at the first eligible decode step (CUDA only)
         self.verify_graphs: VerifyGraphs | None = None  # built at the first verify step (CUDA, verify_graph)
-        self.pending: Any = None  # the step's deferred drafts (spec/pending.PendingDrafts), set by run_forward
         self.use_graph_runner = device.type == "cuda"
         # the path and row count of the last forward: ("decode-graph", bucket rows asked), ("padded", rows run),
         # ("plain", rows); read by benchmarks (benchmarks/load.py) to attribute step time
@@ -169,17 +172,16 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, spans: list[Span], logit_rows: list[int], tap: tuple[int, ...] = (), *,
                 slot_shift: list[int] | None = None, pos_shift: list[int] | None = None,
-                mask_leak: list[bool] | None = None, verify_graph: bool = True,
+                mask_leak: list[bool] | None = None, verify_graph: bool = True, pending: PendingDrafts | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """fp32 logits of `logit_rows` (flat row indices) and the tapped layers' outputs, concatenated.
         A decode-only step may take the decode graphs, any other step the verify graphs (unless
         `verify_graph` is False). slot_shift / pos_shift / mask_leak (see `metadata`) act in the plain forward only:
         the self-test sets them on verify spans alone, with verify_graph=False. `context_fused` says afterwards
-        whether the step wrote the drafter's context rows of every span row (the graph paths with a context writer)."""
+        whether the step wrote the drafter's context rows of every span row (the graph paths with a context writer).
+        `pending`: the step's deferred drafts (spec/pending.py): the verify graphs fill them in on the device; the
+        plain forward, which builds its inputs on the host, resolves them first."""
         self.context_fused = False
-        pending, self.pending = self.pending, None
-        if pending is not None and not (self.use_graph_runner and self.cfg.verify_graph and verify_graph):
-            pending.resolve()  # a path that builds its inputs on the host needs the drafts there
         if self.use_graph_runner and all(len(s.tokens) == 1 and s.kind == "decode" for s in spans):
             graphs = self.decode_graphs(tuple(tap))
             if graphs.can_run(spans):
@@ -196,7 +198,7 @@ class ModelRunner:
                 self.context_fused = vg.stack.context is not None
                 return out
         if pending is not None:
-            pending.resolve()
+            pending.resolve()  # the plain forward builds its inputs on the host
         self.last_path = ("plain", sum(len(s.tokens) for s in spans))
         meta, positions = self.metadata(spans, slot_shift=slot_shift, mask_leak=mask_leak, pos_shift=pos_shift)
         ids = torch.tensor([t for s in spans for t in s.tokens], dtype=torch.long, device=self.device)
