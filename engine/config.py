@@ -320,10 +320,10 @@ class EngineConfig:
     attention_backend: str = "auto"
     eager: bool = False  # True: no CUDA graphs (launches only; the kernels and their shapes are the same)
     verify_graph: bool = True  # CUDA: non-decode steps (verify, prefill) via the padded piecewise runner
-    # Padded steps with no prefill chunk (verify spans, the DFlash drafts) as one CUDA graph per row count, attention
-    # included: every query row a one-token sequence of the Triton split-K decode kernel (its causal limit its own
-    # key count), metadata in fixed per-row-count buffers (FlashInferAttention.plan_rows). Needs
-    # decode_attention="triton". False: piecewise segments with FlashInfer's prefill eager between them (before).
+    # Padded steps with no prefill chunk (verify spans, the DFlash drafts) as one CUDA graph per (rows, span),
+    # attention included: the span attention kernel (kernels/decode_attention.span_attention: segments of <= span
+    # rows, a per-row causal limit), metadata in fixed per-(rows, span) buffers (FlashInferAttention.plan_rows).
+    # Needs decode_attention="triton". False: piecewise segments with FlashInfer's prefill eager between them (before).
     # Default from SPECBENCH_WHOLE_GRAPHS, else on.
     whole_graphs: bool = field(default_factory=lambda: env_flag("SPECBENCH_WHOLE_GRAPHS", True))
     # Greedy DFlash drafts stay on the device from the draft pass to the verify forward (engine/spec/pending.py):

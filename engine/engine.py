@@ -99,10 +99,10 @@ class LLMEngine:
         if cfg.graph_context and not self.faults.names and proposer is None:  # the faults break the rule it keeps
             self.runner.context_writer = getattr(self.proposer, "write_context", None)
         self.metrics = EngineMetrics()
-        # prefix hits at admission, sealing at commit (prefix_share.py); blocks carry the drafter's capture
         # greedy drafts kept on the device until the accept (spec/pending.py); off with a fault armed (the faults
         # read and rewrite drafts on the host)
         self.defer_drafts = cfg.defer_drafts and not self.faults.names
+        # prefix hits at admission, sealing at commit (prefix_share.py); blocks carry the drafter's capture
         self.prefix = PrefixSharing(self.pool, self.metrics, drafter=self.spec.drafter and proposer is None)
         self.prefix.proposer = self.proposer
         self.scheduler.prefix = self.prefix

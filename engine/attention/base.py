@@ -62,7 +62,7 @@ class AttentionBackend:
         return False
 
     def plan_rows(self, meta: AttentionMetadata, quantum: int = 16) -> None:
-        raise NotImplementedError(f"{self.name} cannot plan a step as one-token rows")
+        raise NotImplementedError(f"{self.name} cannot plan a step for the span attention (plan_rows)")
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:

@@ -286,7 +286,7 @@ class FlashInferAttention(AttentionBackend):
         lens, indptr, indices = self._tri
         return da.decode_attention(q, k_cache, v_cache, lens, indptr, indices, page_size, scale, splits, part)
 
-    # ---- whole graphs of padded steps (every query row a one-token sequence) -------------------
+    # ---- whole graphs of padded steps (span attention over segments of <= quantum rows) --------
     @property
     def rows_ok(self) -> bool:
         """Whether `plan_rows` can serve a step: the split-K decode kernel is the decode attention."""
