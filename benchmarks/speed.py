@@ -249,7 +249,7 @@ def run(target: str, draft: str, device: str = "cuda", levels: tuple[int, ...] =
         if ahead_ab:  # the fast path checked against the simple one on this backend: greedy tokens equal
             res.setdefault("ahead_equal", {})[str(c)] = ahead_outputs(plain, ps, True) == ahead_outputs(plain, ps, False)
         steps, walls, ratios, offs, pieces, undeferred = [], [], [], [], [], []
-        stacks = engine_stacks(spec)  # built by the warm-up
+        stacks = engine_stacks(spec)  # built by capture_graphs above
         for rep in range(repeats):
             ms, wall_plain = step_ms(plain, ps, new_tokens, device)
             wall_spec = spec_wall(spec, ps, new_tokens, device, seed=1000 * c + rep)
