@@ -11,7 +11,12 @@ K 2560), down (plain, 2560 x 9728), lm_head (plain, 151936 x 2560, information o
 Prints a table, the TUNED dict for kernels/gemv.py (best config per shape at 1 row), then one JSON document
 as the last line.
 
-Usage: python -m specbench.benchmarks.gemv [--rows 1,2,4,8] [--reps 15] [--configs all|tuned] [--out FILE]
+`--kernel skinny` times kernels/skinny.py (tensor-core skinny GEMMs, default rows 8,16,32,64) instead, searches
+`skinny.CONFIGS` at EVERY row count (each is its own row tile, skinny.block_m) and prints its TUNED dict keyed
+(N, K, kind, BLOCK_M), None where the cuBLAS chain was faster (for a bucket holding two row counts, the larger).
+
+Usage: python -m specbench.benchmarks.gemv [--kernel gemv|skinny] [--rows 1,2,4,8] [--reps 15]
+       [--configs all|tuned] [--out FILE]
 """
 
 from __future__ import annotations
@@ -58,8 +63,14 @@ def graph_ms(fn, reps: int) -> float:
     return statistics.median(ts)
 
 
-def bench_shape(name: str, rows: list[int], reps: int, search: bool, gen: torch.Generator) -> dict:
-    from specbench.kernels import activation, gemv, norm
+def bench_shape(name: str, rows: list[int], reps: int, search: bool, gen: torch.Generator,
+                kernel: str = "gemv") -> dict:
+    from specbench.kernels import activation, gemv, norm, skinny
+
+    mod = skinny if kernel == "skinny" else gemv
+
+    def pick(n: int, k: int, kind: str, m: int):
+        return skinny.pick(n, k, kind, m) or skinny.DEFAULT if kernel == "skinny" else gemv.pick(n, k, kind)
 
     dt, dev = torch.bfloat16, "cuda"
     kind, n, k, copies = SHAPES[name]
@@ -77,7 +88,7 @@ def bench_shape(name: str, rows: list[int], reps: int, search: bool, gen: torch.
                 return torch.nn.functional.linear(x, w)
 
             def fast(w, cfg, x=x):
-                return gemv.linear(x, w, cfg)
+                return mod.linear(x, w, cfg)
         else:
             sw = kind == "swiglu"
 
@@ -87,13 +98,17 @@ def bench_shape(name: str, rows: list[int], reps: int, search: bool, gen: torch.
                 return activation.swiglu(y) if sw else y
 
             def fast(w, cfg, x=x, r=r, sw=sw):
-                return gemv.add_norm_linear(x, r, gw, w, 1e-6, sw, cfg)[0]
+                return mod.add_norm_linear(x, r, gw, w, 1e-6, sw, cfg)[0]
         # correctness against the cuBLAS chain before timing (relative error of the outputs)
-        y0, y1 = ref(ws[0]).float(), fast(ws[0], gemv.pick(n, k, kind)).float()
+        y0, y1 = ref(ws[0]).float(), fast(ws[0], pick(n, k, kind, m)).float()
         err = ((y0 - y1).norm() / y0.norm()).item()
         assert err < 2e-2, (name, m, err)
         out["cublas_us"][m] = 1e3 * graph_ms(lambda: [ref(w) for w in ws], reps) / copies
-        cands = gemv.CONFIGS if (search and m == rows[0]) else [out.get("best") or gemv.pick(n, k, kind)]
+        if kernel == "skinny":  # every row count is its own search (its own row tile)
+            cands = skinny.CONFIGS if search else [pick(n, k, kind, m)]
+            out.pop("best", None)
+        else:
+            cands = gemv.CONFIGS if (search and m == rows[0]) else [out.get("best") or pick(n, k, kind, m)]
         times = {}
         for cfg in cands:
             try:
@@ -103,8 +118,11 @@ def bench_shape(name: str, rows: list[int], reps: int, search: bool, gen: torch.
         best = min(times, key=times.get)
         out.setdefault("best", best)
         out["gemv_us"][m] = times[out["best"]]
+        if kernel == "skinny":
+            out.setdefault("best_by_rows", {})[m] = list(out["best"])
         if len(times) > 1:
-            out["search_us"] = {str(c): round(v, 2) for c, v in sorted(times.items(), key=lambda kv: kv[1])}
+            key = f"search_us_m{m}" if kernel == "skinny" else "search_us"
+            out[key] = {str(c): round(v, 2) for c, v in sorted(times.items(), key=lambda kv: kv[1])}
         print(f"{name:8s} M={m}: cuBLAS chain {out['cublas_us'][m]:8.2f} us ({wbytes / out['cublas_us'][m] / 1e6:5.2f}"
               f" TB/s)  GEMV {out['best']} {out['gemv_us'][m]:8.2f} us ({wbytes / out['gemv_us'][m] / 1e6:5.2f}"
               f" TB/s)  rel err {err:.1e}", flush=True)
@@ -114,18 +132,19 @@ def bench_shape(name: str, rows: list[int], reps: int, search: bool, gen: torch.
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rows", default="1,2,4,8")
+    ap.add_argument("--kernel", default="gemv", choices=("gemv", "skinny"))
+    ap.add_argument("--rows", help="row counts (default 1,2,4,8; skinny 8,16,32,64)")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--configs", default="all", help="all: search kernels/gemv.py CONFIGS at 1 row; tuned: pick()")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--out")
     a = ap.parse_args()
-    rows = [int(r) for r in a.rows.split(",")]
+    rows = [int(r) for r in (a.rows or ("8,16,32,64" if a.kernel == "skinny" else "1,2,4,8")).split(",")]
     gen = torch.Generator(device="cuda").manual_seed(0)
-    res: dict = {"device": torch.cuda.get_device_name(), "rows": rows, "shapes": {}}
+    res: dict = {"device": torch.cuda.get_device_name(), "kernel": a.kernel, "rows": rows, "shapes": {}}
     t0 = time.time()
     for name in a.shapes.split(","):
-        res["shapes"][name] = bench_shape(name, rows, a.reps, a.configs == "all", gen)
+        res["shapes"][name] = bench_shape(name, rows, a.reps, a.configs == "all", gen, a.kernel)
         torch.cuda.empty_cache()
     layer = ("qkv", "o", "gate_up", "down")
     if all(s in res["shapes"] for s in layer):
@@ -134,8 +153,18 @@ def main() -> None:
             g = sum(res["shapes"][s]["gemv_us"][m] for s in layer) * 36 / 1e3
             res.setdefault("per_step_ms", {})[m] = {"cublas_chain": round(c, 3), "gemv": round(g, 3)}
             print(f"36 layers, M={m}: cuBLAS chain {c:.3f} ms, GEMV {g:.3f} ms ({c / g:.2f}x)")
-    print("TUNED = {" + ", ".join(f"({v['N']}, {v['K']}, {v['kind']!r}): {tuple(v['best'])}"
-                                  for v in res["shapes"].values()) + "}")
+    if a.kernel == "skinny":
+        from specbench.kernels import skinny
+
+        tuned = {}
+        for v in res["shapes"].values():
+            for m in rows:  # ascending: the larger row count of a bucket decides
+                won = v["gemv_us"][m] < v["cublas_us"][m]
+                tuned[(v["N"], v["K"], v["kind"], skinny.block_m(m))] = tuple(v["best_by_rows"][m]) if won else None
+        print("TUNED = {" + ", ".join(f"{key}: {cfg}" for key, cfg in tuned.items()) + "}")
+    else:
+        print("TUNED = {" + ", ".join(f"({v['N']}, {v['K']}, {v['kind']!r}): {tuple(v['best'])}"
+                                      for v in res["shapes"].values()) + "}")
     res["seconds"] = round(time.time() - t0, 1)
     emit_document(res, a.out)
 

@@ -358,6 +358,10 @@ class EngineConfig:
     # the residual add + RMSNorm fused in, where they measured faster than cuBLAS; cuBLAS elsewhere (default from
     # SPECBENCH_GEMV, else on)
     gemv: bool = field(default_factory=lambda: env_flag("SPECBENCH_GEMV", True))
+    # Tensor-core skinny GEMMs (kernels/skinny.py) with the same fusions for steps of 2..skinny.MAX_ROWS rows (a
+    # request's verify span, batched decode) on the shapes where they measured faster than cuBLAS; needs `gemv`
+    # (default from SPECBENCH_SKINNY, else on)
+    skinny: bool = field(default_factory=lambda: env_flag("SPECBENCH_SKINNY", True))
     # DFlash2's candidate-selector walk as one Triton launch per draft batch (kernels/selector_walk.py), in the
     # draft graph and the plain pass; False: the torch walk, a few ops per slot (default from
     # SPECBENCH_SELECTOR_KERNEL, else on; needs `triton` too)

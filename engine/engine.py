@@ -177,7 +177,7 @@ class LLMEngine:
                 "attention_backend": self.cfg.attention_backend, "eager": self.cfg.eager,
                 "attention": self.runner.backend.name, "triton": self.runner.model.ops is not None,
                 "decode_tensor_cores": self.cfg.decode_tensor_cores, "decode_attention": self.cfg.decode_attention,
-                "gemv": self.cfg.gemv, "selector_kernel": getattr(self.proposer, "walk_kernel", None),
+                "gemv": self.cfg.gemv, "skinny": self.cfg.skinny, "selector_kernel": getattr(self.proposer, "walk_kernel", None),
                 "decode_ahead": self.ahead.usable(),
                 "whole_graphs": self.cfg.whole_graphs and self.runner.backend.rows_ok,
                 "defer_drafts": self.defer_drafts and bool(self.proposer is not None and self.proposer.defers),

@@ -97,7 +97,7 @@ def select_ops(cfg: EngineConfig, device: torch.device):
         return None
     from specbench.kernels.ops import TritonOps  # noqa: PLC0415
 
-    return TritonOps(gemv=cfg.gemv)
+    return TritonOps(gemv=cfg.gemv, skinny=cfg.skinny)
 
 
 class ModelRunner:

@@ -94,10 +94,11 @@ def test_decode_graph_runner_padding_is_invisible(rand_model, mode):
 
 INTERPRETER_SCRIPT = PRELUDE + textwrap.dedent('''
 
-    from specbench.kernels import activation, gemv, kv_store, norm, rope
+    from specbench.kernels import activation, gemv, kv_store, norm, rope, skinny
     sys.path.insert(0, sys.argv[1])
     from kernel_cases import run_all
     run_all(torch.device("cpu"), [torch.float32], norm, activation, rope, kv_store, gemv)
+    run_all(torch.device("cpu"), [torch.float32], None, None, None, None, skinny)  # the skinny GEMMs, same cases
     # the interpreter rounds bf16 by truncation and cannot run bf16 dots: elementwise kernels only, loosely
     run_all(torch.device("cpu"), [torch.bfloat16], norm, activation, rope, kv_store, None, tol=3e-2)
     print("KERNELS OK")
@@ -106,8 +107,8 @@ INTERPRETER_SCRIPT = PRELUDE + textwrap.dedent('''
         from specbench.kernels.ops import TritonOps
         from test_kernels_cpu import _generate
 
-        def fast(eng):
-            eng.runner.model.ops = TritonOps(gemv=True)
+        def fast(eng):  # skinny on: the prompt's prefill and multi-row steps take the skinny GEMMs
+            eng.runner.model.ops = TritonOps(gemv=True, skinny=True)
             eng.runner.backend = StoredKV("cpu")
 
         plain = _generate(sys.argv[2], None, n=3)
@@ -172,3 +173,25 @@ def test_gemv_routing(monkeypatch):
     assert some.gemv_config(1, 7, 64, "norm") == gemv.DEFAULT
     x, w = torch.randn(2, 64), torch.randn(96, 64)
     assert torch.equal(some.linear(x, w), torch.nn.functional.linear(x, w))  # routed to cuBLAS / torch
+
+
+def test_skinny_routing(monkeypatch):
+    """The skinny GEMMs take what the GEMV does not: only with both switches on, from max_rows + 1 to
+    skinny.MAX_ROWS rows, keyed by the row tile, TUNED None keeping cuBLAS."""
+    from specbench.kernels import skinny
+    from specbench.kernels.ops import TritonOps
+
+    monkeypatch.delenv("SPECBENCH_GEMV_KINDS", raising=False)
+    monkeypatch.setitem(skinny.TUNED, (48, 64, "plain", 16), (16, 128, 4, 3))
+    monkeypatch.setitem(skinny.TUNED, (48, 64, "plain", 32), None)
+    on = TritonOps(gemv=True, max_rows=1, skinny=True)
+    assert on.skinny_config(1, 48, 64, "plain") is None, "one row is the GEMV's"
+    assert on.skinny_config(16, 48, 64, "plain") == (16, 128, 4, 3) == on.skinny_config(9, 48, 64, "plain")
+    assert on.skinny_config(17, 48, 64, "plain") is None, "TUNED None for the 32-row tile keeps cuBLAS"
+    assert on.skinny_config(40, 7, 64, "swiglu") == skinny.DEFAULT, "an untuned shape"
+    assert on.skinny_config(skinny.MAX_ROWS + 1, 7, 64, "norm") is None, "past MAX_ROWS: cuBLAS"
+    assert TritonOps(gemv=True, skinny=False).skinny_config(16, 7, 64, "norm") is None
+    assert TritonOps(gemv=False, skinny=True).skinny_config(16, 7, 64, "norm") is None, "skinny needs gemv"
+    assert [skinny.block_m(r) for r in (1, 2, 16, 17, 33, 64)] == [16, 16, 16, 32, 64, 64]
+    monkeypatch.setenv("SPECBENCH_GEMV_KINDS", "norm")
+    assert TritonOps(gemv=True, skinny=True).skinny_config(16, 7, 64, "plain") is None

@@ -105,3 +105,36 @@ def test_defer_drafts_equals_its_off_switch_on_cuda(tiny):
             vg = llm.engine.runner.verify_graphs
             assert vg is not None and (vg.stats["deferred_rows"] > 0) == defer, vg.stats
     assert got[True] == got[False]
+
+
+def test_skinny_gemms_equal_cublas_on_cuda(tiny, monkeypatch):
+    """The skinny tensor-core GEMMs (kernels/skinny.py: verify spans, prefill and batched decode of 2..64 rows) on
+    vs off on the tiny DFlash pair with every graph on: in fp32 (IEEE dots) greedy outputs equal token for token
+    and logprobs agree to 1e-4; in bf16 at least 3 of the 4 requests agree on their first 8 tokens (only the
+    summation order differs: a near-tie may flip a later one). The kernel is what ran: its launches are counted."""
+    from specbench.engine import LLM, SamplingParams
+    from specbench.kernels import skinny
+
+    launches = []
+    real = skinny._launch
+    monkeypatch.setattr(skinny, "_launch", lambda *a: (launches.append(a[6]), real(*a))[1])
+    prompts = ["The quick brown fox", "Once upon a time, there was", "Question: what is 2 + 2?", "a b c d"]
+    sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=1)  # 4 x 16 verify rows: <= 64
+    for dtype in ("float32", "bfloat16"):
+        got = {}
+        for on in (True, False):
+            launches.clear()
+            with LLM(tiny[0], draft=tiny[1], device="cuda", dtype=dtype, skinny=on, attention_backend="torch",
+                     gpu_memory_utilization=0.3) as llm:  # head_dim 32: no FlashInfer sm90
+                got[on] = llm.generate(prompts, sp)
+            assert bool(launches) == on, (dtype, on, len(launches))
+        a, b = got[True], got[False]
+        if dtype == "float32":
+            assert [o.output_ids for o in a] == [o.output_ids for o in b]
+            for oa, ob in zip(a, b, strict=True):
+                for (la, _), (lb, _) in zip(oa.logprobs, ob.logprobs, strict=True):
+                    assert abs(la - lb) < 1e-4, (la, lb)
+        else:
+            prefix = [next((i for i, (x, y) in enumerate(zip(oa.output_ids, ob.output_ids, strict=True)) if x != y),
+                           len(oa.output_ids)) for oa, ob in zip(a, b, strict=True)]
+            assert sum(p >= 8 for p in prefix) >= 3, prefix  # a broken kernel diverges at once

@@ -44,6 +44,41 @@ def test_every_gemv_config(kind):
         assert rel(out, ref) < 1e-2, (cfg, rel(out, ref))
 
 
+@pytest.mark.parametrize("kind", ["plain", "norm", "swiglu"])
+@pytest.mark.parametrize("m", [5, 16, 33, 64])
+def test_every_skinny_config(kind, m):
+    """Every config the skinny benchmark may pick (kernels/skinny.py CONFIGS) against the torch reference in bf16
+    on ragged shapes (masks on every edge) at each row tile, the residual it writes exact; the rows of the
+    Qwen3-4B qkv shape through the op bundle's pick as well; then the same kernel in fp32 (IEEE dots)."""
+    from kernel_cases import rel
+
+    from specbench.kernels import skinny
+
+    g = torch.Generator(device="cuda").manual_seed(m)
+    for k, n, cfgs in ((1000, 333, skinny.CONFIGS), (2560, 6144 if kind != "swiglu" else 9728, [None])):
+        x = torch.randn(m, k, generator=g, device="cuda").bfloat16()
+        r = torch.randn(m, k, generator=g, device="cuda").bfloat16()
+        gw = (1 + 0.2 * torch.randn(k, generator=g, device="cuda")).bfloat16()
+        w = (torch.randn(2 * n if kind == "swiglu" else n, k, generator=g, device="cuda") / k ** 0.5).bfloat16()
+        if kind == "plain":
+            ref = skinny.linear_ref(x, w)
+        else:
+            ref, res_ref = skinny.add_norm_linear_ref(x, r, gw, w, 1e-6, kind == "swiglu")
+        for cfg in cfgs:
+            if kind == "plain":
+                out = skinny.linear(x, w, cfg)
+            else:
+                out, res = skinny.add_norm_linear(x, r, gw, w, 1e-6, kind == "swiglu", cfg)
+                assert torch.equal(res, res_ref), cfg
+            assert rel(out, ref) < 1e-2, (cfg, rel(out, ref))
+    x32, w32 = x.float(), w.float()
+    out32 = skinny.linear(x32, w32) if kind == "plain" else skinny.add_norm_linear(x32, r.float(), gw.float(), w32,
+                                                                                    1e-6, kind == "swiglu")[0]
+    ref32 = skinny.linear_ref(x32, w32) if kind == "plain" else skinny.add_norm_linear_ref(
+        x32, r.float(), gw.float(), w32, 1e-6, kind == "swiglu")[0]
+    assert rel(out32, ref32) < 1e-5, rel(out32, ref32)  # TF32 would be ~1e-3
+
+
 @pytest.mark.parametrize("batch", [1, 64])
 def test_spec_accept_kernel_matches_torch_path(batch):
     """The fused speculative-sampling accept (kernels/spec_accept.py) against accept_sampled_batch's torch

@@ -1,0 +1,154 @@
+"""Skinny GEMMs for 2-64 rows on tensor cores, with the add + RMSNorm prologue and SwiGLU epilogue of
+kernels/gemv.py: the verify span of one request (16 rows) and plain decode at c2..c64.
+
+Same contract and references as kernels/gemv.py: `linear(x, w) -> x @ w.T` and
+`add_norm_linear(x, residual, norm_w, w, eps, swiglu=False) -> (y, x + residual)` (references
+`gemv.linear_ref` / `gemv.add_norm_linear_ref`: the unfused sequences the model runs).
+
+Why: at a few rows every projection is still a weight stream, but the one-row GEMV of kernels/gemv.py reads
+the weights once per row (slower than cuBLAS from two rows on), and cuBLAS at 16 rows sits ~15 % above the
+one-row GEMV's time while the add+RMSNorm and SwiGLU kernels around it add three launches a layer. Here one
+program owns BLOCK_N output columns of ALL the rows (BLOCK_M, the rows padded to a power of two >= 16, the
+tensor cores' smallest tile): it streams its [BLOCK_N, K] weight slice once in BLOCK_K chunks, software-
+pipelined (num_stages), into a [BLOCK_M, BLOCK_N] fp32 accumulator through `tl.dot`. The add-norm variant
+first computes every row's statistics (the rows are a few KB each, read from L2), then normalises each x chunk
+on the fly with the model's rounding steps; the programs of column block 0 write the residual sum. With SwiGLU
+a program owns the gate and the up columns of its block (two accumulators) and writes silu(gate) * up.
+
+Numerics: fp32 accumulation of bf16 products, like cuBLAS; only the summation order differs (fp32 inputs run
+IEEE fp32 dots, never TF32, like torch's default). A row's result
+does not depend on the other rows' values, but it may differ in the last bit between row buckets (BLOCK_M 16
+vs 64 can select different MMA instructions), so unlike the one-row GEMV this kernel is not batch-invariant
+across buckets (tested: equal to the reference within the kernel tolerance, and row-independent within one
+bucket).
+
+Switch: `EngineConfig.skinny` (engine string `skinny=0`; env SPECBENCH_SKINNY), needs `gemv` on too (the
+same op bundle); `MAX_ROWS` bounds the rows; `pick` gives the config per (N, K, kind, BLOCK_M), None where
+cuBLAS measured faster (benchmarks/gemv.py --kernel skinny).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import triton_importable
+from .gemv import add_norm_linear_ref, linear_ref
+
+__all__ = ["MAX_ROWS", "add_norm_linear", "add_norm_linear_ref", "block_m", "linear", "linear_ref", "pick"]
+
+MAX_ROWS = 64  # the op bundle's row limit for this kernel (kernels/ops.py); above it cuBLAS (compute-bound)
+
+# (BLOCK_N, BLOCK_K, num_warps, num_stages). CONFIGS is what the GPU test sweeps and the benchmark searches;
+# TUNED holds the H200 picks for the Qwen3-4B shapes keyed (N, K, kind, BLOCK_M) (None: cuBLAS measured
+# faster there); other shapes take DEFAULT.
+CONFIGS = [(bn, bk, nw, st) for bn in (16, 32, 64) for bk in (128, 256) for nw in (4,) for st in (3, 4)]
+DEFAULT = (32, 128, 4, 3)
+TUNED: dict[tuple[int, int, str, int], tuple[int, int, int, int] | None] = {}
+
+
+def block_m(rows: int) -> int:
+    """The row tile for `rows` rows: a power of two, at least 16 (the smallest tensor-core tile)."""
+    return max(16, 1 << max(0, rows - 1).bit_length())
+
+
+def pick(n: int, k: int, kind: str, rows: int) -> tuple[int, int, int, int] | None:
+    """The config for this shape and row count, or None where cuBLAS measured faster (or too many rows)."""
+    if rows > MAX_ROWS:
+        return None
+    return TUNED.get((n, k, kind, block_m(rows)), DEFAULT)
+
+
+if triton_importable():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _skinny_kernel(x_ptr, r_ptr, g_ptr, w_ptr, out_ptr, res_ptr, M, N, K, sx, sr, sw, so, sres, eps,
+                       NORM: tl.constexpr, HAS_RES: tl.constexpr, SWIGLU: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid_n = tl.program_id(0)
+        dt = out_ptr.dtype.element_ty
+        rm = tl.arange(0, BLOCK_M)
+        mm = rm < M
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mn = rn < N
+        rk = tl.arange(0, BLOCK_K)
+        xrows = x_ptr + rm[:, None].to(tl.int64) * sx
+        rrows = r_ptr + rm[:, None].to(tl.int64) * sr
+        inv = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if NORM:  # every row's statistics first (and the residual sum, by column block 0)
+            ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                kk = k0 + rk
+                msk = mm[:, None] & (kk < K)[None, :]
+                h = tl.load(xrows + kk[None, :], mask=msk, other=0.0)
+                if HAS_RES:
+                    h = (h.to(tl.float32) + tl.load(rrows + kk[None, :], mask=msk, other=0.0).to(tl.float32)).to(dt)
+                    tl.store(res_ptr + rm[:, None].to(tl.int64) * sres + kk[None, :], h, mask=msk & (pid_n == 0))
+                hf = h.to(tl.float32)
+                ss += tl.sum(hf * hf, axis=1)
+            inv = tl.rsqrt(ss / K + eps)
+        wrows = w_ptr + rn[:, None].to(tl.int64) * sw
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + rk
+            mk = kk < K
+            xmask = mm[:, None] & mk[None, :]
+            xv = tl.load(xrows + kk[None, :], mask=xmask, other=0.0)
+            if NORM:
+                if HAS_RES:
+                    xv = (xv.to(tl.float32) + tl.load(rrows + kk[None, :], mask=xmask, other=0.0).to(tl.float32)).to(dt)
+                g = tl.load(g_ptr + kk, mask=mk, other=0.0).to(tl.float32)
+                xv = ((xv.to(tl.float32) * inv[:, None]).to(dt).to(tl.float32) * g[None, :]).to(dt)
+            wmask = mn[:, None] & mk[None, :]
+            w = tl.load(wrows + kk[None, :], mask=wmask, other=0.0)
+            acc = tl.dot(xv, tl.trans(w), acc, input_precision="ieee")
+            if SWIGLU:
+                w2 = tl.load(wrows + N * sw + kk[None, :], mask=wmask, other=0.0)
+                acc2 = tl.dot(xv, tl.trans(w2), acc2, input_precision="ieee")
+        y = acc
+        if SWIGLU:
+            gf = acc.to(dt).to(tl.float32)
+            s = (gf / (1.0 + tl.exp(-gf))).to(dt)
+            y = s.to(tl.float32) * acc2.to(dt).to(tl.float32)
+        omask = mm[:, None] & mn[None, :]
+        tl.store(out_ptr + rm[:, None].to(tl.int64) * so + rn[None, :], y.to(dt), mask=omask)
+
+
+def _launch(x, r, g, w, out, res, m, n, k, eps, norm, has_res, swiglu, cfg) -> None:
+    bn, bk, nw, st = cfg
+    bm = block_m(m)
+    for m0 in range(0, m, bm):  # the op bundle sends at most MAX_ROWS rows; direct callers may send more
+        m1 = min(m, m0 + bm)
+        _skinny_kernel[(triton.cdiv(n, bn),)](
+            x[m0:m1], r[m0:m1], g, w, out[m0:m1], res[m0:m1], m1 - m0, n, k, x.stride(0), r.stride(0), w.stride(0),
+            out.stride(0), res.stride(0), eps, NORM=norm, HAS_RES=has_res, SWIGLU=swiglu,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=st)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, cfg: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """Triton skinny GEMM; same contract as `gemv.linear_ref` (2-D x with a unit last stride, w [N, K])."""
+    m, k = x.shape
+    n = w.shape[0]
+    assert w.shape[1] == k and w.stride(1) == 1 and x.stride(1) == 1
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m:
+        _launch(x, x, x, w, out, out, m, n, k, 0.0, False, False, False, cfg or pick(n, k, "plain", m) or DEFAULT)
+    return out
+
+
+def add_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, w: torch.Tensor,
+                    eps: float, swiglu: bool = False, cfg: tuple[int, int, int, int] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton skinny GEMM; same contract as `gemv.add_norm_linear_ref`."""
+    m, k = x.shape
+    n = w.shape[0] // 2 if swiglu else w.shape[0]
+    assert w.shape[1] == k and w.stride(1) == 1 and x.stride(1) == 1
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    res_out = torch.empty_like(x) if residual is not None else x
+    r = residual if residual is not None else x
+    if m:
+        _launch(x, r, norm_w, w, out, res_out, m, n, k, eps, True, residual is not None, swiglu,
+                cfg or pick(n, k, "swiglu" if swiglu else "norm", m) or DEFAULT)
+    return out, res_out
