@@ -11,7 +11,7 @@ K 2560), down (plain, 2560 x 9728), lm_head (plain, 151936 x 2560, information o
 Prints a table, the TUNED dict for kernels/gemv.py (best config per shape at 1 row), then one JSON document
 as the last line.
 
-`--kernel skinny` times kernels/skinny.py (tensor-core skinny GEMMs, default rows 8,16,32,64) instead, searches
+`--kernel skinny` times kernels/skinny.py (tensor-core skinny GEMMs, default rows 16,32,64: one per row tile) instead, searches
 `skinny.CONFIGS` at EVERY row count (each is its own row tile, skinny.block_m) and prints its TUNED dict keyed
 (N, K, kind, BLOCK_M), None where the cuBLAS chain was faster (for a bucket holding two row counts, the larger).
 
@@ -133,13 +133,13 @@ def bench_shape(name: str, rows: list[int], reps: int, search: bool, gen: torch.
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kernel", default="gemv", choices=("gemv", "skinny"))
-    ap.add_argument("--rows", help="row counts (default 1,2,4,8; skinny 8,16,32,64)")
+    ap.add_argument("--rows", help="row counts (default 1,2,4,8; skinny 16,32,64)")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--configs", default="all", help="all: search kernels/gemv.py CONFIGS at 1 row; tuned: pick()")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--out")
     a = ap.parse_args()
-    rows = [int(r) for r in (a.rows or ("8,16,32,64" if a.kernel == "skinny" else "1,2,4,8")).split(",")]
+    rows = [int(r) for r in (a.rows or ("16,32,64" if a.kernel == "skinny" else "1,2,4,8")).split(",")]
     gen = torch.Generator(device="cuda").manual_seed(0)
     res: dict = {"device": torch.cuda.get_device_name(), "kernel": a.kernel, "rows": rows, "shapes": {}}
     t0 = time.time()

@@ -40,7 +40,7 @@ class TritonOps:
             self._cfgs[key] = _gemv.pick(n, k, kind) if kind in self.kinds else None
         return self._cfgs[key]
 
-    def skinny_config(self, rows: int, n: int, k: int, kind: str) -> tuple[int, int, int, int] | None:
+    def skinny_config(self, rows: int, n: int, k: int, kind: str) -> _skinny.Config | None:
         """The skinny-GEMM config for a call the GEMV does not take (more than max_rows rows), or None for
         cuBLAS (switch off, more than skinny.MAX_ROWS rows, kind left out, TUNED None for the shape)."""
         if not self.skinny or rows <= self.max_rows or kind not in self.kinds:

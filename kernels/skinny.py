@@ -9,8 +9,11 @@ Why: at a few rows every projection is still a weight stream, but the one-row GE
 the weights once per row (slower than cuBLAS from two rows on), and cuBLAS at 16 rows sits ~15 % above the
 one-row GEMV's time while the add+RMSNorm and SwiGLU kernels around it add three launches a layer. Here one
 program owns BLOCK_N output columns of ALL the rows (BLOCK_M, the rows padded to a power of two >= 16, the
-tensor cores' smallest tile): it streams its [BLOCK_N, K] weight slice once in BLOCK_K chunks, software-
-pipelined (num_stages), into a [BLOCK_M, BLOCK_N] fp32 accumulator through `tl.dot`. The add-norm variant
+tensor cores' smallest tile) and one of `split` slices of K: it streams its weight slice once in BLOCK_K
+chunks, software-pipelined (num_stages), into a [BLOCK_M, BLOCK_N] fp32 accumulator through `tl.dot`. With
+split > 1 (more programs than column blocks, to fill the SMs) each writes its partial to a workspace and the
+last of a column block's programs to arrive (an arrival counter) sums the partials in split order and runs the
+epilogue: one launch, and a result that does not depend on arrival order. The add-norm variant
 first computes every row's statistics (the rows are a few KB each, read from L2), then normalises each x chunk
 on the fly with the model's rounding steps; the programs of column block 0 write the residual sum. With SwiGLU
 a program owns the gate and the up columns of its block (two accumulators) and writes silu(gate) * up.
@@ -38,12 +41,16 @@ __all__ = ["MAX_ROWS", "add_norm_linear", "add_norm_linear_ref", "block_m", "lin
 
 MAX_ROWS = 64  # the op bundle's row limit for this kernel (kernels/ops.py); above it cuBLAS (compute-bound)
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages). CONFIGS is what the GPU test sweeps and the benchmark searches;
-# TUNED holds the H200 picks for the Qwen3-4B shapes keyed (N, K, kind, BLOCK_M) (None: cuBLAS measured
-# faster there); other shapes take DEFAULT.
-CONFIGS = [(bn, bk, nw, st) for bn in (16, 32, 64) for bk in (128, 256) for nw in (4,) for st in (3, 4)]
-DEFAULT = (32, 128, 4, 3)
-TUNED: dict[tuple[int, int, str, int], tuple[int, int, int, int] | None] = {}
+# (BLOCK_N, BLOCK_K, num_warps, num_stages, split). CONFIGS is what the GPU test sweeps and the benchmark
+# searches (split is a run-time argument: the splits of one tile config share a compile); TUNED holds the H200
+# picks for the Qwen3-4B shapes keyed (N, K, kind, BLOCK_M) (None: cuBLAS measured faster there); other shapes
+# take DEFAULT. The first search (BLOCK_N 16-64, no split) lost to cuBLAS on all but the o projection: too few
+# column blocks to fill the 132 SMs (o, down: 80 at BLOCK_N 32), hence the split.
+CONFIGS = [(bn, bk, 4, st, sp) for bn in (32, 64) for bk in (128, 256) for st in (3, 4) for sp in (1, 2, 3, 4)
+           if not (bk == 256 and st == 4)]  # 256 x 4 stages: over the shared memory at BLOCK_N 32 or more
+DEFAULT = (32, 128, 4, 3, 1)
+Config = tuple[int, int, int, int, int]
+TUNED: dict[tuple[int, int, str, int], Config | None] = {}
 
 
 def block_m(rows: int) -> int:
@@ -51,7 +58,7 @@ def block_m(rows: int) -> int:
     return max(16, 1 << max(0, rows - 1).bit_length())
 
 
-def pick(n: int, k: int, kind: str, rows: int) -> tuple[int, int, int, int] | None:
+def pick(n: int, k: int, kind: str, rows: int) -> Config | None:
     """The config for this shape and row count, or None where cuBLAS measured faster (or too many rows)."""
     if rows > MAX_ROWS:
         return None
@@ -63,10 +70,21 @@ if triton_importable():
     import triton.language as tl
 
     @triton.jit
-    def _skinny_kernel(x_ptr, r_ptr, g_ptr, w_ptr, out_ptr, res_ptr, M, N, K, sx, sr, sw, so, sres, eps,
-                       NORM: tl.constexpr, HAS_RES: tl.constexpr, SWIGLU: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _finish(acc, acc2, out_ptr, rm, rn, mm, mn, so, SWIGLU: tl.constexpr):
+        dt = out_ptr.dtype.element_ty
+        y = acc
+        if SWIGLU:
+            gf = acc.to(dt).to(tl.float32)
+            s = (gf / (1.0 + tl.exp(-gf))).to(dt)
+            y = s.to(tl.float32) * acc2.to(dt).to(tl.float32)
+        tl.store(out_ptr + rm[:, None].to(tl.int64) * so + rn[None, :], y.to(dt), mask=mm[:, None] & mn[None, :])
+
+    @triton.jit
+    def _skinny_kernel(x_ptr, r_ptr, g_ptr, w_ptr, out_ptr, res_ptr, ws_ptr, lock_ptr, M, N, K, sx, sr, sw, so, sres,
+                       eps, SPLIT, NORM: tl.constexpr, HAS_RES: tl.constexpr, SWIGLU: tl.constexpr,
+                       SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pid_n = tl.program_id(0)
+        pid_s = tl.program_id(1)
         dt = out_ptr.dtype.element_ty
         rm = tl.arange(0, BLOCK_M)
         mm = rm < M
@@ -76,7 +94,7 @@ if triton_importable():
         xrows = x_ptr + rm[:, None].to(tl.int64) * sx
         rrows = r_ptr + rm[:, None].to(tl.int64) * sr
         inv = tl.zeros([BLOCK_M], dtype=tl.float32)
-        if NORM:  # every row's statistics first (and the residual sum, by column block 0)
+        if NORM:  # every row's statistics over all of K first (the residual sum: column block 0, split 0)
             ss = tl.zeros([BLOCK_M], dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 kk = k0 + rk
@@ -84,14 +102,18 @@ if triton_importable():
                 h = tl.load(xrows + kk[None, :], mask=msk, other=0.0)
                 if HAS_RES:
                     h = (h.to(tl.float32) + tl.load(rrows + kk[None, :], mask=msk, other=0.0).to(tl.float32)).to(dt)
-                    tl.store(res_ptr + rm[:, None].to(tl.int64) * sres + kk[None, :], h, mask=msk & (pid_n == 0))
+                    tl.store(res_ptr + rm[:, None].to(tl.int64) * sres + kk[None, :], h,
+                             mask=msk & (pid_n == 0) & (pid_s == 0))
                 hf = h.to(tl.float32)
                 ss += tl.sum(hf * hf, axis=1)
             inv = tl.rsqrt(ss / K + eps)
+        kc = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT) * BLOCK_K  # this split's K range (whole chunks)
+        k_start = pid_s * kc
+        k_end = tl.minimum(K, k_start + kc)
         wrows = w_ptr + rn[:, None].to(tl.int64) * sw
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_start, k_end, BLOCK_K):
             kk = k0 + rk
             mk = kk < K
             xmask = mm[:, None] & mk[None, :]
@@ -107,27 +129,62 @@ if triton_importable():
             if SWIGLU:
                 w2 = tl.load(wrows + N * sw + kk[None, :], mask=wmask, other=0.0)
                 acc2 = tl.dot(xv, tl.trans(w2), acc2, input_precision="ieee")
-        y = acc
-        if SWIGLU:
-            gf = acc.to(dt).to(tl.float32)
-            s = (gf / (1.0 + tl.exp(-gf))).to(dt)
-            y = s.to(tl.float32) * acc2.to(dt).to(tl.float32)
-        omask = mm[:, None] & mn[None, :]
-        tl.store(out_ptr + rm[:, None].to(tl.int64) * so + rn[None, :], y.to(dt), mask=omask)
+        if SPLIT_K:  # partials to the workspace; the last split of the column block to arrive sums them in order
+            tile = rm[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+            area = BLOCK_M * BLOCK_N
+            wsb = ws_ptr + pid_n.to(tl.int64) * SPLIT * area * (2 if SWIGLU else 1)
+            tl.store(wsb + pid_s * area + tile, acc)
+            if SWIGLU:
+                tl.store(wsb + (SPLIT + pid_s) * area + tile, acc2)
+            tl.debug_barrier()  # every thread's partial is written before the release below
+            count = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel")
+            if count == SPLIT - 1:
+                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for sp in range(0, SPLIT):  # fixed order: the result does not depend on who came last
+                    acc += tl.load(wsb + sp * area + tile, cache_modifier=".cg")
+                    if SWIGLU:
+                        acc2 += tl.load(wsb + (SPLIT + sp) * area + tile, cache_modifier=".cg")
+                _finish(acc, acc2, out_ptr, rm, rn, mm, mn, so, SWIGLU)
+                tl.atomic_xchg(lock_ptr + pid_n, 0)  # ready for the next call (and the next graph replay)
+        else:
+            _finish(acc, acc2, out_ptr, rm, rn, mm, mn, so, SWIGLU)
+
+
+_LOCKS: dict[torch.device, torch.Tensor] = {}
+LOCK_SLOTS = 1 << 14  # column blocks one split-K launch may have (N / BLOCK_N)
+
+
+def _locks(device: torch.device) -> torch.Tensor | None:
+    """The split-K arrival counters of a device: zeros, and every launch leaves them zero (its last program
+    resets its column block's counter). Launches run one at a time on the engine's stream. None while a CUDA
+    graph is being captured and the counters do not exist yet (the launch then runs unsplit)."""
+    t = _LOCKS.get(device)
+    if t is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        t = _LOCKS[device] = torch.zeros(LOCK_SLOTS, dtype=torch.int32, device=device)
+    return t
 
 
 def _launch(x, r, g, w, out, res, m, n, k, eps, norm, has_res, swiglu, cfg) -> None:
-    bn, bk, nw, st = cfg
+    bn, bk, nw, st, split = cfg
     bm = block_m(m)
+    nb = triton.cdiv(n, bn)
+    split = max(1, min(split, triton.cdiv(k, bk)))
+    locks = _locks(x.device) if split > 1 and nb <= LOCK_SLOTS else None
+    if locks is None:
+        split = 1
+    ws = (torch.empty(nb * split * bm * bn * (2 if swiglu else 1), dtype=torch.float32, device=x.device)
+          if split > 1 else out)
     for m0 in range(0, m, bm):  # the op bundle sends at most MAX_ROWS rows; direct callers may send more
         m1 = min(m, m0 + bm)
-        _skinny_kernel[(triton.cdiv(n, bn),)](
-            x[m0:m1], r[m0:m1], g, w, out[m0:m1], res[m0:m1], m1 - m0, n, k, x.stride(0), r.stride(0), w.stride(0),
-            out.stride(0), res.stride(0), eps, NORM=norm, HAS_RES=has_res, SWIGLU=swiglu,
+        _skinny_kernel[(nb, split)](
+            x[m0:m1], r[m0:m1], g, w, out[m0:m1], res[m0:m1], ws, locks if locks is not None else out,
+            m1 - m0, n, k, x.stride(0), r.stride(0), w.stride(0), out.stride(0), res.stride(0), eps, split,
+            NORM=norm, HAS_RES=has_res, SWIGLU=swiglu, SPLIT_K=split > 1,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=st)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, cfg: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor, cfg: Config | None = None) -> torch.Tensor:
     """Triton skinny GEMM; same contract as `gemv.linear_ref` (2-D x with a unit last stride, w [N, K])."""
     m, k = x.shape
     n = w.shape[0]
@@ -139,7 +196,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, cfg: tuple[int, int, int, int] | No
 
 
 def add_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, w: torch.Tensor,
-                    eps: float, swiglu: bool = False, cfg: tuple[int, int, int, int] | None = None
+                    eps: float, swiglu: bool = False, cfg: Config | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton skinny GEMM; same contract as `gemv.add_norm_linear_ref`."""
     m, k = x.shape

@@ -182,11 +182,11 @@ def test_skinny_routing(monkeypatch):
     from specbench.kernels.ops import TritonOps
 
     monkeypatch.delenv("SPECBENCH_GEMV_KINDS", raising=False)
-    monkeypatch.setitem(skinny.TUNED, (48, 64, "plain", 16), (16, 128, 4, 3))
+    monkeypatch.setitem(skinny.TUNED, (48, 64, "plain", 16), (16, 128, 4, 3, 2))
     monkeypatch.setitem(skinny.TUNED, (48, 64, "plain", 32), None)
     on = TritonOps(gemv=True, max_rows=1, skinny=True)
     assert on.skinny_config(1, 48, 64, "plain") is None, "one row is the GEMV's"
-    assert on.skinny_config(16, 48, 64, "plain") == (16, 128, 4, 3) == on.skinny_config(9, 48, 64, "plain")
+    assert on.skinny_config(16, 48, 64, "plain") == (16, 128, 4, 3, 2) == on.skinny_config(9, 48, 64, "plain")
     assert on.skinny_config(17, 48, 64, "plain") is None, "TUNED None for the 32-row tile keeps cuBLAS"
     assert on.skinny_config(40, 7, 64, "swiglu") == skinny.DEFAULT, "an untuned shape"
     assert on.skinny_config(skinny.MAX_ROWS + 1, 7, 64, "norm") is None, "past MAX_ROWS: cuBLAS"
