@@ -360,8 +360,8 @@ class EngineConfig:
     gemv: bool = field(default_factory=lambda: env_flag("SPECBENCH_GEMV", True))
     # Tensor-core skinny GEMMs (kernels/skinny.py) with the same fusions for steps of 2..skinny.MAX_ROWS rows (a
     # request's verify span, batched decode) on the shapes where they measured faster than cuBLAS; needs `gemv`
-    # (default from SPECBENCH_SKINNY, else on)
-    skinny: bool = field(default_factory=lambda: env_flag("SPECBENCH_SKINNY", True))
+    # (default from SPECBENCH_SKINNY, else OFF: opt-in until an engine-level GPU A/B shows a win, docs/gpu.md)
+    skinny: bool = field(default_factory=lambda: env_flag("SPECBENCH_SKINNY", False))
     # DFlash2's candidate-selector walk as one Triton launch per draft batch (kernels/selector_walk.py), in the
     # draft graph and the plain pass; False: the torch walk, a few ops per slot (default from
     # SPECBENCH_SELECTOR_KERNEL, else on; needs `triton` too)

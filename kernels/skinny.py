@@ -25,8 +25,9 @@ vs 64 can select different MMA instructions), so unlike the one-row GEMV this ke
 across buckets (tested: equal to the reference within the kernel tolerance, and row-independent within one
 bucket).
 
-Switch: `EngineConfig.skinny` (engine string `skinny=0`; env SPECBENCH_SKINNY), needs `gemv` on too (the
-same op bundle); `MAX_ROWS` bounds the rows; `pick` gives the config per (N, K, kind, BLOCK_M), None where
+Switch: `EngineConfig.skinny` (engine string `skinny=1`; env SPECBENCH_SKINNY=1; OFF by default: on the H200
+it wins only two of the four layer shapes at 16 rows, and no engine-level A/B has run yet), needs `gemv` on too
+(the same op bundle); `MAX_ROWS` bounds the rows; `pick` gives the config per (N, K, kind, BLOCK_M), None where
 cuBLAS measured faster (benchmarks/gemv.py --kernel skinny).
 """
 
@@ -50,7 +51,18 @@ CONFIGS = [(bn, bk, 4, st, sp) for bn in (32, 64) for bk in (128, 256) for st in
            if not (bk == 256 and st == 4)]  # 256 x 4 stages: over the shared memory at BLOCK_N 32 or more
 DEFAULT = (32, 128, 4, 3, 1)
 Config = tuple[int, int, int, int, int]
-TUNED: dict[tuple[int, int, str, int], Config | None] = {}
+# Measured on the H200, 2026-12-04 (reports/h200-skinny/: `scripts/gpu.sh gemv` with
+# GEMV_ARGS="--kernel skinny --rows 16,64"): per call against the cuBLAS chain (with the separate add+RMSNorm /
+# SwiGLU kernels), 36 distinct weights per shape. The skinny kernel wins only the plain o and down projections at
+# the 16-row tile (9.88 vs 10.78 us, 16.94 vs 18.20 us); the fused qkv / gate_up lose (16.86 vs 13.14 us,
+# 41.75 vs 35.10 us), and at the 64-row tile everything loses (36 layers: 6.49 vs 2.83 ms). The 32-row tile was
+# not measured: `pick` keeps cuBLAS there for these shapes (a tuned shape's untuned tile is None, not DEFAULT).
+TUNED: dict[tuple[int, int, str, int], Config | None] = {
+    (6144, 2560, "norm", 16): None, (6144, 2560, "norm", 64): None,
+    (2560, 4096, "plain", 16): (32, 128, 4, 4, 4), (2560, 4096, "plain", 64): None,
+    (9728, 2560, "swiglu", 16): None, (9728, 2560, "swiglu", 64): None,
+    (2560, 9728, "plain", 16): (32, 128, 4, 4, 4), (2560, 9728, "plain", 64): None,
+}
 
 
 def block_m(rows: int) -> int:
@@ -62,7 +74,11 @@ def pick(n: int, k: int, kind: str, rows: int) -> Config | None:
     """The config for this shape and row count, or None where cuBLAS measured faster (or too many rows)."""
     if rows > MAX_ROWS:
         return None
-    return TUNED.get((n, k, kind, block_m(rows)), DEFAULT)
+    key = (n, k, kind, block_m(rows))
+    if key in TUNED:
+        return TUNED[key]
+    # a shape measured at other row tiles keeps cuBLAS at an unmeasured one; an unknown shape takes DEFAULT
+    return None if any(t[:3] == key[:3] for t in TUNED) else DEFAULT
 
 
 if triton_importable():

@@ -189,6 +189,9 @@ def test_skinny_routing(monkeypatch):
     assert on.skinny_config(16, 48, 64, "plain") == (16, 128, 4, 3, 2) == on.skinny_config(9, 48, 64, "plain")
     assert on.skinny_config(17, 48, 64, "plain") is None, "TUNED None for the 32-row tile keeps cuBLAS"
     assert on.skinny_config(40, 7, 64, "swiglu") == skinny.DEFAULT, "an untuned shape"
+    monkeypatch.delitem(skinny.TUNED, (48, 64, "plain", 32))
+    assert on.skinny_config(40, 48, 64, "plain") is None, "a tuned shape at an unmeasured row tile keeps cuBLAS"
+    assert skinny.pick(2560, 9728, "plain", 16) is not None and skinny.pick(2560, 9728, "plain", 30) is None
     assert on.skinny_config(skinny.MAX_ROWS + 1, 7, 64, "norm") is None, "past MAX_ROWS: cuBLAS"
     assert TritonOps(gemv=True, skinny=False).skinny_config(16, 7, 64, "norm") is None
     assert TritonOps(gemv=False, skinny=True).skinny_config(16, 7, 64, "norm") is None, "skinny needs gemv"
