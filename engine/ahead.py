@@ -22,10 +22,23 @@ them, schedules the next step, fills its metadata and launches it (about 0.4 ms 
 - While a step is ahead, the commit of the older one keeps the page the newer one writes (`ahead` of
   CommitStep.commit / PagePool.commit), and the run-time invariants count that one position
   (InvariantChecker.check's `ahead`).
+- Gated rounds (EngineConfig.gated_ahead, issue 20): with speculation on, a step in which the span policy holds
+  every decode-phase request to one token (the gate, or the automatic policy's span 1) is a plain decode whose
+  tapped rows also enter the drafter's context. It chains like plain decode through the decode graphs of the
+  drafter's tap set, which write each row's context inside the step (EngineConfig.graph_context), so its
+  commit only moves the context lengths, as a normal gated round's does. The policy chooses the chained step
+  before the step in flight is committed (`SpanPolicy.choose(..., ahead=1)`: every request one token
+  further; those the older step finishes by length left out); each launched step keeps its choice until its
+  own commit records it (trace, gated-round metrics, measured step times). When the policy wants to
+  speculate on the next step the chain ends there and that choice is kept for the next step() (`take_choice`),
+  so no decision is made twice (the exploration cadence stays the same). The one difference from the off
+  switch: a request the older step finishes on a stop (unknown until its commit) still counts toward the
+  chained step's gate, so a batch that a stop shrinks to the gate speculates one step later.
 - Anything else ends the chain: a waiting request that could be admitted, a request in prefill, speculation,
-  logprobs, top-p (its transform reads the host), armed faults, synthetic acceptance, an attention backend
-  whose plan is not stream-ordered (FlashInfer's own decode plan: `ahead_safe`), more requests than the
-  largest decode bucket. The step in flight is then committed first, and the next step runs as before.
+  logprobs, top-p (its transform reads the host), armed faults, synthetic acceptance without a proposer (with
+  one it only draws for verify spans, which a chain never holds), an attention backend whose plan is not
+  stream-ordered (FlashInfer's own decode plan: `ahead_safe`), more requests than the largest decode bucket.
+  The step in flight is then committed first, and the next step runs as before.
 
 The ahead path changes when a token is read, never which token: the same graphs, the same sampling ops on
 the same rows, each generator drawn once per decode step in the same order (tests/test_decode_ahead.py
@@ -46,6 +59,8 @@ from .scheduler import Span, StepPlan
 
 if TYPE_CHECKING:  # the engine builds this with itself
     from .engine import LLMEngine
+    from .graphs import DecodeGraphs
+    from .spec.policy import StepChoice
 
 PLACEHOLDER = -1  # a span's token while the step before it is still on the device
 
@@ -58,6 +73,10 @@ class InFlight:
     tokens: torch.Tensor  # int64 [len(spans)], on the device
     host: torch.Tensor  # int64 [len(spans)], pinned on CUDA; valid once `event` has completed
     event: torch.cuda.Event | None  # None off CUDA (the copy has already happened)
+    # the drafter's tapped rows (a view of the graph's buffer, overwritten by the next replay): only a marker that
+    # the step had taps, for the commit (the step wrote their context rows itself); None without a drafter
+    taps: torch.Tensor | None = None
+    choice: StepChoice | None = None  # the span policy's choice for this step (with a proposer), recorded at commit
 
 
 class DecodeAhead:
@@ -66,13 +85,36 @@ class DecodeAhead:
         self.inflight: InFlight | None = None
         self.cuda = engine.device.type == "cuda"
         self.enabled = engine.cfg.decode_ahead  # a benchmark may flip it between steps (A/B in one engine)
+        self.gated = engine.cfg.gated_ahead  # gated rounds too, with a proposer (likewise flippable)
+        # the policy's choice for the step after a chain that ended because the policy speculates there:
+        # (drafts, states, choice), taken by the engine's next step() instead of choosing again
+        self.stashed: tuple[dict[str, int], dict[str, str], StepChoice | None] | None = None
 
     # ---- when ----------------------------------------------------------------------------------
     def usable(self) -> bool:
         """The engine-wide conditions (they do not change between steps, except a benchmark's swaps)."""
         e = self.engine
-        return (self.enabled and e.proposer is None and not e.faults.names and e.synthetic is None
-                and e.runner.use_graph_runner and getattr(e.runner.backend, "ahead_safe", False))
+        if not (self.enabled and not e.faults.names and e.runner.use_graph_runner
+                and getattr(e.runner.backend, "ahead_safe", False)):
+            return False
+        if e.proposer is None:
+            return e.synthetic is None
+        # gated rounds: a drafter with tapped features needs its context written inside the decode step
+        return self.gated and (not e.proposer.tap_layers or e.runner.context_writer is not None)
+
+    def _graphs(self) -> DecodeGraphs:
+        """The decode graphs of the proposer's tap set (its context writer inside), or the plain ones."""
+        e = self.engine
+        return e.runner.decode_graphs(tuple(e.proposer.tap_layers) if e.proposer is not None else ())
+
+    def take_choice(self) -> tuple[dict[str, int], dict[str, str]] | None:
+        """The policy's choice a chain ended on (drafts, states), made the policy's current one; None if none."""
+        if self.stashed is None:
+            return None
+        ks, states, choice = self.stashed
+        self.stashed = None
+        self.engine.policy.attach(choice)
+        return ks, states
 
     @staticmethod
     def request_ok(req) -> bool:
@@ -87,7 +129,7 @@ class DecodeAhead:
             return False
         if not all(s.kind == "decode" and len(s.tokens) == 1 and self.request_ok(s.req) for s in spans):
             return False
-        return self.engine.runner.decode_graphs(()).can_run(spans)
+        return self._graphs().can_run(spans)
 
     def reserved(self) -> dict[str, int]:
         """Positions held past the committed length by the step in flight, per request id (its one row)."""
@@ -98,7 +140,7 @@ class DecodeAhead:
         """Launch `plan` (eligible), chain the next step when it can be, commit `plan`'s tokens."""
         assert self.inflight is None
         with self.engine.ranges.phase("forward"):
-            first = self._launch(plan.spans, None)
+            first = self._launch(plan.spans, None, self.engine.policy.detach())
         return self._advance(first, finished_only)
 
     def step(self, finished_only: bool) -> list[RequestOutput]:
@@ -115,21 +157,22 @@ class DecodeAhead:
 
     def _advance(self, prev: InFlight, finished_only: bool) -> list[RequestOutput]:
         with self.engine.ranges.phase("forward"):
-            spans = self._next_spans(prev)
-            self.inflight = self._launch(spans, prev) if spans else None
+            spans, choice = self._next_spans(prev)
+            self.inflight = self._launch(spans, prev, choice) if spans else None
         if self.inflight is not None:
             self.engine.metrics.decode_ahead_steps += 1
         return self._finish(prev, finished_only)
 
-    def _next_spans(self, prev: InFlight) -> list[Span]:
-        """The decode step after `prev` (not yet committed), or [] when the chain must end here."""
+    def _next_spans(self, prev: InFlight) -> tuple[list[Span], StepChoice | None]:
+        """The decode step after `prev` (not yet committed) and the policy's choice for it (with a proposer), or
+        ([], None) when the chain must end here."""
         e = self.engine
         sch = e.scheduler
         if not self.usable() or e._inbox or (sch.waiting and len(sch.running) < e.cfg.max_num_seqs):
-            return []
+            return [], None
         ahead = {id(s.req) for s in prev.spans}
         if any(r.in_prefill or id(r) not in ahead for r in sch.running):
-            return []  # a request the chain does not know (admitted by a normal step): schedule normally
+            return [], None  # a request the chain does not know (admitted by a normal step): schedule normally
         spans = []
         for s in prev.spans:
             req = s.req
@@ -137,11 +180,21 @@ class DecodeAhead:
             if req.finished or len(req.output_ids) + 1 >= req.params.max_tokens:
                 continue
             spans.append(Span(req, [PLACEHOLDER], s.start + 1, "decode"))
-        if not spans or not e.runner.decode_graphs(()).can_run(spans):
-            return []
-        return spans
+        if not spans or not self._graphs().can_run(spans):
+            return [], None
+        if e.proposer is None:
+            return spans, None
+        # the policy's choice for the step after prev's commit: every request one token further
+        ks, states = e.policy.choose([s.req for s in spans], e.proposer, e.step_count + 1, ahead=1)
+        choice = e.policy.detach()
+        if ks:  # it speculates: the chain ends, and the next step() schedules with this very choice
+            self.stashed = (ks, states, choice)
+            return [], None
+        for s in spans:
+            s.state = states.get(s.req.rid, "")
+        return spans, choice
 
-    def _launch(self, spans: list[Span], prev: InFlight | None) -> InFlight:
+    def _launch(self, spans: list[Span], prev: InFlight | None, choice: StepChoice | None = None) -> InFlight:
         """Replay the decode graph of `spans` (input tokens from `prev`'s device tokens when given), draw the
         tokens on the device and start their copy to the host."""
         e = self.engine
@@ -154,10 +207,10 @@ class DecodeAhead:
                 src = prev.tokens[idx.to(prev.tokens.device, non_blocking=self.cuda)]
         for s in spans:
             e.pool.ensure(s.req.rid, s.start + 1)
-        graphs = e.runner.decode_graphs(())
+        graphs = self._graphs()
         e.runner.last_path = ("decode-graph", len(spans))
-        e.runner.context_fused = False
-        logits, _ = graphs.launch(spans, src)
+        e.runner.context_fused = graphs.context is not None  # the commit's observe only moves the lengths
+        logits, taps = graphs.launch(spans, src)
         tokens = self._draw(spans, logits)
         host = torch.empty(len(spans), dtype=torch.long, pin_memory=self.cuda)
         host.copy_(tokens, non_blocking=self.cuda)
@@ -165,7 +218,7 @@ class DecodeAhead:
         if self.cuda:
             event = torch.cuda.Event()
             event.record()
-        return InFlight(spans, tokens, host, event)
+        return InFlight(spans, tokens, host, event, taps, choice)
 
     def _draw(self, spans: list[Span], logits: torch.Tensor) -> torch.Tensor:
         """Each span's token on the device, as the accept phase picks it: the argmax for greedy requests; for
@@ -205,5 +258,12 @@ class DecodeAhead:
                 s.tokens = [req.token_at(s.start)]
                 kept.append(s)
                 results.append(SpanResult(1, [t]))
+        plan = StepPlan(kept)
+        if e.proposer is not None:  # the step's policy choice: trace, gated-round metrics, measured step time
+            e.policy.attach(fl.choice)
+            e.policy.record(plan, results)
         with e.ranges.phase("commit"):
-            return e.commit_step.commit(StepPlan(kept), results, None, finished_only, ahead=self.reserved())
+            outs = e.commit_step.commit(plan, results, fl.taps, finished_only, ahead=self.reserved())
+        if e.proposer is not None:
+            e.policy.step_done()
+        return outs

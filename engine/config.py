@@ -380,6 +380,13 @@ class EngineConfig:
     # tokens of the one on the device, so the host's commit / schedule / metadata work overlaps the GPU's step
     # (CUDA graphs, no speculation; default from SPECBENCH_DECODE_AHEAD, else on)
     decode_ahead: bool = field(default_factory=lambda: env_flag("SPECBENCH_DECODE_AHEAD", True))
+    # Gated rounds one step ahead too (engine/ahead.py, issue 20): with speculation on, a step whose every
+    # decode-phase request is held to one token (the gate or the automatic policy chose span 1; not-ready and
+    # ineligible requests ride along) runs as a decode_ahead chain through the decode graphs that write the
+    # drafter's context in the step (graph_context), so a gated round hides its host work as a plain decode
+    # does. Needs decode_ahead and, for a drafter with tapped features, graph_context. Default from
+    # SPECBENCH_GATED_AHEAD, else on.
+    gated_ahead: bool = field(default_factory=lambda: env_flag("SPECBENCH_GATED_AHEAD", True))
     seed: int = 0
     spec: SpecConfig = field(default_factory=SpecConfig)
     faults: tuple[str, ...] = ()

@@ -178,7 +178,8 @@ class LLMEngine:
                 "attention": self.runner.backend.name, "triton": self.runner.model.ops is not None,
                 "decode_tensor_cores": self.cfg.decode_tensor_cores, "decode_attention": self.cfg.decode_attention,
                 "gemv": self.cfg.gemv, "skinny": self.cfg.skinny, "selector_kernel": getattr(self.proposer, "walk_kernel", None),
-                "decode_ahead": self.ahead.usable(),
+                "decode_ahead": self.ahead.usable() and self.proposer is None,
+                "gated_ahead": self.ahead.usable() and self.proposer is not None,
                 "whole_graphs": self.cfg.whole_graphs and self.runner.backend.rows_ok,
                 "defer_drafts": self.defer_drafts and bool(self.proposer is not None and self.proposer.defers),
                 "batched_draft": self.cfg.spec.batched_draft, "verify_graph": self.cfg.verify_graph,
@@ -362,7 +363,8 @@ class LLMEngine:
                 self._check_invariants()
                 return chained
             with self.ranges.phase("schedule"):
-                ks, states = self.policy.choose(self.scheduler.running, self.proposer, self.step_count)
+                ks, states = self.ahead.take_choice() or \
+                    self.policy.choose(self.scheduler.running, self.proposer, self.step_count)
                 plan = self.scheduler.schedule(ks, states)
             if self.ahead.eligible(plan):  # plain decode: launched, the next one chained, then committed
                 started = self.ahead.start(plan, finished_only)

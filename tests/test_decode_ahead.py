@@ -128,9 +128,12 @@ def test_requests_it_cannot_serve_take_the_simple_path(tiny_target, gsm8k_prompt
 def test_off_without_the_graph_runner_or_with_speculation(tiny_target, tiny_draft) -> None:
     llm = LLM(tiny_target, num_pages=256)  # CPU: no graph runner unless asked
     assert not DecodeAhead(llm.engine).usable()
-    spec = LLM(tiny_target, draft=tiny_draft, num_pages=256)
+    spec = LLM(tiny_target, draft=tiny_draft, num_pages=256, gated_ahead=False)
     spec.engine.runner.use_graph_runner = True
-    assert not spec.engine.ahead.usable()
+    assert not spec.engine.ahead.usable()  # with speculation only gated rounds chain (tests/test_gated_ahead.py)
+    spec.engine.ahead.gated = True
+    assert spec.engine.ahead.usable() and not spec.engine.ahead.eligible(
+        spec.engine.scheduler.schedule({}, {}))  # nothing to run: no chain
     assert _llm(tiny_target, True).engine.ahead.usable()
     assert not _llm(tiny_target, False).engine.ahead.usable()
 

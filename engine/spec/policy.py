@@ -183,9 +183,11 @@ class SpanPolicy:
         return [c.as_dict() for c in self._trace] if self._trace is not None else []
 
     # ---- schedule ---------------------------------------------------------------------------------
-    def choose(self, running: list[Request], proposer: Proposer | None, step: int = 0
+    def choose(self, running: list[Request], proposer: Proposer | None, step: int = 0, ahead: int = 0
                ) -> tuple[dict[str, int], dict[str, str]]:
-        """(drafts per request id, draft state per request id) for this step's decode-phase requests."""
+        """(drafts per request id, draft state per request id) for this step's decode-phase requests. `ahead`:
+        tokens each of them commits before this step runs (engine/ahead.py chooses the chained step before the
+        step in flight is committed): their remaining length counts that much shorter."""
         self._choice = None
         if proposer is None:
             return {}, {}
@@ -197,7 +199,7 @@ class SpanPolicy:
             if r.in_prefill:
                 continue
             n_decode += 1
-            rem = r.remaining
+            rem = r.remaining - ahead
             if rem < 2 or not spec.can_speculate(r.params):
                 states[r.rid] = _INELIGIBLE
             elif not proposer.ready(r):
@@ -253,6 +255,15 @@ class SpanPolicy:
             alt = min(others_s, key=lambda s: (seen[s], -rate[s]))
             return alt - 1, "explore", rate
         return best - 1, "policy", rate
+
+    def detach(self) -> StepChoice | None:
+        """Take the current choice away (a step launched ahead keeps its own until its commit: `attach`)."""
+        c, self._choice = self._choice, None
+        return c
+
+    def attach(self, choice: StepChoice | None) -> None:
+        """Make `choice` (from `detach`) the one the next `record` completes."""
+        self._choice = choice
 
     # ---- after the accept phase ------------------------------------------------------------------
     def record(self, plan: StepPlan, results: list[SpanResult]) -> None:

@@ -88,6 +88,32 @@ def test_decode_ahead_equals_its_off_switch_on_cuda(tiny):
     assert got[True] == got[False]
 
 
+def test_gated_ahead_equals_its_off_switch_on_cuda(tiny):
+    """Gated rounds chained ahead (engine/ahead.py, EngineConfig.gated_ahead) on the device: the tiny DFlash pair
+    at gate 2 over a batch of 5 that shrinks (max_tokens only, so the schedule is the same either way), the
+    decode graphs of the drafter's tap set writing its context inside the step. Every step() call's outputs,
+    the accepted drafts and the policy trace equal the off switch's; the chain ran."""
+    from specbench.engine import LLM, SamplingParams
+
+    prompts = ["The quick brown fox", "Once upon a time, there was", "Question: what is 2 + 2?", "a b c d", "x y"]
+    got = {}
+    for on in (True, False):
+        with LLM(tiny[0], draft=tiny[1], device="cuda", dtype="bfloat16", attention_backend="torch", gated_ahead=on,
+                 spec_gate=2, gpu_memory_utilization=0.3) as llm:  # head_dim 32: no FlashInfer sm90
+            eng = llm.engine
+            for i, p in enumerate(prompts):
+                eng.add_request(p, SamplingParams(max_tokens=8 + 7 * i, ignore_eos=True), rid=f"r{i}")
+            calls = []
+            while eng.has_unfinished():
+                calls.append(sorted((o.rid, tuple(o.new_ids), o.finished) for o in eng.step()))
+            m = eng.metrics
+            trace = [(e["span"], e["reason"], e["running"]) for e in eng.policy.trace]
+            got[on] = (calls, m.num_accepted_tokens, m.gated_rounds, trace)
+            if on:
+                assert m.decode_ahead_steps > 10 and m.gated_rounds > 10, "the gated chain did not run on CUDA"
+    assert got[True] == got[False]
+
+
 def test_defer_drafts_equals_its_off_switch_on_cuda(tiny):
     """Deferred drafts (engine/spec/pending.py: drafts left on the device, the verify rows filled there, the host
     read through a pinned copy + event) on vs off, on the tiny DFlash pair with every CUDA graph on (piecewise: the
