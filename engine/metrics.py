@@ -42,7 +42,8 @@ class EngineMetrics:
     prefix_hits: int = 0
     capture_hits: int = 0
     capture_fallbacks: int = 0
-    # plain decode steps launched one step ahead, before the host read the step on the device (engine/ahead.py)
+    # decode steps (plain, or gated rounds with speculation on) launched one step ahead, before the host read the
+    # step on the device (engine/ahead.py)
     decode_ahead_steps: int = 0
 
     def reset(self) -> None:
@@ -111,7 +112,7 @@ class EngineMetrics:
         counter("specbench:spec_gated_rounds_total", self.gated_rounds,
                 "Steps whose draft-ready requests verified one token (max-batch gate or span policy).")
         counter("specbench:decode_ahead_steps_total", self.decode_ahead_steps,
-                "Plain decode steps launched before the host read the step on the device (decode ahead).")
+                "Decode steps (plain, or gated rounds) launched before the host read the step on the device (decode ahead).")
         name = "specbench:spec_step_span_total"
         lines += [f"# HELP {name} Steps per chosen verify span (1 + drafts).", f"# TYPE {name} counter"]
         for span in sorted(self.span_hist):

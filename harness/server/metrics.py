@@ -96,7 +96,7 @@ class EngineCollector(Collector):
                       "Prefix hits without the drafter's capture: the request decodes without drafts.",
                       getattr(m, "capture_fallbacks", 0))
         yield counter("specbench:decode_ahead_steps",
-                      "Plain-decode steps launched one ahead (engine/ahead.py; decode_ahead=0 turns it off).",
+                      "Decode steps launched one ahead: plain decode, and gated rounds with speculation on (engine/ahead.py; decode_ahead=0 / gated_ahead=0 turn them off).",
                       getattr(m, "decode_ahead_steps", 0))
         # load-aware speculation (engine/spec/policy.py): one-token rounds and steps per chosen verify span
         yield counter("specbench:spec_gated_rounds",
