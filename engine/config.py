@@ -27,6 +27,18 @@ def _need(cond: bool, fieldname: str, value: Any, accepted: str) -> None:
         raise ConfigError(f"{fieldname}={value!r} is invalid: expected {accepted}")
 
 
+def _env_tristate(name: str) -> bool | None:
+    """An environment switch that may be unset (None), on or off; anything else is refused by name."""
+    raw = os.environ.get(name, "").strip().lower()
+    if not raw:
+        return None
+    if raw in ("1", "true", "on", "yes"):
+        return True
+    if raw in ("0", "false", "off", "no"):
+        return False
+    raise ConfigError(f"{name}={raw!r} is invalid: expected 0 or 1 (unset: the default)")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The subset of a HF Qwen3 (or DFlash draft) config.json the engine uses."""
@@ -319,6 +331,11 @@ class EngineConfig:
     # "auto": FlashInfer on CUDA when it imports, else the torch reference (always torch on CPU).
     attention_backend: str = "auto"
     eager: bool = False  # True: no CUDA graphs (launches only; the kernels and their shapes are the same)
+    # The graph runners (decode graphs, padded verify / draft runners, and what rides on them: decode ahead, gated
+    # rounds ahead, deferred drafts, the drafter's context written in the step). None: on CUDA only; True: on CPU
+    # too, where the bodies the graphs capture run eagerly (how CI puts the fast paths through the gates); False:
+    # the plain forward everywhere. Default from SPECBENCH_GRAPH_RUNNER (0 / 1), else None.
+    graph_runner: bool | None = field(default_factory=lambda: _env_tristate("SPECBENCH_GRAPH_RUNNER"))
     verify_graph: bool = True  # CUDA: non-decode steps (verify, prefill) via the padded piecewise runner
     # Padded steps with no prefill chunk (verify spans, the DFlash drafts) as one CUDA graph per (rows, span),
     # attention included: the span attention kernel (kernels/decode_attention.span_attention: segments of <= span
@@ -425,6 +442,8 @@ class EngineConfig:
         _need(mb is None or (isinstance(mb, int | float) and not isinstance(mb, bool) and math.isfinite(mb) and mb >= 0),
               "spec_capture_cache_mb", mb, "null or a number >= 0 (0 = off)")
         _need(self.padded_rows in ("ladder", "bucket"), "padded_rows", self.padded_rows, "one of ladder, bucket")
+        _need(self.graph_runner in (None, True, False), "graph_runner", self.graph_runner,
+              "null (CUDA only), true or false")
         _need(self.decode_attention in ("flashinfer", "triton"), "decode_attention", self.decode_attention,
               "flashinfer or triton")
         if isinstance(self.faults, list):

@@ -124,7 +124,7 @@ class ModelRunner:
                                     cfg.decode_tensor_cores, cfg.decode_attention, cfg.triton, seq_pages)
         self.graphs: DecodeGraphs | None = None  # built at the first eligible decode step (CUDA only)
         self.verify_graphs: VerifyGraphs | None = None  # built at the first verify step (CUDA, verify_graph)
-        self.use_graph_runner = device.type == "cuda"
+        self.use_graph_runner = device.type == "cuda" if cfg.graph_runner is None else cfg.graph_runner
         # the path and row count of the last forward: ("decode-graph", bucket rows asked), ("padded", rows run),
         # ("plain", rows); read by benchmarks (benchmarks/load.py) to attribute step time
         self.last_path: tuple[str, int] = ("", 0)

@@ -3,13 +3,13 @@
 Forms (options are comma-separated key=value after the target):
   local[:<model_dir>][,draft=<dir>][,spec=off|dflash|ngram][,k=N][,device=cpu|cuda[:i]][,dtype=D]
         [,num_pages=N][,faults=a+b][,name=X][,tau=T][,max_num_seqs=N][,attention=auto|torch|flashinfer]
-        [,eager=0|1][,verify_graph=0|1][,draft_graph=0|1][,triton=0|1][,decode_tensor_cores=0|1][,gemv=0|1][,skinny=0|1][,selector_kernel=0|1]
+        [,eager=0|1][,graph_runner=0|1][,verify_graph=0|1][,draft_graph=0|1][,triton=0|1][,decode_tensor_cores=0|1][,gemv=0|1][,skinny=0|1][,selector_kernel=0|1]
         [,decode_ahead=0|1][,gated_ahead=0|1][,whole_graphs=0|1][,defer_drafts=0|1]
         [,decode_attention=flashinfer|triton][,padded_rows=ladder|bucket][,graph_logits=0|1][,graph_context=0|1][,invariants=0|1][,gate=N][,trim=K][,policy=off|auto]
         [,prefix_cache=0|1][,prefix_cache_pages=N][,capture_mb=M]
         (no model_dir = the bundled tiny pair; tau = synthetic acceptance length for speed curves on random
         weights, labelled, never lossless; eager / verify_graph / draft_graph / triton / padded_rows /
-        graph_logits / graph_context / selector_kernel / decode_ahead / gated_ahead / whole_graphs / defer_drafts: the GPU fast-path switches, docs/gpu.md, docs/dflash2.md; invariants: the engine's run-time invariants after every step,
+        graph_logits / graph_context / selector_kernel / decode_ahead / gated_ahead / whole_graphs / defer_drafts: the GPU fast-path switches, docs/gpu.md, docs/dflash2.md; graph_runner=1: the graph runners on CPU too, their padded bodies run eagerly (the fast paths' host logic through any gate on CPU), graph_runner=0: the plain forward on CUDA; invariants: the engine's run-time invariants after every step,
         engine/invariants.py, on by default in gate commands: `gate_specs`; gate / trim / policy: the load-aware
         speculation levers, engine/spec/policy.py: one-token rounds above N running requests, k drafts per
         verify span, the cost-model span choice; 0 / off = off)
@@ -47,7 +47,7 @@ FORMS = ("local[:<model_dir>][,draft=<dir>][,spec=off|dflash|ngram][,k=N][,devic
          "openai:<base_url>[,model=M]", "hf:<model_dir>[,assistant=<dir>][,lookup=N]")
 OPTIONS = {
     "local": ("draft", "spec", "k", "device", "dtype", "num_pages", "faults", "name", "max_model_len", "tau",
-              "max_num_seqs", "attention", "eager", "verify_graph", "draft_graph", "triton", "gemv", "skinny", "selector_kernel", "decode_ahead", "gated_ahead",
+              "max_num_seqs", "attention", "eager", "graph_runner", "verify_graph", "draft_graph", "triton", "gemv", "skinny", "selector_kernel", "decode_ahead", "gated_ahead",
               "whole_graphs", "defer_drafts", "decode_tensor_cores", "decode_attention", "padded_rows", "graph_logits", "graph_context", "gpu_memory_utilization", "invariants", "mix",
               "gate", "trim", "policy", "prefix_cache", "prefix_cache_pages", "capture_mb"),
     "openai": ("model", "stream", "extras", "timeout", "retries", "api_key", "name", "tokenizer", "dialect", "probe",
@@ -61,7 +61,7 @@ LEVERS = {"gate": "spec_gate", "trim": "spec_trim", "policy": "spec_policy"}  # 
 DECODE_ATTENTION = ("flashinfer", "triton")  # EngineConfig.decode_attention: FlashInfer's decode steps
 PADDED_ROWS = ("ladder", "bucket")  # EngineConfig.padded_rows: the padded runner's prefill-mixed row counts
 BOOLS = ("0", "1", "true", "false", "yes", "no", "on", "off")
-SWITCHES = ("eager", "verify_graph", "draft_graph", "triton", "decode_tensor_cores", "gemv", "skinny", "graph_logits",
+SWITCHES = ("eager", "graph_runner", "verify_graph", "draft_graph", "triton", "decode_tensor_cores", "gemv", "skinny", "graph_logits",
             "graph_context", "selector_kernel", "decode_ahead", "gated_ahead", "whole_graphs", "defer_drafts")  # EngineConfig fields
 DTYPES = ("float32", "bfloat16", "float16")
 
