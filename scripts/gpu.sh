@@ -22,6 +22,9 @@
 #                one tau per call fits the deadline) one `specbench tune --each` sweep of plain, spec without levers,
 #                trim 4 / 2, gate 16 and the automatic policy at c1..c64, merged into $OUT/h200-levers/levers.{json,md}
 #                (and into reports/h200-levers/levers.json when the tree carries one); LEVERS_* knobs: scripts/levers.sh
+#   gated-ab     issue 20: one `specbench tune --arms` sweep per GATED_TAUS (2.0) of plain, the automatic policy and gate 1,
+#                each with gated rounds one step ahead (EngineConfig.gated_ahead) on and off, c GATED_LEVELS (1,16,64),
+#                interleaved rounds with the paired noise floor; $OUT/h200-gated/gated.{json,md} (GATED_* knobs)
 #   speed        benchmarks/speed.py (issue 19): plain decode per step vs the dense floor by concurrency, step
 #                benches b1, spec vs plain at synthetic tau 6.5, decode step vs context; writes $W/h200-engine/
 #                speed.json + speed.md (copied to $OUT/h200-engine/); SPEED_ARGS adds benchmark flags
@@ -231,6 +234,22 @@ if [ "$what" = levers ]; then  # issue 20: scripts/levers.sh on the 4B-shaped pa
   LEVERS_PAIR="$SPEC_WORKDIR" LEVERS_BUDGET=$(( $(left) - 30 )) bash scripts/levers.sh "$W/levers" 2>&1 | tee "$W/levers.log"
   r=${PIPESTATUS[0]}; [ "$r" = 0 ] || rc=$r; log "levers rc=$r"
   cp "$W"/levers/levers.json "$W"/levers/levers.md "$OUT/h200-levers/" 2>/dev/null
+fi
+if [ "$what" = gated-ab ]; then  # issue 20: gated rounds one step ahead on vs off -> $OUT/h200-gated/
+  pair "$SPEC_WORKDIR"
+  mkdir -p "$W/gated" "$OUT/h200-gated"
+  o=${GATED_OPTS:-device=cuda,dtype=bfloat16,max_model_len=1024}
+  for tau in ${GATED_TAUS:-2.0}; do
+    b="local:$SPEC_WORKDIR/target,draft=$SPEC_WORKDIR/draft,spec=dflash,$o,tau=$tau"
+    log "gated-ab: tau $tau at c ${GATED_LEVELS:-1,16,64}"
+    timeout $(cap ${GATED_TIMEOUT:-520}) python3 -m specbench tune -q --concurrency ${GATED_LEVELS:-1,16,64} \
+      --arms "plain=local:$SPEC_WORKDIR/target,spec=off,$o;auto=$b,policy=auto;auto-noahead=$b,policy=auto,gated_ahead=0;gate1=$b,gate=1;gate1-noahead=$b,gate=1,gated_ahead=0" \
+      --rounds ${GATED_ROUNDS:-2} --prompts-per-level ${GATED_PPL:-4} --max-tokens ${GATED_MAX_TOKENS:-128} \
+      --out "$W/gated/results" --json "$W/gated/tau$tau.json" --merge-into "$W/gated/gated.json" \
+      --section "synthetic tau $tau: gated_ahead on vs off" 2>&1 | tee "$W/gated/tau$tau.log"
+    r=${PIPESTATUS[0]}; [ "$r" = 0 ] || rc=$r; log "gated-ab tau $tau rc=$r"
+  done
+  cp "$W"/gated/gated.json "$W"/gated/gated.md "$W"/gated/*.log "$OUT/h200-gated/" 2>/dev/null
 fi
 if [ "$what" = profile ]; then
   pair "$SPEC_WORKDIR"
