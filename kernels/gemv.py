@@ -164,16 +164,23 @@ def linear(x: torch.Tensor, w: torch.Tensor, cfg: tuple[int, int, int] | None = 
     return out
 
 
-def add_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, w: torch.Tensor,
-                    eps: float, swiglu: bool = False, cfg: tuple[int, int, int] | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton kernel; same contract as `add_norm_linear_ref`."""
+def norm_outputs(x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor, swiglu: bool
+                 ) -> tuple[int, int, int, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An add_norm_linear call's shapes and buffers (this GEMV and kernels/skinny.py): (m, k, n, out, the residual
+    sum's buffer (x itself without a residual), the residual input (x without one))."""
     m, k = x.shape
     n = w.shape[0] // 2 if swiglu else w.shape[0]
     assert w.shape[1] == k and w.stride(1) == 1 and x.stride(1) == 1
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(x) if residual is not None else x
-    r = residual if residual is not None else x
+    return m, k, n, out, res_out, residual if residual is not None else x
+
+
+def add_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, w: torch.Tensor,
+                    eps: float, swiglu: bool = False, cfg: tuple[int, int, int] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton kernel; same contract as `add_norm_linear_ref`."""
+    m, k, n, out, res_out, r = norm_outputs(x, residual, w, swiglu)
     if m:
         _launch(x, r, norm_w, w, out, res_out, n, k, eps, True, residual is not None, swiglu,
                 cfg or pick(n, k, "swiglu" if swiglu else "norm") or DEFAULT)

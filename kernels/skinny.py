@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from . import triton_importable
-from .gemv import add_norm_linear_ref, linear_ref
+from .gemv import add_norm_linear_ref, linear_ref, norm_outputs
 
 __all__ = ["MAX_ROWS", "add_norm_linear", "add_norm_linear_ref", "block_m", "linear", "linear_ref", "pick"]
 
@@ -215,12 +215,7 @@ def add_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torc
                     eps: float, swiglu: bool = False, cfg: Config | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton skinny GEMM; same contract as `gemv.add_norm_linear_ref`."""
-    m, k = x.shape
-    n = w.shape[0] // 2 if swiglu else w.shape[0]
-    assert w.shape[1] == k and w.stride(1) == 1 and x.stride(1) == 1
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    res_out = torch.empty_like(x) if residual is not None else x
-    r = residual if residual is not None else x
+    m, k, n, out, res_out, r = norm_outputs(x, residual, w, swiglu)
     if m:
         _launch(x, r, norm_w, w, out, res_out, m, n, k, eps, True, residual is not None, swiglu,
                 cfg or pick(n, k, "swiglu" if swiglu else "norm", m) or DEFAULT)
