@@ -69,6 +69,7 @@ def lossless(
         EngineStringError,
         baseline_and_candidate,
         build_adapter,
+        fast_paths_on_cpu,
         gate_specs,
         share_gpu,
     )
@@ -110,6 +111,7 @@ def lossless(
         from specbench.harness.adapters.dialect import with_tokenizer
 
         bspec, cspec = share_gpu(gate_specs(with_tokenizer(list(baseline_and_candidate(baseline, candidate)), tokenizer)))
+        cspec = fast_paths_on_cpu(cspec)
         base = build_adapter(bspec, name="baseline")
         cand = build_adapter(cspec, name="candidate")
     except (EngineStringError, LosslessError, ValueError, FileNotFoundError) as e:

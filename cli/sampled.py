@@ -79,6 +79,7 @@ def sampled(
         EngineStringError,
         baseline_and_candidate,
         build_adapter,
+        fast_paths_on_cpu,
         gate_specs,
         parse_engine,
         share_gpu,
@@ -110,6 +111,7 @@ def sampled(
         from specbench.harness.adapters.dialect import with_tokenizer
 
         bspec, *cspecs = share_gpu(gate_specs(with_tokenizer([bspec, *cspecs], tokenizer)))
+        cspecs = [fast_paths_on_cpu(c) for c in cspecs]
         if selftest and opts.positions < 4:
             raise SampledError(f"--positions {opts.positions} is too few for --selftest: reused_uniform acts only "
                                "from the second draft of a verify step (expected >= 4)")

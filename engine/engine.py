@@ -175,6 +175,7 @@ class LLMEngine:
                 "dtype": self.cfg.dtype, "device": self.cfg.device, "num_pages": self.pool.num_pages,
                 "page_size": self.pool.page_size, "max_model_len": self.max_model_len,
                 "attention_backend": self.cfg.attention_backend, "eager": self.cfg.eager,
+                "graph_runner": self.runner.use_graph_runner,
                 "attention": self.runner.backend.name, "triton": self.runner.model.ops is not None,
                 "decode_tensor_cores": self.cfg.decode_tensor_cores, "decode_attention": self.cfg.decode_attention,
                 "gemv": self.cfg.gemv, "skinny": self.cfg.skinny, "selector_kernel": getattr(self.proposer, "walk_kernel", None),

@@ -265,6 +265,18 @@ def gate_specs(specs: list[EngineSpec]) -> list[EngineSpec]:
     return out
 
 
+def fast_paths_on_cpu(spec: EngineSpec) -> EngineSpec:
+    """A gate's CANDIDATE: a local engine on the CPU runs its graph runners (`graph_runner=1`: the padded bodies
+    the CUDA graphs capture, run eagerly), so the gate judges the code a GPU run takes (the padded verify and
+    draft runners, decode and gated rounds one step ahead, deferred drafts, the drafter's context written in
+    the step), not only the plain forward; the baseline stays on the plain forward, the reference. An engine
+    string that names graph_runner keeps its own choice; CUDA engines and other kinds are left as given."""
+    o = spec.options
+    if spec.kind != "local" or "graph_runner" in o or str(o.get("device", "cpu")).startswith("cuda"):
+        return spec
+    return EngineSpec(spec.kind, spec.target, {**o, "graph_runner": "1"}, spec.raw + ",graph_runner=1")
+
+
 def share_gpu(specs: list[EngineSpec], utilization: float = 0.85) -> list[EngineSpec]:
     """Split one device between the local CUDA engines a command builds in one process.
 
