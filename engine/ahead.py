@@ -31,9 +31,14 @@ them, schedules the next step, fills its metadata and launches it (about 0.4 ms 
   further; those the older step finishes by length left out); each launched step keeps its choice until its
   own commit records it (trace, gated-round metrics, measured step times). When the policy wants to
   speculate on the next step the chain ends there and that choice is kept for the next step() (`take_choice`),
-  so no decision is made twice (the exploration cadence stays the same). The one difference from the off
-  switch: a request the older step finishes on a stop (unknown until its commit) still counts toward the
-  chained step's gate, so a batch that a stop shrinks to the gate speculates one step later.
+  so no decision is made twice (the exploration cadence stays the same); a kept choice whose batch changed
+  before that step (an abort, a stop at the older step's commit) is forgotten (`SpanPolicy.forget`) and the step
+  decides afresh. A chained step's measured time runs from the older step's commit (its decision is made before
+  it), so the chain's step times do not overlap. A step left in flight whose every row's request has gone (the
+  last ones ended on a stop, or were aborted) is not a step of the policy's: the next step() drains it (`dead`)
+  and schedules as the off switch does, with no trace entry, span count or step time for it. The one difference
+  from the off switch: a request the older step finishes on a stop (unknown until its commit) still counts
+  toward the chained step's gate, so a batch that a stop shrinks to the gate speculates one step later.
 - Anything else ends the chain: a waiting request that could be admitted, a request in prefill, speculation,
   logprobs, top-p (its transform reads the host), armed faults, synthetic acceptance without a proposer (with
   one it only draws for verify spans, which a chain never holds), an attention backend whose plan is not
@@ -47,6 +52,7 @@ checks it token for token against the off switch).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -89,6 +95,7 @@ class DecodeAhead:
         # the policy's choice for the step after a chain that ended because the policy speculates there:
         # (drafts, states, choice), taken by the engine's next step() instead of choosing again
         self.stashed: tuple[dict[str, int], dict[str, str], StepChoice | None] | None = None
+        self.committed_at = 0.0  # perf_counter after the last commit of a step launched here (its choice timed)
 
     # ---- when ----------------------------------------------------------------------------------
     def usable(self) -> bool:
@@ -108,13 +115,29 @@ class DecodeAhead:
         return e.runner.decode_graphs(tuple(e.proposer.tap_layers) if e.proposer is not None else ())
 
     def take_choice(self) -> tuple[dict[str, int], dict[str, str]] | None:
-        """The policy's choice a chain ended on (drafts, states), made the policy's current one; None if none."""
+        """The policy's choice a chain ended on (drafts, states), made the policy's current one; None if none, or
+        if the batch it was made for changed since (a request aborted, or finished on a stop at the older step's
+        commit): that decision is forgotten (not counted, as the off switch never made it) and the step decides
+        afresh."""
         if self.stashed is None:
             return None
         ks, states, choice = self.stashed
         self.stashed = None
-        self.engine.policy.attach(choice)
+        e = self.engine
+        if set(states) != {r.rid for r in e.scheduler.running if not r.in_prefill}:
+            e.policy.forget(choice)
+            return None
+        if choice is not None:
+            choice.t0 = time.perf_counter()  # the step runs from here (its time measured as the off switch's)
+        e.policy.attach(choice)
         return ks, states
+
+    def dead(self) -> bool:
+        """A step is in flight and none of its rows' requests still runs (each finished at the older step's
+        commit, on a stop, or was aborted since): a step the off switch never runs."""
+        fl = self.inflight
+        reqs = self.engine.requests
+        return fl is not None and all(s.req.finished or reqs.get(s.req.rid) is not s.req for s in fl.spans)
 
     @staticmethod
     def request_ok(req) -> bool:
@@ -259,11 +282,21 @@ class DecodeAhead:
                 kept.append(s)
                 results.append(SpanResult(1, [t]))
         plan = StepPlan(kept)
-        if e.proposer is not None:  # the step's policy choice: trace, gated-round metrics, measured step time
+        # the step's policy choice: trace, gated-round metrics, measured step time. Not for a step that commits
+        # nothing (every row dropped: the off switch never runs it), whose decision is forgotten. A choice made
+        # ahead (before the step in flight was committed) is timed from that commit on, so the measured times of
+        # chained steps do not overlap (each covers one step of the chain's period, as the off switch's do).
+        record = e.proposer is not None and bool(kept)
+        if record:
+            if fl.choice is not None:
+                fl.choice.t0 = max(fl.choice.t0, self.committed_at)
             e.policy.attach(fl.choice)
             e.policy.record(plan, results)
+        elif e.proposer is not None:
+            e.policy.forget(fl.choice)
         with e.ranges.phase("commit"):
             outs = e.commit_step.commit(plan, results, fl.taps, finished_only, ahead=self.reserved())
-        if e.proposer is not None:
+        if record:
             e.policy.step_done()
+        self.committed_at = time.perf_counter()
         return outs

@@ -359,6 +359,8 @@ class LLMEngine:
             self._take_inbox()
             self.metrics.steps += 1
             self.step_count += 1
+            if self.ahead.dead():  # in flight, every row's request gone since its launch: nothing to chain
+                self.ahead.drain()
             if self.ahead.inflight is not None:  # a decode step on the device: chain the next, commit it
                 chained = self.ahead.step(finished_only)
                 self._check_invariants()

@@ -265,6 +265,13 @@ class SpanPolicy:
         """Make `choice` (from `detach`) the one the next `record` completes."""
         self._choice = choice
 
+    def forget(self, choice: StepChoice | None) -> None:
+        """`choice` (from `detach`) is never run (engine/ahead.py: a stashed decision whose batch changed, a step
+        whose every row was dropped): a policy decision it made is not counted, so the exploration cadence stays
+        the off switch's."""
+        if choice is not None and choice.reason in ("policy", "explore"):
+            self._decisions -= 1
+
     # ---- after the accept phase ------------------------------------------------------------------
     def record(self, plan: StepPlan, results: list[SpanResult]) -> None:
         """The step's verify outcomes: acceptance estimate, trace entry, span metrics, host overhead."""
