@@ -48,6 +48,7 @@ def selftest(
         EngineStringError,
         build_adapter,
         default_engines,
+        fast_paths_on_cpu,
         gate_specs,
         parse_engine,
         share_gpu,
@@ -72,6 +73,7 @@ def selftest(
         clean = {k: v for k, v in cand_spec.options.items() if k != "faults"}
         cand_spec = EngineSpec(cand_spec.kind, cand_spec.target, clean, cand_spec.raw)
         base_spec, cand_spec = share_gpu(gate_specs([base_spec, cand_spec]))
+        cand_spec = fast_paths_on_cpu(cand_spec)  # the faults are judged on the code a GPU run takes
         baseline = build_adapter(base_spec, name="baseline")
         cand = build_adapter(cand_spec, name="candidate")
     except (EngineStringError, ValueError, FileNotFoundError) as e:
