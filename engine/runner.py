@@ -15,9 +15,10 @@ On CUDA, a step whose spans are all single decode tokens (at most the largest bu
 what fits neither (more rows than the largest bucket holds, or a step called with `verify_graph=False`)
 runs the plain forward. With a context writer installed (`context_writer`: the DFlash drafter's
 `write_context`, EngineConfig.graph_context) both graph runners also write the drafter's context rows of
-every row inside the step, and `context_fused` tells the commit so (spec/dflash.py). On CPU the plain forward and the torch reference ops are all there is, unless a
-test installs the graph runners with capture=False (`use_graph_runner = True`): the same padded bodies,
-run eagerly.
+every row inside the step, and `context_fused` tells the commit so (spec/dflash.py). On CPU the plain forward and the torch reference ops are all there is, unless
+EngineConfig.graph_runner is True (engine string graph_runner=1; the gates set it on a CPU candidate) or a test
+sets `use_graph_runner = True`: the graph runners then run with capture=False, the same padded bodies, eagerly.
+graph_runner=False keeps a CUDA engine on the plain forward.
 `forward`'s `slot_shift` / `pos_shift` / `mask_leak` perturb the plain forward (K/V written late, the
 drafted rows' positions shifted, one future key visible); only the self-test (engine/faults.py) sets
 them, with `verify_graph=False`.
