@@ -21,6 +21,7 @@ from specbench.suites.lossless.checks import (
     AcceptanceEvidence,
     check_acceptance,
     compare_acceptance,
+    fisher_p,
 )
 from specbench.suites.lossless.concurrent import run_concurrent
 from specbench.suites.lossless.engine_gates import eos_in_run, pick_stop_ids, stop_inside_run
@@ -226,6 +227,30 @@ def test_compare_acceptance_rule():
     assert counters.source == "counters" and counters.failed
     none = compare_acceptance(bare, bare, None, None, "c8 vs c1")
     assert none.source == "none" and none.check().skipped
+
+
+def test_a_few_draft_rounds_are_no_evidence():
+    """One fully accepted round of 7 against a 0.35 rate over 144 draft tokens is p ~ 1e-3 to a token-level test
+    (seen under a max-batch gate at concurrency, which drafts only at a request's tail), but one observation: with
+    the rounds reported, fewer than ACCEPT_MIN_ROUNDS in an arm is skipped and says why; the same shift over
+    enough rounds still fails, and counters' num_drafts count the same way."""
+    def res(rid, rounds, drafted, accepted):
+        return GenResult(rid, True, output_ids=[1], spec={"num_drafts": rounds, "num_draft_tokens": drafted,
+                                                          "num_accepted_tokens": accepted})
+
+    one = compare_acceptance([res("a", 1, 7, 7), res("b", 0, 0, 0)], [res("a", 12, 70, 25), res("b", 11, 74, 26)],
+                             None, None, "c6 vs c1")
+    assert one.test_rounds == 1 and one.ref_rounds == 23 and one.too_few_rounds
+    assert not one.failed and one.check().skipped and "fewer than the 8 a verdict needs" in one.describe()
+    assert fisher_p(7, 7, 51, 144) < 1e-3  # what the token-level test alone said
+    many = compare_acceptance([res("a", 40, 280, 240)], [res("a", 40, 280, 100)], None, None, "c6 vs c1")
+    assert many.test_rounds == 40 and many.failed and "ROSE" in many.describe()
+    unknown = compare_acceptance([_res("a", 400, 260)], [_res("a", 400, 200)], None, None, "c8 vs c1")
+    assert unknown.failed  # _res reports 100 rounds
+    bare = [GenResult("a", True, output_ids=[1])]
+    few = compare_acceptance(bare, bare, {"num_drafts": 2, "num_draft_tokens": 14, "num_accepted_tokens": 14},
+                             {"num_drafts": 30, "num_draft_tokens": 200, "num_accepted_tokens": 60}, "c8 vs c1")
+    assert few.source == "counters" and few.too_few_rounds and few.check().skipped
 
 
 class BatchFake(AcceptFake):

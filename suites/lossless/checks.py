@@ -30,7 +30,12 @@ Acceptance (docs/lossless.md, "The statistics of each rule"):
   (concurrency N vs 1) against each other: two-sided Fisher exact test on the 2x2 table, pooled over the
   requests; FAIL when p < `ACCEPT_ALPHA` (0.001) and the acceptance rate moved by more than
   `ACCEPT_MIN_SHIFT` (0.02). Draft tokens of one step are not independent (a rejection ends the step), so
-  the p-value is approximate; the small alpha and the effect floor leave room for that.
+  the p-value is approximate; the small alpha and the effect floor leave room for that. They do not when the
+  draft tokens come from a handful of steps: one fully accepted round of 7 is "7/7" to the token test (p ~ 1e-3
+  against a 0.35 rate) but a single observation. So where the runs report their draft rounds (the bundled
+  engine per request, counters such as vLLM's num_drafts) each arm needs `ACCEPT_MIN_ROUNDS` (8) rounds for a
+  verdict; with fewer the check is skipped and says so (a max-batch gate at concurrency drafts only where a
+  request happens to run alone: a few rounds at the tail, the subset a c1 comparison is biased against).
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ MIN_ACCEPT_LEN = 1.05  # mean accepted length (incl. the bonus token) at or belo
 ACCEPT_REL_TOL = 0.10  # the reference bound: 10% of the reference's mean accepted length excess over 1, either way
 ACCEPT_ALPHA = 1e-3  # the concurrency-N-vs-1 acceptance test's level (two-sided Fisher exact)
 ACCEPT_MIN_SHIFT = 0.02  # ... and the smallest change of the acceptance rate (accepted / drafted) it calls a FAIL
+ACCEPT_MIN_ROUNDS = 8  # ... and the draft rounds each arm needs for a verdict, where the runs report rounds
 
 
 @dataclass
@@ -281,6 +287,9 @@ class AcceptanceComparison:
     alpha: float = ACCEPT_ALPHA
     min_shift: float = ACCEPT_MIN_SHIFT
     per_request: list[dict] = field(default_factory=list)  # rid, max_tokens, test/ref drafted and accepted
+    test_rounds: int | None = None  # draft rounds (verify steps with drafts) where every request / counter says
+    ref_rounds: int | None = None
+    min_rounds: int = ACCEPT_MIN_ROUNDS
 
     @property
     def test_rate(self) -> float | None:
@@ -291,8 +300,14 @@ class AcceptanceComparison:
         return self.ref_accepted / self.ref_drafted if self.ref_drafted else None
 
     @property
+    def too_few_rounds(self) -> bool:
+        """Fewer draft rounds than a verdict needs in either arm (only where the rounds are reported)."""
+        return any(r is not None and r < self.min_rounds for r in (self.test_rounds, self.ref_rounds))
+
+    @property
     def testable(self) -> bool:
-        return self.source != "none" and bool(self.test_drafted) and bool(self.ref_drafted)
+        return (self.source != "none" and bool(self.test_drafted) and bool(self.ref_drafted)
+                and not self.too_few_rounds)
 
     @property
     def failed(self) -> bool:
@@ -304,6 +319,11 @@ class AcceptanceComparison:
     def describe(self) -> str:
         if self.source == "none":
             return "no per-request draft counts and no spec counters: acceptance cannot be compared"
+        if self.test_drafted and self.ref_drafted and self.too_few_rounds:
+            return (f"{self.label} ({self.source}): {self.test_rounds} vs {self.ref_rounds} draft rounds, fewer than the "
+                    f"{self.min_rounds} a verdict needs in each (the draft tokens of a round are not independent): "
+                    f"accepted {self.test_accepted}/{self.test_drafted} vs {self.ref_accepted}/{self.ref_drafted}, "
+                    "not tested")
         if not self.testable:
             return f"{self.label}: nothing drafted ({self.test_drafted} vs {self.ref_drafted} draft tokens)"
         s = (f"{self.label} ({self.source}): accepted {self.test_accepted}/{self.test_drafted} = {self.test_rate:.3f} "
@@ -327,6 +347,17 @@ def fisher_p(a1: int, n1: int, a2: int, n2: int) -> float:
     from scipy.stats import fisher_exact
 
     return float(fisher_exact([[a1, n1 - a1], [a2, n2 - a2]], alternative="two-sided").pvalue)
+
+
+def per_request_rounds(r: GenResult) -> int | None:
+    """Draft rounds (verify steps that carried drafts) of one request where the engine reports them."""
+    n = (r.spec or {}).get("num_drafts")
+    return int(n) if n is not None else None
+
+
+def _total(xs: Iterable[int | None]) -> int | None:
+    vals = list(xs)
+    return sum(v for v in vals if v is not None) if vals and all(v is not None for v in vals) else None
 
 
 def per_request_counts(r: GenResult) -> tuple[int, int] | None:
@@ -356,12 +387,16 @@ def compare_acceptance(test: Sequence[GenResult], ref: Sequence[GenResult], test
             cmp.per_request.append({"rid": t.rid, "max_tokens": max_tokens[i] if max_tokens else None,
                                     "test_drafted": ct[0], "test_accepted": ct[1], "ref_drafted": cr[0],
                                     "ref_accepted": cr[1]})
+        cmp.test_rounds = _total(per_request_rounds(t) for _, t, _, _, _ in counts)
+        cmp.ref_rounds = _total(per_request_rounds(r) for _, _, r, _, _ in counts)
     elif all(d and d.get("num_draft_tokens") is not None and d.get("num_accepted_tokens") is not None
              for d in (test_delta, ref_delta)):
         assert test_delta is not None and ref_delta is not None
         cmp.source = "counters"
         cmp.test_drafted, cmp.test_accepted = int(test_delta["num_draft_tokens"]), int(test_delta["num_accepted_tokens"])
         cmp.ref_drafted, cmp.ref_accepted = int(ref_delta["num_draft_tokens"]), int(ref_delta["num_accepted_tokens"])
+        cmp.test_rounds, cmp.ref_rounds = (None if d.get("num_drafts") is None else int(d["num_drafts"])
+                                           for d in (test_delta, ref_delta))
     if cmp.testable:
         cmp.p_value = fisher_p(cmp.test_accepted, cmp.test_drafted, cmp.ref_accepted, cmp.ref_drafted)
     return cmp
