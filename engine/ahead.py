@@ -128,7 +128,7 @@ class DecodeAhead:
             e.policy.forget(choice)
             return None
         if choice is not None:
-            choice.t0 = time.perf_counter()  # the step runs from here (its time measured as the off switch's)
+            choice.t0 = e.policy.start_time()  # the step runs from here (its time measured as the off switch's)
         e.policy.attach(choice)
         return ks, states
 
@@ -215,6 +215,8 @@ class DecodeAhead:
             return [], None
         for s in spans:
             s.state = states.get(s.req.rid, "")
+        if choice is not None:
+            choice.chained = True  # launched behind prev, still in flight: its host work overlaps prev's
         return spans, choice
 
     def _launch(self, spans: list[Span], prev: InFlight | None, choice: StepChoice | None = None) -> InFlight:
@@ -296,7 +298,6 @@ class DecodeAhead:
             e.policy.forget(fl.choice)
         with e.ranges.phase("commit"):
             outs = e.commit_step.commit(plan, results, fl.taps, finished_only, ahead=self.reserved())
-        if record:
-            e.policy.step_done()
-        self.committed_at = time.perf_counter()
+        self.committed_at = e.policy.step_done(busy=e.has_unfinished()) if e.proposer is not None \
+            else time.perf_counter()
         return outs

@@ -121,6 +121,7 @@ class LLMEngine:
         self.invariants = InvariantChecker(self.pool, self.scheduler, self.proposer, self.spec) \
             if cfg.check_invariants else None
         self.ahead = DecodeAhead(self)  # plain decode one step ahead (engine/ahead.py; EngineConfig.decode_ahead)
+        self.policy.chain_ok = self.ahead.usable  # whether its one-token rounds can chain (their cost, the policy's)
         self.step_count = 0  # step() calls so far (the step an InvariantError names)
         self._gen = torch.Generator().manual_seed(cfg.seed)
         self._ids = itertools.count()
@@ -386,7 +387,7 @@ class LLMEngine:
                     self.policy.record(plan, results)
                 with self.ranges.phase("commit"):
                     outs = self.commit_step.commit(plan, results, fwd.taps, finished_only)
-                self.policy.step_done()
+                self.policy.step_done(busy=self.has_unfinished())
             self._check_invariants()
             return outs
 

@@ -132,6 +132,7 @@ def test_the_policy_choice_a_chain_ends_on_is_used_once(tiny_pair, gsm8k_prompts
     monkeypatch.setenv("SPECBENCH_SPEC_COSTS", str(path))
     monkeypatch.setenv("SPECBENCH_SPEC_ONLINE", "0")
     monkeypatch.setattr("specbench.engine.spec.policy.EXPLORE", 5)  # explore often: chains end on explorations
+    monkeypatch.setattr("specbench.engine.spec.policy.EXPLORE_SHARE", 1e9)  # whatever the exploration costs
     reqs = _reqs(gsm8k_prompts)
     on, off = _llm(tiny_pair, True, spec_policy="auto"), _llm(tiny_pair, False, spec_policy="auto")
     got, _ = _run(on, reqs)

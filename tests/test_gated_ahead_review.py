@@ -115,6 +115,7 @@ def test_a_stashed_decision_after_an_abort_keeps_the_exploration_cadence(tiny_pa
     monkeypatch.setenv("SPECBENCH_SPEC_COSTS", str(tmp_path / "costs.json"))
     monkeypatch.setenv("SPECBENCH_SPEC_ONLINE", "0")
     monkeypatch.setattr("specbench.engine.spec.policy.EXPLORE", 5)
+    monkeypatch.setattr("specbench.engine.spec.policy.EXPLORE_SHARE", 1e9)  # whatever the exploration costs
     at = _stash_call(tiny_pair, gsm8k_prompts, spec_policy="auto")
     ev = {at: lambda eng: eng.abort("g4")}
     on, off = _llm(tiny_pair, True, spec_policy="auto"), _llm(tiny_pair, False, spec_policy="auto")
@@ -194,27 +195,31 @@ def test_an_abort_of_every_request_in_flight_leaves_no_step_to_record(tiny_pair,
 
 # ---- the measured step times of a chain ----------------------------------------------------------------------
 def test_chained_steps_measured_times_do_not_overlap(tiny_pair, gsm8k_prompts, tmp_path, monkeypatch) -> None:
-    """Each measured step time (SpanPolicy.step_done: from its t0 to after its commit) covers a stretch of wall
-    time no other step's covers: the sum is at most the run's wall time. A chained step's decision is made
-    before the step in flight is committed; timed from there it also counted that step's wait and commit
-    (a gated round measured ~twice as slow as it is, biasing the online policy toward speculation)."""
+    """Each measured step time (SpanPolicy.step_done: from its t0 to the end it stamps after its commit) covers a
+    stretch of wall time no other step's covers, and a busy engine leaves no stretch uncovered: each step's time
+    starts exactly where the previous one ended. A chained step's decision is made before the step in flight is
+    committed; timed from there it also counted that step's wait and commit (a gated round measured ~twice as
+    slow as it is, biasing the online policy toward speculation)."""
     _auto_span1(tmp_path, monkeypatch)
     llm = _llm(tiny_pair, True, spec_policy="auto")
     pol = llm.engine.policy
     spans: list[tuple[float, float]] = []
     done = pol.step_done
 
-    def spy() -> None:
+    def spy(busy: bool = True) -> float:
         c = pol._timed
-        done()
+        end = done(busy)
         if c is not None:
-            spans.append((c.t0, time.perf_counter()))
+            spans.append((c.t0, end))
+        return end
 
     monkeypatch.setattr(pol, "step_done", spy)
     _run(llm, _reqs(gsm8k_prompts, [12, 12, 12]))
     assert llm.engine.metrics.decode_ahead_steps >= 5 and len(spans) >= 8
     for (_, end), (t0, _) in zip(spans, spans[1:], strict=False):
         assert t0 >= end, "a step's measured time starts before the previous step's ended"
+    assert sum(t0 == end for (_, end), (t0, _) in zip(spans, spans[1:], strict=False)) >= len(spans) - 3, \
+        "busy steps left stretches of the run uncounted"
 
 
 # ---- prefix cache, n-gram, DFlash2 ---------------------------------------------------------------------------

@@ -148,6 +148,125 @@ def test_policy_chooses_long_spans_when_rows_are_free_and_one_when_they_cost():
     assert set(flat.choose(reqs, Ready())[0].values()) == {7}
 
 
+class _Req:
+    def __init__(self, i, remaining=100):
+        self.rid, self.in_prefill, self.remaining = f"r{i}", False, remaining
+        self.params = SamplingParams()
+
+
+class _Ready:
+    def ready(self, r):
+        return True
+
+
+def _explorations(pol: SpanPolicy, reqs, n: int) -> list[tuple[int, str]]:
+    out = []
+    for _ in range(n):
+        ks, _ = pol.choose(reqs, _Ready())
+        c = pol.detach()
+        out.append((c.span, c.reason))
+    return out
+
+
+def test_exploration_costs_a_bounded_share_of_the_run(monkeypatch):
+    """Exploring is budgeted by time: where another span costs little more than the best one, it is explored
+    every EXPLORE decisions; where it costs much more (span 8 at a large batch, compute-bound), rarely, and the
+    time all explorations lose stays within EXPLORE_SHARE of the run (was: every 64th decision whatever it cost,
+    ~15 % of the run at c64 on the H200)."""
+    import specbench.engine.spec.policy as pm
+
+    reqs = [_Req(i) for i in range(64)]
+    cheap = SpanPolicy(_plan(policy="auto"), _costs(lambda b, s: 1e-3 * (1 + 0.01 * s)))
+    got = _explorations(cheap, reqs, 10 * pm.EXPLORE)
+    assert sum(r == "explore" for _, r in got) == 10, "cheap alternatives: one exploration per EXPLORE decisions"
+    def steep(b, s):  # compute-bound and worse than linear in the span: span 1 wins, every other span costs a lot
+        return 1e-3 * b * s * s
+
+    pol = SpanPolicy(_plan(policy="auto"), _costs(steep))
+    n = 20 * pm.EXPLORE
+    got = _explorations(pol, reqs, n)
+    assert all(s == 1 for s, r in got if r == "policy")
+    explored = [s for s, r in got if r == "explore"]
+    assert 1 <= len(explored) <= 20 // 4, explored
+    exp = pol.acceptance.expected_all()
+    # each exploration loses its step time minus the time span 1 takes for the tokens it commits
+    lost = sum(steep(64, s) - 64 * exp[s - 1] * steep(64, 1) / 64 for s in explored)
+    assert lost <= pm.EXPLORE_SHARE * n * steep(64, 1) + 1e-9, (lost, explored)
+
+
+def test_chained_one_token_rounds_are_costed_as_chained():
+    """At c16 the measured times say: span 4 8.0 ms, a one-token round timed alone 5.0 ms; a chained one (gated
+    rounds one step ahead) 3.7 ms. Alone the policy speculates (16 x 1.875 tokens / 8.0 ms beats 16 / 5.0 ms);
+    where rounds chain it gates (H200, tau 2.0, c16: span 4 held at 0.87x of plain decode's 3.75 ms a step)."""
+    reqs = [_Req(i) for i in range(16)]
+    pol = SpanPolicy(_plan(policy="auto"), _costs(lambda b, s: 3e-3 + 3e-5 * b * s))
+    pol.acceptance = Acceptance(7, prior=(0.5, 1e9), decay=1.0)  # 0.5 per position: 1.5 / 1.75 / 1.875 ... tokens
+    pol.walls = {(16, 1): [5.0e-3, 9], (16, 2): [7.0e-3, 9], (16, 4): [8.0e-3, 9], (16, 8): [10.0e-3, 9]}
+    assert set(pol.choose(reqs, _Ready())[0].values()) == {3}
+    pol.detach()
+    pol.chain_ok = lambda: True
+    pol.chain_walls = {16: [3.7e-3, 9]}
+    assert pol.choose(reqs, _Ready())[0] == {}
+    pol.detach()
+    # no chained round measured yet: the model's replay time of the decode step stands in (3.5 ms: gate)
+    pol.chain_walls = {}
+    assert pol.choose(reqs, _Ready())[0] == {}
+    pol.detach()
+    # rounds that mostly do not chain (arrivals, sampling) are costed mostly as the alone ones
+    pol.chain_walls, pol.chain_frac = {16: [3.7e-3, 9]}, 0.1
+    assert set(pol.choose(reqs, _Ready())[0].values()) == {3}
+
+
+def test_exploring_span_1_where_rounds_chain_runs_several_in_a_row(monkeypatch):
+    import specbench.engine.spec.policy as pm
+
+    monkeypatch.setattr(pm, "EXPLORE_SHARE", 1.0)  # the budget aside: this is about the run
+    reqs = [_Req(i) for i in range(4)]
+    seen = {(4, s): [1e-3, 100] for s in (2, 4, 8)}  # span 1 is the least observed alternative
+    pol = SpanPolicy(_plan(policy="auto"), _costs(lambda b, s: 1e-3))  # flat: span 8 wins
+    pol.walls = dict(seen)
+    pol.chain_ok = lambda: True
+    got = _explorations(pol, reqs, 3 * pm.EXPLORE)
+    ones = [i for i, (s, r) in enumerate(got) if r == "explore" and s == 1]
+    assert ones and len(ones) % pm.EXPLORE_RUN == 0
+    runs = [ones[i:i + pm.EXPLORE_RUN] for i in range(0, len(ones), pm.EXPLORE_RUN)]
+    assert all(r == list(range(r[0], r[0] + pm.EXPLORE_RUN)) for r in runs), ones
+    pol2 = SpanPolicy(_plan(policy="auto"), _costs(lambda b, s: 1e-3))  # rounds that cannot chain: one at a time
+    pol2.walls = dict(seen)
+    got = _explorations(pol2, reqs, 3 * pm.EXPLORE)
+    ones = [i for i, (s, r) in enumerate(got) if r == "explore" and s == 1]
+    assert ones and all(b - a > 1 for a, b in zip(ones, ones[1:], strict=False))
+
+
+def test_the_first_one_token_round_of_a_run_does_not_count_against_chaining():
+    """chain_frac is the share of one-token rounds that chained among those that could (the one before was a
+    one-token round too): the first round after a speculative step never chains, and counting it made a policy
+    that explored span 1 in runs of 4 cost it as 1/4 unchained."""
+    from specbench.engine.spec.policy import StepChoice
+
+    pol = SpanPolicy(_plan(policy="auto"), _costs(lambda b, s: 1e-3))
+    for _ in range(5):
+        for span, chained in [(8, False), (1, False), (1, True), (1, True), (1, True)]:
+            pol._timed = StepChoice(0, 4, 4, span, "policy", chained=chained, t0=0.0)
+            pol.step_done()
+    assert pol.chain_frac == 1.0
+    pol._timed = StepChoice(0, 4, 4, 1, "policy", chained=False, t0=0.0)  # after a one-token round: could have
+    pol.step_done()
+    assert pol.chain_frac < 1.0
+
+
+def test_a_forgotten_decision_restores_the_exploration_state():
+    reqs = [_Req(i) for i in range(8)]
+    pol = SpanPolicy(_plan(policy="auto"), _costs(lambda b, s: 1e-3))
+    for _ in range(10):
+        pol.choose(reqs, _Ready())
+        pol.detach()
+    before = (pol._decisions, pol._since, pol._budget, pol._explore_left)
+    pol.choose(reqs, _Ready())
+    pol.forget(pol.detach())
+    assert (pol._decisions, pol._since, pol._budget, pol._explore_left) == before
+
+
 def test_lever_free_policy_is_draft_lens(tiny_pair, prompts):
     llm = _llm(tiny_pair)
     eng = llm.engine
@@ -322,6 +441,60 @@ def test_measured_step_times_include_the_commit(tiny_pair, fixed_costs, monkeypa
     walls = llm.engine.policy.walls
     assert walls and all(w[0] >= 0.02 for w in walls.values()), walls
     assert llm.engine.policy.overhead >= 0.015
+
+
+def test_measured_step_times_include_the_loop_between_steps(tiny_pair, fixed_costs, monkeypatch, prompts):
+    """A busy engine's step costs the run its time from the previous step's commit: 20 ms of the caller's work
+    between two step() calls (a server streaming outputs) shows in every measured step time, speculative or
+    not (before, a speculative step was timed from its own schedule phase, a chained gated round from the
+    commit before it: speculation looked cheaper than it was). An idle engine's wait does not count."""
+    import time as _time
+
+    monkeypatch.setenv("SPECBENCH_SPEC_ONLINE", "1")
+    llm = _llm(tiny_pair, spec_policy="auto")
+    eng = llm.engine
+    for i, p in enumerate(prompts[:2]):
+        eng.add_request(p, SamplingParams(max_tokens=16, ignore_eos=True), rid=f"w{i}")
+    while eng.has_unfinished():
+        eng.step()
+        _time.sleep(0.02)
+    walls = eng.policy.walls
+    assert walls and all(w[0] >= 0.02 for w in walls.values()), walls
+    _time.sleep(0.3)  # idle: no request left at the last commit
+    eng.policy.walls.clear()
+    eng.add_request(prompts[2], SamplingParams(max_tokens=8, ignore_eos=True), rid="late")
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.policy.walls and all(w[0] < 0.3 for w in eng.policy.walls.values()), eng.policy.walls
+
+
+def test_prefill_mixed_steps_are_timed_under_their_span(tiny_pair, fixed_costs, monkeypatch, prompts):
+    """A step that carries a prefill chunk beside decode-phase requests is part of what its span costs the run:
+    it is timed (was: skipped, so speculation's piecewise verify beside every arrival's chunk went unseen), but
+    its time does not feed the host overhead (the chunk's work is not the step's overhead)."""
+    monkeypatch.setenv("SPECBENCH_SPEC_ONLINE", "1")
+    llm = _llm(tiny_pair, spec_policy="auto")
+    eng, pol = llm.engine, llm.engine.policy
+    timed: list[tuple[bool, float]] = []
+    done = pol.step_done
+
+    def spy(busy: bool = True) -> float:
+        c, before = pol._timed, pol.overhead
+        end = done(busy)
+        if c is not None:
+            timed.append((c.mixed, pol.overhead - before))
+        return end
+
+    monkeypatch.setattr(pol, "step_done", spy)
+    eng.add_request(prompts[0], SamplingParams(max_tokens=20, ignore_eos=True), rid="first")
+    for _ in range(4):
+        eng.step()
+    eng.add_request(prompts[1], SamplingParams(max_tokens=6, ignore_eos=True), rid="second")  # arrives mid-run
+    while eng.has_unfinished():
+        eng.step()
+    mixed = [d for m, d in timed if m]
+    assert mixed, "no prefill-mixed step was timed"
+    assert all(d == 0.0 for d in mixed), "a prefill-mixed step fed the host overhead"
 
 
 def test_span_counters_round_trip_through_metrics_text():

@@ -21,12 +21,34 @@ many drafts every decode-phase request carries (the schedule phase's `draft_lens
   acceptance at draft position i given positions < i were accepted (`Acceptance`, decayed counts with a
   prior), C_* the start-up cost model (spec/costs.py) and `overhead` the running mean of the host time a
   step costs beyond the model (its wall time minus the model's figure). Online correction (off with
-  SPECBENCH_SPEC_ONLINE=0): once a (batch bucket, span) pair has run `MIN_OBS` steps without a prefill chunk,
-  its measured step time (a running mean of schedule-to-commit wall time) replaces the model's figure for it,
+  SPECBENCH_SPEC_ONLINE=0): once a (batch bucket, span) pair has run `MIN_OBS` steps, its measured step time
+  (a running mean of the wall time each step adds to the run, below) replaces the model's figure for it,
   so a cost the model does not see (attention over long contexts, host work that grows with the span) still
-  decides. The best d wins (ties: the shorter span). Every `EXPLORE`-th decision runs another candidate
-  instead (the least observed at this bucket, else the runner-up; reason "explore"), so neither the
-  acceptance estimate nor the measured times can freeze while the policy holds one span.
+  decides. The best d wins (ties: the shorter span).
+- what a step costs is the wall time it adds to the run: from the previous step's commit (when the engine
+  was busy: requests left running; after an idle spell, from its own schedule phase) to after its own commit.
+  Steps that carry a prefill chunk count too, under the span their decode-phase requests ran: a regime's
+  prefill-mixed steps are part of what it costs (a speculative one runs its verify rows piecewise beside the
+  chunk; at c64 and tau 6.5 on the H200 that made span 16 ~28.5 ms a step where its pure steps measured 25.8,
+  and speculation lose to plain decode while the measured times said it won). They do not feed the overhead.
+  Every step pays the loop's work between two steps (outputs, admission), so timing a speculative step from its
+  schedule phase but a chained gated round from the commit before it (as until 2026-12-04) made speculation
+  look cheaper than it is (H200, tau 2.0, c16: span 4 measured 6.7 ms, ran ~8 ms a step; the policy held it at
+  0.87x of plain decode, reports/h200-gated/);
+- a one-token round that runs chained (engine/ahead.py, `chain_ok`: gated rounds one step ahead) hides the
+  host work of the step before it, so it costs less than one timed alone (the first of a run, an exploration
+  between speculative steps). Its chained times are kept apart (`chain_walls` per batch bucket); the span-1
+  figure is the chained one weighted by the share of recent one-token rounds that ran chained (`chain_frac`),
+  the unchained one for the rest; with no chained observation yet, the model's replay time of the decode
+  step (optimistic where unknown, corrected by use, as the acceptance estimate is);
+- exploration: at most once per `EXPLORE` decisions, another candidate runs instead (the least observed at
+  this bucket, else the runner-up; reason "explore"), so neither the acceptance estimate nor the measured
+  times freeze while the policy holds one span; but only from a budget: every decision adds `EXPLORE_SHARE`
+  of the best span's step time, and an exploration spends its regret (its step time minus the time the best
+  span takes for the same tokens). So exploring costs about `EXPLORE_SHARE` of the run whatever the batch: a
+  span-16 step at c64 costs ~4 one-token rounds, explored every 64 decisions it took ~15 % of the run (H200,
+  tau 2.0: the automatic policy at 0.78x of plain with 97 % of its steps gated). Exploring span 1 where it
+  chains runs `EXPLORE_RUN` rounds in a row, so its chained cost gets measured.
 Every step's choice is one `trace` entry (a bounded deque; SPECBENCH_STEP_TRACE entries, default 4096, 0 =
 off): step, running, ready, span, reason, and per request id its state, drafts and accepted drafts; and
 counted in the metrics (`EngineMetrics.record_span`: gated rounds, the span histogram).
@@ -37,6 +59,7 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING
@@ -51,7 +74,9 @@ if TYPE_CHECKING:
     from ..scheduler import StepPlan
     from .costs import CostModel
 
-EXPLORE = 64  # one policy decision in EXPLORE runs another candidate span (exploration)
+EXPLORE = 64  # at most one policy decision in EXPLORE runs another candidate span (exploration)
+EXPLORE_SHARE = 0.01  # the share of the run's time exploration may cost (its budget per decision)
+EXPLORE_RUN = 4  # one-token rounds an exploration of span 1 runs in a row where they chain
 MIN_OBS = 3  # steps of a (bucket, span) before its measured time replaces the model's
 ONLINE_ENV = "SPECBENCH_SPEC_ONLINE"  # 0: the cost model alone (no measured step times)
 DECAY = 0.995  # per verify step: the acceptance estimate's memory is ~200 steps
@@ -139,6 +164,9 @@ class StepChoice:
     accepted: dict[str, int] = field(default_factory=dict)  # rid -> accepted drafts (filled after the accept)
     expected: dict[int, float] | None = None  # policy: span -> expected tokens / s (for explaining)
     t0: float = 0.0
+    chained: bool = False  # launched behind a step still in flight (engine/ahead.py): its host work hidden
+    mixed: bool = False  # the step carried a prefill chunk
+    undo: tuple | None = None  # the policy's exploration state before this decision (`SpanPolicy.forget`)
 
     def as_dict(self) -> dict:
         reqs = {rid: {"state": st, "drafts": self.drafts.get(rid, 0), "accepted": self.accepted.get(rid)}
@@ -172,6 +200,15 @@ class SpanPolicy:
         self._choice: StepChoice | None = None
         self._timed: StepChoice | None = None  # the step record() saw, timed by step_done() after its commit
         self._spans = spec.span_variants
+        self.chain_ok: Callable[[], bool] = lambda: False  # whether one-token rounds can chain (the engine's ahead)
+        self.chain_walls: dict[int, list[float]] = {}  # batch bucket -> [mean chained one-token round s, steps]
+        self.chain_frac = 1.0  # running share of the one-token rounds after a one-token round that ran chained
+        self._last_span = 0  # span of the last timed step
+        self._budget = 0.0  # exploration budget, seconds
+        self._since = 0  # decisions since the last exploration
+        self._explore_left = 0  # one-token rounds an exploration run still holds
+        self._end = 0.0  # perf_counter after the last commit
+        self._busy = False  # requests were left running at it (the next step follows at once)
 
     @property
     def auto(self) -> bool:
@@ -207,11 +244,13 @@ class SpanPolicy:
             else:
                 ready.append((r.rid, rem))
         expected = None
+        undo = None
         if not ready:
             d, reason = 0, "no_ready"
         elif spec.gate and len(running) > spec.gate:
             d, reason = 0, "gate"
         elif self.auto:
+            undo = (self._decisions, self._since, self._budget, self._explore_left)
             d, reason, expected = self._best(n_decode, [rem for _, rem in ready])
         else:
             d, reason = spec.fixed_drafts, "fixed"
@@ -225,8 +264,14 @@ class SpanPolicy:
             for rid, _ in ready:
                 states[rid] = _GATED
         self._choice = StepChoice(step, n_decode, len(ready), d + 1, reason, states, ks, {}, expected,
-                                  time.perf_counter())
+                                  self.start_time(), undo=undo)
         return ks, states
+
+    def start_time(self) -> float:
+        """Where a step's measured time starts: the previous step's commit when the engine was busy since (a
+        step follows the one before at once: the loop's work between them is part of what each step costs),
+        else now (after an idle spell)."""
+        return self._end if self._busy else time.perf_counter()
 
     def _best(self, b: int, remaining: list[int]) -> tuple[int, str, dict[int, float]]:
         assert self.costs is not None
@@ -238,23 +283,50 @@ class SpanPolicy:
         for rem in remaining:
             hist[rem - 1 if rem - 1 < top else top] += 1
         rate: dict[int, float] = {}
+        secs: dict[int, float] = {}
         draft = self.costs.draft(n_ready)
         bk = _bucket(b)
+        chain = self.online and self.chain_ok()
         for s in self._spans:
             d = s - 1 if s - 1 < top else top
             tokens = others + sum(hist[x] * exp[x] for x in range(d)) + sum(hist[d:]) * exp[d]
-            w = self.walls.get((bk, s)) if self.online else None
-            t = w[0] if w is not None and w[1] >= MIN_OBS else \
-                self.costs.verify(b, s) + (draft if d else 0.0) + self.overhead
+            t = self._step_seconds(bk, b, s, draft if d else 0.0, chain)
+            secs[s] = t
             rate[s] = tokens / t if t > 0 else 0.0
         best = max(rate, key=lambda s: (rate[s], -s))
         self._decisions += 1
-        if self._decisions % EXPLORE == 0 and len(rate) > 1:
+        if self._explore_left > 0 and 1 in rate:  # an exploration run of one-token rounds goes on
+            self._explore_left -= 1
+            return 0, "explore", rate
+        self._explore_left = 0
+        self._budget += EXPLORE_SHARE * secs[best]
+        self._since += 1
+        if self._since >= EXPLORE and len(rate) > 1:
             others_s = [s for s in rate if s != best]
             seen = {s: (self.walls.get((bk, s)) or [0.0, 0])[1] for s in others_s}
+            if chain and 1 in seen:
+                seen[1] = int((self.chain_walls.get(bk) or [0.0, 0])[1])
             alt = min(others_s, key=lambda s: (seen[s], -rate[s]))
-            return alt - 1, "explore", rate
+            run = EXPLORE_RUN if alt == 1 and chain else 1
+            # the time the exploration loses: its step time minus what the best span takes for the same tokens
+            regret = run * max(0.0, secs[alt] - (rate[alt] * secs[alt]) / rate[best]) if rate[best] > 0 else 0.0
+            if self._budget >= regret:
+                self._budget -= regret
+                self._since = 0
+                self._explore_left = run - 1
+                return alt - 1, "explore", rate
         return best - 1, "policy", rate
+
+    def _step_seconds(self, bk: int, b: int, s: int, draft: float, chain: bool) -> float:
+        """What a step of span s costs at b decode-phase requests (batch bucket bk): measured, else modelled."""
+        assert self.costs is not None
+        w = self.walls.get((bk, s)) if self.online else None
+        alone = w[0] if w is not None and w[1] >= MIN_OBS else self.costs.verify(b, s) + draft + self.overhead
+        if s != 1 or not chain:
+            return alone
+        cw = self.chain_walls.get(bk)
+        chained = cw[0] if cw is not None and cw[1] >= MIN_OBS else self.costs.verify(b, 1)
+        return self.chain_frac * chained + (1.0 - self.chain_frac) * alone
 
     def detach(self) -> StepChoice | None:
         """Take the current choice away (a step launched ahead keeps its own until its commit: `attach`)."""
@@ -267,10 +339,11 @@ class SpanPolicy:
 
     def forget(self, choice: StepChoice | None) -> None:
         """`choice` (from `detach`) is never run (engine/ahead.py: a stashed decision whose batch changed, a step
-        whose every row was dropped): a policy decision it made is not counted, so the exploration cadence stays
-        the off switch's."""
-        if choice is not None and choice.reason in ("policy", "explore"):
-            self._decisions -= 1
+        whose every row was dropped): a policy decision it made is undone (its count and the exploration state,
+        as they were before it; no decision is made between one and its forgetting), so the exploration cadence
+        stays the off switch's."""
+        if choice is not None and choice.undo is not None:
+            self._decisions, self._since, self._budget, self._explore_left = choice.undo
 
     # ---- after the accept phase ------------------------------------------------------------------
     def record(self, plan: StepPlan, results: list[SpanResult]) -> None:
@@ -290,25 +363,37 @@ class SpanPolicy:
             self._trace.append(c)
         if c.running and self.metrics is not None:
             self.metrics.record_span(c.span, gated=c.span == 1 and c.ready > 0)
-        self._timed = c if self.auto and c.running and not any(sp.kind == "prefill" for sp in plan.spans) else None
+        c.mixed = any(sp.kind == "prefill" for sp in plan.spans)
+        self._timed = c if self.auto and c.running else None
 
-    def step_done(self) -> None:
-        """After the step's commit: its wall time from the schedule phase on, into the host overhead and the
-        measured step times. The commit is inside it (the drafter's context advance, the page bookkeeping, the
-        outputs): it costs about the same per step whatever the span, so leaving it out made every step look
-        cheaper by the same amount and favoured the short spans that take more steps per token (a likely part of
-        why, at tau 2.0 on the H200, the policy held one-token rounds at c1 for 236 tok/s where span 16 made 275)."""
+    def step_done(self, busy: bool = True) -> float:
+        """After a step's commit (`busy`: requests are left running, so the next step follows at once): the
+        step's wall time, from `start_time()` through its commit, into the host overhead and the measured step
+        times. The commit is inside it (the drafter's context advance, the page bookkeeping, the outputs): it
+        costs about the same per step whatever the span, so leaving it out made every step look cheaper by the
+        same amount and favoured the short spans that take more steps per token. Returns the time it stamped as
+        the step's end."""
+        now = time.perf_counter()
         c, self._timed = self._timed, None
         if c is not None:
             assert self.costs is not None
             model = self.costs.verify(c.running, c.span) + (self.costs.draft(c.ready) if c.span > 1 else 0.0)
-            wall = time.perf_counter() - c.t0
-            extra = max(0.0, wall - model)
-            self.overhead = extra if self.overhead == 0.0 else 0.9 * self.overhead + 0.1 * extra
+            wall = now - c.t0
+            bk = _bucket(c.running)
+            if c.span == 1 and self._last_span == 1:  # it could have chained (the first of a run never can)
+                self.chain_frac = 0.9 * self.chain_frac + 0.1 * (1.0 if c.chained else 0.0)
+            self._last_span = c.span
+            if not (c.chained or c.mixed):  # hidden host work, or a prefill chunk's: neither is the overhead
+                extra = max(0.0, wall - model)
+                self.overhead = extra if self.overhead == 0.0 else 0.9 * self.overhead + 0.1 * extra
             if self.online:
-                w = self.walls.setdefault((_bucket(c.running), c.span), [wall, 0])
+                table: dict = self.chain_walls if c.chained else self.walls
+                key = bk if c.chained else (bk, c.span)
+                w = table.setdefault(key, [wall, 0])
                 w[0] = wall if w[1] == 0 else 0.8 * w[0] + 0.2 * wall
                 w[1] += 1
+        self._end, self._busy = now, busy
+        return now
 
     def describe(self) -> dict:
         return {"gate": self.spec.gate, "trim": self.spec.trim, "policy": self.spec.policy,
@@ -316,6 +401,8 @@ class SpanPolicy:
                 "acceptance": [round(c, 4) for c in self.acceptance.conditional()],
                 "overhead_ms": round(self.overhead * 1e3, 4), "online": self.online,
                 "measured_ms": {f"b{b}s{s}": [round(w[0] * 1e3, 4), int(w[1])] for (b, s), w in sorted(self.walls.items())},
+                "chained_ms": {f"b{b}s1": [round(w[0] * 1e3, 4), int(w[1])] for b, w in sorted(self.chain_walls.items())},
+                "chain_frac": round(self.chain_frac, 4),
                 "costs": self.costs.describe() if self.costs is not None else None}
 
 

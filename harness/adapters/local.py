@@ -197,7 +197,8 @@ class LocalAdapter(EngineAdapter):
             return {}
         with self.engine._lock:
             d = pol.describe()
-        return {"policy_state": {k: d[k] for k in ("acceptance", "overhead_ms", "measured_ms")}}
+        return {"policy_state": {k: d[k] for k in ("acceptance", "overhead_ms", "measured_ms", "chained_ms",
+                                                          "chain_frac") if k in d}}
 
     async def metrics_text(self) -> str | None:
         """The engine's Prometheus text, as `specbench serve` publishes it (gauges refreshed first)."""
