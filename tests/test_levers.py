@@ -255,13 +255,52 @@ def test_the_first_one_token_round_of_a_run_does_not_count_against_chaining():
     assert pol.chain_frac < 1.0
 
 
+def test_one_stalled_step_does_not_price_a_span_for_the_rest_of_the_run():
+    """A step time counts at most OUTLIER x the running mean: chained rounds of 4 ms at c64 and one of 147 ms
+    (H200, tau 3.5) left span 1 priced at 32 ms, and the policy speculated at 0.65x of plain decode."""
+    from specbench.engine.spec.policy import OUTLIER, StepChoice
+
+    pol = SpanPolicy(_plan(policy="auto"), _costs(lambda b, s: 1e-3))
+    import time as _time
+
+    def observe(wall: float) -> None:
+        pol._timed = StepChoice(0, 64, 64, 1, "policy", chained=True, t0=_time.perf_counter() - wall)
+        pol._last_span = 1
+        pol.step_done()
+
+    for _ in range(20):
+        observe(4e-3)
+    observe(0.147)
+    assert pol.chain_walls[64][0] <= 4e-3 * (0.8 + 0.2 * OUTLIER) + 1e-4
+    for _ in range(5):
+        observe(4e-3)
+    assert pol.chain_walls[64][0] < 4.6e-3
+    for _ in range(30):  # a lasting change is still followed
+        observe(20e-3)
+    assert pol.chain_walls[64][0] > 19e-3
+
+
+def test_exploration_budget_is_kept_per_batch_bucket():
+    """What the cheap steps of one batch size saved is not spent where a step costs more: after 2000 decisions at
+    c1, c64 (span 8 steep there) still explores no more than its own budget allows."""
+    import specbench.engine.spec.policy as pm
+
+    def steep(b, s):
+        return 1e-3 * (1 if b == 1 else b * s * s)
+
+    pol = SpanPolicy(_plan(policy="auto"), _costs(steep))
+    _explorations(pol, [_Req(i) for i in range(1)], 2000)
+    got = _explorations(pol, [_Req(i) for i in range(64)], 2 * pm.EXPLORE)
+    assert sum(r == "explore" for _, r in got) <= 1, got
+
+
 def test_a_forgotten_decision_restores_the_exploration_state():
     reqs = [_Req(i) for i in range(8)]
     pol = SpanPolicy(_plan(policy="auto"), _costs(lambda b, s: 1e-3))
     for _ in range(10):
         pol.choose(reqs, _Ready())
         pol.detach()
-    before = (pol._decisions, pol._since, pol._budget, pol._explore_left)
+    before = (pol._decisions, pol._since, dict(pol._budget), pol._explore_left)
     pol.choose(reqs, _Ready())
     pol.forget(pol.detach())
     assert (pol._decisions, pol._since, pol._budget, pol._explore_left) == before

@@ -43,12 +43,16 @@ many drafts every decode-phase request carries (the schedule phase's `draft_lens
   step (optimistic where unknown, corrected by use, as the acceptance estimate is);
 - exploration: at most once per `EXPLORE` decisions, another candidate runs instead (the least observed at
   this bucket, else the runner-up; reason "explore"), so neither the acceptance estimate nor the measured
-  times freeze while the policy holds one span; but only from a budget: every decision adds `EXPLORE_SHARE`
-  of the best span's step time, and an exploration spends its regret (its step time minus the time the best
+  times freeze while the policy holds one span; but only from a budget (per batch bucket: what c1's cheap
+  steps saved is not spent at c64): every decision adds `EXPLORE_SHARE` of the best span's step time, and an
+  exploration spends its regret (its step time minus the time the best
   span takes for the same tokens). So exploring costs about `EXPLORE_SHARE` of the run whatever the batch: a
   span-16 step at c64 costs ~4 one-token rounds, explored every 64 decisions it took ~15 % of the run (H200,
   tau 2.0: the automatic policy at 0.78x of plain with 97 % of its steps gated). Exploring span 1 where it
-  chains runs `EXPLORE_RUN` rounds in a row, so its chained cost gets measured.
+  chains runs `EXPLORE_RUN` rounds in a row, so its chained cost gets measured;
+- a measured time counts at most `OUTLIER` x its running mean: one stalled step (147 ms among chained rounds
+  of ~4 ms at c64 on the H200) otherwise priced span 1 at 32 ms for the rest of the run, and the policy
+  speculated at 0.65x of plain decode where gating made 0.97x.
 Every step's choice is one `trace` entry (a bounded deque; SPECBENCH_STEP_TRACE entries, default 4096, 0 =
 off): step, running, ready, span, reason, and per request id its state, drafts and accepted drafts; and
 counted in the metrics (`EngineMetrics.record_span`: gated rounds, the span histogram).
@@ -77,6 +81,7 @@ if TYPE_CHECKING:
 EXPLORE = 64  # at most one policy decision in EXPLORE runs another candidate span (exploration)
 EXPLORE_SHARE = 0.01  # the share of the run's time exploration may cost (its budget per decision)
 EXPLORE_RUN = 4  # one-token rounds an exploration of span 1 runs in a row where they chain
+OUTLIER = 3.0  # a measured step time counts at most OUTLIER x its running mean (once that has MIN_OBS steps)
 MIN_OBS = 3  # steps of a (bucket, span) before its measured time replaces the model's
 ONLINE_ENV = "SPECBENCH_SPEC_ONLINE"  # 0: the cost model alone (no measured step times)
 DECAY = 0.995  # per verify step: the acceptance estimate's memory is ~200 steps
@@ -204,7 +209,7 @@ class SpanPolicy:
         self.chain_walls: dict[int, list[float]] = {}  # batch bucket -> [mean chained one-token round s, steps]
         self.chain_frac = 1.0  # running share of the one-token rounds after a one-token round that ran chained
         self._last_span = 0  # span of the last timed step
-        self._budget = 0.0  # exploration budget, seconds
+        self._budget: dict[int, float] = {}  # exploration budget per batch bucket, seconds
         self._since = 0  # decisions since the last exploration
         self._explore_left = 0  # one-token rounds an exploration run still holds
         self._end = 0.0  # perf_counter after the last commit
@@ -250,7 +255,7 @@ class SpanPolicy:
         elif spec.gate and len(running) > spec.gate:
             d, reason = 0, "gate"
         elif self.auto:
-            undo = (self._decisions, self._since, self._budget, self._explore_left)
+            undo = (self._decisions, self._since, dict(self._budget), self._explore_left)
             d, reason, expected = self._best(n_decode, [rem for _, rem in ready])
         else:
             d, reason = spec.fixed_drafts, "fixed"
@@ -299,7 +304,8 @@ class SpanPolicy:
             self._explore_left -= 1
             return 0, "explore", rate
         self._explore_left = 0
-        self._budget += EXPLORE_SHARE * secs[best]
+        budget = self._budget.get(bk, 0.0) + EXPLORE_SHARE * secs[best]
+        self._budget[bk] = budget
         self._since += 1
         if self._since >= EXPLORE and len(rate) > 1:
             others_s = [s for s in rate if s != best]
@@ -310,8 +316,8 @@ class SpanPolicy:
             run = EXPLORE_RUN if alt == 1 and chain else 1
             # the time the exploration loses: its step time minus what the best span takes for the same tokens
             regret = run * max(0.0, secs[alt] - (rate[alt] * secs[alt]) / rate[best]) if rate[best] > 0 else 0.0
-            if self._budget >= regret:
-                self._budget -= regret
+            if budget >= regret:
+                self._budget[bk] = budget - regret
                 self._since = 0
                 self._explore_left = run - 1
                 return alt - 1, "explore", rate
@@ -390,6 +396,8 @@ class SpanPolicy:
                 table: dict = self.chain_walls if c.chained else self.walls
                 key = bk if c.chained else (bk, c.span)
                 w = table.setdefault(key, [wall, 0])
+                if w[1] >= MIN_OBS:  # one stall (a collection, a late capture) must not price a span for long
+                    wall = min(wall, OUTLIER * w[0])
                 w[0] = wall if w[1] == 0 else 0.8 * w[0] + 0.2 * wall
                 w[1] += 1
         self._end, self._busy = now, busy
