@@ -536,6 +536,30 @@ def test_prefill_mixed_steps_are_timed_under_their_span(tiny_pair, fixed_costs, 
     assert all(d == 0.0 for d in mixed), "a prefill-mixed step fed the host overhead"
 
 
+def test_steps_the_policy_did_not_choose_are_not_timed(tiny_pair, fixed_costs, monkeypatch, prompts):
+    """A step where no decode-phase request could draft ("no_ready": a wave of new requests just prefilled) is no
+    evidence of what its span costs: timed, those prefill-mixed steps priced a one-token round at 25 ms at c64
+    on the H200 (chained ones: 4 ms) and the policy speculated at 0.49x of plain decode."""
+    monkeypatch.setenv("SPECBENCH_SPEC_ONLINE", "1")
+    llm = _llm(tiny_pair, spec_policy="auto")
+    eng, pol = llm.engine, llm.engine.policy
+    reasons: list[str] = []
+    record = pol.record
+
+    def spy(plan, results):
+        c = pol._choice
+        record(plan, results)
+        if pol._timed is not None:
+            reasons.append(pol._timed.reason)
+        elif c is not None and c.running:
+            reasons.append("untimed:" + c.reason)
+
+    monkeypatch.setattr(pol, "record", spy)
+    llm.generate(prompts[:3], SamplingParams(max_tokens=12, ignore_eos=True))
+    assert "untimed:no_ready" in reasons, reasons
+    assert {r for r in reasons if not r.startswith("untimed")} <= {"policy", "explore"}
+
+
 def test_span_counters_round_trip_through_metrics_text():
     """`specbench serve`'s /metrics -> the openai adapter's counters -> a sweep cell's delta (span histogram)."""
     from specbench.engine.metrics import EngineMetrics

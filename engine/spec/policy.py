@@ -27,7 +27,8 @@ many drafts every decode-phase request carries (the schedule phase's `draft_lens
   decides. The best d wins (ties: the shorter span).
 - what a step costs is the wall time it adds to the run: from the previous step's commit (when the engine
   was busy: requests left running; after an idle spell, from its own schedule phase) to after its own commit.
-  Steps that carry a prefill chunk count too, under the span their decode-phase requests ran: a regime's
+  Steps that carry a prefill chunk count too, under the span the policy chose for their decode-phase requests
+  (not a step where no request could draft: that span was no choice): a regime's
   prefill-mixed steps are part of what it costs (a speculative one runs its verify rows piecewise beside the
   chunk; at c64 and tau 6.5 on the H200 that made span 16 ~28.5 ms a step where its pure steps measured 25.8,
   and speculation lose to plain decode while the measured times said it won). They do not feed the overhead.
@@ -370,7 +371,9 @@ class SpanPolicy:
         if c.running and self.metrics is not None:
             self.metrics.record_span(c.span, gated=c.span == 1 and c.ready > 0)
         c.mixed = any(sp.kind == "prefill" for sp in plan.spans)
-        self._timed = c if self.auto and c.running else None
+        # timed: the steps whose span the policy chose ("no_ready": nobody could draft, a new wave's prefill-mixed
+        # steps at ~25 ms on the H200 at c64, says nothing of what a one-token round costs)
+        self._timed = c if self.auto and c.running and c.reason in ("policy", "explore") else None
 
     def step_done(self, busy: bool = True) -> float:
         """After a step's commit (`busy`: requests are left running, so the next step follows at once): the
