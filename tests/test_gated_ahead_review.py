@@ -136,6 +136,7 @@ def _auto_span1(tmp_path, monkeypatch) -> None:
     (tmp_path / "costs.json").write_text(json.dumps(model))
     monkeypatch.setenv("SPECBENCH_SPEC_COSTS", str(tmp_path / "costs.json"))
     monkeypatch.setattr("specbench.engine.spec.policy.EXPLORE", 10_000)
+    monkeypatch.setattr("specbench.engine.spec.policy.EVIDENCE", 0)  # gate from the first step
 
 
 def test_a_stop_ending_the_last_request_leaves_no_step_to_record(tiny_pair, gsm8k_prompts, tmp_path,

@@ -119,7 +119,13 @@ def _costs(verify, draft=0.0) -> CostModel:
     return CostModel(batches, spans, {s: [verify(b, s) for b in batches] for s in spans}, [draft * b for b in batches])
 
 
-def test_policy_chooses_long_spans_when_rows_are_free_and_one_when_they_cost():
+@pytest.fixture
+def evidenced(monkeypatch):
+    """Unit tests of the policy's costing: no wait for acceptance evidence before it may gate (EVIDENCE)."""
+    monkeypatch.setattr("specbench.engine.spec.policy.EVIDENCE", 0)
+
+
+def test_policy_chooses_long_spans_when_rows_are_free_and_one_when_they_cost(evidenced):
     class Req:
         def __init__(self, i):
             self.rid, self.in_prefill, self.remaining = f"r{i}", False, 100
@@ -168,9 +174,9 @@ def _explorations(pol: SpanPolicy, reqs, n: int) -> list[tuple[int, str]]:
     return out
 
 
-def test_exploration_costs_a_bounded_share_of_the_run(monkeypatch):
+def test_exploration_costs_a_bounded_share_of_the_run(monkeypatch, evidenced):
     """Exploring is budgeted by time: where another span costs little more than the best one, it is explored
-    every EXPLORE decisions; where it costs much more (span 8 at a large batch, compute-bound), rarely, and the
+    often (at most every EXPLORE decisions); where it costs much more (span 8 at a large batch, compute-bound), rarely, and the
     time all explorations lose stays within EXPLORE_SHARE of the run (was: every 64th decision whatever it cost,
     ~15 % of the run at c64 on the H200)."""
     import specbench.engine.spec.policy as pm
@@ -178,12 +184,13 @@ def test_exploration_costs_a_bounded_share_of_the_run(monkeypatch):
     reqs = [_Req(i) for i in range(64)]
     cheap = SpanPolicy(_plan(policy="auto"), _costs(lambda b, s: 1e-3 * (1 + 0.01 * s)))
     got = _explorations(cheap, reqs, 10 * pm.EXPLORE)
-    assert sum(r == "explore" for _, r in got) == 10, "cheap alternatives: one exploration per EXPLORE decisions"
+    n_cheap = sum(r == "explore" for _, r in got)
+    assert 10 // 3 <= n_cheap <= 10, f"cheap alternatives: explored often (at most every EXPLORE): {n_cheap}"
     def steep(b, s):  # compute-bound and worse than linear in the span: span 1 wins, every other span costs a lot
         return 1e-3 * b * s * s
 
     pol = SpanPolicy(_plan(policy="auto"), _costs(steep))
-    n = 20 * pm.EXPLORE
+    n = 100 * pm.EXPLORE
     got = _explorations(pol, reqs, n)
     assert all(s == 1 for s, r in got if r == "policy")
     explored = [s for s, r in got if r == "explore"]
@@ -194,7 +201,7 @@ def test_exploration_costs_a_bounded_share_of_the_run(monkeypatch):
     assert lost <= pm.EXPLORE_SHARE * n * steep(64, 1) + 1e-9, (lost, explored)
 
 
-def test_chained_one_token_rounds_are_costed_as_chained():
+def test_chained_one_token_rounds_are_costed_as_chained(evidenced):
     """At c16 the measured times say: span 4 8.0 ms, a one-token round timed alone 5.0 ms; a chained one (gated
     rounds one step ahead) 3.7 ms. Alone the policy speculates (16 x 1.875 tokens / 8.0 ms beats 16 / 5.0 ms);
     where rounds chain it gates (H200, tau 2.0, c16: span 4 held at 0.87x of plain decode's 3.75 ms a step)."""
@@ -256,12 +263,14 @@ def test_the_first_one_token_round_of_a_run_does_not_count_against_chaining():
 
 
 def test_one_stalled_step_does_not_price_a_span_for_the_rest_of_the_run():
-    """A step time counts at most OUTLIER x the running mean: chained rounds of 4 ms at c64 and one of 147 ms
-    (H200, tau 3.5) left span 1 priced at 32 ms, and the policy speculated at 0.65x of plain decode."""
-    from specbench.engine.spec.policy import OUTLIER, StepChoice
+    """A (bucket, span)'s measured time is the median of its recent steps: chained rounds of 4 ms at c64 and one
+    of 147 ms (H200, tau 3.5) left span 1 priced at 32 ms in a running mean, and the policy speculated at 0.65x of
+    plain decode; a lasting change is still followed within WINDOW / 2 steps."""
+    import time as _time
+
+    from specbench.engine.spec.policy import WINDOW, StepChoice
 
     pol = SpanPolicy(_plan(policy="auto"), _costs(lambda b, s: 1e-3))
-    import time as _time
 
     def observe(wall: float) -> None:
         pol._timed = StepChoice(0, 64, 64, 1, "policy", chained=True, t0=_time.perf_counter() - wall)
@@ -271,16 +280,13 @@ def test_one_stalled_step_does_not_price_a_span_for_the_rest_of_the_run():
     for _ in range(20):
         observe(4e-3)
     observe(0.147)
-    assert pol.chain_walls[64][0] <= 4e-3 * (0.8 + 0.2 * OUTLIER) + 1e-4
-    for _ in range(5):
-        observe(4e-3)
-    assert pol.chain_walls[64][0] < 4.6e-3
-    for _ in range(30):  # a lasting change is still followed
+    assert pol.chain_walls[64][0] < 4.1e-3
+    for _ in range(WINDOW // 2 + 1):  # a lasting change is followed
         observe(20e-3)
     assert pol.chain_walls[64][0] > 19e-3
 
 
-def test_exploration_budget_is_kept_per_batch_bucket():
+def test_exploration_budget_is_kept_per_batch_bucket(evidenced):
     """What the cheap steps of one batch size saved is not spent where a step costs more: after 2000 decisions at
     c1, c64 (span 8 steep there) still explores no more than its own budget allows."""
     import specbench.engine.spec.policy as pm
@@ -507,33 +513,32 @@ def test_measured_step_times_include_the_loop_between_steps(tiny_pair, fixed_cos
     assert eng.policy.walls and all(w[0] < 0.3 for w in eng.policy.walls.values()), eng.policy.walls
 
 
-def test_prefill_mixed_steps_are_timed_under_their_span(tiny_pair, fixed_costs, monkeypatch, prompts):
-    """A step that carries a prefill chunk beside decode-phase requests is part of what its span costs the run:
-    it is timed (was: skipped, so speculation's piecewise verify beside every arrival's chunk went unseen), but
-    its time does not feed the host overhead (the chunk's work is not the step's overhead)."""
+def test_prefill_mixed_steps_are_not_timed(tiny_pair, fixed_costs, monkeypatch, prompts):
+    """A step that carries a prefill chunk beside decode-phase requests is not timed: the chunk costs the same
+    whatever the span, and timed under the span of the moment a wave of arrivals priced that span
+    (benchmarks/policy_sim.py: 0.90x of plain decode at c64, tau 3.5). The step after it is timed from its end."""
     monkeypatch.setenv("SPECBENCH_SPEC_ONLINE", "1")
     llm = _llm(tiny_pair, spec_policy="auto")
     eng, pol = llm.engine, llm.engine.policy
-    timed: list[tuple[bool, float]] = []
-    done = pol.step_done
+    seen: list[tuple[bool, bool]] = []  # (mixed, timed) per step with decode-phase requests
+    record = pol.record
 
-    def spy(busy: bool = True) -> float:
-        c, before = pol._timed, pol.overhead
-        end = done(busy)
-        if c is not None:
-            timed.append((c.mixed, pol.overhead - before))
-        return end
+    def spy(plan, results):
+        c = pol._choice
+        record(plan, results)
+        if c is not None and c.running:
+            seen.append((c.mixed, pol._timed is c))
 
-    monkeypatch.setattr(pol, "step_done", spy)
+    monkeypatch.setattr(pol, "record", spy)
     eng.add_request(prompts[0], SamplingParams(max_tokens=20, ignore_eos=True), rid="first")
     for _ in range(4):
         eng.step()
     eng.add_request(prompts[1], SamplingParams(max_tokens=6, ignore_eos=True), rid="second")  # arrives mid-run
     while eng.has_unfinished():
         eng.step()
-    mixed = [d for m, d in timed if m]
-    assert mixed, "no prefill-mixed step was timed"
-    assert all(d == 0.0 for d in mixed), "a prefill-mixed step fed the host overhead"
+    assert any(m for m, _ in seen), "no prefill-mixed step with decode-phase requests"
+    assert not any(m and t for m, t in seen), "a prefill-mixed step was timed"
+    assert any(t for _, t in seen)
 
 
 def test_steps_the_policy_did_not_choose_are_not_timed(tiny_pair, fixed_costs, monkeypatch, prompts):
@@ -542,7 +547,7 @@ def test_steps_the_policy_did_not_choose_are_not_timed(tiny_pair, fixed_costs, m
     on the H200 (chained ones: 4 ms) and the policy speculated at 0.49x of plain decode."""
     monkeypatch.setenv("SPECBENCH_SPEC_ONLINE", "1")
     llm = _llm(tiny_pair, spec_policy="auto")
-    eng, pol = llm.engine, llm.engine.policy
+    pol = llm.engine.policy
     reasons: list[str] = []
     record = pol.record
 
@@ -658,8 +663,9 @@ def test_policy_is_not_pessimistic_about_positions_it_never_ran():
     assert sum(s == 16 for s in early) >= 0.6 * len(early), sorted(set(early))
     high = _simulate(0.85)[200:]
     assert sum(s == 16 for s in high) >= 0.9 * len(high), sorted(set(high))
-    low = _simulate(0.5)[200:]
-    assert sum(s <= 4 for s in low) >= 0.9 * len(low), sorted(set(low))
+    low = _simulate(0.5)[200:]  # spans 4 and 8 within 3 % of each other: the runner-up is explored often
+    assert sum(s <= 8 for s in low) >= 0.95 * len(low) and sum(s <= 4 for s in low) >= 0.8 * len(low), \
+        sorted(set(low))
 
 
 def test_acceptance_extrapolates_unobserved_positions():

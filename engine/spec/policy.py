@@ -22,16 +22,16 @@ many drafts every decode-phase request carries (the schedule phase's `draft_lens
   prior), C_* the start-up cost model (spec/costs.py) and `overhead` the running mean of the host time a
   step costs beyond the model (its wall time minus the model's figure). Online correction (off with
   SPECBENCH_SPEC_ONLINE=0): once a (batch bucket, span) pair has run `MIN_OBS` steps, its measured step time
-  (a running mean of the wall time each step adds to the run, below) replaces the model's figure for it,
+  (the median of the wall times its recent steps added to the run, below) replaces the model's figure for it,
   so a cost the model does not see (attention over long contexts, host work that grows with the span) still
   decides. The best d wins (ties: the shorter span).
 - what a step costs is the wall time it adds to the run: from the previous step's commit (when the engine
   was busy: requests left running; after an idle spell, from its own schedule phase) to after its own commit.
-  Steps that carry a prefill chunk count too, under the span the policy chose for their decode-phase requests
-  (not a step where no request could draft: that span was no choice): a regime's
-  prefill-mixed steps are part of what it costs (a speculative one runs its verify rows piecewise beside the
-  chunk; at c64 and tau 6.5 on the H200 that made span 16 ~28.5 ms a step where its pure steps measured 25.8,
-  and speculation lose to plain decode while the measured times said it won). They do not feed the overhead.
+  Only steps whose span the policy chose are timed (not `no_ready` ones), and none that carries a prefill
+  chunk: a chunk's cost is the same whatever the span, and timed under the span of the moment it made a wave
+  of arrivals look like the price of that span. In benchmarks/policy_sim.py (H200-fitted costs, c64, tau 3.5)
+  timing them made the policy leave one-token rounds during each wave, for 0.90x of plain decode instead of
+  ~1.0x; on the H200 (version c, reports/h200-levers/2026-12-04) the `no_ready` ones alone made it 0.49x.
   Every step pays the loop's work between two steps (outputs, admission), so timing a speculative step from its
   schedule phase but a chained gated round from the commit before it (as until 2026-12-04) made speculation
   look cheaper than it is (H200, tau 2.0, c16: span 4 measured 6.7 ms, ran ~8 ms a step; the policy held it at
@@ -39,21 +39,34 @@ many drafts every decode-phase request carries (the schedule phase's `draft_lens
 - a one-token round that runs chained (engine/ahead.py, `chain_ok`: gated rounds one step ahead) hides the
   host work of the step before it, so it costs less than one timed alone (the first of a run, an exploration
   between speculative steps). Its chained times are kept apart (`chain_walls` per batch bucket); the span-1
-  figure is the chained one weighted by the share of recent one-token rounds that ran chained (`chain_frac`),
+  figure is the chained one weighted by the share of one-token rounds right after a timed one-token round that
+  ran chained (`chain_frac`; a round after a prefill-mixed step restarts a chain and does not count),
   the unchained one for the rest; with no chained observation yet, the model's replay time of the decode
   step (optimistic where unknown, corrected by use, as the acceptance estimate is);
-- exploration: at most once per `EXPLORE` decisions, another candidate runs instead (the least observed at
-  this bucket, else the runner-up; reason "explore"), so neither the acceptance estimate nor the measured
-  times freeze while the policy holds one span; but only from a budget (per batch bucket: what c1's cheap
-  steps saved is not spent at c64): every decision adds `EXPLORE_SHARE` of the best span's step time, and an
-  exploration spends its regret (its step time minus the time the best
-  span takes for the same tokens). So exploring costs about `EXPLORE_SHARE` of the run whatever the batch: a
-  span-16 step at c64 costs ~4 one-token rounds, explored every 64 decisions it took ~15 % of the run (H200,
-  tau 2.0: the automatic policy at 0.78x of plain with 97 % of its steps gated). Exploring span 1 where it
-  chains runs `EXPLORE_RUN` rounds in a row, so its chained cost gets measured;
-- a measured time counts at most `OUTLIER` x its running mean: one stalled step (147 ms among chained rounds
-  of ~4 ms at c64 on the H200) otherwise priced span 1 at 32 ms for the rest of the run, and the policy
-  speculated at 0.65x of plain decode where gating made 0.97x.
+- in a chain of one-token rounds (the last decision span 1, rounds chaining), a speculative span's step time
+  carries 1 / `HOLD` of the unchained round that restarts the chain when the policy comes back: switching has
+  a price, so near a tie the policy holds (in benchmarks/policy_sim.py at c16 and tau 2.0, span 4 and chained
+  rounds within 2 % of each other, it flipped between them and lost 4 % to both); charged whole to every
+  speculative step it kept c1 at tau 2.0 gated where span 8 is 8 % faster;
+- until `EVIDENCE` verify spans have been observed (the acceptance estimate's decayed count at position 0) the
+  policy speculates (its best span > 1): a one-token round observes no acceptance, so a policy that gated on
+  its prior (0.6 per position) learned nothing until an exploration; in benchmarks/policy_sim.py at c1 and tau 6.5
+  one seed held span 1 for 64 steps (0.73x of fixed span 16);
+- exploration: at most once per `EXPLORE` (8) decisions, another candidate runs instead (one never run at this
+  bucket first, else the runner-up; reason "explore"), so neither the acceptance estimate nor the measured times
+  freeze while the policy holds one span; but only from a budget (per batch bucket: what c1's cheap steps
+  saved is not spent at c64): every decision adds `EXPLORE_SHARE` of the best span's step time, and an
+  exploration spends its regret (its step time minus the time the best span takes for the same tokens). So
+  exploring costs about `EXPLORE_SHARE` (0.5 %) of the run whatever the batch, and near a tie (small regret) it
+  is frequent: a span-16 step at c64 costs ~4 one-token rounds, and explored every 64 decisions it took ~15 %
+  of the run (H200, tau 2.0: the automatic policy at 0.78x of plain with 97 % of its steps gated); exploring
+  the least observed span spent the budget on spans nobody would pick (span 2 at c1), so an unlucky acceptance
+  estimate stayed uncorrected. Exploring span 1 where rounds chain runs `EXPLORE_RUN` rounds in a row, so its
+  chained cost gets measured;
+- a (bucket, span)'s measured time is the median of its last `WINDOW` steps: one stalled step (147 ms among
+  chained rounds of ~4 ms at c64 on the H200) in a running mean priced span 1 at 32 ms for the rest of the run,
+  and the policy speculated at 0.65x of plain decode where gating made 0.97x; clipped at 3x the mean it still
+  priced span 1 40 % high until the policy ran it again, which it then rarely did (benchmarks/policy_sim.py).
 Every step's choice is one `trace` entry (a bounded deque; SPECBENCH_STEP_TRACE entries, default 4096, 0 =
 off): step, running, ready, span, reason, and per request id its state, drafts and accepted drafts; and
 counted in the metrics (`EngineMetrics.record_span`: gated rounds, the span histogram).
@@ -62,6 +75,7 @@ counted in the metrics (`EngineMetrics.record_span`: gated rounds, the span hist
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable
@@ -79,10 +93,12 @@ if TYPE_CHECKING:
     from ..scheduler import StepPlan
     from .costs import CostModel
 
-EXPLORE = 64  # at most one policy decision in EXPLORE runs another candidate span (exploration)
-EXPLORE_SHARE = 0.01  # the share of the run's time exploration may cost (its budget per decision)
+EXPLORE = 8  # at most one policy decision in EXPLORE runs another candidate span (exploration; the budget decides)
+EXPLORE_SHARE = 0.005  # the share of the run's time exploration may cost (its budget per decision)
 EXPLORE_RUN = 4  # one-token rounds an exploration of span 1 runs in a row where they chain
-OUTLIER = 3.0  # a measured step time counts at most OUTLIER x its running mean (once that has MIN_OBS steps)
+WINDOW = 9  # a (bucket, span)'s measured step time: the median of its last WINDOW steps
+HOLD = 8  # steps a switch out of a chain of one-token rounds must be worth (the restart it costs, spread over them)
+EVIDENCE = 16  # verify spans observed (decayed) before the policy may hold one-token rounds
 MIN_OBS = 3  # steps of a (bucket, span) before its measured time replaces the model's
 ONLINE_ENV = "SPECBENCH_SPEC_ONLINE"  # 0: the cost model alone (no measured step times)
 DECAY = 0.995  # per verify step: the acceptance estimate's memory is ~200 steps
@@ -213,6 +229,8 @@ class SpanPolicy:
         self._budget: dict[int, float] = {}  # exploration budget per batch bucket, seconds
         self._since = 0  # decisions since the last exploration
         self._explore_left = 0  # one-token rounds an exploration run still holds
+        self._held = 0  # the span of the last decision
+        self._recent: dict[tuple, deque[float]] = {}  # (chained, key) -> the last WINDOW measured step times
         self._end = 0.0  # perf_counter after the last commit
         self._busy = False  # requests were left running at it (the next step follows at once)
 
@@ -256,7 +274,7 @@ class SpanPolicy:
         elif spec.gate and len(running) > spec.gate:
             d, reason = 0, "gate"
         elif self.auto:
-            undo = (self._decisions, self._since, dict(self._budget), self._explore_left)
+            undo = (self._decisions, self._since, dict(self._budget), self._explore_left, self._held)
             d, reason, expected = self._best(n_decode, [rem for _, rem in ready])
         else:
             d, reason = spec.fixed_drafts, "fixed"
@@ -293,16 +311,24 @@ class SpanPolicy:
         draft = self.costs.draft(n_ready)
         bk = _bucket(b)
         chain = self.online and self.chain_ok()
+        # leaving a chain of one-token rounds costs the unchained round that restarts it when the policy comes back:
+        # paid once per switch, so charged to a speculative step spread over the HOLD steps a switch is worth
+        restart = max(0.0, self._step_seconds(bk, b, 1, 0.0, False) - self._step_seconds(bk, b, 1, 0.0, True)) / HOLD \
+            if chain and self._held == 1 else 0.0
         for s in self._spans:
             d = s - 1 if s - 1 < top else top
             tokens = others + sum(hist[x] * exp[x] for x in range(d)) + sum(hist[d:]) * exp[d]
-            t = self._step_seconds(bk, b, s, draft if d else 0.0, chain)
+            t = self._step_seconds(bk, b, s, draft if d else 0.0, chain) + (restart if s > 1 else 0.0)
             secs[s] = t
             rate[s] = tokens / t if t > 0 else 0.0
-        best = max(rate, key=lambda s: (rate[s], -s))
+        pool = rate
+        if self.acceptance.off[0] < EVIDENCE and len(rate) > 1:  # no acceptance seen yet: gating would learn none
+            pool = {s: r for s, r in rate.items() if s > 1}
+        best = max(pool, key=lambda s: (pool[s], -s))
         self._decisions += 1
         if self._explore_left > 0 and 1 in rate:  # an exploration run of one-token rounds goes on
             self._explore_left -= 1
+            self._held = 1
             return 0, "explore", rate
         self._explore_left = 0
         budget = self._budget.get(bk, 0.0) + EXPLORE_SHARE * secs[best]
@@ -313,15 +339,21 @@ class SpanPolicy:
             seen = {s: (self.walls.get((bk, s)) or [0.0, 0])[1] for s in others_s}
             if chain and 1 in seen:
                 seen[1] = int((self.chain_walls.get(bk) or [0.0, 0])[1])
-            alt = min(others_s, key=lambda s: (seen[s], -rate[s]))
+            # a span never run at this bucket first; else the runner-up (the one that could take over, and the
+            # cheapest to check: the least observed one was often a span nobody would pick, spending the budget)
+            unseen = [s for s in others_s if seen[s] == 0]
+            alt = max(unseen or others_s, key=lambda s: rate[s])
             run = EXPLORE_RUN if alt == 1 and chain else 1
-            # the time the exploration loses: its step time minus what the best span takes for the same tokens
+            # the time the exploration loses: its step time minus what the best span takes for the same tokens,
+            # and where the best is a chain of one-token rounds, the unchained round that restarts it
             regret = run * max(0.0, secs[alt] - (rate[alt] * secs[alt]) / rate[best]) if rate[best] > 0 else 0.0
             if budget >= regret:
                 self._budget[bk] = budget - regret
                 self._since = 0
                 self._explore_left = run - 1
+                self._held = alt
                 return alt - 1, "explore", rate
+        self._held = best
         return best - 1, "policy", rate
 
     def _step_seconds(self, bk: int, b: int, s: int, draft: float, chain: bool) -> float:
@@ -350,7 +382,7 @@ class SpanPolicy:
         as they were before it; no decision is made between one and its forgetting), so the exploration cadence
         stays the off switch's."""
         if choice is not None and choice.undo is not None:
-            self._decisions, self._since, self._budget, self._explore_left = choice.undo
+            self._decisions, self._since, self._budget, self._explore_left, self._held = choice.undo
 
     # ---- after the accept phase ------------------------------------------------------------------
     def record(self, plan: StepPlan, results: list[SpanResult]) -> None:
@@ -370,10 +402,13 @@ class SpanPolicy:
             self._trace.append(c)
         if c.running and self.metrics is not None:
             self.metrics.record_span(c.span, gated=c.span == 1 and c.ready > 0)
-        c.mixed = any(sp.kind == "prefill" for sp in plan.spans)
+        c.mixed = any(sp.kind == "prefill" for sp in plan.spans)  # carries a prefill chunk: not timed
         # timed: the steps whose span the policy chose ("no_ready": nobody could draft, a new wave's prefill-mixed
-        # steps at ~25 ms on the H200 at c64, says nothing of what a one-token round costs)
-        self._timed = c if self.auto and c.running and c.reason in ("policy", "explore") else None
+        # steps at ~25 ms on the H200 at c64, says nothing of what a one-token round costs), without a prefill chunk
+        # (its cost is the chunk's, whatever the span; see the module docstring)
+        self._timed = c if self.auto and c.running and c.reason in ("policy", "explore") and not c.mixed else None
+        if self._timed is None:
+            self._last_span = 0  # the round after this one restarts a chain: it is no evidence against chaining
 
     def step_done(self, busy: bool = True) -> float:
         """After a step's commit (`busy`: requests are left running, so the next step follows at once): the
@@ -398,10 +433,10 @@ class SpanPolicy:
             if self.online:
                 table: dict = self.chain_walls if c.chained else self.walls
                 key = bk if c.chained else (bk, c.span)
+                recent = self._recent.setdefault((c.chained, key), deque(maxlen=WINDOW))
+                recent.append(wall)
                 w = table.setdefault(key, [wall, 0])
-                if w[1] >= MIN_OBS:  # one stall (a collection, a late capture) must not price a span for long
-                    wall = min(wall, OUTLIER * w[0])
-                w[0] = wall if w[1] == 0 else 0.8 * w[0] + 0.2 * wall
+                w[0] = statistics.median(recent)  # one stall (a collection, a late capture) moves no median
                 w[1] += 1
         self._end, self._busy = now, busy
         return now
