@@ -115,8 +115,7 @@ def simulate(arm: str, tau: float, c: int, ppl: int = 3, max_tokens: int = 128, 
     plan = _plan(arm)
     pol = pm.SpanPolicy(plan, costs.model(list(plan.span_variants)) if arm == "auto" else None)
     clock = [0.0]
-    saved = pm.time
-    pm.time = types.SimpleNamespace(perf_counter=lambda: clock[0])  # the policy's clock: simulated
+    pol.clock = lambda: clock[0]  # the policy's clock: simulated
     pol.chain_ok = lambda: True
     proposer = None if arm == "plain" else _Proposer()
     total = c * ppl
@@ -132,66 +131,63 @@ def simulate(arm: str, tau: float, c: int, ppl: int = 3, max_tokens: int = 128, 
     tokens = 0
     spans: dict[int, int] = {}
     prev_one = False  # the last step was a one-token step with no prefill (the next one may chain)
-    try:
-        while running:
-            arrivals = bool(queue)
-            running += queue
-            queue = []
-            ks, _ = pol.choose(running, proposer, 0)
-            choice = pol._choice
-            decode = [r for r in running if not r.in_prefill]
-            prefill = [r for r in running if r.in_prefill]
-            one = not ks
-            chained = one and prev_one and not prefill and not arrivals and bool(decode)
-            b = len(decode)
-            if ks:
-                s = 1 + max(ks.values())
-                ms = costs.verify_ms(b, s) * (costs.mixed_penalty if prefill else 1.0) + costs.draft_ms(len(ks))
+    while running:
+        arrivals = bool(queue)
+        running += queue
+        queue = []
+        ks, _ = pol.choose(running, proposer, 0)
+        choice = pol._choice
+        decode = [r for r in running if not r.in_prefill]
+        prefill = [r for r in running if r.in_prefill]
+        one = not ks
+        chained = one and prev_one and not prefill and not arrivals and bool(decode)
+        b = len(decode)
+        if ks:
+            s = 1 + max(ks.values())
+            ms = costs.verify_ms(b, s) * (costs.mixed_penalty if prefill else 1.0) + costs.draft_ms(len(ks))
+        else:
+            ms = costs.decode_ms(b) if b else 0.0
+        ms += 0.0 if chained else costs.host_ms
+        ms += costs.prefill_ms_per_token * sum(r.prompt_len for r in prefill)
+        if stall_rng.random() < costs.stall_p:
+            ms += costs.stall_ms
+        if choice is not None:
+            choice.chained = chained
+        # outcomes: verify spans accept a synthetic prefix, decode spans commit one token
+        sp, res = [], []
+        for r in decode:
+            k = ks.get(r.rid, 0)
+            m = 0
+            if k:
+                while m < k and acc_rng.random() < rate:
+                    m += 1
+                sp.append(types.SimpleNamespace(kind="verify", req=r))
+                res.append(types.SimpleNamespace(drafts=k, accepted=m))
             else:
-                ms = costs.decode_ms(b) if b else 0.0
-            ms += 0.0 if chained else costs.host_ms
-            ms += costs.prefill_ms_per_token * sum(r.prompt_len for r in prefill)
-            if stall_rng.random() < costs.stall_p:
-                ms += costs.stall_ms
-            if choice is not None:
-                choice.chained = chained
-            # outcomes: verify spans accept a synthetic prefix, decode spans commit one token
-            sp, res = [], []
-            for r in decode:
-                k = ks.get(r.rid, 0)
-                m = 0
-                if k:
-                    while m < k and acc_rng.random() < rate:
-                        m += 1
-                    sp.append(types.SimpleNamespace(kind="verify", req=r))
-                    res.append(types.SimpleNamespace(drafts=k, accepted=m))
-                else:
-                    sp.append(types.SimpleNamespace(kind="decode", req=r))
-                    res.append(types.SimpleNamespace(drafts=0, accepted=None))
-                n = min(m + 1, r.remaining)
-                r.out += n
-                r.decode_steps += 1
-                tokens += n
-            for r in prefill:
-                sp.append(types.SimpleNamespace(kind="prefill", req=r))
+                sp.append(types.SimpleNamespace(kind="decode", req=r))
                 res.append(types.SimpleNamespace(drafts=0, accepted=None))
-                r.in_prefill = False
-            if b:
-                key = 1 + max(ks.values()) if ks else 1
-                spans[key] = spans.get(key, 0) + 1
-            pol.record(types.SimpleNamespace(spans=sp), res)
-            clock[0] += ms / 1e3
-            done = [r for r in running if not r.in_prefill and r.remaining <= 0]
-            running = [r for r in running if r not in done]
-            for _ in done:
-                if made < total:
-                    queue.append(new())
-            pol.step_done(busy=bool(running or queue))
-            prev_one = one and not prefill and bool(decode)
-            if not running and queue:
-                running, queue = queue, []
-    finally:
-        pm.time = saved
+            n = min(m + 1, r.remaining)
+            r.out += n
+            r.decode_steps += 1
+            tokens += n
+        for r in prefill:
+            sp.append(types.SimpleNamespace(kind="prefill", req=r))
+            res.append(types.SimpleNamespace(drafts=0, accepted=None))
+            r.in_prefill = False
+        if b:
+            key = 1 + max(ks.values()) if ks else 1
+            spans[key] = spans.get(key, 0) + 1
+        pol.record(types.SimpleNamespace(spans=sp), res)
+        clock[0] += ms / 1e3
+        done = [r for r in running if not r.in_prefill and r.remaining <= 0]
+        running = [r for r in running if r not in done]
+        for _ in done:
+            if made < total:
+                queue.append(new())
+        pol.step_done(busy=bool(running or queue))
+        prev_one = one and not prefill and bool(decode)
+        if not running and queue:
+            running, queue = queue, []
     return {"arm": arm, "tau": tau, "c": c, "tok_s": tokens / clock[0], "spans": dict(sorted(spans.items()))}
 
 

@@ -223,6 +223,7 @@ class SpanPolicy:
         self._timed: StepChoice | None = None  # the step record() saw, timed by step_done() after its commit
         self._spans = spec.span_variants
         self.chain_ok: Callable[[], bool] = lambda: False  # whether one-token rounds can chain (the engine's ahead)
+        self.clock: Callable[[], float] = time.perf_counter  # seconds (benchmarks/policy_sim.py: a simulated one)
         self.chain_walls: dict[int, list[float]] = {}  # batch bucket -> [mean chained one-token round s, steps]
         self.chain_frac = 1.0  # running share of the one-token rounds after a one-token round that ran chained
         self._last_span = 0  # span of the last timed step
@@ -295,7 +296,7 @@ class SpanPolicy:
         """Where a step's measured time starts: the previous step's commit when the engine was busy since (a
         step follows the one before at once: the loop's work between them is part of what each step costs),
         else now (after an idle spell)."""
-        return self._end if self._busy else time.perf_counter()
+        return self._end if self._busy else self.clock()
 
     def _best(self, b: int, remaining: list[int]) -> tuple[int, str, dict[int, float]]:
         assert self.costs is not None
@@ -417,7 +418,7 @@ class SpanPolicy:
         costs about the same per step whatever the span, so leaving it out made every step look cheaper by the
         same amount and favoured the short spans that take more steps per token. Returns the time it stamped as
         the step's end."""
-        now = time.perf_counter()
+        now = self.clock()
         c, self._timed = self._timed, None
         if c is not None:
             assert self.costs is not None
