@@ -209,10 +209,13 @@ def run(taus: list[float], levels: list[int], arms: tuple[str, ...] = ("plain", 
 
 
 def render(rows: list[dict], arms: tuple[str, ...] = ("spec", "gate1", "auto")) -> str:
-    lines = ["| tau | c | plain tok/s | " + " | ".join(arms) + " |", "|---|---|---|" + "---|" * len(arms)]
+    """Ratios to plain decode per arm, and the automatic policy's tok/s over the better of plain and span 16."""
+    lines = ["| tau | c | plain tok/s | " + " | ".join(arms) + " | auto / best of plain, spec |",
+             "|---|---|---|" + "---|" * (len(arms) + 1)]
     for r in rows:
+        best = max(r["plain"], r.get("spec", 0.0))
         lines.append(f"| {r['tau']} | {r['c']} | {r['plain']:.0f} | " +
-                     " | ".join(f"{r[f'{a}_ratio']:.3f}" for a in arms) + " |")
+                     " | ".join(f"{r[f'{a}_ratio']:.3f}" for a in arms) + f" | {r['auto'] / best:.3f} |")
     return "\n".join(lines)
 
 
@@ -222,12 +225,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--levels", default="1,16,64")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--md", default=None, help="write the table here (markdown, with the command)")
     a = ap.parse_args(argv)
     rows = run([float(x) for x in a.taus.split(",")], [int(x) for x in a.levels.split(",")], seeds=a.seeds)
     print(render(rows))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
+    if a.md:
+        with open(a.md, "w") as f:
+            f.write("# The automatic span policy in simulation (benchmarks/policy_sim.py)\n\n"
+                    f"`python -m specbench.benchmarks.policy_sim --taus {a.taus} --levels {a.levels} --seeds {a.seeds}`: "
+                    "tok/s ratios to plain decode, mean over seeds, simulated H200-fitted step costs (a model of "
+                    "the machine, not the machine; the GPU runs are in reports/h200-levers/).\n\n" + render(rows) + "\n")
     return rows
 
 
