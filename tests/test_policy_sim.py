@@ -48,3 +48,11 @@ def test_the_simulated_engine_matches_the_h200_where_it_was_fitted() -> None:
     for (tau, c), r in rows.items():
         assert r["plain"] == pytest.approx(h200_plain[c], rel=0.2), (tau, c, r["plain"])
         assert r["spec_ratio"] == pytest.approx(h200_spec[(tau, c)], rel=0.2), (tau, c, r["spec_ratio"])
+
+
+def test_the_report_is_written(tmp_path) -> None:
+    rows = ps.main(["--taus", "6.5", "--levels", "1", "--seeds", "1", "--json", str(tmp_path / "r.json"),
+                    "--md", str(tmp_path / "r.md")])
+    md = (tmp_path / "r.md").read_text()
+    assert "auto / best of plain, spec" in md and "| 6.5 | 1 |" in md and "--taus 6.5 --levels 1 --seeds 1" in md
+    assert len(rows) == 1 and rows[0]["auto"] > rows[0]["plain"]
