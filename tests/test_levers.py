@@ -387,7 +387,7 @@ def test_span_variant_changes_between_steps_mixed_batches(tiny_pair, prompts, pa
     llm = _llm(tiny_pair, fast=True, spec_policy="auto")
     eng = llm.engine
     cycle = itertools.cycle([1, 4, 2, 8, 8, 1])
-    eng.policy._best = lambda b, ready: (next(cycle) - 1, "policy", {})
+    eng.policy._best = lambda b, ready, prefill=False: (next(cycle) - 1, "policy", {})
     out = [o.output_ids for o in llm.generate(prompts, params)]
     assert out == baseline
     assert set(eng.metrics.span_hist) == {1, 2, 4, 8}

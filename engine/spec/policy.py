@@ -56,13 +56,16 @@ many drafts every decode-phase request carries (the schedule phase's `draft_lens
   bucket first, else the runner-up; reason "explore"), so neither the acceptance estimate nor the measured times
   freeze while the policy holds one span; but only from a budget (per batch bucket: what c1's cheap steps
   saved is not spent at c64): every decision adds `EXPLORE_SHARE` of the best span's step time, and an
-  exploration spends its regret (its step time minus the time the best span takes for the same tokens). So
+  exploration spends its regret (its step time minus the time the best span takes for the same tokens; out
+  of a chain of one-token rounds also the round that restarts it, and a run of span 1 from a speculative best
+  starts with an unchained round). So
   exploring costs about `EXPLORE_SHARE` (0.5 %) of the run whatever the batch, and near a tie (small regret) it
   is frequent: a span-16 step at c64 costs ~4 one-token rounds, and explored every 64 decisions it took ~15 %
   of the run (H200, tau 2.0: the automatic policy at 0.78x of plain with 97 % of its steps gated); exploring
   the least observed span spent the budget on spans nobody would pick (span 2 at c1), so an unlucky acceptance
   estimate stayed uncorrected. Exploring span 1 where rounds chain runs `EXPLORE_RUN` rounds in a row, so its
-  chained cost gets measured;
+  chained cost gets measured; the run ends early at a bucket change, a gated or no_ready step, or a prefill
+  chunk. A gated or no_ready round counts as a one-token round for `HOLD` (the chain the engine is in);
 - a (bucket, span)'s measured time is the median of its last `WINDOW` steps: one stalled step (147 ms among
   chained rounds of ~4 ms at c64 on the H200) in a running mean priced span 1 at 32 ms for the rest of the run,
   and the policy speculated at 0.65x of plain decode where gating made 0.97x; clipped at 3x the mean it still
@@ -230,7 +233,8 @@ class SpanPolicy:
         self._budget: dict[int, float] = {}  # exploration budget per batch bucket, seconds
         self._since = 0  # decisions since the last exploration
         self._explore_left = 0  # one-token rounds an exploration run still holds
-        self._held = 0  # the span of the last decision
+        self._held = 0  # the span of the last step (1 for a gated or no_ready round too)
+        self._explore_bk = 0  # the batch bucket an exploration run of span 1 belongs to
         self._recent: dict[tuple, deque[float]] = {}  # (chained, key) -> the last WINDOW measured step times
         self._end = 0.0  # perf_counter after the last commit
         self._busy = False  # requests were left running at it (the next step follows at once)
@@ -269,16 +273,19 @@ class SpanPolicy:
             else:
                 ready.append((r.rid, rem))
         expected = None
-        undo = None
+        undo = (self._decisions, self._since, dict(self._budget), self._explore_left, self._held, self._explore_bk) \
+            if self.auto else None
         if not ready:
             d, reason = 0, "no_ready"
         elif spec.gate and len(running) > spec.gate:
             d, reason = 0, "gate"
         elif self.auto:
-            undo = (self._decisions, self._since, dict(self._budget), self._explore_left, self._held)
-            d, reason, expected = self._best(n_decode, [rem for _, rem in ready])
+            prefill = any(r.in_prefill for r in running)
+            d, reason, expected = self._best(n_decode, [rem for _, rem in ready], prefill)
         else:
             d, reason = spec.fixed_drafts, "fixed"
+        if self.auto and reason in ("no_ready", "gate"):  # a one-token round the policy did not choose: it is in
+            self._held, self._explore_left = 1, 0  # (or starts) a chain, and no exploration run outlives it
         ks: dict[str, int] = {}
         if d:
             for rid, rem in ready:
@@ -298,7 +305,9 @@ class SpanPolicy:
         else now (after an idle spell)."""
         return self._end if self._busy else self.clock()
 
-    def _best(self, b: int, remaining: list[int]) -> tuple[int, str, dict[int, float]]:
+    def _best(self, b: int, remaining: list[int], prefill: bool = False) -> tuple[int, str, dict[int, float]]:
+        """The span of this step (drafts = span - 1), why, and each span's expected tokens / s. `prefill`: the
+        step carries a prefill chunk (not timed: an exploration run of span 1 ends there)."""
         assert self.costs is not None
         n_ready = len(remaining)
         others = b - n_ready
@@ -308,34 +317,37 @@ class SpanPolicy:
         for rem in remaining:
             hist[rem - 1 if rem - 1 < top else top] += 1
         rate: dict[int, float] = {}
-        secs: dict[int, float] = {}
+        secs: dict[int, float] = {}  # the step time each span is ranked by
+        tokens: dict[int, float] = {}
         draft = self.costs.draft(n_ready)
         bk = _bucket(b)
         chain = self.online and self.chain_ok()
-        # leaving a chain of one-token rounds costs the unchained round that restarts it when the policy comes back:
-        # paid once per switch, so charged to a speculative step spread over the HOLD steps a switch is worth
-        restart = max(0.0, self._step_seconds(bk, b, 1, 0.0, False) - self._step_seconds(bk, b, 1, 0.0, True)) / HOLD \
-            if chain and self._held == 1 else 0.0
+        alone1 = self._step_seconds(bk, b, 1, 0.0, False)
+        # the unchained round that restarts a chain of one-token rounds after a speculative step
+        restart = max(0.0, alone1 - self._step_seconds(bk, b, 1, 0.0, True)) if chain else 0.0
+        # leaving a chain is paid once per switch: charged to a speculative step spread over the HOLD steps a
+        # switch is worth
+        hold = restart / HOLD if self._held == 1 else 0.0
         for s in self._spans:
             d = s - 1 if s - 1 < top else top
-            tokens = others + sum(hist[x] * exp[x] for x in range(d)) + sum(hist[d:]) * exp[d]
-            t = self._step_seconds(bk, b, s, draft if d else 0.0, chain) + (restart if s > 1 else 0.0)
+            tokens[s] = others + sum(hist[x] * exp[x] for x in range(d)) + sum(hist[d:]) * exp[d]
+            t = self._step_seconds(bk, b, s, draft if d else 0.0, chain) + (hold if s > 1 else 0.0)
             secs[s] = t
-            rate[s] = tokens / t if t > 0 else 0.0
+            rate[s] = tokens[s] / t if t > 0 else 0.0
         pool = rate
         if self.acceptance.off[0] < EVIDENCE and len(rate) > 1:  # no acceptance seen yet: gating would learn none
             pool = {s: r for s, r in rate.items() if s > 1}
         best = max(pool, key=lambda s: (pool[s], -s))
         self._decisions += 1
-        if self._explore_left > 0 and 1 in rate:  # an exploration run of one-token rounds goes on
-            self._explore_left -= 1
+        if self._explore_left > 0 and 1 in rate and chain and bk == self._explore_bk and not prefill:
+            self._explore_left -= 1  # an exploration run of one-token rounds goes on (same bucket, chaining)
             self._held = 1
             return 0, "explore", rate
         self._explore_left = 0
         budget = self._budget.get(bk, 0.0) + EXPLORE_SHARE * secs[best]
         self._budget[bk] = budget
         self._since += 1
-        if self._since >= EXPLORE and len(rate) > 1:
+        if self._since >= EXPLORE and len(rate) > 1 and rate[best] > 0:
             others_s = [s for s in rate if s != best]
             seen = {s: (self.walls.get((bk, s)) or [0.0, 0])[1] for s in others_s}
             if chain and 1 in seen:
@@ -344,14 +356,20 @@ class SpanPolicy:
             # cheapest to check: the least observed one was often a span nobody would pick, spending the budget)
             unseen = [s for s in others_s if seen[s] == 0]
             alt = max(unseen or others_s, key=lambda s: rate[s])
-            run = EXPLORE_RUN if alt == 1 and chain else 1
-            # the time the exploration loses: its step time minus what the best span takes for the same tokens,
-            # and where the best is a chain of one-token rounds, the unchained round that restarts it
-            regret = run * max(0.0, secs[alt] - (rate[alt] * secs[alt]) / rate[best]) if rate[best] > 0 else 0.0
+            run = EXPLORE_RUN if alt == 1 and chain and not prefill else 1
+            # the time the exploration loses: what its steps take minus what the best span takes for the same
+            # tokens. Out of a chain of one-token rounds (best span 1), a speculative step also costs the round
+            # that restarts the chain; a run of span 1 from a speculative best starts with an unchained round.
+            same = tokens[alt] / rate[best]
+            if alt == 1:
+                rounds = [alone1] + [secs[1]] * (run - 1)
+                regret = sum(max(0.0, t - same) for t in rounds)
+            else:
+                regret = max(0.0, secs[alt] - hold - same) + (restart if best == 1 else 0.0)
             if budget >= regret:
                 self._budget[bk] = budget - regret
                 self._since = 0
-                self._explore_left = run - 1
+                self._explore_left, self._explore_bk = run - 1, bk
                 self._held = alt
                 return alt - 1, "explore", rate
         self._held = best
@@ -383,7 +401,7 @@ class SpanPolicy:
         as they were before it; no decision is made between one and its forgetting), so the exploration cadence
         stays the off switch's."""
         if choice is not None and choice.undo is not None:
-            self._decisions, self._since, self._budget, self._explore_left, self._held = choice.undo
+            self._decisions, self._since, self._budget, self._explore_left, self._held, self._explore_bk = choice.undo
 
     # ---- after the accept phase ------------------------------------------------------------------
     def record(self, plan: StepPlan, results: list[SpanResult]) -> None:
