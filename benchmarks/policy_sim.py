@@ -56,7 +56,7 @@ class SimCosts:
     host_ms: float = 0.8  # a step that does not run ahead: the host turn the chain hides
     prefill_ms_per_token: float = 0.006
     mixed_penalty: float = 1.25  # a verify beside a prefill chunk runs piecewise
-    stall_p: float = 0.0  # e.g. 0.002: the robustness check (tests/test_policy_sim.py)
+    stall_p: float = 0.0  # e.g. 0.002: stalls are drawn per step, so an arm of more steps meets more of them
     stall_ms: float = 150.0
 
     def decode_ms(self, b: int) -> float:
