@@ -52,7 +52,6 @@ checks it token for token against the off switch).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -95,7 +94,6 @@ class DecodeAhead:
         # the policy's choice for the step after a chain that ended because the policy speculates there:
         # (drafts, states, choice), taken by the engine's next step() instead of choosing again
         self.stashed: tuple[dict[str, int], dict[str, str], StepChoice | None] | None = None
-        self.committed_at = 0.0  # perf_counter after the last commit of a step launched here (its choice timed)
 
     # ---- when ----------------------------------------------------------------------------------
     def usable(self) -> bool:
@@ -291,13 +289,13 @@ class DecodeAhead:
         record = e.proposer is not None and bool(kept)
         if record:
             if fl.choice is not None:
-                fl.choice.t0 = max(fl.choice.t0, self.committed_at)
+                fl.choice.t0 = max(fl.choice.t0, e.policy.last_end)
             e.policy.attach(fl.choice)
             e.policy.record(plan, results)
         elif e.proposer is not None:
             e.policy.forget(fl.choice)
         with e.ranges.phase("commit"):
             outs = e.commit_step.commit(plan, results, fl.taps, finished_only, ahead=self.reserved())
-        self.committed_at = e.policy.step_done(busy=e.has_unfinished()) if e.proposer is not None \
-            else time.perf_counter()
+        if e.proposer is not None:
+            e.policy.step_done(busy=e.has_unfinished())
         return outs

@@ -299,6 +299,11 @@ class SpanPolicy:
                                   self.start_time(), undo=undo)
         return ks, states
 
+    @property
+    def last_end(self) -> float:
+        """The time `step_done` stamped on the last committed step (engine/ahead.py times a chained step from it)."""
+        return self._end
+
     def start_time(self) -> float:
         """Where a step's measured time starts: the previous step's commit when the engine was busy since (a
         step follows the one before at once: the loop's work between them is part of what each step costs),

@@ -198,7 +198,7 @@ class LocalAdapter(EngineAdapter):
         with self.engine._lock:
             d = pol.describe()
         return {"policy_state": {k: d[k] for k in ("acceptance", "overhead_ms", "measured_ms", "chained_ms",
-                                                          "chain_frac") if k in d}}
+                                                          "chain_frac")}}
 
     async def metrics_text(self) -> str | None:
         """The engine's Prometheus text, as `specbench serve` publishes it (gauges refreshed first)."""
