@@ -187,9 +187,34 @@ def figures(wall: float, arrive: dict, first: dict, last: dict, ntok: dict) -> d
             "tpot_ms": statistics.median(tpot) if tpot else float("nan")}
 
 
-def closed_loop(eng, prompts: list[list[int]], c: int, max_tokens: int, tag: str, phases: bool = False) -> dict:
+def choice_record(c) -> dict:
+    """One span policy decision (spec/policy.py StepChoice) as a step record carries it."""
+    out = {"step": c.step, "running": c.running, "ready": c.ready, "span": c.span, "reason": c.reason,
+           "chained": c.chained, "mixed": c.mixed}
+    if c.expected:
+        out["expected_tps"] = {str(k): round(v, 1) for k, v in c.expected.items()}
+    return out
+
+
+def steps_summary(steps: list[dict]) -> list[dict]:
+    """Per (reason, span, chained, mixed) of the choices committed in a step call: the calls, their summed and
+    mean wall ms and share of the stepping time (a call that commits no choice is `none`)."""
+    total = sum(s["ms"] for s in steps) or 1.0
+    groups: dict[tuple, list[float]] = {}
+    for s in steps:
+        ch = s["choices"][-1] if s["choices"] else None
+        key = (ch["reason"], ch["span"], ch["chained"], ch["mixed"]) if ch else ("none", 0, False, False)
+        groups.setdefault(key, []).append(s["ms"])
+    return [{"reason": k[0], "span": k[1], "chained": k[2], "mixed": k[3], "calls": len(v), "ms": round(sum(v), 2),
+             "mean_ms": round(sum(v) / len(v), 3), "max_ms": round(max(v), 2), "share": round(sum(v) / total, 4)}
+            for k, v in sorted(groups.items(), key=lambda kv: -sum(kv[1]))]
+
+
+def closed_loop(eng, prompts: list[list[int]], c: int, max_tokens: int, tag: str, phases: bool = False,
+                steps: list[dict] | None = None) -> dict:
     """Run `prompts` with c in flight; per-request and per-step timings (`phases`: per path, the mean host ms
-    of each step phase and the forward's GPU ms, `PhaseClock`)."""
+    of each step phase and the forward's GPU ms, `PhaseClock`). `steps`: a list that gets one record per
+    `step()` call (start and wall ms, forward path and rows, the span policy's choices committed in it)."""
     from specbench.engine import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
@@ -208,6 +233,10 @@ def closed_loop(eng, prompts: list[list[int]], c: int, max_tokens: int, tag: str
         arrive[rid] = time.perf_counter()
         eng.add_request(p, params, rid=rid)
 
+    committed: list = []
+    policy = getattr(eng, "policy", None)
+    if steps is not None and policy is not None:
+        policy.on_record = committed.append
     with StepStats(eng, phases) as stats:
         for _ in range(min(c, len(todo))):
             admit()
@@ -217,6 +246,11 @@ def closed_loop(eng, prompts: list[list[int]], c: int, max_tokens: int, tag: str
             outs = eng.step()
             b = time.perf_counter()
             stats.record(a, b)
+            if steps is not None:
+                kind, rows = eng.runner.last_path
+                steps.append({"t_ms": round((a - t0) * 1e3, 3), "ms": round((b - a) * 1e3, 3), "path": kind,
+                              "rows": rows, "outs": len(outs), "choices": [choice_record(x) for x in committed]})
+                committed.clear()
             for o in outs:
                 n = len(o.output_ids)
                 if n and o.rid not in first:
@@ -228,8 +262,13 @@ def closed_loop(eng, prompts: list[list[int]], c: int, max_tokens: int, tag: str
                     if todo:
                         admit()
         wall = time.perf_counter() - t0
-    return {**figures(wall, arrive, first, last, ntok), "steps": stats.steps, "paths": stats.summary(wall),
-            "ids_sha": ids_digest(ids)}
+    if steps is not None and policy is not None:
+        policy.on_record = None
+    out = {**figures(wall, arrive, first, last, ntok), "steps": stats.steps, "paths": stats.summary(wall),
+           "ids_sha": ids_digest(ids)}
+    if steps is not None:
+        out["by_choice"] = steps_summary(steps)
+    return out
 
 
 # ---- the http arm: the same closed loop through the project's server ----------------------------------------
@@ -451,7 +490,8 @@ def build(target: str, draft: str | None, device: str, dtype: str, tau: float | 
 
 def run(target: str, draft: str | None, device: str, levels: tuple[int, ...], arms: list[dict], repeats: int,
         waves: int, prompt_min: int, prompt_max: int, max_tokens: int, tau: float | None, pages: int,
-        dtype: str, save=None, phases: bool = False, cprofile: Path | None = None) -> dict:
+        dtype: str, save=None, phases: bool = False, cprofile: Path | None = None,
+        steps_dir: Path | None = None) -> dict:
     from specbench.benchmarks.speed import environment
 
     res: dict = {"environment": environment(device), "settings": {
@@ -488,10 +528,15 @@ def run(target: str, draft: str | None, device: str, levels: tuple[int, ...], ar
               f"{len(arm['captured_draft_rows'])} draft row counts in {arm['build_s']} s{where}",
               flush=True)
 
-    def loop(arm: dict, ps: list[list[int]], c: int, n: int, tag: str, ph: bool = False) -> dict:
+    def loop(arm: dict, ps: list[list[int]], c: int, n: int, tag: str, ph: bool = False, last: bool = False) -> dict:
         if arm["name"] in servers:
             return servers[arm["name"]].closed_loop(ps, c, n, ph)
-        return closed_loop(llms[arm["name"]].engine, ps, c, n, tag, ph)
+        steps: list[dict] | None = [] if last and steps_dir is not None else None
+        out = closed_loop(llms[arm["name"]].engine, ps, c, n, tag, ph, steps)
+        if steps is not None and steps_dir is not None:  # the last repeat's step records, one JSON line a call
+            steps_dir.mkdir(parents=True, exist_ok=True)
+            (steps_dir / f"steps-{arm['name']}-c{c}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in steps))
+        return out
     vocab = (next(iter(llms.values())).engine if llms else next(iter(servers.values())).engine).mcfg.vocab_size
     for c in levels:
         prompts = workload(c, waves, prompt_min, prompt_max, vocab, seed=1)
@@ -505,7 +550,7 @@ def run(target: str, draft: str | None, device: str, levels: tuple[int, ...], ar
                         else None)
                 if prof is not None:
                     prof.enable()
-                per[arm["name"]].append(loop(arm, prompts, c, max_tokens, f"r{r}c{c}", phases))
+                per[arm["name"]].append(loop(arm, prompts, c, max_tokens, f"r{r}c{c}", phases, r == repeats - 1))
                 if prof is not None and cprofile is not None:
                     prof.disable()
                     cprofile.mkdir(parents=True, exist_ok=True)
@@ -523,6 +568,7 @@ def run(target: str, draft: str | None, device: str, levels: tuple[int, ...], ar
                 "tokens": stat([x["tokens"] for x in runs]),
                 "over_first": stat([x["tok_s"] / y["tok_s"] for x, y in zip(runs, per[base], strict=True)]),
                 "paths": runs[-1]["paths"], "via": arm.get("via", "process"), "child": runs[-1].get("child"),
+                "by_choice": runs[-1].get("by_choice"),
                 "steps_available": runs[-1].get("steps_available", True),
                 # greedy: the same prompts give the same ids on every repeat, and across arms unless their
                 # kw change the arithmetic (bf16 at other batch shapes may differ in a late token)
@@ -594,6 +640,16 @@ def render(res: dict) -> str:
                   "| c | arm | path | " + " | ".join(names) + " |", "|---:|---|---|" + "---:|" * len(names)]
         for c, name, k, ph in rows:
             lines.append(f"| {c} | {name} | {k} | " + " | ".join(f"{ph[n]:.3f}" if n in ph else "" for n in names) + " |")
+    sums = [(c, arm["name"], lvl[arm["name"]]["by_choice"]) for c, lvl in res["levels"].items() for arm in arms
+            if lvl[arm["name"]].get("by_choice")]
+    if sums:
+        lines += ["", "Stepping time by the span policy's choice committed in a `step()` call (the last repeat; "
+                  "`--steps-out`):", "", "| c | arm | reason | span | chained | mixed | calls | ms | mean ms | max ms | share |",
+                  "|---:|---|---|---:|---|---|---:|---:|---:|---:|---:|"]
+        for c, name, rows_ in sums:
+            for x in rows_:
+                lines.append(f"| {c} | {name} | {x['reason']} | {x['span']} | {x['chained']} | {x['mixed']} | "
+                             f"{x['calls']} | {x['ms']:.1f} | {x['mean_ms']:.2f} | {x['max_ms']:.1f} | {x['share']:.1%} |")
     if not res.get("complete"):
         lines += ["", "Incomplete run: the levels above are all that finished."]
     return "\n".join(lines)
@@ -620,6 +676,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out-dir", help="write load.json and load.md there")
     ap.add_argument("--cprofile", action="store_true",
                     help="with --out-dir: cProfile each arm's last repeat per level (cprofile-ARM-cC.txt: top 45 by own time, 35 by cumulative)")
+    ap.add_argument("--steps-out", action="store_true",
+                    help="with --out-dir: each process arm's last repeat per level, one JSON line per step() call "
+                         "(steps-ARM-cC.jsonl: wall ms, path, rows, the span policy's committed choices), and its "
+                         "time by choice (reason, span, chained, mixed) in load.json / load.md")
     ap.add_argument("--phases", action="store_true",
                     help="time each step phase per forward path (host ms, and the forward's GPU ms on CUDA)")
     a = ap.parse_args(argv)
@@ -653,7 +713,8 @@ def main(argv: list[str] | None = None) -> dict:
     levels = positive_ints(a.levels, "--levels")
     res = run(target, draft if a.tau else None, a.device, levels, arms, a.repeats, a.waves, a.prompt_min,
               a.prompt_max, a.max_tokens, a.tau, a.num_pages, dtype, save=save,
-              phases=a.phases, cprofile=d if a.cprofile and d is not None else None)
+              phases=a.phases, cprofile=d if a.cprofile and d is not None else None,
+              steps_dir=d if a.steps_out and d is not None else None)
     save(res)
     print(render(res), flush=True)
     emit_document(res)

@@ -19,8 +19,10 @@ many drafts every decode-phase request carries (the schedule phase's `draft_lens
   with b the decode-phase requests, r the draft-ready ones, tokens(d) = the non-ready requests' one token each
   plus, per ready request, 1 + sum_{j=1..d'} prod_{i<j} c_i (d' = min(d, remaining - 1)), c_i the running
   acceptance at draft position i given positions < i were accepted (`Acceptance`, decayed counts with a
-  prior), C_* the start-up cost model (spec/costs.py) and `overhead` the running mean of the host time a
-  step costs beyond the model (its wall time minus the model's figure). Online correction (off with
+  prior), C_* the start-up cost model (spec/costs.py) and `overhead` the median over the last `WINDOW`
+  unchained steps of the host time a step costs beyond the model (its wall time minus the model's figure; a
+  running mean of it kept a cold first step for hundreds of steps, H200 2026-12-04, benchmarks/load.py: one-token
+  rounds held at c16 and tau 3.5 where span 16 ran 1.30x faster). Online correction (off with
   SPECBENCH_SPEC_ONLINE=0): once a (batch bucket, span) pair has run `MIN_OBS` steps, its measured step time
   (the median of the wall times its recent steps added to the run, below) replaces the model's figure for it,
   so a cost the model does not see (attention over long contexts, host work that grows with the span) still
@@ -63,7 +65,13 @@ many drafts every decode-phase request carries (the schedule phase's `draft_lens
   is frequent: a span-16 step at c64 costs ~4 one-token rounds, and explored every 64 decisions it took ~15 %
   of the run (H200, tau 2.0: the automatic policy at 0.78x of plain with 97 % of its steps gated); exploring
   the least observed span spent the budget on spans nobody would pick (span 2 at c1), so an unlucky acceptance
-  estimate stayed uncorrected. Exploring span 1 where rounds chain runs `EXPLORE_RUN` rounds in a row, so its
+  estimate stayed uncorrected. A span already run at the bucket is explored only when its expected rate is
+  within `EXPLORE_GAP` (25 %) of the best's: one far behind cannot take over without a change that large, and
+  an exploration has a cost the regret does not see: where a batch runs in step (requests of one length that
+  started together finish together, their successors' prefills share a few steps), one speculative step spreads
+  the finishes, and every successor's prefill then costs a mixed step of its own (H200, sweep at c64 and tau
+  3.5: six explorations among 385 one-token rounds, 46 steps of 12-30 ms instead of 4, 0.76x of plain decode
+  where gate 1 made 0.97x). Exploring span 1 where rounds chain runs `EXPLORE_RUN` rounds in a row, so its
   chained cost gets measured; the run ends early at a bucket change, a gated or no_ready step, or a prefill
   chunk. A gated or no_ready round counts as a one-token round for `HOLD` (the chain the engine is in);
 - a (bucket, span)'s measured time is the median of its last `WINDOW` steps: one stalled step (147 ms among
@@ -99,6 +107,7 @@ if TYPE_CHECKING:
 EXPLORE = 8  # at most one policy decision in EXPLORE runs another candidate span (exploration; the budget decides)
 EXPLORE_SHARE = 0.005  # the share of the run's time exploration may cost (its budget per decision)
 EXPLORE_RUN = 4  # one-token rounds an exploration of span 1 runs in a row where they chain
+EXPLORE_GAP = 0.25  # a span measured at this bucket is explored only within this share of the best's expected rate
 WINDOW = 9  # a (bucket, span)'s measured step time: the median of its last WINDOW steps
 HOLD = 8  # steps a switch out of a chain of one-token rounds must be worth (the restart it costs, spread over them)
 EVIDENCE = 16  # verify spans observed (decayed) before the policy may hold one-token rounds
@@ -218,7 +227,8 @@ class SpanPolicy:
         self.acceptance = Acceptance(max(spec.k, 1))
         n = trace_len()
         self._trace: deque[StepChoice] | None = deque(maxlen=n) if n else None
-        self.overhead = 0.0  # running mean host seconds per step beyond the cost model
+        self.overhead = 0.0  # host seconds per step beyond the cost model: the median of the last WINDOW
+        self._extras: deque[float] = deque(maxlen=WINDOW)
         self._decisions = 0  # policy decisions so far (for exploration)
         self.online = os.environ.get(ONLINE_ENV, "1").strip() not in ("0", "off", "false")
         self.walls: dict[tuple[int, int], list[float]] = {}  # (batch bucket, span) -> [mean step seconds, steps]
@@ -238,6 +248,7 @@ class SpanPolicy:
         self._recent: dict[tuple, deque[float]] = {}  # (chained, key) -> the last WINDOW measured step times
         self._end = 0.0  # perf_counter after the last commit
         self._busy = False  # requests were left running at it (the next step follows at once)
+        self.on_record: Callable[[StepChoice], None] | None = None  # sees every recorded choice (benchmarks/load.py)
 
     @property
     def auto(self) -> bool:
@@ -352,15 +363,22 @@ class SpanPolicy:
         budget = self._budget.get(bk, 0.0) + EXPLORE_SHARE * secs[best]
         self._budget[bk] = budget
         self._since += 1
+        alt = 0
         if self._since >= EXPLORE and len(rate) > 1 and rate[best] > 0:
             others_s = [s for s in rate if s != best]
             seen = {s: (self.walls.get((bk, s)) or [0.0, 0])[1] for s in others_s}
             if chain and 1 in seen:
                 seen[1] = int((self.chain_walls.get(bk) or [0.0, 0])[1])
             # a span never run at this bucket first; else the runner-up (the one that could take over, and the
-            # cheapest to check: the least observed one was often a span nobody would pick, spending the budget)
+            # cheapest to check: the least observed one was often a span nobody would pick, spending the budget),
+            # and only when its expected rate is within EXPLORE_GAP of the best's: a measured span far behind
+            # would need its acceptance or its step time to move by that much before it could win, and each
+            # exploration desynchronises a batch that runs in step (see the module docstring)
             unseen = [s for s in others_s if seen[s] == 0]
-            alt = max(unseen or others_s, key=lambda s: rate[s])
+            near = [s for s in others_s if rate[s] >= (1.0 - EXPLORE_GAP) * rate[best]]
+            pick = unseen or near
+            alt = max(pick, key=lambda s: rate[s]) if pick else 0
+        if alt:
             run = EXPLORE_RUN if alt == 1 and chain and not prefill else 1
             # the time the exploration loses: what its steps take minus what the best span takes for the same
             # tokens. Out of a chain of one-token rounds (best span 1), a speculative step also costs the round
@@ -433,6 +451,8 @@ class SpanPolicy:
         self._timed = c if self.auto and c.running and c.reason in ("policy", "explore") and not c.mixed else None
         if self._timed is None:
             self._last_span = 0  # the round after this one restarts a chain: it is no evidence against chaining
+        if self.on_record is not None:
+            self.on_record(c)
 
     def step_done(self, busy: bool = True) -> float:
         """After a step's commit (`busy`: requests are left running, so the next step follows at once): the
@@ -452,8 +472,11 @@ class SpanPolicy:
                 self.chain_frac = 0.9 * self.chain_frac + 0.1 * (1.0 if c.chained else 0.0)
             self._last_span = c.span
             if not (c.chained or c.mixed):  # hidden host work, or a prefill chunk's: neither is the overhead
-                extra = max(0.0, wall - model)
-                self.overhead = extra if self.overhead == 0.0 else 0.9 * self.overhead + 0.1 * extra
+                # the median of the recent extras: a cold first step (hundreds of ms at start on the H200) in a
+                # running mean that only unchained steps move priced every unmeasured span that much higher for
+                # hundreds of steps (the policy then held one-token rounds at c16 where span 16 ran 1.30x faster)
+                self._extras.append(max(0.0, wall - model))
+                self.overhead = statistics.median(self._extras)
             if self.online:
                 table: dict = self.chain_walls if c.chained else self.walls
                 key = bk if c.chained else (bk, c.span)
