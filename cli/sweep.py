@@ -76,6 +76,10 @@ def sweep(
     max_tokens: int = typer.Option(None, "--max-tokens", help="Output tokens per request (cap; default 128)."),
     random_output_len: int = typer.Option(None, "--random-output-len", help="vLLM bench: output tokens per request "
                                           "(= --max-tokens, and like vLLM's random dataset it sets --ignore-eos)."),
+    max_tokens_spread: float = typer.Option(0.0, "--max-tokens-spread", help="Each request's max_tokens uniform in "
+                                            "[M (1 - S), M (1 + S)] (M = --max-tokens), one seeded draw per prompt "
+                                            "position, the same for every arm and round (vLLM bench's "
+                                            "--random-range-ratio); 0 <= S < 1 (0: every request M)."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Always generate max_tokens tokens."),
     temperature: float = typer.Option(0.0, "--temperature", help="Sampling temperature (0 = greedy)."),
     rounds: int = typer.Option(3, "--rounds", help="Interleaved rounds per level (A B A' | A B A' ...)."),
@@ -198,6 +202,9 @@ def sweep(
                         ("--random-input-len", random_input_len, 1)):
         if v is not None and v < lo:
             raise typer.BadParameter(f"{v} is invalid: expected an integer >= {lo}", param_hint=name)
+    if not (0.0 <= max_tokens_spread < 1.0):
+        raise typer.BadParameter(f"{max_tokens_spread} is invalid: expected a number in [0, 1)",
+                                 param_hint="--max-tokens-spread")
     if arrival not in ("poisson", "gamma"):
         raise typer.BadParameter(f"{arrival!r} is invalid: expected poisson or gamma", param_hint="--arrival")
     if not (burstiness > 0 and math.isfinite(burstiness)):
@@ -217,7 +224,7 @@ def sweep(
     label_list = [x.strip() for x in labels.split(",")] if labels else None
     cfg = SweepConfig(levels=levels, mode="open" if open_loop else "closed", max_concurrency=cap, dataset=dataset,
                       num_prompts=num_prompts, prompts_per_level=prompts_per_level or 4, max_tokens=max_tokens,
-                      ignore_eos=ignore_eos, temperature=temperature, rounds=rounds, warmup=warmup, arrival=arrival,
+                      max_tokens_spread=max_tokens_spread, ignore_eos=ignore_eos, temperature=temperature, rounds=rounds, warmup=warmup, arrival=arrival,
                       burstiness=burstiness, noise_floor=noise, seed=seed, random_input_len=random_input_len,
                       dataset_path=dataset_path, endpoint_type=endpoint_type, client_procs=nprocs)
     from specbench.cli.progress import RunProgress

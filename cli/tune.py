@@ -49,6 +49,9 @@ def tune(
                                 "(gsm8k, spec_bench, mt_bench, sharegpt, humaneval, random, custom, shared_prefix)."),
     prompts_per_level: int = typer.Option(4, "--prompts-per-level", min=1),
     max_tokens: int = typer.Option(128, "--max-tokens", min=1),
+    max_tokens_spread: float = typer.Option(0.0, "--max-tokens-spread", help="Each request's max_tokens uniform in "
+                                            "[M (1 - S), M (1 + S)] (M = --max-tokens), the same per prompt position "
+                                            "for every arm; 0 <= S < 1 (0: all M)."),
     rounds: int = typer.Option(2, "--rounds", min=1, help="Interleaved rounds per level."),
     warmup: int = typer.Option(1, "--warmup", min=0),
     ignore_eos: bool = typer.Option(True, "--ignore-eos/--no-ignore-eos"),
@@ -74,6 +77,9 @@ def tune(
     from .sweep import _dataset_name, _levels
 
     levels = _levels(concurrency, "--concurrency", rate=False)
+    if not (0.0 <= max_tokens_spread < 1.0):
+        raise typer.BadParameter(f"{max_tokens_spread} is invalid: expected a number in [0, 1)",
+                                 param_hint="--max-tokens-spread")
     dataset = _dataset_name(dataset, "--dataset")
     pols = [p.strip() for p in policy.split(",") if p.strip()]
     bad = [p for p in pols if p not in ("off", "auto")]
@@ -90,7 +96,7 @@ def tune(
                                         _ints(gate, "--gate", 0), pols, each=each)
             base_label = labels[0]
         cfg = SweepConfig(levels=levels, dataset=dataset, prompts_per_level=prompts_per_level, max_tokens=max_tokens,
-                          rounds=rounds, warmup=warmup, ignore_eos=ignore_eos)
+                          max_tokens_spread=max_tokens_spread, rounds=rounds, warmup=warmup, ignore_eos=ignore_eos)
         from specbench.cli.flags import scratch_store
         from specbench.cli.progress import RunProgress
 

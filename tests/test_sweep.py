@@ -282,3 +282,42 @@ def test_cli_refuses_an_engine_that_cannot_serve(cli: CliRunner, monkeypatch: py
                          "--arms", "openai:http://a,name=A,openai:http://b,name=B", "--out", str(tmp_path)])
     assert r.exit_code == 2 and "arm 'B'" in r.output and "probe" in r.output and "ConnectError" in r.output
     assert not list(tmp_path.iterdir())  # refused before a run was opened
+
+
+def test_output_length_spread_is_per_position_and_the_same_for_every_arm() -> None:
+    """--max-tokens-spread S: each request's max_tokens uniform in [M (1 - S), M (1 + S)], one seeded draw per
+    prompt position, so every arm and round gets the same lengths (with S = 0 and ignore_eos the requests of a
+    wave finish in lockstep, and their successors' prefills share a step: a batch no traffic has)."""
+    from specbench.suites.sweep.workload import output_len_range
+
+    assert output_len_range(128, 0.5) == (64, 192) and output_len_range(128, 0.0) == (128, 128)
+    assert output_len_range(1, 0.9) == (1, 2)
+    cfg = SweepConfig(levels=(4,), num_prompts=32, max_tokens=8, max_tokens_spread=0.5, rounds=2, warmup=0,
+                      ignore_eos=True, dataset="gsm8k")
+    assert cfg.max_tokens_hi == 12
+    arms = [Arm("A", "a"), Arm("B", "b")]
+    a, b = FakeAdapter("A"), FakeAdapter("B")
+    wl = Workload.build("gsm8k", 40)
+    asyncio.run(wl.tokenize("A", a))
+    asyncio.run(wl.tokenize("B", b))
+    sink = ListSink()
+    asyncio.run(SweepRunner(cfg, arms, {"A": a, "B": b}, wl, sink, progress=False).run())
+    lens: dict[tuple[str, int], list[int]] = {}
+    for arm, rnd, res in sink.requests:
+        lens.setdefault((arm, rnd), []).append((int(res.rid.rsplit("/", 1)[1]), res.completion_tokens))
+    per = {k: [n for _, n in sorted(v)] for k, v in lens.items()}
+    first = per[("A", 0)]
+    assert all(v == first for v in per.values()), per  # same position, same length: every arm, every round
+    assert all(4 <= n <= 12 for n in first) and len(set(first)) >= 5, first  # spread over the range
+    with pytest.raises(ValueError, match="max_tokens_spread=1.0 is invalid"):
+        SweepConfig(max_tokens_spread=1.0)
+    fixed = SweepConfig(levels=(4,), num_prompts=8, max_tokens=8, rounds=1, warmup=0, ignore_eos=True)
+    assert fixed.max_tokens_hi == 8 and wl.requests("A", list(range(8)), 8, True)[0].max_tokens == 8
+
+
+def test_tune_and_sweep_refuse_a_bad_spread() -> None:
+    _register()
+    r = CliRunner().invoke(app, ["sweep", "--arms", "local", "--max-tokens-spread", "1.5"])
+    assert r.exit_code == 2 and "--max-tokens-spread" in r.output and "[0, 1)" in r.output, r.output
+    r = CliRunner().invoke(app, ["tune", "--max-tokens-spread", "-0.1"])
+    assert r.exit_code == 2 and "--max-tokens-spread" in r.output, r.output

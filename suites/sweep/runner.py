@@ -45,7 +45,7 @@ import numpy as np
 from specbench.harness.adapters.base import EngineAdapter, GenResult, counters_delta
 
 from ..metrics_audit import per_step_stream, scrape, settle
-from .workload import Workload
+from .workload import Workload, output_len_range
 
 NOISE_SUFFIX = "#2"
 ENDPOINT_TYPES = ("completions", "chat")
@@ -67,6 +67,11 @@ class SweepConfig:
     prompts_per_level: int = 4  # else K x C prompts per cell at level C (K full waves); open loop: K x 8
     min_prompts: int = 8
     max_tokens: int = 128
+    # output length spread S in [0, 1): each request's max_tokens uniform in [max(1, round(M (1 - S))),
+    # round(M (1 + S))] (M = max_tokens), one seeded draw per prompt position, the same for every arm and round (as
+    # vLLM bench's --random-range-ratio). 0: every request M. With ignore_eos and S = 0 the requests of one wave
+    # finish together and their successors' prefills share a step: a lockstep no traffic has.
+    max_tokens_spread: float = 0.0
     ignore_eos: bool = False
     temperature: float = 0.0
     rounds: int = 3
@@ -106,8 +111,15 @@ class SweepConfig:
                              f"{', '.join(ENDPOINT_TYPES)}")
         if self.client_procs < 0:
             raise ValueError(f"client_procs={self.client_procs} is invalid: expected an integer >= 1, or 0 (auto)")
+        if not (0.0 <= self.max_tokens_spread < 1.0):
+            raise ValueError(f"max_tokens_spread={self.max_tokens_spread} is invalid: expected a number in [0, 1)")
         if self.random_input_len < 1:
             raise ValueError(f"random_input_len={self.random_input_len} is invalid: expected an integer >= 1")
+
+    @property
+    def max_tokens_hi(self) -> int:
+        """The largest max_tokens a request gets (the context every prompt must leave room for)."""
+        return output_len_range(self.max_tokens, self.max_tokens_spread)[1]
 
     def width(self, level: float) -> int:
         """Requests in flight a level aims at: C, or in open loop the cap (8 when uncapped)."""
@@ -223,7 +235,7 @@ class SweepRunner:
         key = {"arm": arm.label, "level": level, "level_kind": "concurrency" if cfg.mode == "closed" else "rate",
                "round": rnd, "warmup": warmup, "copy_of": arm.copy_of}
         reqs = self.workload.requests(arm.copy_of or arm.label, positions, cfg.max_tokens, cfg.ignore_eos,
-                                      cfg.temperature, meta=dict(key))
+                                      cfg.temperature, meta=dict(key), spread=cfg.max_tokens_spread, seed=cfg.seed)
         for i, r in enumerate(reqs):
             r.rid = f"{arm.label}/{_level_name(cfg, level)}/r{rnd}/{i}"
         before = await _counters(ad)

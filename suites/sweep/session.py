@@ -38,7 +38,7 @@ from specbench.harness.spec_method import spec_method
 from .audit import audit_records
 from .runner import Arm, SweepConfig, SweepRunner, with_noise_copy
 from .vllm_format import to_vllm
-from .workload import Workload
+from .workload import Workload, output_len_range
 
 KINDS = ("local", "openai", "hf")
 SUITE_VERSION = "1"
@@ -274,7 +274,7 @@ async def _main(cfg: SweepConfig, arms: list[Arm], adapters: dict[str, EngineAda
     for a in arms:
         if a.copy_of:
             workload.share(a.copy_of, a.label)
-    dropped = workload.keep({label: _context_limit(ad, cfg.max_tokens) for label, ad in adapters.items()})
+    dropped = workload.keep({label: _context_limit(ad, cfg.max_tokens_hi) for label, ad in adapters.items()})
     for label, ad in adapters.items():  # fail fast on an engine that cannot serve at all
         probe = workload.requests(label, [0], max_tokens=1, ignore_eos=True)
         res = (await ad.generate(probe))[0]
@@ -287,6 +287,8 @@ async def _main(cfg: SweepConfig, arms: list[Arm], adapters: dict[str, EngineAda
                       "description": described[a.copy_of or a.label]} for a in arms],
             "workload": wl}
     sampling = {"temperature": cfg.temperature, "max_tokens": cfg.max_tokens, "ignore_eos": cfg.ignore_eos}
+    if cfg.max_tokens_spread:
+        sampling["max_tokens_range"] = list(output_len_range(cfg.max_tokens, cfg.max_tokens_spread))
     models = {label: (described[label] or {}).get("model") for label in adapters}
     kinds = {label: ad.kind for label, ad in adapters.items()}
     with open_run("sweep", SUITE_VERSION, engines=described, sampling=sampling, dataset=wl, seeds=cfg.seed,

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +50,11 @@ FILE_DATASETS = ("custom", "sharegpt", "spec_bench", "mt_bench")  # the ones --d
 
 class WorkloadError(ValueError):
     """Bad workload input (unknown data set, impossible sizes); the message names the option."""
+
+
+def output_len_range(max_tokens: int, spread: float) -> tuple[int, int]:
+    """[lo, hi] of the per-request max_tokens with an output length spread (SweepConfig.max_tokens_spread)."""
+    return max(1, round(max_tokens * (1.0 - spread))), max(1, round(max_tokens * (1.0 + spread)))
 
 
 def file_texts(dataset: str, path: str | Path) -> list[str]:
@@ -192,8 +198,11 @@ class Workload:
         return before - len(self.kept)
 
     def requests(self, arm: str, positions: list[int], max_tokens: int, ignore_eos: bool,
-                 temperature: float = 0.0, meta: dict | None = None) -> list[GenRequest]:
-        """Requests for the kept prompts at `positions` (indices into `kept`, wrapped around)."""
+                 temperature: float = 0.0, meta: dict | None = None, spread: float = 0.0,
+                 seed: int = 0) -> list[GenRequest]:
+        """Requests for the kept prompts at `positions` (indices into `kept`, wrapped around). `spread`: each
+        request's max_tokens drawn from `output_len_range(max_tokens, spread)` by (seed, position), so every arm
+        and round gets the same length at the same position."""
         if not self.kept:
             raise WorkloadError("no prompt fits the engines' context: lower --max-tokens or pick another --dataset")
         ids = self.ids.get(arm)
@@ -201,12 +210,18 @@ class Workload:
         for p in positions:
             i = self.kept[p % len(self.kept)]
             m = {**(meta or {}), "prompt_idx": i}
+            if spread:
+                lo, hi = output_len_range(max_tokens, spread)
+                n = random.Random(f"{seed}:{p}").randint(lo, hi)
+                m["max_tokens"] = n
+            else:
+                n = max_tokens
             if self.chat:
-                out.append(GenRequest(messages=[{"role": "user", "content": self.texts[i]}], max_tokens=max_tokens,
+                out.append(GenRequest(messages=[{"role": "user", "content": self.texts[i]}], max_tokens=n,
                                       temperature=temperature, ignore_eos=ignore_eos, meta=m))
                 continue
             prompt = ids[i] if ids and ids[i] is not None else self.texts[i]
-            out.append(GenRequest(prompt=prompt, max_tokens=max_tokens, temperature=temperature,
+            out.append(GenRequest(prompt=prompt, max_tokens=n, temperature=temperature,
                                   ignore_eos=ignore_eos, meta=m))
         return out
 
