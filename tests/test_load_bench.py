@@ -61,3 +61,30 @@ def test_http_proc_arm_agrees_and_reports_the_engine_process_steps(tiny_target, 
         assert ch["steps"] > 0 and ch["step_ms"] > 0 and 0 < ch["share"] <= 1.0 and ch["emit_ms"] >= 0
     assert "engine process: " in capsys.readouterr().out
     assert "| 4 | proc | http-proc |" in (tmp_path / "load.md").read_text()
+
+
+def test_steps_out_records_every_step_and_the_policy_choices(tiny_pair, tmp_path):
+    """--steps-out: one record per step() call of each process arm's last repeat, with the span policy's committed
+    choices; the time by choice covers every call once (its shares sum to 1), and the gate arm's every choice with
+    more than one request running is a one-token round."""
+    t, d = tiny_pair
+    arms = [{"name": "gate1", "kw": {"spec_gate": 1}}, {"name": "fixed", "kw": {}}]
+    res = load.main(["--device", "cpu", "--model", t, "--draft", d, "--tau", "3.5", "--levels", "4",
+                     "--prompt-min", "8", "--prompt-max", "16", "--max-tokens", "10", "--waves", "2",
+                     "--repeats", "1", "--num-pages", "256", "--arms", json.dumps(arms, separators=(",", ":")),
+                     "--out-dir", str(tmp_path), "--steps-out"])
+    for name in ("gate1", "fixed"):
+        lines = [json.loads(x) for x in (tmp_path / f"steps-{name}-c4.jsonl").read_text().splitlines()]
+        lvl = res["levels"]["4"][name]
+        assert len(lines) == lvl["steps"]["median"] > 0
+        choices = [c for x in lines for c in x["choices"]]
+        assert choices and all({"span", "reason", "chained", "mixed", "running"} <= set(c) for c in choices)
+        by = lvl["by_choice"]
+        assert sum(g["calls"] for g in by) == len(lines)
+        assert sum(g["share"] for g in by) == pytest.approx(1.0, abs=1e-3)
+        if name == "gate1":
+            assert all(c["span"] == 1 for c in choices if c["running"] > 1)
+            assert any(c["reason"] == "gate" for c in choices)
+        else:
+            assert any(c["reason"] == "fixed" and c["span"] > 1 for c in choices)
+    assert "Stepping time by the span policy's choice" in (tmp_path / "load.md").read_text()

@@ -38,7 +38,7 @@ def analyse(run: Path, level: int) -> list[dict]:
         for t in arrivals:
             if not steps or t - steps[-1] > 0.0008:
                 steps.append(t)
-        gaps = [(b - a) * 1e3 for a, b in zip(steps, steps[1:])]
+        gaps = [(b - a) * 1e3 for a, b in zip(steps, steps[1:], strict=False)]
         long_ = [g for g in gaps if 7 < g < 30]
         out.append({"arm": arm, "round": rnd, "requests": len(sel), "wall_s": round(fins[-1] - t0, 3),
                     "finish_clusters": clusters, "long_steps": len(long_), "long_steps_ms": round(sum(long_), 1),

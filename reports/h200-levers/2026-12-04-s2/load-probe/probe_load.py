@@ -1,10 +1,15 @@
 """One-off: the engine under closed-loop load at c16/c64, gate 1 vs the automatic policy vs fixed span, per tau,
 with per-step records (benchmarks/load.py --steps-out)."""
-import json, os, shutil, sys
+import json
+import os
+import shutil
+import sys
 from pathlib import Path
+
 from specbench.benchmarks import load
 
-W = Path(os.environ.get("W", "/tmp/specbench-work")); OUT = Path(os.environ.get("OUT", "/tmp/specbench-out"))
+W = Path(os.environ.get("W", "/tmp/specbench-work"))
+OUT = Path(os.environ.get("OUT", "/tmp/specbench-out"))
 arms = [{"name": "gate1", "kw": {"spec_gate": 1}}, {"name": "auto", "kw": {"spec_policy": "auto"}},
         {"name": "fixed", "kw": {}}]
 for tau in sys.argv[1:] or ["3.5", "6.5"]:
