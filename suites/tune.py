@@ -27,6 +27,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -122,6 +123,31 @@ def _spans(records: list[dict], arm: str, level: float) -> dict[str, int]:
     return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
 
 
+def finish_groups(records: list[dict], arm: str, level: float) -> float | None:
+    """Finish groups per request of an arm at a level, median over its measured rounds: requests whose ends lie
+    within half a TPOT (the cell's median) of the one before finished in the same engine step. ~1/c: the level
+    ran in lockstep waves (requests of one length that started together finish together, and their successors'
+    prefills share a step); ~1: every request finished apart, its successor's prefill a step of its own."""
+    cells: dict[int, list[tuple[float, float]]] = {}
+    for r in records:
+        m = r.get("meta") or {}
+        if r.get("kind") != "request" or r.get("arm") != arm or m.get("warmup") or not r.get("ok"):
+            continue
+        if float(m.get("level", -1)) != level or r.get("wall_send") is None or r.get("e2el") is None:
+            continue
+        cells.setdefault(int(r.get("round", 0)), []).append((r["wall_send"] + r["e2el"], r.get("tpot") or 0.0))
+    out = []
+    for ends in cells.values():
+        if len(ends) < 2:
+            continue
+        tpots = sorted(t for _, t in ends if t > 0)
+        gap = 0.5 * tpots[len(tpots) // 2] if tpots else 0.0
+        fins = sorted(e for e, _ in ends)
+        groups = 1 + sum(1 for a, b in zip(fins, fins[1:], strict=False) if b - a > gap)
+        out.append(groups / len(fins))
+    return statistics.median(out) if out else None
+
+
 def analyze(summary: Any, records: list[dict]) -> dict:
     base = summary.baseline
     arms = [a for a in summary.compared_arms if a != base]
@@ -131,7 +157,8 @@ def analyze(summary: Any, records: list[dict]) -> dict:
         nf = summary.noise.get(lv)
         noise = nf["noise"] if nf else None
         b = summary.get(base, lv)
-        row: dict = {"level": lv, "plain_tok_s": b.tok_s_median if b else None, "noise": noise, "arms": {}}
+        row: dict = {"level": lv, "plain_tok_s": b.tok_s_median if b else None, "noise": noise, "arms": {},
+                     "plain_finish_groups": finish_groups(records, base, lv)}
         best, best_tps = base, (b.tok_s_median if b else None) or 0.0
         for a in arms:
             c = summary.get(a, lv)
@@ -139,7 +166,8 @@ def analyze(summary: Any, records: list[dict]) -> dict:
             ratio = sp["median"] if sp else None
             resolved = None if ratio is None or noise is None else abs(ratio - 1.0) > noise
             tps = c.tok_s_median if c else None
-            row["arms"][a] = {"tok_s": tps, "ratio": ratio, "resolved": resolved, "spans": _spans(records, a, lv)}
+            row["arms"][a] = {"tok_s": tps, "ratio": ratio, "resolved": resolved, "spans": _spans(records, a, lv),
+                              "finish_groups": finish_groups(records, a, lv)}
             wins = ratio is not None and ratio > 1.0 and (resolved is not False)
             if tps is not None and wins and tps > best_tps:
                 best, best_tps = a, tps
@@ -171,6 +199,32 @@ def _f(x: float | None, fmt: str = "{:.1f}") -> str:
     return "-" if x is None else fmt.format(x)
 
 
+LOCKSTEP = 0.25  # plain decode's finish groups per request below this at c >= 8: its waves ran in lockstep
+
+
+def lockstep_lines(res: dict, arms: list[str]) -> list[str]:
+    """The finish groups per request by level and arm, and a warning where plain decode ran in lockstep waves
+    that an arm broke (its ratio there measures the lockstep as much as the arm)."""
+    rows = [r for r in res["per_level"] if r.get("plain_finish_groups") is not None]
+    if not rows:
+        return []
+    lines = ["Finish groups per request (requests ending in the same engine step count once; ~1/c = lockstep "
+             "waves, ~1 = every request apart):", "", "| c | plain | " + " | ".join(arms) + " |",
+             "|---|---|" + "---|" * len(arms)]
+    lines += [f"| {r['level']:g} | {_f(r['plain_finish_groups'], '{:.2f}')} | "
+              + " | ".join(_f(r["arms"][a].get("finish_groups"), "{:.2f}") for a in arms) + " |" for r in rows]
+    broke = [(r["level"], a) for r in rows if r["level"] >= 8 and r["plain_finish_groups"] < LOCKSTEP for a in arms
+             if (r["arms"][a].get("finish_groups") or 0.0) >= 2 * r["plain_finish_groups"]]
+    if broke:
+        lines += ["", "Warning: plain decode ran in lockstep waves (requests of one length finishing together, their "
+                  "successors' prefills sharing a step) at " + ", ".join(sorted({f"c{lv:g}" for lv, _ in broke}))
+                  + ", and " + ", ".join(sorted({a for _, a in broke})) + " spread the finishes, paying a "
+                  "prefill-mixed step per arrival: those ratios measure the lockstep as much as the setting. "
+                  "Lengths that differ (`--max-tokens-spread 0.5`, or a data set without --ignore-eos) measure "
+                  "without it."]
+    return lines + [""]
+
+
 def render(res: dict, title: str = "specbench tune") -> str:
     arms = list(res["per_level"][0]["arms"]) if res["per_level"] else []
     lines = [f"## {title}", "", f"Baseline: `{res['baseline']}` (speculation off). Ratios: median paired tok/s ratio "
@@ -197,6 +251,7 @@ def render(res: dict, title: str = "specbench tune") -> str:
                   "| arm | c | spans |", "|---|---|---|"]
         lines += [f"| {a} | {lv:g} | " + ", ".join(f"{s}: {n}" for s, n in sp.items()) + " |" for a, lv, sp in spans]
         lines.append("")
+    lines += lockstep_lines(res, arms)
     rec = res["recommendation"]
     lines.append("Recommendation: " + (f"`{rec['one_setting']}` never loses to plain beyond the noise floor "
                                          "(best geometric-mean ratio)" if rec["one_setting"] else

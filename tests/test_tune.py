@@ -55,7 +55,8 @@ def test_analyze_crossover_best_and_recommendation():
     assert res["crossover"] == {"spec": 32, "spec-auto": None, "spec-gate16": None}
     assert [r["best"] for r in res["per_level"]] == ["spec", "spec-auto", "plain"]  # 1.01 is inside the noise
     assert res["per_level"][2]["arms"]["spec-auto"] == {"tok_s": pytest.approx(3232.0), "ratio": 1.01,
-                                                        "resolved": False, "spans": {"1": 90, "16": 10}}
+                                                        "resolved": False, "spans": {"1": 90, "16": 10},
+                                                        "finish_groups": None}
     assert res["recommendation"]["one_setting"] == "spec-auto"
     md = render(res)
     assert "| 32 | 3200.0 | 0.020 | 0.800 | 1.010* | 0.990* | plain |" in md
@@ -98,3 +99,27 @@ def test_tune_end_to_end_on_cpu(tiny_pair, tmp_path, monkeypatch):
     gated = res["per_level"][1]["arms"]["spec-gate1"]["spans"]  # c2 > gate 1: one-token rounds were counted
     assert gated.get("1", 0) > 0
     assert "## cpu" in (tmp_path / "levers.md").read_text()
+
+
+def _ends(arm: str, level: int, ends_ms: list[float], tpot_ms: float = 4.0, rnd: int = 0) -> list[dict]:
+    return [{"kind": "request", "arm": arm, "round": rnd, "ok": True, "wall_send": 0.0, "e2el": e / 1e3,
+             "tpot": tpot_ms / 1e3, "meta": {"level": level, "warmup": False}} for e in ends_ms]
+
+
+def test_lockstep_waves_are_measured_and_flagged():
+    """Plain decode's 32 requests at c16 end in two steps (two lockstep waves: 2 / 32 finish groups per
+    request); the speculative arm's end apart. The tune says so, per level and arm, and warns that the ratio there
+    measures the lockstep as much as the setting; with plain's ends spread there is no warning."""
+    from specbench.suites.tune import finish_groups
+
+    lock = [500.0] * 16 + [1000.5] * 16
+    apart = [300.0 + 10.0 * i for i in range(32)]
+    recs = _ends("plain", 16, lock) + _ends("spec", 16, apart)
+    assert finish_groups(recs, "plain", 16) == pytest.approx(2 / 32)
+    assert finish_groups(recs, "spec", 16) == pytest.approx(1.0)
+    assert finish_groups(recs, "spec", 8) is None  # no requests at that level
+    s = _summary({"spec": [2.0, 0.8]}, [0.01, 0.01], levels=(1, 16))
+    md = render(analyze(s, recs))
+    assert "| 16 | 0.06 | 1.00 |" in md and "Warning: plain decode ran in lockstep waves" in md and "c16" in md
+    fair = _ends("plain", 16, [500.0 + 7.0 * i for i in range(32)]) + _ends("spec", 16, apart)
+    assert "Warning" not in render(analyze(s, fair))
