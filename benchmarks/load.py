@@ -8,7 +8,10 @@ pair:
 
   per level c     c requests in flight, `--waves` x c requests in all, prompt lengths drawn uniformly from
                   [--prompt-min, --prompt-max] (one seeded draw per level, the same for every arm), --max-tokens
-                  output tokens each (ignore_eos); a finished request is replaced at once by the next one
+                  output tokens each (ignore_eos; `--max-tokens-spread S`: each prompt's own, uniform in
+                  [M (1 - S), M (1 + S)], one seeded draw per level, the same for every arm: with one length for
+                  all, requests that start together finish together and their successors' prefills share a
+                  step); a finished request is replaced at once by the next one
   per arm         EngineConfig fields (`--arms` JSON: [{"name": ..., "kw": {...}}, ...]; default: the row
                   ladder vs the former bucket x span padding, docs/gpu.md), one engine per arm built once,
                   a warm-up wave per level excluded, then `engine.capture_graphs()`
@@ -210,14 +213,28 @@ def steps_summary(steps: list[dict]) -> list[dict]:
             for k, v in sorted(groups.items(), key=lambda kv: -sum(kv[1]))]
 
 
-def closed_loop(eng, prompts: list[list[int]], c: int, max_tokens: int, tag: str, phases: bool = False,
+def output_lens(n: int, max_tokens: int, spread: float, seed: int) -> list[int]:
+    """Per prompt index its max_tokens: uniform in [M (1 - S), M (1 + S)] by a seeded draw (S = 0: all M), the
+    same for every arm, as `specbench sweep --max-tokens-spread`: with one length for all, requests that start
+    together finish together and their successors' prefills share a step, a lockstep no traffic has."""
+    if not spread:
+        return [max_tokens] * n
+    lo, hi = max(2, round(max_tokens * (1 - spread))), max(2, round(max_tokens * (1 + spread)))
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+
+
+def _mt(max_tokens: int | list[int], i: int) -> int:
+    return max_tokens if isinstance(max_tokens, int) else max_tokens[i]
+
+
+def closed_loop(eng, prompts: list[list[int]], c: int, max_tokens: int | list[int], tag: str, phases: bool = False,
                 steps: list[dict] | None = None) -> dict:
     """Run `prompts` with c in flight; per-request and per-step timings (`phases`: per path, the mean host ms
     of each step phase and the forward's GPU ms, `PhaseClock`). `steps`: a list that gets one record per
     `step()` call (start and wall ms, forward path and rows, the span policy's choices committed in it)."""
     from specbench.engine import SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
     todo = deque(enumerate(prompts))
     index: dict[str, int] = {}
     arrive: dict[str, float] = {}
@@ -231,7 +248,7 @@ def closed_loop(eng, prompts: list[list[int]], c: int, max_tokens: int, tag: str
         rid = f"{tag}-{i}"
         index[rid] = i
         arrive[rid] = time.perf_counter()
-        eng.add_request(p, params, rid=rid)
+        eng.add_request(p, SamplingParams(max_tokens=_mt(max_tokens, i), ignore_eos=True, temperature=0.0), rid=rid)
 
     committed: list = []
     policy = getattr(eng, "policy", None)
@@ -286,7 +303,7 @@ def _token_ids(event: bytes) -> list[int] | None:
     return [int(x) for x in seg.split(b",")] if seg else []
 
 
-async def http_closed_loop(url: str, prompts: list[list[int]], c: int, max_tokens: int) -> dict:
+async def http_closed_loop(url: str, prompts: list[list[int]], c: int, max_tokens: int | list[int]) -> dict:
     """`closed_loop` through `POST /v1/completions` (token-id prompt, stream, return_token_ids): c requests
     in flight on c connections, each one's successor sent as soon as its stream ends. Arrival = just before
     the request is sent, first / last token = when the first / last SSE event carrying token ids arrived."""
@@ -298,13 +315,12 @@ async def http_closed_loop(url: str, prompts: list[list[int]], c: int, max_token
     last: dict[int, float] = {}
     ntok: dict[int, int] = {}
     ids: dict[int, list[int]] = {}
-    head = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
-            "return_token_ids": True}
+    head = {"temperature": 0.0, "ignore_eos": True, "stream": True, "return_token_ids": True}
     hdrs = {"content-type": "application/json"}
     limits = httpx.Limits(max_connections=c, max_keepalive_connections=c)
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(600.0)) as client:
         async def one(i: int, p: list[int]) -> None:
-            body = json.dumps({**head, "prompt": p}).encode()
+            body = json.dumps({**head, "max_tokens": _mt(max_tokens, i), "prompt": p}).encode()
             got: list[int] = []
             buf = b""
             arrive[i] = time.perf_counter()
@@ -340,7 +356,7 @@ async def http_closed_loop(url: str, prompts: list[list[int]], c: int, max_token
     return {**figures(wall, arrive, first, last, ntok), "ids_sha": ids_digest(ids)}
 
 
-def client_run(url: str, prompts: list[list[int]], c: int, max_tokens: int) -> dict:
+def client_run(url: str, prompts: list[list[int]], c: int, max_tokens: int | list[int]) -> dict:
     """`http_closed_loop` on its own event loop (the client process's entry point)."""
     return asyncio.run(http_closed_loop(url, prompts, c, max_tokens))
 
@@ -397,7 +413,7 @@ class HttpArm:
             self.pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
             self.pool.submit(_client_ready).result()  # the child started and imported before any timing
 
-    def closed_loop(self, prompts: list[list[int]], c: int, max_tokens: int, phases: bool = False) -> dict:
+    def closed_loop(self, prompts: list[list[int]], c: int, max_tokens: int | list[int], phases: bool = False) -> dict:
         # by its module name (not __main__), so that the client process finds it
         from specbench.benchmarks import load as mod
 
@@ -445,7 +461,7 @@ class ProcHttpArm(HttpArm):
             self.pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
             self.pool.submit(_client_ready).result()
 
-    def closed_loop(self, prompts: list[list[int]], c: int, max_tokens: int, phases: bool = False) -> dict:
+    def closed_loop(self, prompts: list[list[int]], c: int, max_tokens: int | list[int], phases: bool = False) -> dict:
         from specbench.benchmarks import load as mod
 
         before = dict(self.loop.stepping)
@@ -491,13 +507,13 @@ def build(target: str, draft: str | None, device: str, dtype: str, tau: float | 
 def run(target: str, draft: str | None, device: str, levels: tuple[int, ...], arms: list[dict], repeats: int,
         waves: int, prompt_min: int, prompt_max: int, max_tokens: int, tau: float | None, pages: int,
         dtype: str, save=None, phases: bool = False, cprofile: Path | None = None,
-        steps_dir: Path | None = None) -> dict:
+        steps_dir: Path | None = None, spread: float = 0.0) -> dict:
     from specbench.benchmarks.speed import environment
 
     res: dict = {"environment": environment(device), "settings": {
         "levels": list(levels), "arms": arms, "repeats": repeats, "waves": waves, "prompt_len": [prompt_min, prompt_max],
-        "max_tokens": max_tokens, "tau": tau, "dtype": dtype, "target": target, "num_pages": pages,
-        "phases": phases},
+        "max_tokens": max_tokens, "max_tokens_spread": spread, "tau": tau, "dtype": dtype, "target": target,
+        "num_pages": pages, "phases": phases},
         "levels": {}, "complete": False}
     keep = save or (lambda r: None)
     llms = {}
@@ -528,7 +544,8 @@ def run(target: str, draft: str | None, device: str, levels: tuple[int, ...], ar
               f"{len(arm['captured_draft_rows'])} draft row counts in {arm['build_s']} s{where}",
               flush=True)
 
-    def loop(arm: dict, ps: list[list[int]], c: int, n: int, tag: str, ph: bool = False, last: bool = False) -> dict:
+    def loop(arm: dict, ps: list[list[int]], c: int, n: int | list[int], tag: str, ph: bool = False,
+             last: bool = False) -> dict:
         if arm["name"] in servers:
             return servers[arm["name"]].closed_loop(ps, c, n, ph)
         steps: list[dict] | None = [] if last and steps_dir is not None else None
@@ -540,6 +557,7 @@ def run(target: str, draft: str | None, device: str, levels: tuple[int, ...], ar
     vocab = (next(iter(llms.values())).engine if llms else next(iter(servers.values())).engine).mcfg.vocab_size
     for c in levels:
         prompts = workload(c, waves, prompt_min, prompt_max, vocab, seed=1)
+        lens = output_lens(len(prompts), max_tokens, spread, seed=c)
         per: dict[str, list[dict]] = {a["name"]: [] for a in arms}
         for arm in arms:  # warm-up wave (excluded): every shape of this level once (an http arm: through it)
             loop(arm, workload(c, 1, prompt_min, prompt_max, vocab, seed=2), c, 16, f"w{c}")
@@ -550,7 +568,7 @@ def run(target: str, draft: str | None, device: str, levels: tuple[int, ...], ar
                         else None)
                 if prof is not None:
                     prof.enable()
-                per[arm["name"]].append(loop(arm, prompts, c, max_tokens, f"r{r}c{c}", phases, r == repeats - 1))
+                per[arm["name"]].append(loop(arm, prompts, c, lens, f"r{r}c{c}", phases, r == repeats - 1))
                 if prof is not None and cprofile is not None:
                     prof.disable()
                     cprofile.mkdir(parents=True, exist_ok=True)
@@ -668,6 +686,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompt-min", type=int, default=64)
     ap.add_argument("--prompt-max", type=int, default=640)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-tokens-spread", type=float, default=0.0,
+                    help="each request's max_tokens uniform in [M (1 - S), M (1 + S)], the same per prompt for every "
+                         "arm (0 <= S < 1; 0: all M, and requests that start together finish together)")
     ap.add_argument("--tau", type=float, help="speculate with the drafter at this synthetic acceptance length")
     ap.add_argument("--num-pages", type=int, default=4000, help="KV pages per arm's engine (all arms live at once)")
     ap.add_argument("--arms", default=json.dumps(DEFAULT_ARMS),
@@ -691,6 +712,8 @@ def main(argv: list[str] | None = None) -> dict:
     except (ValueError, AssertionError):
         raise SystemExit(f"--arms: expected a JSON list of objects with distinct names (and kw, via: process | "
                          f"http | http-proc), got {a.arms!r}") from None
+    if not 0.0 <= a.max_tokens_spread < 1.0:
+        raise SystemExit(f"--max-tokens-spread {a.max_tokens_spread} is invalid: expected a number in [0, 1)")
     if a.repeats < 1 or a.waves < 1 or not 1 <= a.prompt_min <= a.prompt_max or a.max_tokens < 2:
         raise SystemExit("--repeats and --waves must be >= 1, 1 <= --prompt-min <= --prompt-max, --max-tokens >= 2")
     if a.model:
@@ -714,7 +737,7 @@ def main(argv: list[str] | None = None) -> dict:
     res = run(target, draft if a.tau else None, a.device, levels, arms, a.repeats, a.waves, a.prompt_min,
               a.prompt_max, a.max_tokens, a.tau, a.num_pages, dtype, save=save,
               phases=a.phases, cprofile=d if a.cprofile and d is not None else None,
-              steps_dir=d if a.steps_out and d is not None else None)
+              steps_dir=d if a.steps_out and d is not None else None, spread=a.max_tokens_spread)
     save(res)
     print(render(res), flush=True)
     emit_document(res)

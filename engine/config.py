@@ -27,6 +27,15 @@ def _need(cond: bool, fieldname: str, value: Any, accepted: str) -> None:
         raise ConfigError(f"{fieldname}={value!r} is invalid: expected {accepted}")
 
 
+def _env_count(name: str) -> int:
+    """An environment integer >= 0 (unset: 0), refused by name when it is anything else."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return 0
+    _need(raw.isdigit(), name, raw, "an integer >= 0 (0 = off)")
+    return int(raw)
+
+
 def _env_tristate(name: str) -> bool | None:
     """An environment switch that may be unset (None), on or off; anything else is refused by name."""
     raw = os.environ.get(name, "").strip().lower()
@@ -343,6 +352,15 @@ class EngineConfig:
     # Needs decode_attention="triton". False: piecewise segments with FlashInfer's prefill eager between them (before).
     # Default from SPECBENCH_WHOLE_GRAPHS, else on.
     whole_graphs: bool = field(default_factory=lambda: env_flag("SPECBENCH_WHOLE_GRAPHS", True))
+    # Prefill-mixed steps whole too (engine/graphs.py `VerifyGraphs.run`): a step of the row ladder whose prefill
+    # chunks hold at most this many tokens runs as one graph per ladder row count, every span (the chunks, the
+    # decode and verify spans beside them) as segments of <= 16 rows of the span attention kernel, instead of the
+    # piecewise segments with FlashInfer's prefill eager between them. Under load with staggered arrivals most
+    # steps carry one new prompt (reports/h200-levers/2026-12-04-s2/: 12-30 ms such steps against ~4 ms decode
+    # rounds at c64). The span kernel re-reads a sequence's keys once per 16 rows, so long chunks stay piecewise.
+    # 0 = off (every prefill-mixed step piecewise, as before); needs whole_graphs and decode_attention="triton";
+    # default from SPECBENCH_WHOLE_PREFILL, else 0 (not yet measured on the GPU).
+    whole_prefill: int = field(default_factory=lambda: _env_count("SPECBENCH_WHOLE_PREFILL"))
     # Greedy DFlash drafts stay on the device from the draft pass to the verify forward (engine/spec/pending.py):
     # the host lays out the verify step while the draft runs and the verify runner copies the drafts into its input
     # rows on the device; the host reads them (pinned copy + event) just before the accept. Off with a fault armed.
@@ -442,6 +460,9 @@ class EngineConfig:
         _need(mb is None or (isinstance(mb, int | float) and not isinstance(mb, bool) and math.isfinite(mb) and mb >= 0),
               "spec_capture_cache_mb", mb, "null or a number >= 0 (0 = off)")
         _need(self.padded_rows in ("ladder", "bucket"), "padded_rows", self.padded_rows, "one of ladder, bucket")
+        _need(isinstance(self.whole_prefill, int) and not isinstance(self.whole_prefill, bool)
+              and 0 <= self.whole_prefill <= self.max_num_batched_tokens, "whole_prefill", self.whole_prefill,
+              f"an integer 0 (off) .. max_num_batched_tokens={self.max_num_batched_tokens}")
         _need(self.graph_runner in (None, True, False), "graph_runner", self.graph_runner,
               "null (CUDA only), true or false")
         _need(self.decode_attention in ("flashinfer", "triton"), "decode_attention", self.decode_attention,

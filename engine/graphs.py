@@ -30,7 +30,9 @@ are packed first in span order (so the flat row indices of logits and taps are t
 forward), padding rows after them as their own one-token sequences on the dummy page. The body is
 `piecewise.PiecewiseStack`: num_layers + 1 dense segments captured per row count, attention eager between
 replays; a step with no prefill chunk runs whole instead where the backend can (`PiecewiseStack.step`,
-EngineConfig.whole_graphs: one graph per (rows, span), the span attention inside). Deferred drafts
+EngineConfig.whole_graphs: one graph per (rows, span), the span attention inside), and so does a prefill-mixed
+step of the row ladder whose chunks hold at most EngineConfig.whole_prefill tokens (`mixed_whole`: every span as
+segments of <= MIXED_QUANTUM rows, in the room `mixed_cap` gives its row count). Deferred drafts
 (spec/pending.py): their rows hold placeholders in the host copy and are filled in from the device tensor.
 A truncated span (a request near max_tokens), a decode span among verify spans or a prefill chunk is
 therefore padded, never replayed at a shape it was not captured at: the seed engine's
@@ -61,6 +63,14 @@ if TYPE_CHECKING:  # the runner imports this module
 
 log = logging.getLogger("specbench.engine")
 NO_SPEC_SPAN = 16  # row quantum of the padded runner in an engine without speculation (prefill-mixed steps)
+MIXED_QUANTUM = 16  # rows per span-kernel segment of a prefill-mixed step run whole (EngineConfig.whole_prefill)
+
+
+def mixed_cap(rows: int, max_seqs: int, quantum: int = MIXED_QUANTUM) -> int:
+    """Segment room of a prefill-mixed step of `rows` padded rows and at most `max_seqs` spans: each span of l
+    rows makes ceil(l / quantum) <= l / quantum + 1 segments and the padding rows share ceil(pad / quantum), so
+    ceil(rows / quantum) + max_seqs + 1 bounds every layout; one room per row count, one graph per row count."""
+    return -(-rows // quantum) + max_seqs + 1
 
 
 def row_ladder(top: int) -> list[int]:
@@ -391,7 +401,10 @@ class VerifyGraphs:
         gl = runner.cfg.graph_logits if graph_logits is None else graph_logits
         self.stack = TargetStack(runner, self.tap, top, capture, graph_logits=gl)
         self.stats = {"steps": 0, "whole_steps": 0, "real_rows": 0, "padded_rows": 0, "prefill_steps": 0,
-                      "deferred_rows": 0}
+                      "deferred_rows": 0, "whole_prefill_steps": 0}
+        # prefill-mixed steps of the ladder whose chunks hold at most this many tokens run whole (0: piecewise)
+        self.whole_prefill = runner.cfg.whole_prefill if self.ladder else 0
+        self.max_seqs = runner.cfg.max_num_seqs
 
     @property
     def mode(self) -> str:
@@ -448,7 +461,12 @@ class VerifyGraphs:
                                  page_tables=[pool.table(s.req.rid) for s in spans] + [[r.dummy_page]] * pad,
                                  page_size=pool.page_size, causal=True)
         prefill = any(s.kind == "prefill" for s in spans)
-        self.stats["whole_steps"] += self.stack.step(meta, rows, whole=not prefill, quantum=span)
+        if self.mixed_whole(spans, span):  # one graph: every span as segments of <= MIXED_QUANTUM rows
+            ran = self.stack.step(meta, rows, whole=True, quantum=MIXED_QUANTUM, cap=mixed_cap(rows, self.max_seqs))
+            self.stats["whole_prefill_steps"] += ran
+        else:
+            ran = self.stack.step(meta, rows, whole=not prefill, quantum=span)
+        self.stats["whole_steps"] += ran
         self.stats["steps"] += 1
         self.stats["real_rows"] += real
         self.stats["padded_rows"] += pad
@@ -456,6 +474,22 @@ class VerifyGraphs:
         out = self.stack.logits_of(logit_rows, real)
         taps = self.stack.taps[:real] if self.stack.taps is not None else None
         return out, taps
+
+    def mixed_whole(self, spans: list[Span], span: int) -> bool:
+        """Whether a step runs as a whole prefill-mixed step: a ladder step (key span 1) with a prefill chunk of
+        at most `whole_prefill` tokens in all, and no more spans than the room `mixed_cap` holds."""
+        if not self.whole_prefill or span != 1 or len(spans) > self.max_seqs:
+            return False
+        chunk = sum(len(s.tokens) for s in spans if s.kind == "prefill")
+        return 0 < chunk <= self.whole_prefill
+
+    def mixed_rows(self) -> list[int]:
+        """The ladder's row counts a whole prefill-mixed step can take: at most whole_prefill chunk rows beside
+        max_num_seqs spans of the longest span."""
+        if not self.whole_prefill:
+            return []
+        top = self.whole_prefill + self.max_seqs * self.spans[-1]
+        return [n for n in self.ladder if n <= next((x for x in self.ladder if x >= top), self.ladder[-1])]
 
     def row_counts(self) -> list[int]:
         """Every row count a step of this runner can take: bucket x span, and the ladder (prefill-mixed steps)."""
@@ -471,10 +505,13 @@ class VerifyGraphs:
         # (the ladder's row counts) run piecewise
         whole = self.stack.whole_rows()
         want = [(b * s, s if whole else 0) for b in self.buckets for s in self.spans] + [(n, 0) for n in self.ladder]
-        new = [(n, q) for n, q in dict.fromkeys(want) if n not in self.stack.captured_as(q > 0, q)]
+        if whole:  # prefill-mixed steps with short chunks run whole (EngineConfig.whole_prefill): keyed (rows, -q)
+            want += [(n, -MIXED_QUANTUM) for n in self.mixed_rows()]
+        new = [(n, q) for n, q in dict.fromkeys(want) if n not in self.stack.captured_as(q != 0, q)]
         for n, q in sorted(new, reverse=True):  # largest first: the shared pool is sized once
             self.stack.time_padded(n, r.dummy_slot, r.dummy_page, r.pool.page_size, causal=True, reps=0,
-                                   whole=q > 0, quantum=q or 16)
+                                   whole=q != 0, quantum=abs(q) or 16,
+                                   cap=mixed_cap(n, self.max_seqs) if q < 0 else 0)
         return sorted({n for n, _ in new})
 
     def describe(self) -> dict:

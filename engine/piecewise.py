@@ -32,7 +32,8 @@ Contract:
   layers back to back, no static hand-over copies) is ONE graph per (rows, quantum), replayed at any lengths and
   pages; eager mode runs the same `_direct` body. A whole step and a piecewise step of the same row count use
   different graphs (keyed (rows, quantum) and (rows, 0)); the attention kernels differ, so the two agree to
-  bf16 noise, not bit for bit (tests/gpu/test_spec_gpu.py).
+  bf16 noise, not bit for bit (tests/gpu/test_spec_gpu.py). A prefill-mixed step runs whole only when its caller
+  gives the segment room of its layout (`cap`, EngineConfig.whole_prefill): its graphs are keyed (rows, -quantum).
 """
 
 from __future__ import annotations
@@ -175,24 +176,28 @@ class PiecewiseStack:
         """Whether a padded step planned by `meta` runs whole (see `step`)."""
         return allowed and self.whole_rows() and not (meta.leak is not None and any(meta.leak))
 
-    def step(self, meta: AttentionMetadata, rows: int, whole: bool = True, quantum: int = 16) -> bool:
+    def step(self, meta: AttentionMetadata, rows: int, whole: bool = True, quantum: int = 16, cap: int = 0) -> bool:
         """Plan the backend for the padded step `meta` (rows query rows) and run it. Whole (when `whole`, the
         stack's `whole` switch and the backend's `rows_ok` allow, and no leaky mask): the backend's `plan_rows`
         (the spans as segments of <= quantum rows for the span attention kernel, metadata in fixed buffers), so
         the body, attention included, is one CUDA graph per (row count, quantum); else `plan` and the piecewise
-        segments with attention eager between replays. Returns whether it ran whole."""
+        segments with attention eager between replays. `cap`: the segment room of a prefill-mixed layout (any
+        spans, `mixed_cap`), whose graphs are keyed (rows, -quantum) apart from the verify layout's (the kernel's
+        grid depends on the room); 0 = the verify layout (the backend's own room for bucket x span rows). Returns
+        whether it ran whole."""
         whole = self.whole_for(meta, whole)
         if whole:
-            self.backend.plan_rows(meta, quantum)
+            self.backend.plan_rows(meta, quantum, cap or None)
         else:
             self.backend.plan(meta)
-        self.run(rows, quantum if whole else 0)
+        self.run(rows, (-quantum if cap else quantum) if whole else 0)
         return whole
 
     @torch.inference_mode()
     def run(self, rows: int, whole: int = 0) -> None:
         """Run the planned step: `whole` = the quantum the backend's `plan_rows` planned it with (one graph per
-        (rows, quantum): the attention grid depends on both), 0 = planned by `plan` (piecewise)."""
+        (rows, quantum): the attention grid depends on both; negative: a prefill-mixed layout's room), 0 =
+        planned by `plan` (piecewise)."""
         if not 0 < rows <= self.max_rows:
             raise ValueError(f"rows={rows} is invalid: expected 1..{self.max_rows}")
         stored = self.stores_kv()
@@ -246,7 +251,7 @@ class PiecewiseStack:
 
     @torch.inference_mode()
     def time_padded(self, rows: int, dummy_slot: int, dummy_page: int, page_size: int, causal: bool = True,
-                    reps: int = 3, whole: bool = True, quantum: int = 16) -> float:
+                    reps: int = 3, whole: bool = True, quantum: int = 16, cap: int = 0) -> float:
         """Median seconds of `step` on a step of padding rows only (token 0, position 0, the dummy slot, each a
         one-token sequence on the dummy page), after one untimed run (the capture on CUDA): the dense work and
         launches of that row count, whole or piecewise as a served step of that kind (`whole`) would run, for
@@ -256,7 +261,7 @@ class PiecewiseStack:
         self.io[2, :rows].fill_(dummy_slot)
         meta = AttentionMetadata(q_lens=[1] * rows, kv_lens=[1] * rows, slot_mapping=self.io[2, :rows],
                                  page_tables=[[dummy_page]] * rows, page_size=page_size, causal=causal)
-        return median_time(lambda: self.step(meta, rows, whole, quantum), self.io.device, reps)
+        return median_time(lambda: self.step(meta, rows, whole, quantum, cap), self.io.device, reps)
 
     @property
     def captured(self) -> list[int]:
@@ -264,9 +269,10 @@ class PiecewiseStack:
         return sorted({rows for rows, _ in self._graphs})
 
     def captured_as(self, whole: bool, quantum: int | None = None) -> list[int]:
-        """Row counts captured whole (at `quantum`, or any) or piecewise."""
+        """Row counts captured whole (at `quantum`, or any; a negative quantum: a prefill-mixed layout's) or
+        piecewise."""
         return sorted({rows for rows, q in self._graphs
-                       if (q > 0) == whole and (quantum is None or not whole or q == quantum)})
+                       if (q != 0) == whole and (quantum is None or not whole or q == quantum)})
 
 
 def median_time(fn, device: torch.device, reps: int) -> float:

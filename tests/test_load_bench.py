@@ -88,3 +88,22 @@ def test_steps_out_records_every_step_and_the_policy_choices(tiny_pair, tmp_path
         else:
             assert any(c["reason"] == "fixed" and c["span"] > 1 for c in choices)
     assert "Stepping time by the span policy's choice" in (tmp_path / "load.md").read_text()
+
+
+def test_output_length_spread(tiny_target, tmp_path):
+    """--max-tokens-spread: each prompt's max_tokens drawn once, the same for every arm; the tokens generated are
+    their sum, and a process arm beside an http arm still gives the same output ids."""
+    lens = load.output_lens(40, 10, 0.5, seed=4)
+    assert lens == load.output_lens(40, 10, 0.5, seed=4) and min(lens) >= 5 and max(lens) <= 15
+    assert len(set(lens)) > 3 and load.output_lens(3, 10, 0.0, seed=4) == [10, 10, 10]
+    arms = [{"name": "process", "kw": {}}, {"name": "http", "kw": {}, "via": "http"}]
+    res = load.main(["--device", "cpu", "--model", tiny_target, "--levels", "4", "--prompt-min", "8",
+                     "--prompt-max", "16", "--max-tokens", "10", "--max-tokens-spread", "0.5", "--waves", "2",
+                     "--repeats", "1", "--num-pages", "256", "--arms", json.dumps(arms, separators=(",", ":")),
+                     "--out-dir", str(tmp_path)])
+    want = sum(load.output_lens(8, 10, 0.5, seed=4))
+    lvl = res["levels"]["4"]
+    assert lvl["process"]["tokens"]["median"] == lvl["http"]["tokens"]["median"] == want
+    assert lvl["http"]["same_ids_as_first"]
+    with pytest.raises(SystemExit, match="--max-tokens-spread"):
+        load.main(["--device", "cpu", "--model", tiny_target, "--max-tokens-spread", "1.0"])

@@ -61,7 +61,7 @@ class AttentionBackend:
     def rows_ok(self) -> bool:
         return False
 
-    def plan_rows(self, meta: AttentionMetadata, quantum: int = 16) -> None:
+    def plan_rows(self, meta: AttentionMetadata, quantum: int = 16, cap: int | None = None) -> None:
         raise NotImplementedError(f"{self.name} cannot plan a step for the span attention (plan_rows)")
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,

@@ -145,7 +145,7 @@ class FlashInferAttention(AttentionBackend):
         self.decode_attention = decode_attention
         self._tri: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._tri_bufs: dict[int, torch.Tensor] = {}  # batch bucket -> its int32 metadata buffer
-        self._row_bufs: dict[tuple[int, int], torch.Tensor] = {}  # (rows, quantum) -> int32 metadata (plan_rows)
+        self._row_bufs: dict[tuple[int, int, int], torch.Tensor] = {}  # (rows, quantum, segment room) -> int32 metadata (plan_rows)
         self._span: tuple[torch.Tensor, torch.Tensor, int, int] | None = None  # (segments, pages, quantum, cap)
         self._tri_scratch: dict[tuple, torch.Tensor] = {}  # (B, Hkv, G, D, splits) -> fp32 partials
         self._tri_ctx = 0  # the longest context a request can have (pages the cache holds x page size)
@@ -292,11 +292,12 @@ class FlashInferAttention(AttentionBackend):
         """Whether `plan_rows` can serve a step: the split-K decode kernel is the decode attention."""
         return self.decode_attention == "triton"
 
-    def plan_rows(self, meta: AttentionMetadata, quantum: int = 16) -> None:
+    def plan_rows(self, meta: AttentionMetadata, quantum: int = 16, cap: int | None = None) -> None:
         """Plan a padded step of any span lengths (verify spans, a drafter's non-causal blocks) for the span kernel
         (`row_segments`: segments of <= quantum rows, K/V read once per segment), in a fixed buffer per (row count,
         quantum): [segments (cap x 5) | pages (page_room(cap))], cap = 2 x ceil(rows / quantum) + 1 (a step padded to
-        bucket x span holds at most bucket spans and bucket padding segments), refreshed by one stream-ordered copy
+        bucket x span holds at most bucket spans and bucket padding segments; `cap` given: a prefill-mixed layout's
+        room, graphs/mixed_cap), refreshed by one stream-ordered copy
         (unused segments: 0 rows): the forward reads no host value, so a graph captured over every layer replays at
         any lengths and pages."""
         from specbench.kernels.decode_attention import SEG_FIELDS  # noqa: PLC0415
@@ -307,13 +308,13 @@ class FlashInferAttention(AttentionBackend):
             raise ValueError("plan_rows needs decode_attention='triton'")
         segs, pages = row_segments(meta.q_lens, meta.kv_lens, meta.page_tables, meta.page_size, meta.causal, quantum)
         r = meta.num_tokens
-        cap = 2 * -(-r // quantum) + 1
+        cap = cap or 2 * -(-r // quantum) + 1
         if len(segs) > cap or len(pages) > self.page_room(cap):
             raise ValueError(f"a step of {r} rows in {len(segs)} segments on {len(pages)} pages exceeds the row "
                              f"buffer ({cap} segments of <= {quantum} rows, {self.page_room(cap)} pages)")
-        buf = self._row_bufs.get((r, quantum))
+        buf = self._row_bufs.get((r, quantum, cap))
         if buf is None:
-            buf = self._row_bufs[(r, quantum)] = torch.zeros(cap * SEG_FIELDS + self.page_room(cap),
+            buf = self._row_bufs[(r, quantum, cap)] = torch.zeros(cap * SEG_FIELDS + self.page_room(cap),
                                                              dtype=torch.int32, device=self.device)
         flat = [x for sg in segs for x in sg] + [0] * ((cap - len(segs)) * SEG_FIELDS) + pages
         host = torch.tensor(flat, dtype=torch.int32)
@@ -325,7 +326,7 @@ class FlashInferAttention(AttentionBackend):
         self._span = (buf[: cap * SEG_FIELDS], buf[cap * SEG_FIELDS:], quantum, cap)
         self._tri_ctx = self.max_pages * meta.page_size
         self._active = None
-        self._key = ("rows", r, quantum)
+        self._key = ("rows", r, quantum, cap)
 
     def _span_forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
                       page_size: int) -> torch.Tensor:
