@@ -10,8 +10,10 @@
 #   GPU, and at the model's max_model_len each arm's pool is smaller than one full-length request needs),
 #   LEVERS_TAUS ("6.5 3.5 2.0"), LEVERS_LEVELS (1,8,16,32,64), LEVERS_TRIMS (4,2), LEVERS_GATES (16), LEVERS_POLICIES (off,auto),
 #   LEVERS_ROUNDS (2), LEVERS_PPL (prompts per level x C, 4), LEVERS_MAX_TOKENS (128), LEVERS_WARMUP (1),
-#   LEVERS_SPREAD (output length spread S: max_tokens uniform in [M (1 - S), M (1 + S)]; 0 = all M, requests of
-#   a wave in lockstep), LEVERS_SECTION (a suffix for the merged section's name),
+#   LEVERS_SPREAD (output length spread S: max_tokens uniform in [M (1 - S), M (1 + S)], default 0.5; 0 = all M:
+#   the requests of a wave finish together and their successors' prefills share a step, a lockstep plain decode
+#   profits from and speculation breaks, reports/h200-levers/2026-12-04-s2/), LEVERS_SECTION (a suffix for the
+#   merged section's name; default: the spread),
 #   LEVERS_TIMEOUT (seconds per tau, 540), LEVERS_BUDGET (seconds for the whole call; each tau's timeout is cut
 #   to what is left), PYTHON (python3).
 # On CPU with the tiny pair (a check of this path, not a measurement):
@@ -38,8 +40,8 @@ for tau in ${LEVERS_TAUS:-6.5 3.5 2.0}; do
     --trim "${LEVERS_TRIMS:-4,2}" --gate "${LEVERS_GATES:-16}" --policy "${LEVERS_POLICIES:-off,auto}" \
     --concurrency "${LEVERS_LEVELS:-1,8,16,32,64}" --rounds "${LEVERS_ROUNDS:-2}" \
     --prompts-per-level "${LEVERS_PPL:-4}" --max-tokens "${LEVERS_MAX_TOKENS:-128}" --warmup "${LEVERS_WARMUP:-1}" \
-    --max-tokens-spread "${LEVERS_SPREAD:-0}" \
-    --out "$out/results" --json "$out/tau$tau.json" --merge-into "$out/levers.json" --section "synthetic tau $tau${LEVERS_SECTION:-}"
+    --max-tokens-spread "${LEVERS_SPREAD:-0.5}" \
+    --out "$out/results" --json "$out/tau$tau.json" --merge-into "$out/levers.json" --section "synthetic tau $tau${LEVERS_SECTION-, max_tokens spread ${LEVERS_SPREAD:-0.5}}"
   r=$?
   echo "[levers] tau $tau rc=$r"
   [ "$r" = 0 ] || rc=$r

@@ -12,7 +12,10 @@ hand fails the check (tests/test_readme_numbers.py, run by `make test`). Sources
 - the harness sweep at synthetic acceptance: `reports/h200-qwen3-4b-shape/sweep.md` (`specbench sweep`
   through the local adapter, its own table);
 - beside vLLM: `reports/h200-vllm/h200-vllm.json` (docs/vllm.md; the bundled engine's spec-off tok/s over
-  vLLM's, per level, with the run's paired noise floor).
+  vLLM's, per level, with the run's paired noise floor);
+- load-aware speculation: `reports/h200-levers/levers.json` (`specbench tune` sections, docs/levers.md): per
+  synthetic tau and workload (every request one length, or lengths spread), the newest run with the automatic
+  span policy.
 """
 
 from __future__ import annotations
@@ -78,6 +81,26 @@ def vllm_report(root: Path) -> tuple[Path, dict]:
     return p, json.loads(p.read_text(encoding="utf-8"))
 
 
+def levers_report(root: Path) -> tuple[Path, list[dict]]:
+    """Per (synthetic tau, workload) the newest `specbench tune` section with the automatic policy: workload
+    "spread" where its settings (or, for runs before they were recorded, its name) say output lengths differ."""
+    p = root / "reports" / "h200-levers" / "levers.json"
+    if not p.is_file():
+        return p, []
+    newest: dict[tuple[str, bool], dict] = {}
+    for name, res in json.loads(p.read_text(encoding="utf-8"))["sections"].items():
+        tau = re.match(r"synthetic tau ([\d.]+)", name)
+        stamp = re.search(r"sweep-(\d{8})-(\d{6})", str(res.get("run_dir") or ""))
+        if not tau or not stamp or not res.get("per_level") or "spec-auto" not in res["per_level"][0]["arms"]:
+            continue
+        spread = float((res.get("settings") or {}).get("max_tokens_spread") or 0.0) > 0 or "output lengths" in name
+        key = (tau.group(1), spread)
+        run = {"name": name, "tau": tau.group(1), "spread": spread, "stamp": stamp.groups(), "res": res}
+        if key not in newest or run["stamp"] > newest[key]["stamp"]:
+            newest[key] = run
+    return p, sorted(newest.values(), key=lambda r: (r["spread"], -float(r["tau"])))
+
+
 def _x(v: float) -> str:
     return f"{v:.2f}x"
 
@@ -135,12 +158,40 @@ def render(root: Path = ROOT) -> str:
             fig = f"{_x(r['median'])}, noise floor ±{nf:.1f}%{note}"
         lines.append(f"| bundled engine spec-off tokens/s over vLLM {vver} spec-off, c{L['concurrency']} | "
                      f"{fig} | {vsrc} |")
+    lp, runs = levers_report(root)
+    for run in runs:
+        d = run["stamp"][0]
+        lsrc = f"[{_rel(lp, root)}]({_rel(lp, root)}) ({d[:4]}-{d[4:6]}-{d[6:]}, section \"{run['name']}\")"
+        cells = []
+        for row in run["res"]["per_level"]:
+            a = row["arms"]["spec-auto"]
+            if a["ratio"] is None:
+                continue
+            fig = f"c{row['level']:g} {_x(a['ratio'])}" + ("*" if a["resolved"] is False else "")
+            fixed = row["arms"].get("spec", {}).get("ratio")
+            gate = row["arms"].get("spec-gate1", {}).get("ratio")
+            extra = [f"span 16 {_x(fixed)}"] if fixed is not None else []
+            extra += [f"gate 1 {_x(gate)}"] if gate is not None and row["level"] > 1 else []
+            cells.append(fig + (f" ({', '.join(extra)})" if extra else ""))
+        st = run["res"].get("settings") or {}
+        rng = st.get("max_tokens_range")
+        named = re.search(r"output lengths (\d+)-(\d+)", run["name"])
+        if rng is None and named:
+            rng = [int(named.group(1)), int(named.group(2))]
+        if not run["spread"]:
+            work = f"every request {st.get('max_tokens', 128)} tokens"
+        else:
+            work = f"output lengths {rng[0]}-{rng[1]}" if rng else "output lengths spread"
+        lines.append(f"| `specbench tune`, automatic span policy vs plain decode tokens/s, synthetic tau {run['tau']}, "
+                     f"{work} (`*`: within the noise floor) | {'; '.join(cells)} | {lsrc} |")
     lines += [
         "",
         "The step benchmark draws acceptance (synthetic tau) and times `LLM.generate` in process; the sweep sends "
         "requests through the harness's local adapter at a synthetic tau too, and is the older run (dates in the "
         "report column): the two disagree, and both are shown until the sweep is re-run on the current code. "
-        "`specbench profile` attributes what is left to host time between steps (docs/gaps.md).",
+        "`specbench profile` attributes what is left to host time between steps (docs/gaps.md). With every request "
+        "of one length the requests of a wave finish together, which plain decode profits from and speculation "
+        "breaks (docs/levers.md); with lengths spread, plain decode pays for its arrivals too.",
         "",
         "",
     ]

@@ -109,7 +109,19 @@ def run_tune(cfg: Any, engines: list[str], labels: list[str], out_dir: str | Pat
     res["run_dir"] = str(outcome.run_dir)
     res["complete"] = bool(outcome.complete)
     res["arms"] = [{"label": lab, "engine": e} for lab, e in zip(labels, engines, strict=True)]
+    res["settings"] = workload_settings(cfg)
     return res
+
+
+def workload_settings(cfg: Any) -> dict:
+    """The sweep settings a tune section is read with (scripts/readme_numbers.py: which workload it measured)."""
+    from specbench.suites.sweep.workload import output_len_range  # noqa: PLC0415
+
+    out = {k: getattr(cfg, k, None) for k in ("dataset", "max_tokens", "max_tokens_spread", "ignore_eos", "rounds",
+                                              "prompts_per_level", "warmup")}
+    if out["max_tokens_spread"]:
+        out["max_tokens_range"] = list(output_len_range(cfg.max_tokens, cfg.max_tokens_spread))
+    return out
 
 
 # ---- analysis -----------------------------------------------------------------------------------------

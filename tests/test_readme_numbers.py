@@ -15,7 +15,7 @@ rn = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(rn)
 
 SOURCES = ("reports/h200-engine/before/speed.json", "reports/h200-qwen3-4b-shape/sweep.md",
-           "reports/h200-vllm/h200-vllm.json")
+           "reports/h200-vllm/h200-vllm.json", "reports/h200-levers/levers.json")
 
 
 def _copy(tmp_path: Path) -> Path:

@@ -90,7 +90,8 @@ def test_tune_end_to_end_on_cpu(tiny_pair, tmp_path, monkeypatch):
     t, d = tiny_pair
     r = runner.invoke(cli.app, ["tune", "--base", f"local:{t},draft={d},num_pages=128,max_num_seqs=4", "--gate", "1",
                                 "--policy", "off", "--each", "-c", "1,2", "--max-tokens", "6", "--prompts-per-level",
-                                "1", "--rounds", "1", "--warmup", "0", "--no-progress", "--out", str(tmp_path / "res"),
+                                "1", "--rounds", "1", "--warmup", "0", "--max-tokens-spread", "0.5", "--no-progress",
+                                "--out", str(tmp_path / "res"),
                                 "--json", str(tmp_path / "t.json"), "--merge-into", str(tmp_path / "levers.json"),
                                 "--section", "cpu"])
     assert r.exit_code == 0, r.output
@@ -99,6 +100,8 @@ def test_tune_end_to_end_on_cpu(tiny_pair, tmp_path, monkeypatch):
     gated = res["per_level"][1]["arms"]["spec-gate1"]["spans"]  # c2 > gate 1: one-token rounds were counted
     assert gated.get("1", 0) > 0
     assert "## cpu" in (tmp_path / "levers.md").read_text()
+    assert res["settings"]["max_tokens_spread"] == 0.5 and res["settings"]["max_tokens_range"] == [3, 9]
+    assert res["per_level"][1]["plain_finish_groups"] is not None  # measured from the run's request records
 
 
 def _ends(arm: str, level: int, ends_ms: list[float], tpot_ms: float = 4.0, rnd: int = 0) -> list[dict]:
