@@ -218,3 +218,32 @@ def test_synthetic_acceptance_hits_tau_and_is_labelled(tiny_target, tiny_draft, 
     tau = 1 + m.num_accepted_tokens / m.num_drafts
     assert 2.5 < tau < 4.5, tau  # truncation near max_tokens pulls it down a little
     assert all(a >= b for a, b in zip(full, full[1:], strict=False)) and len(full) == k
+
+
+def test_synthetic_acceptance_is_common_to_every_engine(tiny_target, tiny_draft, prompts):
+    """Common random numbers (spec/synthetic.py): whether a position is acceptable is fixed by the seed, the
+    request's prompt and the position, so two engines given the same prompts in another order, another batch
+    and another step order accept the same drafts, request by request; and a span's count keeps its law,
+    P(m >= j) = r^j capped at its drafts, over spans that each start past the last one's rejection."""
+    from specbench.engine.spec.synthetic import SyntheticAcceptance
+
+    sp = SamplingParams(max_tokens=48, ignore_eos=True)
+    runs = []
+    for order in (prompts, list(reversed(prompts))):
+        llm = LLM(tiny_target, draft=tiny_draft, num_pages=256, synthetic_tau=3.5)
+        outs = {p: o for p, o in zip(order, llm.generate(order, sp), strict=True)}
+        runs.append([(outs[p].spec["num_draft_tokens"], outs[p].spec["num_accepted_tokens"]) for p in prompts])
+        llm.close()
+    assert runs[0] == runs[1] and sum(a for _, a in runs[0]) > 0
+    syn = SyntheticAcceptance(3.5, 7, seed=3)
+    counts, pos = [], 0
+    for _ in range(20000):
+        m = syn.draw([5, 6, 7], pos, 7)
+        counts.append(m)
+        pos += m + 1  # the rejected position is replaced by the target's token: never read again
+    for j in (1, 2, 4):
+        got = sum(m >= j for m in counts) / len(counts)
+        assert abs(got - syn.rate ** j) < 0.02, (j, got, syn.rate ** j)
+    assert syn.draw([5, 6, 7], 10, 7) == SyntheticAcceptance(3.5, 7, seed=3).draw([5, 6, 7], 10, 7)
+    other = SyntheticAcceptance(3.5, 7, seed=4)
+    assert syn.acceptable([5, 6, 7], 50)[:50].tolist() != other.acceptable([5, 6, 7], 50)[:50].tolist()

@@ -5,11 +5,25 @@ is accepted, given all before it were, with probability r_i. From a target mean 
 (incl. the bonus) with K drafts, a constant rate r solves sum_{i=1..K} r^i = tau - 1. Outputs are not
 the target's greedy text: every record and report that uses this mode is labelled synthetic, and the
 lossless suites refuse it.
+
+Common random numbers: whether a draft for sequence position q of a request is acceptable is one
+Bernoulli(r) draw fixed by (seed, the request's prompt ids, q), and a verify span starting at position p
+accepts drafts while positions p + 1, p + 2, ... are acceptable. Each span reads positions no earlier span
+read (the rejected one is replaced by the target's token), so a span's count has the same law as before
+(P(m >= j) = r^j, capped at its drafts); but two engines given the same prompts now see the same acceptable
+positions whatever their spans, batches and step order, so arms compared at one synthetic tau differ by their
+settings, not by their draws. With one generator per engine in step order (before), arms of the same steps drew
+alike but an arm whose spans differed drew other acceptance: at c1 and tau 3.5 the automatic policy realized
+3.60 and 3.45 where span 16 realized 3.66 and 3.39 (reports/h200-levers/2026-12-04-s2/, the cells' counters).
 """
 
 from __future__ import annotations
 
-import torch
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
 
 from ..config import ConfigError
 
@@ -29,15 +43,35 @@ def rate_for_tau(tau: float, k: int) -> float:
     return (lo + hi) / 2
 
 
+KEEP = 4096  # requests whose acceptable positions are kept (least recently drawn dropped first)
+
+
 class SyntheticAcceptance:
     def __init__(self, tau: float, k: int, seed: int = 0) -> None:
         self.tau = tau
         self.rate = rate_for_tau(tau, k)
-        self.gen = torch.Generator().manual_seed(seed)
+        self.seed = seed
+        self._bits: OrderedDict[tuple[int, ...], np.ndarray] = OrderedDict()
 
-    def draw(self, k: int) -> int:
-        u = torch.rand(k, generator=self.gen)
-        m = 0
-        while m < k and u[m].item() < self.rate:
-            m += 1
-        return m
+    def acceptable(self, prompt_ids: Sequence[int], n: int) -> np.ndarray:
+        """Whether a draft for each sequence position 0..n-1 of a request with these prompt ids is acceptable
+        (bool [>= n]): one seeded stream per (seed, prompt), so a longer read extends a shorter one."""
+        key = tuple(prompt_ids)
+        bits = self._bits.get(key)
+        if bits is None or len(bits) < n:
+            h = hashlib.blake2b(np.asarray(key, dtype=np.int64).tobytes(), digest_size=8,
+                                key=int(self.seed).to_bytes(8, "little", signed=True))
+            rng = np.random.default_rng(int.from_bytes(h.digest(), "little"))
+            bits = rng.random(max(n, 2 * len(bits) if bits is not None else n)) < self.rate
+            self._bits[key] = bits
+        self._bits.move_to_end(key)
+        while len(self._bits) > KEEP:
+            self._bits.popitem(last=False)
+        return bits
+
+    def draw(self, prompt_ids: Sequence[int], start: int, k: int) -> int:
+        """Accepted drafts of a verify span at sequence position `start` carrying k drafts (for positions
+        start + 1 .. start + k): the run of acceptable positions from start + 1, at most k."""
+        window = self.acceptable(prompt_ids, start + 1 + k)[start + 1: start + 1 + k]
+        miss = np.flatnonzero(~window)
+        return int(miss[0]) if len(miss) else k
