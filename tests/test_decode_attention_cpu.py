@@ -239,8 +239,31 @@ SCRIPT = PRELUDE + textwrap.dedent('''
             assert torch.equal(kc, kr) and torch.equal(vc, vr), "K/V store"
             err = (out - ref).abs().max().item()
             assert err < 1e-4, ("backend", spans, causal, quantum, err)
-    buf = fa._row_bufs[(meta.num_tokens, 16)]
+    buf = fa._row_bufs[(meta.num_tokens, 16, 2 * -(-meta.num_tokens // 16) + 1)]  # (rows, quantum, segment room)
     assert fa._span[0].data_ptr() == buf.data_ptr(), "the row count's buffer"
+    # a prefill-mixed layout (EngineConfig.whole_prefill): a 24-token chunk (and a later 12-token chunk of a longer
+    # prompt) beside decode and verify spans, in the room graphs.mixed_cap gives its row count, which the verify
+    # layout's room (2 x rows / 16 + 1) cannot hold: every decode span is a segment of its own
+    from specbench.engine.graphs import mixed_cap
+
+    mixed = [(24, 24), (1, 9), (1, 5), (1, 7), (16, 40), (12, 30), (1, 13), (1, 11)]
+    cut, mtables = 0, []
+    for _, kl in mixed:  # each request its own pages (38 of the 40)
+        n = -(-kl // ps)
+        mtables.append(perm[cut: cut + n])
+        cut += n
+    meta, q, k, v = rows_step(mixed, mtables, ps, dummy, 5, hq, hkv, d, True, g)
+    ta = TorchAttention("cpu")
+    ta.plan(meta)
+    kr, vr = kc.clone(), vc.clone()
+    ref = ta.forward(q, k, v, kr, vr, d ** -0.5)
+    cap = mixed_cap(meta.num_tokens, len(mixed))
+    segs, _ = row_segments(meta.q_lens, meta.kv_lens, meta.page_tables, ps, True, 16)
+    assert 2 * -(-meta.num_tokens // 16) + 1 < len(segs) <= cap, (len(segs), cap)
+    fa.plan_rows(meta, 16, cap)
+    out = fa.forward(q, k, v, kc, vc, d ** -0.5)
+    err = (out - ref).abs().max().item()
+    assert err < 1e-4, ("mixed", err)
     print("ROWS OK")
 ''')
 
