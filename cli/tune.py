@@ -42,6 +42,9 @@ def tune(
     trim: str = typer.Option("0", "--trim", help="Grid: draft trims, comma-separated (0 = no trim)."),
     gate: str = typer.Option("0", "--gate", help="Grid: max-batch gate thresholds, comma-separated (0 = no gate)."),
     policy: str = typer.Option("off,auto", "--policy", help="Grid: span policies, comma-separated (off, auto)."),
+    aa: bool = typer.Option(False, "--aa", help="Grid: also a second plain engine built apart (`plain-aa`): its "
+                            "ratio to plain is the noise between two engines of one setting, which every arm carries "
+                            "and the noise floor (one engine run twice) does not see; an arm must beat both."),
     each: bool = typer.Option(False, "--each/--product", help="Grid: one lever at a time (spec without levers, then "
                               "each value of each knob alone) instead of every combination."),
     concurrency: str = typer.Option("1,8,16,32,64", "--concurrency", "-c", help="Concurrency levels."),
@@ -85,6 +88,9 @@ def tune(
     bad = [p for p in pols if p not in ("off", "auto")]
     if bad or not pols:
         raise typer.BadParameter(f"{policy!r} is invalid: expected off and/or auto", param_hint="--policy")
+    if arms and aa:
+        raise typer.BadParameter("--aa builds a second bundled engine: give a grid (--base), or a second server of "
+                                 "the baseline's setting among --arms", param_hint="--aa")
     if arms and (base or k):
         raise typer.BadParameter("give --arms or a grid (--base, --k), not both", param_hint="--arms")
     try:
@@ -93,7 +99,7 @@ def tune(
             base_label = baseline or labels[0]
         else:
             engines, labels = tune_arms(base or "local", [*_ints(k, "--k", 1)] or [None], _ints(trim, "--trim", 0),
-                                        _ints(gate, "--gate", 0), pols, each=each)
+                                        _ints(gate, "--gate", 0), pols, each=each, aa=aa)
             base_label = labels[0]
         cfg = SweepConfig(levels=levels, dataset=dataset, prompts_per_level=prompts_per_level, max_tokens=max_tokens,
                           max_tokens_spread=max_tokens_spread, rounds=rounds, warmup=warmup, ignore_eos=ignore_eos)

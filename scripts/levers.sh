@@ -13,7 +13,8 @@
 #   LEVERS_SPREAD (output length spread S: max_tokens uniform in [M (1 - S), M (1 + S)], default 0.5; 0 = all M:
 #   the requests of a wave finish together and their successors' prefills share a step, a lockstep plain decode
 #   profits from and speculation breaks, reports/h200-levers/2026-12-04-s2/), LEVERS_SECTION (a suffix for the
-#   merged section's name; default: the spread),
+#   merged section's name; default: the spread), LEVERS_AA (1, the default: a second plain engine, the A/A noise
+#   between two engines of one setting, which every arm must beat as well as the noise floor; 0 = without),
 #   LEVERS_TIMEOUT (seconds per tau, 540), LEVERS_BUDGET (seconds for the whole call; each tau's timeout is cut
 #   to what is left), PYTHON (python3).
 # On CPU with the tiny pair (a check of this path, not a measurement):
@@ -35,7 +36,8 @@ for tau in ${LEVERS_TAUS:-6.5 3.5 2.0}; do
     [ "$left" -lt "$t" ] && t=$left
   fi
   echo "[levers] tau $tau (timeout ${t}s)"
-  timeout "$t" $py -m specbench tune --each \
+  aa=; [ "${LEVERS_AA:-1}" = 1 ] && aa=--aa
+  timeout "$t" $py -m specbench tune --each $aa \
     --base "local:$pair/target,draft=$pair/draft,spec=dflash,${LEVERS_OPTS:-device=cuda,dtype=bfloat16,max_model_len=1024},tau=$tau" \
     --trim "${LEVERS_TRIMS:-4,2}" --gate "${LEVERS_GATES:-16}" --policy "${LEVERS_POLICIES:-off,auto}" \
     --concurrency "${LEVERS_LEVELS:-1,8,16,32,64}" --rounds "${LEVERS_ROUNDS:-2}" \

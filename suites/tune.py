@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 PLAIN = "plain"
+AA = "plain-aa"  # --aa: a second engine of the baseline's setting, built apart (the between-engine noise floor)
 
 
 def _label(k: int | None, trim: int, gate: int, policy: str) -> str:
@@ -42,10 +43,12 @@ def _label(k: int | None, trim: int, gate: int, policy: str) -> str:
 
 
 def tune_arms(base: str, ks: Sequence[int | None] = (None,), trims: Sequence[int] = (0,), gates: Sequence[int] = (0,),
-              policies: Sequence[str] = ("off",), each: bool = False) -> tuple[list[str], list[str]]:
+              policies: Sequence[str] = ("off",), each: bool = False, aa: bool = False) -> tuple[list[str], list[str]]:
     """(engine strings, labels) for a bundled-engine grid: plain first, then every grid point (each=True: one
     lever at a time instead of the product: spec without levers, then every non-default value of each knob
-    alone, the levers report's layout)."""
+    alone, the levers report's layout). `aa`: a second plain engine (`AA`), built apart from the first: its
+    ratio to plain is the noise between two engines of one setting, which every arm (an engine of its own) carries
+    and the noise floor (one engine run twice) does not see."""
     from specbench.harness.engines import parse_engine, spec_off_twin  # noqa: PLC0415
 
     spec = parse_engine(base)
@@ -57,6 +60,9 @@ def tune_arms(base: str, ks: Sequence[int | None] = (None,), trims: Sequence[int
     head = f"local:{spec.target}" if spec.target else "local"
     plain = spec_off_twin(spec, name=PLAIN).raw
     engines, labels = [plain], [PLAIN]
+    if aa:
+        engines.append(spec_off_twin(spec, name=AA).raw + f",name={AA}")
+        labels.append(AA)
     if each:
         k0 = ks[0] if ks else None
         points = [(k0, 0, 0, "off")] + [(k, 0, 0, "off") for k in ks[1:]] + [(k0, t, 0, "off") for t in trims if t] \
@@ -162,21 +168,26 @@ def finish_groups(records: list[dict], arm: str, level: float) -> float | None:
 
 def analyze(summary: Any, records: list[dict]) -> dict:
     base = summary.baseline
-    arms = [a for a in summary.compared_arms if a != base]
+    arms = [a for a in summary.compared_arms if a not in (base, AA)]
     levels = list(summary.levels)
     per_level: list[dict] = []
     for lv in levels:
         nf = summary.noise.get(lv)
         noise = nf["noise"] if nf else None
+        aa = summary.speedups.get((AA, lv))  # --aa: two engines of the baseline's setting, paired rounds
+        engine_noise = abs(aa["median"] - 1.0) if aa else None
+        floor = max(x for x in (noise, engine_noise) if x is not None) if (noise, engine_noise) != (None, None) \
+            else None
         b = summary.get(base, lv)
-        row: dict = {"level": lv, "plain_tok_s": b.tok_s_median if b else None, "noise": noise, "arms": {},
+        row: dict = {"level": lv, "plain_tok_s": b.tok_s_median if b else None, "noise": noise,
+                     "engine_noise": engine_noise, "arms": {},
                      "plain_finish_groups": finish_groups(records, base, lv)}
         best, best_tps = base, (b.tok_s_median if b else None) or 0.0
         for a in arms:
             c = summary.get(a, lv)
             sp = summary.speedups.get((a, lv))
             ratio = sp["median"] if sp else None
-            resolved = None if ratio is None or noise is None else abs(ratio - 1.0) > noise
+            resolved = None if ratio is None or floor is None else abs(ratio - 1.0) > floor
             tps = c.tok_s_median if c else None
             row["arms"][a] = {"tok_s": tps, "ratio": ratio, "resolved": resolved, "spans": _spans(records, a, lv),
                               "finish_groups": finish_groups(records, a, lv)}
@@ -239,16 +250,20 @@ def lockstep_lines(res: dict, arms: list[str]) -> list[str]:
 
 def render(res: dict, title: str = "specbench tune") -> str:
     arms = list(res["per_level"][0]["arms"]) if res["per_level"] else []
+    aa = any(row.get("engine_noise") is not None for row in res["per_level"])
+    floor = ("the larger of the noise floor (plain run twice) and the A/A noise (|`plain-aa` / plain - 1|: a second "
+             "plain engine, built apart)" if aa else "the noise floor (plain run twice)")
     lines = [f"## {title}", "", f"Baseline: `{res['baseline']}` (speculation off). Ratios: median paired tok/s ratio "
-             "to plain over interleaved rounds; `*` = within the noise floor (plain run twice).", "",
-             "| c | plain tok/s | noise | " + " | ".join(arms) + " | best |",
-             "|---|---|---|" + "---|" * len(arms) + "---|"]
+             f"to plain over interleaved rounds; `*` = within {floor}.", "",
+             "| c | plain tok/s | noise | " + ("A/A | " if aa else "") + " | ".join(arms) + " | best |",
+             "|---|---|---|" + ("---|" if aa else "") + "---|" * len(arms) + "---|"]
     for row in res["per_level"]:
         cells = []
         for a in arms:
             x = row["arms"][a]
             cells.append(_f(x["ratio"], "{:.3f}") + ("*" if x["resolved"] is False else ""))
         lines.append(f"| {row['level']:g} | {_f(row['plain_tok_s'])} | {_f(row['noise'], '{:.3f}')} | "
+                     + (f"{_f(row.get('engine_noise'), '{:.3f}')} | " if aa else "")
                      + " | ".join(cells) + f" | {row['best']} |")
     lines += ["", "Output tok/s (median over rounds):", "", "| c | plain | " + " | ".join(arms) + " |",
               "|---|---|" + "---|" * len(arms)]

@@ -126,3 +126,25 @@ def test_lockstep_waves_are_measured_and_flagged():
     assert "| 16 | 0.06 | 1.00 |" in md and "Warning: plain decode ran in lockstep waves" in md and "c16" in md
     fair = _ends("plain", 16, [500.0 + 7.0 * i for i in range(32)]) + _ends("spec", 16, apart)
     assert "Warning" not in render(analyze(s, fair))
+
+
+def test_aa_engine_noise_widens_the_floor():
+    """--aa: a second plain engine built apart; its paired ratio to plain is the noise between two engines of one
+    setting. An arm within it is not resolved even when it is outside the one-engine noise floor, and the A/A arm
+    itself is never a candidate (best, crossover, recommendation)."""
+    from specbench.suites.tune import AA
+
+    eng, lab = tune_arms("local", each=True, gates=(1,), aa=True)
+    assert lab[:2] == [PLAIN, AA] and "spec=off" in eng[1] and f"name={AA}" in eng[1]
+    assert tune_arms("local", each=True)[1][1] != AA
+    s = _summary({AA: [1.0, 1.05], "spec": [1.9, 1.04], "spec-auto": [2.0, 0.93]}, [0.001, 0.01], levels=(1, 64))
+    res = analyze(s, [])
+    c64 = res["per_level"][1]
+    assert c64["engine_noise"] == pytest.approx(0.05) and AA not in c64["arms"]
+    assert c64["arms"]["spec"]["resolved"] is False  # 1.04: outside 0.01, inside the A/A 0.05
+    assert c64["arms"]["spec-auto"]["resolved"] is True and res["crossover"]["spec-auto"] == 64
+    assert c64["best"] == PLAIN and res["recommendation"]["one_setting"] == "spec"
+    md = render(res)
+    assert "| 64 | 6400.0 | 0.010 | 0.050 | 1.040* | 0.930 | plain |" in md and "A/A noise" in md
+    r = runner.invoke(cli.app, ["tune", "--aa", "--arms", "off=openai:http://a:1/v1;on=openai:http://b:1/v1"])
+    assert r.exit_code == 2 and "--aa" in r.output
