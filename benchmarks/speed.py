@@ -98,11 +98,12 @@ def gen_wall(llm, ps: list[list[int]], max_tokens: int, device: str) -> float:
 
 
 def spec_wall(llm, ps: list[list[int]], max_tokens: int, device: str, seed: int) -> float:
-    """gen_wall of the synthetic-acceptance engine with its accept draws restarted from `seed`: the arms of one
-    repeat draw the same accept lengths (a paired comparison: at c1 a run is a few dozen draws, whose spread
-    otherwise exceeds the gap between arms), repeats draw different ones."""
+    """gen_wall of the synthetic-acceptance engine with its accept draws made from `seed`: the arms of one
+    repeat see the same acceptable positions (common random numbers, engine/spec/synthetic.py: a paired
+    comparison; at c1 a run is a few dozen draws, whose spread otherwise exceeds the gap between arms), repeats
+    draw different ones."""
     if llm.engine.synthetic is not None:
-        llm.engine.synthetic.gen.manual_seed(seed)
+        llm.engine.synthetic.reseed(seed)
     return gen_wall(llm, ps, max_tokens, device)
 
 

@@ -247,3 +247,22 @@ def test_synthetic_acceptance_is_common_to_every_engine(tiny_target, tiny_draft,
     assert syn.draw([5, 6, 7], 10, 7) == SyntheticAcceptance(3.5, 7, seed=3).draw([5, 6, 7], 10, 7)
     other = SyntheticAcceptance(3.5, 7, seed=4)
     assert syn.acceptable([5, 6, 7], 50)[:50].tolist() != other.acceptable([5, 6, 7], 50)[:50].tolist()
+
+
+def test_speed_bench_reseeds_synthetic_acceptance(tiny_target, tiny_draft, prompts):
+    """benchmarks/speed.py `spec_wall`: the arms of one repeat (one seed) accept the same drafts, another repeat's
+    seed draws other ones (it ran on the GPU only, so a stale attribute would have failed there first)."""
+    from specbench.benchmarks.speed import spec_wall
+
+    llm = LLM(tiny_target, draft=tiny_draft, num_pages=256, synthetic_tau=3.5)
+    ps = [llm.engine.tokenizer.encode(p) for p in prompts[:2]]
+    got = []
+    for seed in (7, 7, 8, 9, 10):
+        m = llm.engine.metrics
+        before = (m.num_drafts, list(m.accepted_per_pos))
+        spec_wall(llm, ps, 32, "cpu", seed=seed)
+        got.append((m.num_drafts - before[0], [a - b for a, b in zip(m.accepted_per_pos, before[1] or
+                                                                      [0] * len(m.accepted_per_pos), strict=True)]))
+    assert got[0] == got[1] and len({repr(g) for g in got[1:]}) > 1, got
+    assert llm.engine.synthetic.seed == 10
+    llm.close()

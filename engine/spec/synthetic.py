@@ -53,6 +53,12 @@ class SyntheticAcceptance:
         self.seed = seed
         self._bits: OrderedDict[tuple[int, ...], np.ndarray] = OrderedDict()
 
+    def reseed(self, seed: int) -> None:
+        """Draw every position again from `seed` (benchmarks/speed.py: the arms of one repeat share a seed, repeats
+        differ)."""
+        self.seed = seed
+        self._bits.clear()
+
     def acceptable(self, prompt_ids: Sequence[int], n: int) -> np.ndarray:
         """Whether a draft for each sequence position 0..n-1 of a request with these prompt ids is acceptable
         (bool [>= n]): one seeded stream per (seed, prompt), so a longer read extends a shorter one."""
