@@ -27,7 +27,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -142,28 +141,12 @@ def _spans(records: list[dict], arm: str, level: float) -> dict[str, int]:
 
 
 def finish_groups(records: list[dict], arm: str, level: float) -> float | None:
-    """Finish groups per request of an arm at a level, median over its measured rounds: requests whose ends lie
-    within half a TPOT (the cell's median) of the one before finished in the same engine step. ~1/c: the level
-    ran in lockstep waves (requests of one length that started together finish together, and their successors'
-    prefills share a step); ~1: every request finished apart, its successor's prefill a step of its own."""
-    cells: dict[int, list[tuple[float, float]]] = {}
-    for r in records:
-        m = r.get("meta") or {}
-        if r.get("kind") != "request" or r.get("arm") != arm or m.get("warmup") or not r.get("ok"):
-            continue
-        if float(m.get("level", -1)) != level or r.get("wall_send") is None or r.get("e2el") is None:
-            continue
-        cells.setdefault(int(r.get("round", 0)), []).append((r["wall_send"] + r["e2el"], r.get("tpot") or 0.0))
-    out = []
-    for ends in cells.values():
-        if len(ends) < 2:
-            continue
-        tpots = sorted(t for _, t in ends if t > 0)
-        gap = 0.5 * tpots[len(tpots) // 2] if tpots else 0.0
-        fins = sorted(e for e, _ in ends)
-        groups = 1 + sum(1 for a, b in zip(fins, fins[1:], strict=False) if b - a > gap)
-        out.append(groups / len(fins))
-    return statistics.median(out) if out else None
+    """`suites.sweep.metrics.finish_groups` of an arm's measured requests at a level (warm-up excluded)."""
+    from specbench.suites.sweep.metrics import finish_groups as groups  # noqa: PLC0415
+
+    return groups([r for r in records if r.get("kind") == "request" and r.get("arm") == arm
+                   and not (r.get("meta") or {}).get("warmup")
+                   and float((r.get("meta") or {}).get("level", -1)) == level])
 
 
 def analyze(summary: Any, records: list[dict]) -> dict:

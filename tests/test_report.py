@@ -129,3 +129,31 @@ def test_report_command(tmp_path: Path) -> None:
         pass
     bad = cli.invoke(app, ["report", str(tmp_path / "other")])
     assert bad.exit_code == 2 and "sweep" in bad.output
+
+
+def test_lockstep_baseline_is_flagged() -> None:
+    """At c8 the baseline's 16 requests end in two engine steps (lockstep waves), B's end apart: the report says
+    the speedup there measures the lockstep as much as B. With the baseline's ends spread, no note."""
+
+    def lvl_records(ends_a: list[float], ends_b: list[float]) -> list[dict]:
+        meta = {"kind": "sweep", "config": {"levels": [8], "rounds": 1, "dataset": "gsm8k", "max_tokens": 20},
+                "baseline": "A", "workload": {"dataset": "gsm8k", "kept": 16},
+                "arms": [{"label": a, "engine": f"local:{a}", "copy_of": None} for a in ("A", "B")]}
+        out: list[dict] = [meta]
+        for arm, ends in (("A", ends_a), ("B", ends_b)):
+            out.append({"kind": "cell", "arm": arm, "level": 8, "level_kind": "concurrency", "round": 0,
+                        "warmup": False, "copy_of": None, "duration": 1.0, "requests": 16, "completed": 16,
+                        "counters": None})
+            out += [{"kind": "request", "arm": arm, "round": 0, "ok": True, "prompt_tokens": 7,
+                     "completion_tokens": TOKENS, "wall_send": 0.0, "ttft": 0.01, "e2el": e, "tpot": 0.004,
+                     "chunk_offsets": [0.01], "chunk_tokens": [TOKENS], "spec": None,
+                     "meta": {"level": 8, "level_kind": "concurrency", "warmup": False}} for e in ends]
+        return out
+
+    lock = [0.5] * 8 + [1.0] * 8
+    apart = [0.3 + 0.01 * i for i in range(16)]
+    s = summarize(lvl_records(lock, apart), run_id="r")
+    assert s.get("A", 8).finish_groups == pytest.approx(2 / 16) and s.get("B", 8).finish_groups == pytest.approx(1.0)
+    md = render_markdown([s])
+    assert "**Lockstep:**" in md and "c8 `B` 1.00 vs `A` 0.12" in md
+    assert "**Lockstep:**" not in render_markdown([summarize(lvl_records(apart, apart), run_id="r")])

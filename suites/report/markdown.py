@@ -199,7 +199,7 @@ def render_run(s: RunSummary, images: dict[str, str] | None = None) -> list[str]
              "interleaved rounds)", "",
              "Speedup = median over rounds of the paired per-round ratio arm/baseline [min–max]; noise floor = "
              "median |A'/A − 1| of the baseline against its interleaved copy; `~` = within the noise floor.", "",
-             *throughput_table(s), ""]
+             *throughput_table(s), "", *lockstep_note(s)]
     for key, title in (("tok_s", "tok/s vs load"), ("speedup", "speedup with its noise band")):
         if images and key in images:
             lines += [f"![{title}]({images[key]})", ""]
@@ -217,6 +217,34 @@ def render_run(s: RunSummary, images: dict[str, str] | None = None) -> list[str]
     lines += ["### Requests", "", *counts_table(s), ""]
     lines += audit_section(s) + capability_section(s)
     return lines
+
+
+LOCKSTEP = 0.25  # the baseline's finish groups per request below this at a level >= 8: its waves ran in lockstep
+
+
+def lockstep_note(s: RunSummary) -> list[str]:
+    """Where the baseline ran in lockstep waves (requests of one length that started together finishing together,
+    their successors' prefills sharing a step) and an arm spread its finishes (each arrival's prefill a step of its
+    own), the speedup at that level measures the lockstep as much as the arm: say so, with the figures."""
+    if s.level_kind != "concurrency" or not s.baseline:
+        return []
+    hits = []
+    for lv in s.levels:
+        b = s.get(s.baseline, lv)
+        if lv < 8 or b is None or b.finish_groups is None or b.finish_groups >= LOCKSTEP:
+            continue
+        for a in s.compared_arms:
+            c = s.get(a, lv)
+            if a != s.baseline and c is not None and (c.finish_groups or 0.0) >= 2 * b.finish_groups:
+                hits.append(f"c{lv:g} `{a}` {c.finish_groups:.2f} vs `{s.baseline}` {b.finish_groups:.2f}")
+    if not hits:
+        return []
+    return ["**Lockstep:** the baseline's requests finished in waves (finish groups per request, requests ending in "
+            "one engine step counted once: " + "; ".join(hits) + "). Requests of one length that start together "
+            "finish together and their successors' prefills share a step, which the baseline profits from and an arm "
+            "whose requests progress unevenly (speculation) does not: those speedups measure the lockstep as much "
+            "as the arm. Lengths that differ (`--max-tokens-spread 0.5`, or a data set without `--ignore-eos`) "
+            "measure without it (docs/sweep.md).", ""]
 
 
 def audit_section(s: RunSummary) -> list[str]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from specbench.suites.sweep.audit import audit_records
 from specbench.suites.sweep.compare import noise_floor, speedup
-from specbench.suites.sweep.metrics import acceptance, cell_stats
+from specbench.suites.sweep.metrics import acceptance, cell_stats, finish_groups
 
 
 @dataclass
@@ -33,6 +33,7 @@ class ArmLevel:
     req_s: dict[int, float | None] = field(default_factory=dict)
     client_busy: float | None = None  # the client's event loop, busiest round (cell `client.busy`)
     client_saturated: bool = False  # some round's cell says the client was saturated
+    finish_groups: float | None = None  # finish groups per request (metrics.finish_groups): ~1/c = lockstep waves
 
     @property
     def tok_s_median(self) -> float | None:
@@ -180,7 +181,7 @@ def summarize(records: list[dict], run_id: str = "run", run_meta: dict | None = 
             else:
                 pooled = cell_stats(all_reqs, duration=total_time or None, counters=summed)
             s.cells[(a["label"], lv)] = ArmLevel(a["label"], lv, tok_s, pooled, acceptance(all_reqs, summed), req_s,
-                                                 max(busy) if busy else None, sat)
+                                                 max(busy) if busy else None, sat, finish_groups(all_reqs))
     for lv in levels:
         base = s.get(baseline, lv) if baseline else None
         for a in s.compared_arms:

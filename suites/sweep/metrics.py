@@ -162,3 +162,26 @@ def cell_stats(requests: Sequence[dict], duration: float | None = None, counters
     stats["chunk_gap"] = summary(x for _, d in ok for x in d["chunk_gaps"])
     stats["acceptance"] = acceptance(requests, counters)
     return stats
+
+
+def finish_groups(reqs: list[dict]) -> float | None:
+    """Finish groups per request of one arm at one level, median over its rounds (request records: round,
+    wall_send, e2el, tpot, ok): requests whose ends lie within half a TPOT (the round's median) of the one before
+    finished in the same engine step. ~1/c: the level ran in lockstep waves (requests of one length that started
+    together finish together, and their successors' prefills share a step); ~1: every request finished apart."""
+    import statistics
+
+    rounds: dict[int, list[tuple[float, float]]] = {}
+    for r in reqs:
+        if not r.get("ok") or r.get("wall_send") is None or r.get("e2el") is None:
+            continue
+        rounds.setdefault(int(r.get("round", 0)), []).append((r["wall_send"] + r["e2el"], r.get("tpot") or 0.0))
+    out = []
+    for ends in rounds.values():
+        if len(ends) < 2:
+            continue
+        tpots = sorted(t for _, t in ends if t > 0)
+        gap = 0.5 * tpots[len(tpots) // 2] if tpots else 0.0
+        fins = sorted(e for e, _ in ends)
+        out.append((1 + sum(1 for a, b in zip(fins, fins[1:], strict=False) if b - a > gap)) / len(fins))
+    return statistics.median(out) if out else None
