@@ -89,8 +89,8 @@ def tune(
     if bad or not pols:
         raise typer.BadParameter(f"{policy!r} is invalid: expected off and/or auto", param_hint="--policy")
     if arms and aa:
-        raise typer.BadParameter("--aa builds a second bundled engine: give a grid (--base), or a second server of "
-                                 "the baseline's setting among --arms", param_hint="--aa")
+        raise typer.BadParameter("--aa builds a second bundled engine: give a grid (--base), or among --arms a "
+                                 "second server of the baseline's setting labelled plain-aa", param_hint="--aa")
     if arms and (base or k):
         raise typer.BadParameter("give --arms or a grid (--base, --k), not both", param_hint="--arms")
     try:

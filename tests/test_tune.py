@@ -148,3 +148,8 @@ def test_aa_engine_noise_widens_the_floor():
     assert "| 64 | 6400.0 | 0.010 | 0.050 | 1.040* | 0.930 | plain |" in md and "A/A noise" in md
     r = runner.invoke(cli.app, ["tune", "--aa", "--arms", "off=openai:http://a:1/v1;on=openai:http://b:1/v1"])
     assert r.exit_code == 2 and "--aa" in r.output
+    # servers: a second one of the baseline's setting labelled plain-aa is read as the A/A arm whatever the baseline
+    s2 = _summary({AA: [1.0, 0.9], "k4": [1.5, 1.05]}, [0.001, 0.01], levels=(1, 64))
+    s2.baseline = "off"
+    c64 = analyze(s2, [])["per_level"][1]
+    assert c64["engine_noise"] == pytest.approx(0.1) and c64["arms"]["k4"]["resolved"] is False
