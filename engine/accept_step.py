@@ -83,7 +83,7 @@ class AcceptStep:
         tol = self.faults.accept_rule.greedy_tol
         m, toks = accept_greedy_within(list(s.drafts), am, lg, tol) if tol else accept_greedy(list(s.drafts), am)
         if self.synthetic is not None:  # speed curves only: the accept count is drawn, not matched
-            m = self.synthetic.draw(s.req.prompt_ids, s.start, k)
+            m = self.synthetic.draw(s.req.prompt_ids, s.start, k, s.req.rid)
             toks = list(s.drafts[:m]) + [am[m]]
         return SpanResult(m + 1, toks, None, k, m, am)
 

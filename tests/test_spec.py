@@ -266,3 +266,15 @@ def test_speed_bench_reseeds_synthetic_acceptance(tiny_target, tiny_draft, promp
     assert got[0] == got[1] and len({repr(g) for g in got[1:]}) > 1, got
     assert llm.engine.synthetic.seed == 10
     llm.close()
+
+
+def test_synthetic_acceptance_cache_by_request_id():
+    """Keyed by the request id (no hash of a long prompt per step), the draws equal the prompt-keyed ones, and a
+    request that reuses an id with another prompt gets that prompt's draws."""
+    from specbench.engine.spec.synthetic import SyntheticAcceptance
+
+    a, b = list(range(3, 900)), list(range(5, 40))
+    by_rid, by_prompt = SyntheticAcceptance(3.5, 7, seed=1), SyntheticAcceptance(3.5, 7, seed=1)
+    for start in range(0, 200, 9):
+        assert by_rid.draw(a, start, 7, rid="x") == by_prompt.draw(a, start, 7)
+    assert [by_rid.draw(b, s, 7, rid="x") for s in range(0, 90, 5)] == [by_prompt.draw(b, s, 7) for s in range(0, 90, 5)]

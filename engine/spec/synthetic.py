@@ -51,7 +51,9 @@ class SyntheticAcceptance:
         self.tau = tau
         self.rate = rate_for_tau(tau, k)
         self.seed = seed
-        self._bits: OrderedDict[tuple[int, ...], np.ndarray] = OrderedDict()
+        # request id (or the prompt itself) -> acceptable positions; keyed by the id when the caller gives one, so
+        # a step does not hash every long prompt again (the seed still comes from the prompt: common to engines)
+        self._bits: OrderedDict[object, np.ndarray] = OrderedDict()
 
     def reseed(self, seed: int) -> None:
         """Draw every position again from `seed` (benchmarks/speed.py: the arms of one repeat share a seed, repeats
@@ -59,13 +61,15 @@ class SyntheticAcceptance:
         self.seed = seed
         self._bits.clear()
 
-    def acceptable(self, prompt_ids: Sequence[int], n: int) -> np.ndarray:
+    def acceptable(self, prompt_ids: Sequence[int], n: int, rid: str | None = None) -> np.ndarray:
         """Whether a draft for each sequence position 0..n-1 of a request with these prompt ids is acceptable
-        (bool [>= n]): one seeded stream per (seed, prompt), so a longer read extends a shorter one."""
-        key = tuple(prompt_ids)
+        (bool [>= n]): one seeded stream per (seed, prompt), so a longer read extends a shorter one. `rid`: the
+        request's id, the cache key (ids are unique among running requests; a finished one's entry ages out)."""
+        # the id with the prompt list's identity and length: a later request that reuses an id gets its own entry
+        key: object = (rid, id(prompt_ids), len(prompt_ids)) if rid is not None else tuple(prompt_ids)
         bits = self._bits.get(key)
         if bits is None or len(bits) < n:
-            h = hashlib.blake2b(np.asarray(key, dtype=np.int64).tobytes(), digest_size=8,
+            h = hashlib.blake2b(np.asarray(prompt_ids, dtype=np.int64).tobytes(), digest_size=8,
                                 key=int(self.seed).to_bytes(8, "little", signed=True))
             rng = np.random.default_rng(int.from_bytes(h.digest(), "little"))
             bits = rng.random(max(n, 2 * len(bits) if bits is not None else n)) < self.rate
@@ -75,9 +79,9 @@ class SyntheticAcceptance:
             self._bits.popitem(last=False)
         return bits
 
-    def draw(self, prompt_ids: Sequence[int], start: int, k: int) -> int:
+    def draw(self, prompt_ids: Sequence[int], start: int, k: int, rid: str | None = None) -> int:
         """Accepted drafts of a verify span at sequence position `start` carrying k drafts (for positions
         start + 1 .. start + k): the run of acceptable positions from start + 1, at most k."""
-        window = self.acceptable(prompt_ids, start + 1 + k)[start + 1: start + 1 + k]
+        window = self.acceptable(prompt_ids, start + 1 + k, rid)[start + 1: start + 1 + k]
         miss = np.flatnonzero(~window)
         return int(miss[0]) if len(miss) else k
