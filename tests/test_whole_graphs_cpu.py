@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from span_helpers import staggered
 
 from specbench.engine import LLM, SamplingParams
 from specbench.engine.attention.base import AttentionMetadata
@@ -110,21 +111,9 @@ def test_a_wrong_layout_is_caught(tiny_target, tiny_draft, gsm8k_prompts, shift)
 
 
 # ---- prefill-mixed steps whole (EngineConfig.whole_prefill) ------------------------------------------------------
-def _staggered(llm: LLM, prompts: list[str], every: int = 3, max_tokens: int = 24) -> list[list[int]]:
-    """Requests arriving one every `every` steps, so new prompts' chunks ride beside decoding (and verifying)
-    requests; returns each request's output ids."""
-    eng = llm.engine
-    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    todo, out, step = list(enumerate(prompts)), {}, 0
-    while todo or eng.has_unfinished():
-        if todo and step % every == 0:
-            i, p = todo.pop(0)
-            eng.add_request(p, sp, rid=f"r{i}")
-        for o in eng.step():
-            if o.finished:
-                out[o.rid] = list(o.output_ids)
-        step += 1
-    return [out[f"r{i}"] for i in range(len(prompts))]
+def _staggered(llm: LLM, prompts: list[str]) -> list[list[int]]:
+    """A prompt arriving every 3 steps (span_helpers.staggered), 24 tokens each."""
+    return staggered(llm.engine, prompts, SamplingParams(max_tokens=24, ignore_eos=True))
 
 
 def _mixed_llm(tiny_target, tiny_draft, rows: RowsTorch | None, whole_prefill: int, spec: bool) -> LLM:

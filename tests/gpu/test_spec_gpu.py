@@ -21,7 +21,7 @@ import gc
 
 import pytest
 import torch
-from span_helpers import verify_spans
+from span_helpers import staggered, verify_spans
 
 pytestmark = pytest.mark.gpu
 
@@ -293,20 +293,10 @@ def test_whole_prefill_mixed_steps_match_piecewise(geo_pair):
         eng = LLMEngine(EngineConfig(model=target, device="cuda", dtype="bfloat16", num_pages=2048,
                                      max_num_seqs=16, whole_prefill=wp))
         sp = SamplingParams(max_tokens=48, ignore_eos=True)
-        prompts = _prompts(eng.mcfg.vocab_size, 12)
-        todo, got, step = list(enumerate(prompts)), {}, 0
-        while todo or eng.has_unfinished():
-            if todo and step % 3 == 0:
-                i, p = todo.pop(0)
-                eng.add_request(p, sp, rid=f"r{i}")
-            for o in eng.step():
-                if o.finished:
-                    got[o.rid] = list(o.output_ids)
-            step += 1
+        outs[wp] = staggered(eng, _prompts(eng.mcfg.vocab_size, 12), sp)
         vg = eng.runner.verify_graphs
         assert vg is not None and vg.stats["prefill_steps"] > 0
         assert (vg.stats["whole_prefill_steps"] > 0) == (wp > 0), vg.stats
-        outs[wp] = [got[f"r{i}"] for i in range(len(prompts))]
         del eng
         _free()
     same = sum(a == b for x, y in zip(outs[0], outs[256], strict=True) for a, b in zip(x, y, strict=True))
