@@ -219,7 +219,9 @@ def output_lens(n: int, max_tokens: int, spread: float, seed: int) -> list[int]:
     together finish together and their successors' prefills share a step, a lockstep no traffic has."""
     if not spread:
         return [max_tokens] * n
-    lo, hi = max(2, round(max_tokens * (1 - spread))), max(2, round(max_tokens * (1 + spread)))
+    from specbench.suites.sweep.workload import output_len_range  # noqa: PLC0415
+
+    lo, hi = (max(2, x) for x in output_len_range(max_tokens, spread))
     g = torch.Generator().manual_seed(seed)
     return torch.randint(lo, hi + 1, (n,), generator=g).tolist()
 

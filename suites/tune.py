@@ -205,9 +205,6 @@ def _f(x: float | None, fmt: str = "{:.1f}") -> str:
     return "-" if x is None else fmt.format(x)
 
 
-LOCKSTEP = 0.25  # plain decode's finish groups per request below this at c >= 8: its waves ran in lockstep
-
-
 def lockstep_lines(res: dict, arms: list[str]) -> list[str]:
     """The finish groups per request by level and arm, and a warning where plain decode ran in lockstep waves
     that an arm broke (its ratio there measures the lockstep as much as the arm)."""
@@ -219,8 +216,10 @@ def lockstep_lines(res: dict, arms: list[str]) -> list[str]:
              "|---|---|" + "---|" * len(arms)]
     lines += [f"| {r['level']:g} | {_f(r['plain_finish_groups'], '{:.2f}')} | "
               + " | ".join(_f(r["arms"][a].get("finish_groups"), "{:.2f}") for a in arms) + " |" for r in rows]
-    broke = [(r["level"], a) for r in rows if r["level"] >= 8 and r["plain_finish_groups"] < LOCKSTEP for a in arms
-             if (r["arms"][a].get("finish_groups") or 0.0) >= 2 * r["plain_finish_groups"]]
+    from specbench.suites.sweep.metrics import broke_lockstep  # noqa: PLC0415
+
+    broke = [(r["level"], a) for r in rows for a in arms
+             if broke_lockstep(r["level"], r["plain_finish_groups"], r["arms"][a].get("finish_groups"))]
     if broke:
         lines += ["", "Warning: plain decode ran in lockstep waves (requests of one length finishing together, their "
                   "successors' prefills sharing a step) at " + ", ".join(sorted({f"c{lv:g}" for lv, _ in broke}))

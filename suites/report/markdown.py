@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import time
 
+from specbench.suites.sweep.metrics import broke_lockstep
+
 from .summarize import RunSummary
 
 
@@ -219,9 +221,6 @@ def render_run(s: RunSummary, images: dict[str, str] | None = None) -> list[str]
     return lines
 
 
-LOCKSTEP = 0.25  # the baseline's finish groups per request below this at a level >= 8: its waves ran in lockstep
-
-
 def lockstep_note(s: RunSummary) -> list[str]:
     """Where the baseline ran in lockstep waves (requests of one length that started together finishing together,
     their successors' prefills sharing a step) and an arm spread its finishes (each arrival's prefill a step of its
@@ -231,11 +230,10 @@ def lockstep_note(s: RunSummary) -> list[str]:
     hits = []
     for lv in s.levels:
         b = s.get(s.baseline, lv)
-        if lv < 8 or b is None or b.finish_groups is None or b.finish_groups >= LOCKSTEP:
-            continue
         for a in s.compared_arms:
             c = s.get(a, lv)
-            if a != s.baseline and c is not None and (c.finish_groups or 0.0) >= 2 * b.finish_groups:
+            if a != s.baseline and b is not None and c is not None and \
+                    broke_lockstep(lv, b.finish_groups, c.finish_groups):
                 hits.append(f"c{lv:g} `{a}` {c.finish_groups:.2f} vs `{s.baseline}` {b.finish_groups:.2f}")
     if not hits:
         return []

@@ -185,3 +185,13 @@ def finish_groups(reqs: list[dict]) -> float | None:
         fins = sorted(e for e, _ in ends)
         out.append((1 + sum(1 for a, b in zip(fins, fins[1:], strict=False) if b - a > gap)) / len(fins))
     return statistics.median(out) if out else None
+
+
+LOCKSTEP = 0.25  # the baseline's finish groups per request below this at a level >= 8: its waves ran in lockstep
+
+
+def broke_lockstep(level: float, base: float | None, arm: float | None) -> bool:
+    """Whether, at this concurrency, the baseline ran in lockstep waves (finish groups per request `base` below
+    LOCKSTEP, from c8 on) and the arm spread its finishes (at least twice the baseline's groups): its speedup there
+    measures the lockstep as much as the arm."""
+    return level >= 8 and base is not None and base < LOCKSTEP and (arm or 0.0) >= 2 * base
