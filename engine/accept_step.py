@@ -7,7 +7,8 @@ KV, request or counter state (prompt logprobs excepted: they are written as thei
 - verify: greedy = the longest draft prefix equal to the target's argmax, then the target's own token
   (spec/accept.py; the engine's `Faults.accept_rule.greedy_tol` is 0 unless a fault is armed); sampled =
   rejection sampling against the draft distribution (spec/sampling.py, with the engine's
-  `Faults.accept_rule`). Either way 1..K+1 tokens.
+  `Faults.accept_rule`). Either way 1..K+1 tokens; a request that asked for logprobs gets each token's from
+  the verify row that decided it (SpecConfig.logprobs: such requests speculate).
 Host reads are batched: one argmax transfer serves every greedy span, one speculative-sampling resolve
 every sampled verify span (on CUDA the fused kernel), one inverse-CDF draw every sampled single pick.
 Synthetic acceptance (speed curves on random weights) replaces the greedy accept count; then the armed
@@ -79,13 +80,13 @@ class AcceptStep:
         if not p.greedy:
             assert sampled is not None  # every sampled verify span is resolved with the batch
             m, toks = sampled
-            return SpanResult(m + 1, toks, None, k, m)
+            return SpanResult(m + 1, toks, _run_logprobs(lg, toks, p), k, m)
         tol = self.faults.accept_rule.greedy_tol
         m, toks = accept_greedy_within(list(s.drafts), am, lg, tol) if tol else accept_greedy(list(s.drafts), am)
         if self.synthetic is not None:  # speed curves only: the accept count is drawn, not matched
             m = self.synthetic.draw(s.req.prompt_ids, s.start, k, s.req.rid)
             toks = list(s.drafts[:m]) + [am[m]]
-        return SpanResult(m + 1, toks, None, k, m, am)
+        return SpanResult(m + 1, toks, _run_logprobs(lg, toks, p), k, m, am)
 
     def _resolve_sampled(self, spans: list[Span], row_of: list[tuple[int, int]],
                          logits: torch.Tensor) -> dict[int, tuple[int, list[int]]]:
@@ -145,3 +146,9 @@ def _drawn(pick: int | None) -> int:
 
 def _logprobs(rows: torch.Tensor, tok: int, p: SamplingParams) -> Logprobs | None:
     return topk_logprobs(rows, [tok], p.logprobs) if p.logprobs is not None else None
+
+
+def _run_logprobs(lg: torch.Tensor, toks: list[int], p: SamplingParams) -> Logprobs | None:
+    """A verify span's logprobs (the request asked for them): token j of its committed run was decided by logits
+    row j (row 0 follows the anchor), so its logprobs are that row's log-softmax, raw as a decode step's are."""
+    return topk_logprobs(lg[:len(toks)], list(toks), p.logprobs) if p.logprobs is not None else None

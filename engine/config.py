@@ -293,6 +293,9 @@ class SpecConfig:
     ngram_mix: float = 0.0
     synthetic_tau: float | None = None  # speed curves on random weights; refused by lossless suites
     sampling: bool = True  # speculative (rejection) sampling for T > 0; False = sampled requests run span-1
+    # requests that ask for logprobs speculate, their logprobs read from the verify rows of the tokens they commit
+    # (False, or SPECBENCH_SPEC_LOGPROBS=0: they run span-1, as before)
+    logprobs: bool = field(default_factory=lambda: env_flag("SPECBENCH_SPEC_LOGPROBS", True))
     # Load-aware levers (spec/policy.py; 0 / "off" = off; defaults from LEVER_ENV). gate=N: a step with more than N
     # running requests is a one-token verify round (no draft; the drafter's context still advances one row per
     # request, so speculation resumes without a prefill once N or fewer run); trim=k: only the first k drafts

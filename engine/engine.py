@@ -10,8 +10,8 @@ then, with `EngineConfig.check_invariants`, the run-time invariants (invariants.
 A plan of plain decode (no speculation, no logprobs, no top-p) may instead run one step ahead
 (ahead.py, `EngineConfig.decode_ahead`): launched with its tokens drawn on the device, the next step chained
 from them, then committed; each step() call still returns one step's outputs.
-A request that cannot speculate (logprobs or prompt logprobs requested, sampling with spec sampling off,
-not draft-ready, one token left) runs as a span of 1 in the same step; it never turns speculation off for
+A request that cannot speculate (prompt logprobs requested, logprobs with SpecConfig.logprobs off, sampling with
+spec sampling off, not draft-ready, one token left) runs as a span of 1 in the same step; it never turns speculation off for
 its neighbours. Which speculation a run uses (method, K, headroom) is decided once (spec/plan.py); the
 self-test's faults are one object (faults.py) whose hooks the phases call.
 Thread-safety: step / abort take one lock, so a server thread may add or abort while a loop steps. With that
@@ -193,6 +193,7 @@ class LLMEngine:
                 "prefix_cache_pages": self.pool.prefix.capacity if self.pool.prefix is not None else None,
                 "capture_blocks": self.pool.prefix.capture_blocks if self.pool.prefix is not None else None,
                 "gate": self.spec.gate, "trim": self.spec.trim, "policy": self.spec.policy,
+                "spec_logprobs": self.spec.logprobs,
                 "levers": self.policy.describe() if self.spec.policy == "auto" else None,
                 "memory": self.memory.describe()}
 

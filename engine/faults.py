@@ -159,6 +159,16 @@ class AcceptOffByOne(Fault):
                 r.accepted, r.committed, r.tokens = m, m + 1, list(s.drafts[:m]) + [r.argmax[m]]
 
 
+class SpecLogprobsLate(Fault):
+    name = "spec_logprobs_late"
+    description = "a speculated run's logprobs are one position late (token j gets row j + 1's; the last repeats)"
+
+    def accept(self, spans: list[Span], results: list[SpanResult]) -> None:
+        for r in results:
+            if r.drafts and r.logprobs is not None and len(r.logprobs) > 1:
+                r.logprobs = r.logprobs[1:] + r.logprobs[-1:]
+
+
 class DraftCtxMisaligned(Fault):
     name = "draft_ctx_misaligned"
     description = "the drafter's context rows are appended one position late"
@@ -337,7 +347,8 @@ _REGISTRY: tuple[type[Fault], ...] = (KVOffset, SkipRollback, WrongBonus, Accept
                                       MaskLeak, StaleShape, EmitPastStop, RollbackKeepsPage, VerifyPosShift,
                                       BatchedDraftPos, AcceptTolerance, EosInRun,
                                       BiasedAccept, ResampleFromP, ReusedUniform, QNextRow, BonusResidual,
-                                      RegisterBeforeForward, NoPublishOnFinish, SelectorSkipped, CausalDraft)
+                                      RegisterBeforeForward, NoPublishOnFinish, SelectorSkipped, CausalDraft,
+                                      SpecLogprobsLate)
 # Faults that leave the output lossless and move only a drafter's acceptance: no greedy or sampled gate can
 # catch them; `specbench check-draft` does (harness/checkdraft.py), so the gates' self-tests skip them.
 DRAFT_VARIANT_FAULTS = frozenset({"selector_skipped", "causal_draft"})

@@ -19,12 +19,13 @@ class LLM:
                  spec: str | None = "auto", num_speculative_tokens: int | None = None,
                  batched_draft: bool = True, proposer: Proposer | None = None, synthetic_tau: float | None = None,
                  spec_sampling: bool = True, spec_gate: int | None = None, spec_trim: int | None = None,
-                 spec_policy: str | None = None, **engine_kw) -> None:
+                 spec_policy: str | None = None, spec_logprobs: bool | None = None, **engine_kw) -> None:
         """spec_gate / spec_trim / spec_policy: the load-aware levers (SpecConfig.gate / trim / policy; None =
-        from SPECBENCH_SPEC_GATE / _TRIM / _POLICY, unset = off)."""
+        from SPECBENCH_SPEC_GATE / _TRIM / _POLICY, unset = off); spec_logprobs: logprobs requests speculate
+        (SpecConfig.logprobs; None = SPECBENCH_SPEC_LOGPROBS, unset = on)."""
         self._engine = LLMEngine(self.config(model, draft, device, dtype, spec, num_speculative_tokens, batched_draft,
                                              synthetic_tau, spec_sampling, spec_gate, spec_trim, spec_policy,
-                                             **engine_kw), proposer=proposer)
+                                             spec_logprobs, **engine_kw), proposer=proposer)
         self._exposed = False  # someone took `.engine` out: `del llm` must not close what they still hold
         self.tokenizer = self._engine.tokenizer
 
@@ -32,10 +33,13 @@ class LLM:
     def config(model: str, draft: str | None = None, device: str = "cpu", dtype: str = "float32",
                spec: str | None = "auto", num_speculative_tokens: int | None = None, batched_draft: bool = True,
                synthetic_tau: float | None = None, spec_sampling: bool = True, spec_gate: int | None = None,
-               spec_trim: int | None = None, spec_policy: str | None = None, **engine_kw) -> EngineConfig:
+               spec_trim: int | None = None, spec_policy: str | None = None, spec_logprobs: bool | None = None,
+               **engine_kw) -> EngineConfig:
         """The `EngineConfig` an `LLM(...)` with these arguments builds its engine from (an engine process is
         built from a config, not from an engine)."""
         levers = lever_kw(spec_gate, spec_trim, spec_policy)
+        if spec_logprobs is not None:
+            levers["logprobs"] = spec_logprobs
         spec_cfg = SpecConfig(method=spec_method(spec, draft), num_speculative_tokens=num_speculative_tokens,
                               batched_draft=batched_draft, synthetic_tau=synthetic_tau, sampling=spec_sampling,
                               **levers)

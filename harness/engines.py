@@ -50,7 +50,8 @@ OPTIONS = {
     "local": ("draft", "spec", "k", "device", "dtype", "num_pages", "faults", "name", "max_model_len", "tau",
               "max_num_seqs", "attention", "eager", "graph_runner", "verify_graph", "draft_graph", "triton", "gemv", "skinny", "selector_kernel", "decode_ahead", "gated_ahead",
               "whole_graphs", "defer_drafts", "decode_tensor_cores", "decode_attention", "padded_rows", "graph_logits", "graph_context", "gpu_memory_utilization", "invariants", "mix",
-              "gate", "trim", "policy", "prefix_cache", "prefix_cache_pages", "capture_mb", "whole_prefill"),
+              "gate", "trim", "policy", "prefix_cache", "prefix_cache_pages", "capture_mb", "whole_prefill",
+              "spec_logprobs"),
     "openai": ("model", "stream", "extras", "timeout", "retries", "api_key", "name", "tokenizer", "dialect", "probe",
                "ready_timeout", "dtype"),
     "hf": ("assistant", "lookup", "device", "dtype", "name"),
@@ -162,7 +163,7 @@ def parse_engine(raw: str) -> EngineSpec:
         except (ValueError, AssertionError):
             raise _fail(raw, f"capture_mb={opts['capture_mb']!r} is invalid: expected a number of MiB >= 0 "
                         "(0 = the drafter's capture cache off)") from None
-    for key in (*SWITCHES, "invariants", "prefix_cache"):
+    for key in (*SWITCHES, "invariants", "prefix_cache", "spec_logprobs"):
         if key in opts and opts[key] not in BOOLS:
             raise _fail(raw, f"{key}={opts[key]!r} is invalid: expected 0 or 1")
     if "gpu_memory_utilization" in opts:
@@ -205,7 +206,7 @@ def bundled() -> tuple[str, str | None]:
 
 # Options of a local engine that belong to its speculation or to the arm, not to the engine under it:
 # the spec-off twin drops them (a twin is clean and carries its own label).
-TWIN_DROPS = ("draft", "spec", "k", "tau", "faults", "name", "mix", "gate", "trim", "policy")
+TWIN_DROPS = ("draft", "spec", "k", "tau", "faults", "name", "mix", "gate", "trim", "policy", "spec_logprobs")
 
 
 def spec_off_twin(spec: EngineSpec, name: str = "baseline") -> EngineSpec:
@@ -352,6 +353,8 @@ def build_adapter(spec: EngineSpec | str, name: str | None = None) -> EngineAdap
             kw["prefix_cache_pages"] = int(o["prefix_cache_pages"])
         if "capture_mb" in o:
             kw["spec_capture_cache_mb"] = float(o["capture_mb"])
+        if "spec_logprobs" in o:  # logprobs requests speculate (SpecConfig.logprobs; default on)
+            kw["spec_logprobs"] = spec.opt_bool("spec_logprobs", True)
         for key, arg in LEVERS.items():
             if key in o:
                 kw[arg] = o[key] if key == "policy" else int(o[key])

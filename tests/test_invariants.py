@@ -151,7 +151,7 @@ def test_checker_accepts_a_consistent_state_and_names_each_break():
 
 def test_checker_skips_requests_that_cannot_speculate_and_proposers_without_context():
     pool, reqs = _state()
-    reqs[0].params = SamplingParams(max_tokens=8, logprobs=2)  # never drafted: the drafter tracks none
+    reqs[0].params = SamplingParams(max_tokens=8, prompt_logprobs=2)  # never drafted: the drafter tracks none
     InvariantChecker(pool, _Sched(reqs), _Ctx({"b": (3, 3)}), PLAN).check(1)
     InvariantChecker(pool, _Sched(reqs), Proposer(1), PLAN).check(1)  # no per-position context (n-gram)
     InvariantChecker(pool, _Sched(reqs), None, PLAN).check(1)

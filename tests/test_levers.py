@@ -317,13 +317,13 @@ def test_lever_free_policy_is_draft_lens(tiny_pair, prompts):
     llm = _llm(tiny_pair)
     eng = llm.engine
     for i, p in enumerate(prompts):
-        eng.add_request(p, SamplingParams(max_tokens=BUDGETS[i], logprobs=1 if i == 2 else None))
+        eng.add_request(p, SamplingParams(max_tokens=BUDGETS[i], prompt_logprobs=1 if i == 2 else None))
     while eng.has_unfinished():
         ks, _ = eng.policy.choose(eng.scheduler.running, eng.proposer)
         assert ks == draft_lens(eng.scheduler.running, eng.proposer, eng.spec)
         eng.step()
     states = {e["requests"].get("req-2", {}).get("state") for e in eng.policy.trace}
-    assert DraftState.INELIGIBLE.value in states  # logprobs: never speculates, never turns the others off
+    assert DraftState.INELIGIBLE.value in states  # prompt logprobs: never speculates, never turns the others off
 
 
 # ---- each lever against the spec-off oracle ----------------------------------------------------------

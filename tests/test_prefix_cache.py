@@ -267,10 +267,12 @@ def test_shared_prefix_sweep_workload():
 
 
 def test_blocks_of_a_request_that_cannot_speculate_carry_the_capture(llm_pair, gsm8k_prompts):
-    """A logprobs request never drafts, but its drafter rows are written, so a later hit on its blocks drafts."""
+    """A request that never drafts (prompt logprobs) still has its drafter rows written, so a later hit on its
+    blocks drafts."""
     warm_llm, _ = llm_pair
     ids = warm_llm.tokenizer.encode(gsm8k_prompts[5])
-    warm_llm.generate([ids], SamplingParams(max_tokens=4, logprobs=2, ignore_eos=True))
+    first = warm_llm.generate([ids], SamplingParams(max_tokens=4, prompt_logprobs=1, ignore_eos=True))[0]
+    assert first.spec["num_drafts"] == 0
     out = warm_llm.generate([ids], SamplingParams(max_tokens=16, ignore_eos=True))[0]
     assert out.spec["cached_tokens"] > 0 and not out.spec["capture_fallback"] and out.spec["num_drafts"] > 0
 

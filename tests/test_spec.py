@@ -60,14 +60,15 @@ def test_staggered_max_tokens_concurrent(tiny_target, spec_llm, prompts):
 
 
 def test_mixed_batch_speculating_and_not(spec_llm, prompts, baseline):
-    params = [SamplingParams(max_tokens=N_NEW, ignore_eos=True, logprobs=2 if i % 2 else None)
+    # prompt logprobs never speculate (logprobs do: tests/test_logprobs_parity.py)
+    params = [SamplingParams(max_tokens=N_NEW, ignore_eos=True, prompt_logprobs=2 if i % 2 else None)
               for i in range(len(prompts))]
     before = spec_llm.engine.metrics.num_drafts
     outs = spec_llm.generate(prompts, params)
     for b, o, p in zip(baseline, outs, params, strict=True):
         assert o.output_ids == b.output_ids
-        if p.logprobs is not None:
-            assert o.spec["num_drafts"] == 0 and len(o.logprobs) == N_NEW
+        if p.prompt_logprobs is not None:
+            assert o.spec["num_drafts"] == 0 and len(o.prompt_logprobs) == len(o.prompt_ids)
         else:
             assert o.spec["num_drafts"] > 0  # the neighbours kept speculating
     assert spec_llm.engine.metrics.num_drafts > before

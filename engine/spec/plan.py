@@ -9,8 +9,9 @@ The one home of these rules on the engine side:
 - headroom: the positions past a request's committed length that one step may touch: its verify span
   [anchor, d1..dK] (K + 1) and, with a block drafter, the draft block's B scratch slots; the usable
   context is the model's context minus it, and admission promises prompt + max_tokens + headroom slots;
-- `SpecPlan.can_speculate`: a request speculates unless it asked for logprobs or prompt logprobs, or it
-  samples while speculative sampling is off (`SpecConfig.sampling`);
+- `SpecPlan.can_speculate`: a request speculates unless it asked for prompt logprobs, or for logprobs while
+  speculated logprobs are off (`SpecConfig.logprobs`), or it samples while speculative sampling is off
+  (`SpecConfig.sampling`);
 - levers (issue 20, spec/policy.py): `gate` (a step with more running requests than that is a one-token
   round), `trim` (k <= K drafts per verify span; refused at start when > K), `policy` ("auto": the cost-model
   span choice); `fixed_drafts` is the draft count without the automatic policy (trim, else K) and
@@ -56,6 +57,7 @@ class SpecPlan:
     gate: int = 0  # SpecConfig.gate: above this many running requests a step is a one-token round (0 = off)
     trim: int = 0  # SpecConfig.trim: drafts per verify span (0 = off: K)
     policy: str = "off"  # SpecConfig.policy
+    logprobs: bool = True  # SpecConfig.logprobs: logprobs requests speculate
 
     @property
     def fixed_drafts(self) -> int:
@@ -84,7 +86,8 @@ class SpecPlan:
 
     def can_speculate(self, p: SamplingParams) -> bool:
         """Could a request with these params ever speculate (so the proposer tracks its context)?"""
-        return self.enabled and p.logprobs is None and p.prompt_logprobs is None and (p.greedy or self.sampling)
+        return self.enabled and (p.logprobs is None or self.logprobs) and p.prompt_logprobs is None \
+            and (p.greedy or self.sampling)
 
 
 def resolve_spec(spec: SpecConfig, draft_cfg: ModelConfig | None, proposer: Proposer | None = None) -> SpecPlan:
@@ -108,7 +111,8 @@ def resolve_spec(spec: SpecConfig, draft_cfg: ModelConfig | None, proposer: Prop
         raise ConfigError(f"spec.trim={spec.trim} is invalid: expected 0 (off) or 1..K={k} (num_speculative_tokens)")
     headroom = max(k + 1, block or 0) if enabled else 0
     drafter = enabled and spec.method == "dflash" and draft_cfg is not None
-    return SpecPlan(enabled, spec.method, k, headroom, drafter, spec.sampling, spec.gate, spec.trim, spec.policy)
+    return SpecPlan(enabled, spec.method, k, headroom, drafter, spec.sampling, spec.gate, spec.trim, spec.policy,
+                    spec.logprobs)
 
 
 def make_proposer(plan: SpecPlan, spec: SpecConfig, draft: DFlashDraftModel | None, target: Qwen3ForCausalLM,

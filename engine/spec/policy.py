@@ -3,8 +3,9 @@
 Speculation pays at one stream and loses under load: a verify step costs batch x span target rows where a
 plain decode costs batch rows. `SpanPolicy.choose(running, proposer, step)` decides, once per step, how
 many drafts every decode-phase request carries (the schedule phase's `draft_lens`) and why:
-- a request that cannot speculate (logprobs, sampling without spec sampling, one token left) is
-  `INELIGIBLE`; one whose proposer has no context for its committed length is `NOT_READY` (plain decode);
+- a request that cannot speculate (prompt logprobs, logprobs with SpecConfig.logprobs off, sampling without spec
+  sampling, one token left) is `INELIGIBLE`; one whose proposer has no context for its committed length is
+  `NOT_READY` (plain decode);
   every other one is draft-ready and gets the step's drafts (`SPEC`) or none (`GATED`);
 - gate (`SpecPlan.gate` = N > 0): with more than N running requests the step is a one-token round, every
   draft-ready request `GATED` (N = 1: every step of a batch is gated, a request alone speculates). A gated

@@ -92,12 +92,16 @@ class LocalAdapter(EngineAdapter):
     def from_dirs(cls, model: str, draft: str | None = None, spec: str | None = None, k: int | None = None,
                   device: str = "cpu", dtype: str = "float32", name: str | None = None,
                   synthetic_tau: float | None = None, ngram_mix: float = 0.0, spec_gate: int | None = None,
-                  spec_trim: int | None = None, spec_policy: str | None = None, **engine_kw: Any) -> LocalAdapter:
+                  spec_trim: int | None = None, spec_policy: str | None = None, spec_logprobs: bool | None = None,
+                  **engine_kw: Any) -> LocalAdapter:
         """spec: resolved by `spec_method` (harness/spec_method.py). synthetic_tau: draw acceptance for
         speed curves on random weights (labelled in describe(); never for lossless). spec_gate / spec_trim /
-        spec_policy: the load-aware levers (SpecConfig.gate / trim / policy; None = from the environment)."""
+        spec_policy: the load-aware levers (SpecConfig.gate / trim / policy; None = from the environment);
+        spec_logprobs: logprobs requests speculate (SpecConfig.logprobs; None = from the environment)."""
         method = spec_method(spec, draft)
         levers = lever_kw(spec_gate, spec_trim, spec_policy)
+        if spec_logprobs is not None:
+            levers["logprobs"] = spec_logprobs
         cfg = EngineConfig(model=str(model), draft=str(draft) if draft and method == "dflash" else None,
                            device=device, dtype=dtype,
                            spec=SpecConfig(method=engine_method(method), num_speculative_tokens=k,

@@ -241,6 +241,97 @@ def same_tokens_differ(cand: GenResult, base: GenResult) -> str | None:
     return None
 
 
+LOGPROB_SHARE = 0.05  # margin mode: the share of compared positions that may exceed the tolerance (bf16 noise)
+LOGPROB_GROSS = 5.0  # ... and no position beyond this many tolerances
+
+
+@dataclass
+class LogprobParity:
+    """One request's logprobs against the baseline's over their common prefix (`logprob_parity`)."""
+
+    compared: int = 0  # positions with both arms' logprobs
+    missing: int = 0  # positions of the common prefix where the candidate reported none
+    worst: float = 0.0  # the largest error of a position (nats)
+    worst_at: int | None = None
+    over: list[int] = field(default_factory=list)  # positions whose error exceeds the tolerance
+    problems: list[str] = field(default_factory=list)  # what each of the first few said
+
+
+def _position_error(c, b, k: int) -> tuple[float, str]:
+    """The largest disagreement at one position (nats) and what it was: the chosen token's logprob, every token
+    both top-k lists hold, and a token the baseline ranks inside the candidate's top-k (above its k-th value)
+    that the candidate's list lacks (its error: the baseline's value minus the candidate's k-th)."""
+    err, what = abs(c.logprob - b.logprob), f"chosen token {c.token_id}: {c.logprob:.4f} vs {b.logprob:.4f}"
+    base_top = dict(b.top)
+    if b.token_id is not None:
+        base_top.setdefault(b.token_id, b.logprob)
+    for t, v in c.top.items():
+        if t in base_top and abs(v - base_top[t]) > err:
+            err, what = abs(v - base_top[t]), f"top token {t}: {v:.4f} vs {base_top[t]:.4f}"
+    if c.top and len(c.top) >= k:
+        floor = min(c.top.values())
+        for t, v in base_top.items():
+            if t not in c.top and v - floor > err:
+                err, what = v - floor, f"token {t} ({v:.4f} in the baseline) missing from the candidate's top-{k} " \
+                                       f"(its last {floor:.4f})"
+    return err, what
+
+
+def logprob_parity(cand: GenResult, base: GenResult, k: int, tol: float) -> LogprobParity:
+    """A candidate's returned logprobs against the baseline's (same prompt, greedy, the baseline asked for at
+    least k) at every position of their common token prefix, where both computed the same distribution: the
+    chosen token's logprob, the common top-k entries and top-k membership must agree within `tol`. Positions
+    the candidate left without a logprob (llama.cpp's draft-accepted tokens) are counted as missing."""
+    out = LogprobParity()
+    cid, bid = list(cand.output_ids or []), list(base.output_ids or [])
+    clp, blp = list(cand.logprobs or []), list(base.logprobs or [])
+    for i, (a, b) in enumerate(zip(cid, bid, strict=False)):
+        if a != b:
+            break
+        if i >= len(blp) or blp[i].logprob is None:
+            continue
+        if i >= len(clp) or clp[i].logprob is None:
+            out.missing += 1
+            continue
+        c = clp[i]
+        if c.token_id is not None and c.token_id != a:
+            err, what = float("inf"), f"the logprobs entry names token {c.token_id}, the output has {a}"
+        else:
+            err, what = _position_error(c, blp[i], k)
+        out.compared += 1
+        if err > out.worst:
+            out.worst, out.worst_at = err, i
+        if err > tol:
+            out.over.append(i)
+            if len(out.problems) < 3:
+                out.problems.append(f"position {i}: {what}")
+    return out
+
+
+def check_logprob_parity(pairs: Sequence[tuple[str, LogprobParity]], tol: float, strict: bool) -> Check:
+    """Logprobs parity over a gate's logprobs requests: strict (fp32) = every compared position within `tol`;
+    margin (bf16) = at most LOGPROB_SHARE of them over it and none beyond LOGPROB_GROSS x tol. A row-offset,
+    draft-model or post-processed logprob is off by far more than either at most positions."""
+    name = "logprobs-parity"
+    n = sum(p.compared for _, p in pairs)
+    missing = sum(p.missing for _, p in pairs)
+    if not n:
+        return Check(name, True, f"no position to compare ({missing} without a candidate logprob)", skipped=True)
+    over = sum(len(p.over) for _, p in pairs)
+    worst = max(p.worst for _, p in pairs)
+    allowed = 0 if strict else int(LOGPROB_SHARE * n)
+    ok = over <= allowed and (strict or worst <= LOGPROB_GROSS * tol)
+    rule = f"strict, tol {tol:g}" if strict else f"margin, tol {tol:g}: up to {allowed} over, none beyond " \
+                                                 f"{LOGPROB_GROSS * tol:g}"
+    detail = f"{n} positions of {len(pairs)} requests ({rule}): {over} over, max |d| {worst:.3g}"
+    if missing:
+        detail += f"; {missing} positions without a candidate logprob"
+    bad = [f"{rid} {x}" for rid, p in pairs for x in p.problems]
+    if not ok and bad:
+        detail += "; " + "; ".join(bad[:4])
+    return Check(name, ok, detail)
+
+
 def check_speculating(stats: AcceptanceEvidence) -> Check:
     if not stats.known:
         return Check("speculating", True, stats.describe(), skipped=True)
@@ -352,6 +443,14 @@ def fisher_p(a1: int, n1: int, a2: int, n2: int) -> float:
 def per_request_rounds(r: GenResult) -> int | None:
     """Draft rounds (verify steps that carried drafts) of one request where the engine reports them."""
     n = (r.spec or {}).get("num_drafts")
+    return int(n) if n is not None else None
+
+
+def per_request_drafted(r: GenResult) -> int | None:
+    """Draft tokens one request carried where the engine reports them (llama.cpp's timings give tokens, not
+    rounds), else its draft rounds, else None."""
+    sp = r.spec or {}
+    n = sp.get("num_draft_tokens", sp.get("num_drafts"))
     return int(n) if n is not None else None
 
 

@@ -10,9 +10,13 @@ Contract: every gate takes (baseline, candidate, prompts, max_tokens, opts) and 
   prompt + max_tokens lands exactly at the usable limit must be served (and lossless); one landing in
   (max_pos - block, max_pos] must be refused with a clear error (not an engine crash), and the engine
   must keep serving. Needs the model geometry: `geometry(adapter)` reads it for local engines.
-- mixed: greedy requests beside logprobs requests in one batch. Logprobs requests cannot speculate on
-  the reference engine; they must run beside the others without turning speculation off for them:
-  every greedy neighbour must still draft, and every output stays lossless.
+- mixed: greedy requests beside logprobs requests in one batch. The logprobs requests must not turn
+  speculation off for their neighbours (every greedy neighbour must still draft), every output stays
+  lossless, and the logprobs they return must be the baseline's over the common prefix (logprobs parity,
+  checks.logprob_parity: the chosen token's, the top-k's values and membership, within the gate's
+  tolerance: exact in fp32, the bf16 margin on a few positions at most). Whether the logprobs requests
+  themselves speculated is reported (the bundled engine speculates them, SpecConfig.logprobs; an engine
+  that runs them unspeculated has its parity checked on that path, and the check says so).
 - stop_in_run: stop strings picked from the baseline's own text at several offsets, so that on an engine
   that accepts several drafts per step the stop often lands inside an accepted run. The candidate must
   end exactly where the baseline ends: same ids, same text, nothing emitted past the stop.
@@ -48,7 +52,17 @@ from specbench.harness.adapters.base import (
     counters_delta,
 )
 
-from .checks import AcceptanceEvidence, Check, check_after_stop, check_kv_idle, count_problems, eos_ids_of
+from .checks import (
+    AcceptanceEvidence,
+    Check,
+    check_after_stop,
+    check_kv_idle,
+    check_logprob_parity,
+    count_problems,
+    eos_ids_of,
+    logprob_parity,
+    per_request_drafted,
+)
 from .greedy import (
     Divergence,
     GateRun,
@@ -141,6 +155,10 @@ async def headroom(baseline: EngineAdapter, candidate: EngineAdapter, prompts: S
     return run
 
 
+MIXED_LOGPROBS = 5  # top-k logprobs the mixed gate's logprobs requests ask for
+MIXED_TOP_K = 20  # ... and its baselines (at least the gate's top_k): every candidate top-k entry finds its value
+
+
 async def mixed(baseline: EngineAdapter, candidate: EngineAdapter, prompts: Sequence[Prompt],
                 max_tokens: int, opts: GreedyGateOptions) -> GateRun:
     t0 = time.perf_counter()
@@ -149,32 +167,63 @@ async def mixed(baseline: EngineAdapter, candidate: EngineAdapter, prompts: Sequ
     kinds = ["greedy" if i % 2 == 0 else "logprobs" for i in range(len(ps))]
     if len(ps) == 1:
         ps, kinds = ps * 2, ["greedy", "logprobs"]
-    reqs = [GenRequest(prompt=p.ids, max_tokens=max_tokens, logprobs=5 if k == "logprobs" else None,
+    reqs = [GenRequest(prompt=p.ids, max_tokens=max_tokens, logprobs=MIXED_LOGPROBS if k == "logprobs" else None,
                        rid=f"mixed-{k}-{i}", prompt_cache=False) for i, (p, k) in enumerate(zip(ps, kinds, strict=True))]
     before = await candidate.spec_counters()
     res = await candidate.generate(reqs, concurrency=None)
     delta = counters_delta(before, await candidate.spec_counters())
+    bases = await asyncio.gather(*(baseline_for(baseline, p.ids, [], max_tokens, max(opts.top_k, MIXED_TOP_K))
+                                   for p in ps))
     pcs = await asyncio.gather(*(check_output(baseline, Prompt(f"{p.pid}-{k}", p.ids), r, max_tokens, opts,
-                                              candidate if opts.rescore else None)
-                                 for p, k, r in zip(ps, kinds, res, strict=True)))
+                                              candidate if opts.rescore else None, first_base=b)
+                                 for p, k, r, b in zip(ps, kinds, res, bases, strict=True)))
     greedy_res = [r for r, k in zip(res, kinds, strict=True) if k == "greedy" and r.ok]
     checks = []
-    if greedy_res and all(r.spec is not None for r in greedy_res):
-        idle = [r.rid for r in greedy_res if not (r.spec or {}).get("num_drafts")]
+    if greedy_res and all(per_request_drafted(r) is not None for r in greedy_res):
+        idle = [r.rid for r in greedy_res if not per_request_drafted(r)]
         checks.append(Check("neighbours-speculate", not idle,
                             f"greedy requests that never drafted: {idle}" if idle
                             else f"all {len(greedy_res)} greedy neighbours drafted"))
     elif delta is not None:
         n = delta.get("num_drafts") or 0
         checks.append(Check("neighbours-speculate", n > 0, f"{n} drafts during the mixed batch (counters)"))
-    lp_res = [r for r, k in zip(res, kinds, strict=True) if k == "logprobs" and r.ok]
-    short = [r.rid for r in lp_res if not r.logprobs or len(r.logprobs) != len(r.output_ids or [])]
+    lp = [(r, b) for r, b, k in zip(res, bases, kinds, strict=True) if k == "logprobs" and r.ok]
+    short = [r.rid for r, _ in lp if not r.logprobs or len(r.logprobs) != len(r.output_ids or [])]
     checks.append(Check("logprobs-returned", not short, f"missing logprobs: {short}" if short
-                        else f"{len(lp_res)} logprobs requests returned one entry per token"))
+                        else f"{len(lp)} logprobs requests returned one entry per token"))
+    checks += logprobs_checks(lp, opts)
     run = await finish_run("mixed", candidate, baseline, list(pcs), res, delta, opts, t0, engine_k(candidate))
     run.checks, run.require_spec = checks + run.checks, False
     run.notes.append(f"batch of {len(reqs)}: {kinds}")
     return run
+
+
+def logprobs_checks(pairs: Sequence[tuple[GenResult, GenResult]], opts: GreedyGateOptions) -> list[Check]:
+    """The mixed gate's logprobs requests (candidate result, the baseline's first generation): their logprobs
+    against the baseline's over the common prefix (checks.logprob_parity, at the gate's rule), and whether they
+    speculated, so a parity PASS says which path it covered: a logprobs request that never drafted tested the
+    one-token path alone (skipped, not passed)."""
+    if not pairs:
+        return []
+    tol, strict = opts.tol, opts.rule == "strict"
+    each = [(r.rid, logprob_parity(r, b, MIXED_LOGPROBS, tol)) for r, b in pairs]
+    parity = check_logprob_parity(each, tol, strict)
+    missing = sum(p.missing for _, p in each)
+    drafted = [per_request_drafted(r) for r, _ in pairs]
+    if any(d is None for d in drafted):
+        spec = Check("logprobs-speculate", True, "the candidate reports no per-request drafts: whether its "
+                     "logprobs requests speculated is unknown", skipped=True)
+    elif not any(drafted):
+        spec = Check("logprobs-speculate", True, f"none of {len(pairs)} logprobs requests drafted: the parity "
+                     "above covers the non-speculative path only (the engine runs logprobs requests unspeculated)",
+                     skipped=True)
+    else:
+        covered = "the parity covers speculated runs" if not missing else \
+            f"but {missing} positions came back without a logprob (llama.cpp leaves a verify step's tokens without " \
+            "one): the parity covers the positions reported"
+        spec = Check("logprobs-speculate", True, f"{sum(1 for d in drafted if d)} of {len(pairs)} logprobs requests "
+                     f"drafted ({sum(d or 0 for d in drafted)} draft tokens); {covered}")
+    return [parity, spec]
 
 
 def pick_stops(text: str, fracs: Sequence[float] = (0.3, 0.55, 0.8)) -> list[str]:

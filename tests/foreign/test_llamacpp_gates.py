@@ -198,3 +198,26 @@ def test_finding_verify_step_tokens_carry_no_logprobs(llamacpp_off, llamacpp_dra
         assert missing_positions(a.logprobs) == []
         assert missing_positions(b.logprobs) and 0 not in missing_positions(b.logprobs)
         assert b.spec["num_draft_tokens"] > 0
+
+
+def test_mixed_gate_logprobs_parity(llamacpp_off, llamacpp_draft, llamacpp_notes):
+    """The mixed gate over llama-server: greedy and logprobs requests in one batch, the logprobs held to the spec-off
+    server's over the common prefix. llama.cpp returns none for the tokens of a verify step (the finding below), so
+    only the positions it did report are compared, and the missing ones are counted."""
+    import asyncio
+
+    from specbench.suites.lossless.engine_gates import GATES
+    from specbench.suites.lossless.greedy import GreedyGateOptions, Prompt
+
+    off = OpenAIAdapter(llamacpp_off.base_url, probe=True)
+    on = OpenAIAdapter(llamacpp_draft.base_url, probe=True)
+    texts = ["Question: Tom has 3 apples and buys 2 more. How many apples does he have?\nAnswer:",
+             "Question: A train travels 60 miles in 2 hours. What is its speed?\nAnswer:"] * 2
+    prompts = [Prompt(f"p{i}", off.tokenize_sync(t)) for i, t in enumerate(texts)]
+    run = asyncio.run(GATES["mixed"](off, on, prompts, 24, GreedyGateOptions()))
+    checks = {c.name: c for c in run.checks}
+    parity = checks["logprobs-parity"]
+    llamacpp_notes.append(f"mixed gate: {run.verdict}; logprobs parity: {parity.detail}; "
+                          f"{checks['logprobs-speculate'].detail}")
+    assert run.verdict == "PASS", [c.to_dict() for c in run.checks]
+    assert parity.ok and not parity.skipped and "without a candidate logprob" in parity.detail
