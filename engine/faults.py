@@ -343,12 +343,19 @@ class BonusResidual(_RuleFlag):
     flag = "bonus_residual"
 
 
+class UnseededAccept(_RuleFlag):
+    name = "unseeded_accept"
+    description = "the verify's rejection-sampling uniforms come from the process's generator, not the request's " \
+                  "(seeds ignored; the distribution stays exact)"
+    flag = "unseeded"
+
+
 _REGISTRY: tuple[type[Fault], ...] = (KVOffset, SkipRollback, WrongBonus, AcceptOffByOne, DraftCtxMisaligned,
                                       MaskLeak, StaleShape, EmitPastStop, RollbackKeepsPage, VerifyPosShift,
                                       BatchedDraftPos, AcceptTolerance, EosInRun,
                                       BiasedAccept, ResampleFromP, ReusedUniform, QNextRow, BonusResidual,
                                       RegisterBeforeForward, NoPublishOnFinish, SelectorSkipped, CausalDraft,
-                                      SpecLogprobsLate)
+                                      SpecLogprobsLate, UnseededAccept)
 # Faults that leave the output lossless and move only a drafter's acceptance: no greedy or sampled gate can
 # catch them; `specbench check-draft` does (harness/checkdraft.py), so the gates' self-tests skip them.
 DRAFT_VARIANT_FAULTS = frozenset({"selector_skipped", "causal_draft"})

@@ -158,8 +158,10 @@ class FakeEngine(EngineAdapter):
 
     def __init__(self, bias: float = 0.0, text_only: bool = False, counters: tuple | None = (10, 3),
                  fail_every: int = 0, name: str = "fake", full: int | None = None,
-                 idle_temp: float | None = None) -> None:
+                 idle_temp: float | None = None, unseeded: bool = False) -> None:
         super().__init__(name)
+        self.unseeded = unseeded  # the request's seed ignored: same law, no reproduction
+        self._rng = np.random.default_rng(12345)
         self.bias, self.text_only, self.counters, self.fail_every = bias, text_only, counters, fail_every
         self.full, self.idle_temp = full, idle_temp  # full accepts per call; a temperature that never speculates
         self.calls = self.spec_calls = 0
@@ -169,7 +171,7 @@ class FakeEngine(EngineAdapter):
         self.spec_calls += req.temperature != self.idle_temp
         if self.fail_every and self.calls % self.fail_every == 0:
             return GenResult(rid=req.rid or "x", ok=False, error="boom")
-        rng = np.random.default_rng(req.seed)
+        rng = self._rng if self.unseeded else np.random.default_rng(req.seed)
         ids = []
         for j in range(req.max_tokens):
             p = np.array([0.4, 0.2, 0.15, 0.1, 0.1, 0.05])
@@ -221,6 +223,28 @@ def test_gate_end_to_end_on_a_fake_engine():
         "PASS (speculation unverified)"
     inc = run_gate(FakeEngine(), FakeEngine(fail_every=50), SampledGateOptions(**FAKE_OPTS), cfgs)
     assert inc.verdict == "INCOMPLETE" and inc.failed
+
+
+def test_seed_repeat_on_fakes():
+    """A candidate that ignores seeds fails (its law is right: any cell it rejects is chance); a baseline that ignores them
+    leaves the check CANNOT TEST (noted, the gate's verdict unchanged); 0 turns it off."""
+    from specbench.suites.sampled.gate import SeedRepeat, run_gate, seed_check
+
+    cfgs = parse_configs("t=1")
+    res = run_gate(FakeEngine(), FakeEngine(unseeded=True), SampledGateOptions(**FAKE_OPTS), cfgs)
+    chk = res.seed_repeat[""]
+    assert res.verdict == "FAIL", res.summary()
+    assert chk["verdict"] == "FAIL" and chk["baseline"]["differ"] == 0 and chk["candidate"]["compared"] == 64
+    assert res.summary()["seed_repeat"][""]["candidate"][0] >= 50
+    res = run_gate(FakeEngine(unseeded=True), FakeEngine(unseeded=True), SampledGateOptions(**FAKE_OPTS), cfgs)
+    assert res.verdict == "PASS" and res.seed_repeat[""]["verdict"].startswith("CANNOT TEST")
+    assert any("does not honour seeds" in n for n in res.notes)
+    res = run_gate(FakeEngine(), FakeEngine(), SampledGateOptions(**FAKE_OPTS, seed_repeat=0), cfgs)
+    assert res.verdict == "PASS" and res.seed_repeat == {}
+    # the rule: significantly more differences than the baseline's; a few noisy repeats pass
+    assert seed_check(SeedRepeat("b", 24, 0), SeedRepeat("c", 24, 2))["verdict"] == "PASS"
+    assert seed_check(SeedRepeat("b", 24, 1), SeedRepeat("c", 24, 12))["verdict"] == "FAIL"
+    assert seed_check(SeedRepeat("b", 0, 0), SeedRepeat("c", 24, 12))["verdict"].startswith("CANNOT TEST")
 
 
 def test_several_candidates_share_the_baseline_and_one_bh_family():
@@ -329,6 +353,20 @@ def test_gate_catches_each_sampling_fault(selftest_ci, fault):
     rows, results = selftest_ci
     assert rows[fault]["verdict"] == "FAIL" and rows[fault]["ok"], rows[fault]
     assert any(c.rejected for c in results[fault].comparisons)
+
+
+def test_unseeded_accept_is_caught_by_the_seed_repeat_alone(selftest_ci):
+    """Uniforms from the process's generator leave the law exact (no cell needs to reject) but the seeded samples
+    stop reproducing: the seed-repeat check fails the candidate; on the clean engines every repeat reproduced."""
+    rows, results = selftest_ci
+    assert rows["unseeded_accept"]["verdict"] == "FAIL" and rows["unseeded_accept"]["ok"]
+    seeds = results["unseeded_accept"].seed_repeat
+    assert {lab: chk["verdict"] for lab, chk in seeds.items()} == {"ngram-soft": "FAIL", "dflash": "FAIL"}
+    assert all(chk["p_value"] < 1e-6 for chk in seeds.values()), seeds
+    assert any("seed repeat" in c["configuration"] for c in rows["unseeded_accept"]["caught_by"])
+    clean = results["clean"].seed_repeat
+    assert all(chk["verdict"] == "PASS" and chk["candidate"]["differ"] == 0 == chk["baseline"]["differ"]
+               and chk["candidate"]["compared"] == 64 for chk in clean.values()), clean
 
 
 def test_bonus_residual_is_caught_at_the_bonus_position_of_the_repeat_prompt(selftest_ci):

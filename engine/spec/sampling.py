@@ -40,6 +40,9 @@ class AcceptRule:
     draw_from_p: bool = False  # after a rejection draw from p instead of the residual (p - q)^+
     q_next_row: bool = False  # draft i reads q row i + 1 (the last draft its own row): q indexed one row late
     bonus_residual: bool = False  # after a fully accepted run the bonus is drawn from (p_k - q_{k-1})^+, not p_k
+    # the uniforms come from the process's default generator, not the request's: the law stays exact, but a
+    # seeded request no longer reproduces (what only the sampled gate's seed-repeat check can see)
+    unseeded: bool = False
     # greedy (spec/accept.py, not the sampled resolve): a draft also matches when its target logit is within
     # this of the row's max (0: the exact argmax match)
     greedy_tol: float = 0.0
@@ -69,6 +72,8 @@ def accept_sampled_batch(drafts: list[list[int]], qs: list[torch.Tensor | None],
         raise ValueError(f"accept_sampled_batch: p has {p.shape[0]} rows, expected sum(k + 1) = {sum(ks) + nb}")
     if nb == 0:
         return []
+    if rule.unseeded:
+        gens = [None] * nb
     # The kernel knows the lossless rule and the first three faults; the two q/bonus faults run on torch only.
     if kernel and USE_KERNEL and p.dtype == torch.float32 and triton_enabled(p.device) \
             and not (rule.q_next_row or rule.bonus_residual):

@@ -84,10 +84,13 @@ class SampledGateOptions:
     # baseline's greedy answer, the question again); repeat (a question, then a run of one repeated digit)
     prompt_set: str = "echo,repeat"
     endpoint_type: str = "completions"  # "chat": each prompt as one user message, the server's chat template
+    # seeded samples of each arm sent again one at a time and compared with their first draws (0 = off): a
+    # candidate whose seeded requests stop reproducing (its spec path ignores the request's generator) fails
+    seed_repeat: int = 64
 
     def __post_init__(self) -> None:
         for name, lo in (("num_prompts", 1), ("positions", 1), ("samples", 2), ("permutations", 19),
-                         ("concurrency", 1)):
+                         ("concurrency", 1), ("seed_repeat", 0)):
             v = getattr(self, name)
             if not isinstance(v, int) or v < lo:
                 raise SampledError(f"--{name.replace('_', '-')} {v!r} is invalid: expected an integer >= {lo}")

@@ -83,6 +83,10 @@ class Samples:
     spec_by_config: dict[str, dict | None] = field(default_factory=dict)  # counters delta per sampling config
     # per prompt index: what the engine reported it computed for it (("ids", ids...) or ("len", n)); chat only
     rendered: dict[int, set[tuple]] = field(default_factory=dict)
+    # per request id: the request sent and the tokens read back (the seed-repeat check re-sends some of them)
+    requests: dict[str, Any] = field(default_factory=dict, repr=False)
+    outputs: dict[str, list[int]] = field(default_factory=dict, repr=False)
+    drafted: set[str] = field(default_factory=set, repr=False)  # ids whose request reported drafts of its own
 
 
 def _rendered_key(res: Any) -> tuple | None:
@@ -119,7 +123,7 @@ def collect(adapter: EngineAdapter, prompts: Sequence[tuple[str, str]], configs:
                            f"fit below 2^31: expected --seed < {SEED_LIMIT // (ARMS * cells * opts.samples)}")
     # One generation per sampling config, the counters read around each: the report states per config how
     # many verify steps ended on a rejection and how many were fully accepted (a bonus row drawn).
-    results, keys, by_config = [], [], {}
+    results, keys, by_config, sent = [], [], {}, []
     chat = opts.endpoint_type == "chat"
     seconds = 0.0
     spec: dict | None = None
@@ -132,6 +136,7 @@ def collect(adapter: EngineAdapter, prompts: Sequence[tuple[str, str]], configs:
                                     top_p=c.top_p, top_k=c.top_k, seed=s, ignore_eos=True,
                                     rid=f"{arm}-{pid}-{c.name}-{si}", prompt_cache=False))
                 keys.append((pi, ci))
+        sent += reqs
         before = adapter.spec_counters_sync()
         t0 = time.perf_counter()
         results += adapter.generate_sync(reqs, concurrency=opts.concurrency, on_result=on_result)
@@ -144,33 +149,119 @@ def collect(adapter: EngineAdapter, prompts: Sequence[tuple[str, str]], configs:
     untestable: list[str] = []
     retok: dict[str, list[int] | None] = {}
     rendered: dict[int, set[tuple]] = {}
-    for key, res in zip(keys, results, strict=True):
+    outputs: dict[str, list[int]] = {}
+    drafted: set[str] = set()
+    for key, req, res in zip(keys, sent, results, strict=True):
         if not res.ok:
             failed.append(f"{res.rid}: {res.error}")
             continue
         if chat and (rk := _rendered_key(res)) is not None:
             rendered.setdefault(key[0], set()).add(rk)
-        out = res.output_ids
-        how = "output ids"
-        if out is None or (res.text and not out):
-            # An engine that reports text only: re-tokenize it. Any fixed function of the output keeps the
-            # null hypothesis (equal distributions), so the test stays valid; positions are then those of
-            # the re-tokenized text.
-            if res.text not in retok:
-                retok[res.text] = adapter.tokenize_sync(res.text)
-            out, how = retok[res.text], "re-tokenized text"
-            if out is not None and res.text and not out:
-                out = None  # an empty token list for a non-empty text is no sample
+        out, why = _read_ids(adapter, res, retok, opts.positions)
         if out is None:
-            untestable.append(f"{res.rid}: output token ids (neither reported nor re-tokenizable)")
-            continue
-        if not out:
-            untestable.append(f"{res.rid}: no token returned ({how}; max_tokens {opts.positions}, ignore_eos)")
+            untestable.append(f"{res.rid}: {why}")
             continue
         ids = list(out[:opts.positions])
+        outputs[req.rid] = ids
+        sp = res.spec or {}
+        if sp.get("num_draft_tokens", sp.get("num_drafts")):
+            drafted.add(req.rid)
         rows.setdefault(key, []).append(ids + [END] * (opts.positions - len(ids)))
     tokens = {k: np.asarray(v, dtype=np.int64) for k, v in rows.items()}
-    return Samples(arm, tokens, failed, seconds, spec, untestable, by_config, rendered)
+    return Samples(arm, tokens, failed, seconds, spec, untestable, by_config, rendered,
+                   {r.rid: r for r in sent}, outputs, drafted)
+
+
+def _read_ids(adapter: EngineAdapter, res: Any, retok: dict[str, list[int] | None],
+              positions: int) -> tuple[list[int] | None, str]:
+    """One sample's tokens, or (None, why it is unreadable). An engine that reports text only has it
+    re-tokenized: any fixed function of the output keeps the null hypothesis (equal distributions), so the
+    test stays valid; positions are then those of the re-tokenized text."""
+    out, how = res.output_ids, "output ids"
+    if out is None or (res.text and not out):
+        if res.text not in retok:
+            retok[res.text] = adapter.tokenize_sync(res.text)
+        out, how = retok[res.text], "re-tokenized text"
+        if out is not None and res.text and not out:
+            out = None  # an empty token list for a non-empty text is no sample
+    if out is None:
+        return None, "output token ids (neither reported nor re-tokenizable)"
+    if not out:
+        return None, f"no token returned ({how}; max_tokens {positions}, ignore_eos)"
+    return list(out), how
+
+
+@dataclass
+class SeedRepeat:
+    """Seeded samples of one arm sent again, one at a time, against their first draws (`seed_repeat`)."""
+
+    arm: str
+    compared: int = 0
+    differ: int = 0
+    examples: list[str] = field(default_factory=list)  # the first few that differed: rid and first position
+
+
+def seed_repeat(adapter: EngineAdapter, samples: Samples, n: int) -> SeedRepeat:
+    """Re-send n of an arm's seeded requests (spread over its prompts and configs), one at a time, where the
+    first draws ran opts.concurrency at once, and compare the tokens: an engine that honours per-request seeds
+    draws the same tokens whatever the batch, up to numerical noise at a CDF boundary. Where requests report
+    their own drafts, those that drafted go first (a sample that never reached a verify step cannot show a
+    speculative path's use of the seed)."""
+    out = SeedRepeat(samples.arm)
+    rids = [r for r in samples.requests if r in samples.outputs]
+    if not rids or n <= 0:
+        return out
+    pick = _spread([r for r in rids if r in samples.drafted], n)
+    pick += _spread([r for r in rids if r not in samples.drafted], n - len(pick))
+    res = adapter.generate_sync([samples.requests[r] for r in pick], concurrency=1)
+    retok: dict[str, list[int] | None] = {}
+    for rid, r in zip(pick, res, strict=True):
+        if not r.ok:
+            continue
+        ids, _ = _read_ids(adapter, r, retok, len(samples.outputs[rid]))
+        if ids is None:
+            continue
+        first, again = samples.outputs[rid], ids[:len(samples.outputs[rid])]
+        out.compared += 1
+        if again != first:
+            out.differ += 1
+            if len(out.examples) < 3:
+                i = next((j for j, (a, b) in enumerate(zip(first, again, strict=False)) if a != b),
+                         min(len(first), len(again)))
+                out.examples.append(f"{rid}: first difference at position {i}")
+    return out
+
+
+def _spread(xs: list[str], n: int) -> list[str]:
+    """n of xs, evenly spaced (all of them when n >= len(xs))."""
+    if n <= 0 or not xs:
+        return []
+    return xs[::max(len(xs) // n, 1)][:n]
+
+
+SEED_ALPHA = 1e-3  # the seed-repeat check's level (one-sided Fisher exact, candidate vs baseline)
+
+
+def seed_check(base: SeedRepeat, cand: SeedRepeat) -> dict:
+    """The seed-repeat verdict of one candidate: FAIL when its repeats differ from their first draws
+    significantly more often than the baseline's (one-sided Fisher exact at SEED_ALPHA); CANNOT TEST when
+    either arm had nothing to compare or the baseline itself does not reproduce most of its seeded samples
+    (seeds not honoured by the engine: nothing to hold the candidate to)."""
+    from scipy.stats import fisher_exact  # noqa: PLC0415  (only where the check runs)
+
+    out = {"baseline": asdict(base), "candidate": asdict(cand), "p_value": None}
+    if not base.compared or not cand.compared:
+        out["verdict"] = f"{CANNOT_TEST} (no repeat to compare)"
+        return out
+    if 2 * base.differ > base.compared:
+        out["verdict"] = f"{CANNOT_TEST} (the baseline reproduced {base.compared - base.differ} of {base.compared} " \
+                         "seeded samples: the engine does not honour seeds)"
+        return out
+    p = float(fisher_exact([[cand.differ, cand.compared - cand.differ], [base.differ, base.compared - base.differ]],
+                           alternative="greater")[1])
+    out["p_value"] = p
+    out["verdict"] = FAIL if p < SEED_ALPHA else PASS
+    return out
 
 
 @dataclass
@@ -309,6 +400,8 @@ class GateResult:
     candidates: list[str] = field(default_factory=list)
     spec_by_candidate: dict[str, dict | None] = field(default_factory=dict)
     candidate_verdicts: dict[str, str] = field(default_factory=dict)
+    # per candidate label ("" with one): the seed-repeat check (seed_check), empty with opts.seed_repeat = 0
+    seed_repeat: dict[str, dict] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -335,6 +428,10 @@ class GateResult:
                 "spec_by_config": self.spec_by_config, "not_tested": not_tested(self.spec_by_config),
                 "comparisons": comps, "configurations": configurations(self),
                 "candidates": list(self.candidates), "candidate_verdicts": dict(self.candidate_verdicts),
+                "seed_repeat": {k: {"verdict": v["verdict"], "p_value": v["p_value"],
+                                    "baseline": [v["baseline"]["differ"], v["baseline"]["compared"]],
+                                    "candidate": [v["candidate"]["differ"], v["candidate"]["compared"]]}
+                                for k, v in self.seed_repeat.items()},
                 "options": self.options, "configs": [c["name"] for c in self.configs],
                 "num_prompts": len(self.prompts), "failed": len(self.failed), "seconds": self.seconds,
                 "notes": list(self.notes)}
@@ -468,8 +565,9 @@ def run_gate(baseline: EngineAdapter, candidate: EngineAdapter | Sequence[Engine
     if not prompts:
         raise SampledError("the prompt set is empty")
     n = len(prompts) * len(configs) * opts.samples
+    reps = min(opts.seed_repeat, n)
     if progress is not None:  # every phase's requests, for one ETA over the whole gate
-        progress.plan(n * ((baseline_samples is None) + len(cands) * (1 + bool(opts.null))))
+        progress.plan(n * ((baseline_samples is None) + len(cands) * (1 + bool(opts.null))) + reps * (1 + len(cands)))
     secs: dict[str, float] = {}
     if baseline_samples is None:
         say(f"baseline: {n} generations of {opts.positions} tokens")
@@ -478,6 +576,12 @@ def run_gate(baseline: EngineAdapter, candidate: EngineAdapter | Sequence[Engine
         if on_samples:
             on_samples(baseline_samples)
     secs["baseline"] = baseline_samples.seconds
+    base_rep: SeedRepeat | None = None
+    if reps:
+        say(f"seed repeat: {reps} seeded baseline samples again, one at a time")
+        phase("seed repeat (baseline)", reps)
+        base_rep = seed_repeat(baseline, baseline_samples, reps)
+    seeds: dict[str, dict] = {}
     spec_comps, null_comps, arms = [], [], [baseline_samples]
     failed, untestable = list(baseline_samples.failed), list(baseline_samples.untestable)
     by_cand: dict[str, dict | None] = {}
@@ -491,6 +595,10 @@ def run_gate(baseline: EngineAdapter, candidate: EngineAdapter | Sequence[Engine
         if on_samples:
             on_samples(cand)
         secs[f"candidate{tag}"] = cand.seconds
+        if base_rep is not None:
+            say(f"seed repeat{' ' + lab if lab else ''}: {reps} seeded candidate samples again, one at a time")
+            phase(f"seed repeat{' ' + lab if lab else ''} (spec on)", reps)
+            seeds[lab] = seed_check(base_rep, seed_repeat(adapter, cand, reps))
         spec_comps.append(compare("spec", baseline_samples, cand, prompts, configs, opts, lab, family=False))
         failed += cand.failed
         untestable += cand.untestable
@@ -534,12 +642,17 @@ def run_gate(baseline: EngineAdapter, candidate: EngineAdapter | Sequence[Engine
                          "arms computed the same prompt is unverified")
     verdicts = {lab: verdict_of([c for c in comps if c.candidate == lab], by_cand[lab], failed, missing)
                 for lab in labels}
+    for lab, chk in seeds.items():  # a candidate that does not reproduce its seeded samples fails
+        if chk["verdict"] == FAIL and verdicts[lab] != "INCOMPLETE":
+            verdicts[lab] = FAIL
+        elif chk["verdict"].startswith(CANNOT_TEST):
+            notes.append(f"seed repeat{' ' + lab if lab else ''}: {chk['verdict']}")
     total = spec_summary(raw_total)
     engines = {"baseline": baseline.describe()}
     engines.update({f"candidate{f':{lab}' if lab else ''}": a.describe() for a, lab in zip(cands, labels, strict=True)})
     res = GateResult(combine(list(verdicts.values())), comps, total, asdict(opts), [asdict(c) for c in configs],
                      [p for p, _ in prompts], engines, failed, secs, missing, untestable, by_config, notes,
-                     labels if multi else [], by_cand if multi else {}, verdicts if multi else {})
+                     labels if multi else [], by_cand if multi else {}, verdicts if multi else {}, seeds)
     if res.passed:  # a configuration with no evidence is no pass: the run cannot vouch for it
         blind = [f"configuration {config_key(r['candidate'], r['config'])}: {r['verdict'][len(CANNOT_TEST) + 1:]}"
                  for r in configurations(res) if r["verdict"].startswith(CANNOT_TEST)]
@@ -565,7 +678,8 @@ def _add_counters(a: dict | None, b: dict | None) -> dict | None:
     return out
 
 
-__all__ = ["DEFAULT_CONFIGS", "END", "PROMPT_SETS", "Cell", "Comparison", "SampledGateOptions", "GateResult", "SampledError",
+__all__ = ["DEFAULT_CONFIGS", "END", "PROMPT_SETS", "SEED_ALPHA", "Cell", "Comparison", "SampledGateOptions", "GateResult",
+           "SampledError", "SeedRepeat", "seed_check", "seed_repeat",
            "adjust", "config_key", "configuration_verdict", "configurations", "rendering_problems", "request",
            "Samples", "SamplingConfig", "collect", "compare", "missing_of", "echo_prompts", "load_prompts", "make_prompts",
            "not_tested", "parse_configs", "run_gate", "seed_of", "spec_summary", "verdict_of"]

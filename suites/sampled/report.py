@@ -115,6 +115,7 @@ def render(r: GateResult, title: str = "Sampled equivalence gate") -> str:
     else:
         lines += ["## Speculation (candidate, over its generations)", ""] + _spec_lines(r.spec)
     lines += _configuration_lines(r)
+    lines += _seed_lines(r)
     for c in r.comparisons:
         lines += _comparison(c, o["q"])
     lines += [POWER_NOTE, ""]
@@ -146,6 +147,24 @@ def _configuration_lines(r: GateResult) -> list[str]:
         lines += ["**Not tested** (no cell of these configurations saw the branch):", ""] + [f"- {g}" for g in gaps]
         lines.append("")
     return lines
+
+
+def _seed_lines(r: GateResult) -> list[str]:
+    """The seed-repeat check: each arm's seeded samples sent again one at a time, how many came back different."""
+    if not r.seed_repeat:
+        return []
+    lines = ["## Seed repeat", "",
+             "Seeded samples sent again one at a time (their first draws ran in the full batch); an engine that honours "
+             "per-request seeds draws the same tokens. The candidate fails when its repeats differ significantly more "
+             "often than the baseline's (one-sided Fisher exact, alpha 1e-3):", "",
+             "| candidate | baseline differ / repeated | candidate differ / repeated | p | verdict | first differences |",
+             "|---|---:|---:|---:|---|---|"]
+    for lab, chk in r.seed_repeat.items():
+        b, c = chk["baseline"], chk["candidate"]
+        p = _p(chk["p_value"]) if chk["p_value"] is not None else "-"
+        lines.append(f"| {lab or 'candidate'} | {b['differ']} / {b['compared']} | {c['differ']} / {c['compared']} | "
+                     f"{p} | {chk['verdict']} | {'; '.join(c['examples']) or '-'} |")
+    return lines + [""]
 
 
 def _not_run(r: GateResult) -> list[str]:

@@ -37,7 +37,7 @@ from .gate import (
     run_gate,
 )
 
-FAULT_CASES = ("biased_accept", "resample_from_p", "reused_uniform", "q_next_row", "bonus_residual")
+FAULT_CASES = ("biased_accept", "resample_from_p", "reused_uniform", "q_next_row", "bonus_residual", "unseeded_accept")
 # Every sampling fault is armed by default: on the echo and repeat prompts each is caught by both default
 # candidates (docs/sampled.md "The self-test matrix").
 DEFAULT_FAULT_CASES = FAULT_CASES
@@ -57,6 +57,8 @@ def _row(case: str, res: GateResult, seconds: float, q_run: float) -> dict:
     confs = configurations(res)
     caught = [{"configuration": config_key(x["candidate"], x["config"]), "rejected": x["rejected"],
                "min_p": x["min_p"]} for x in confs if x["rejected"]]
+    caught += [{"configuration": f"seed repeat{' ' + lab if lab else ''}", "rejected": chk["candidate"]["differ"],
+                "min_p": chk["p_value"]} for lab, chk in res.seed_repeat.items() if chk["verdict"] == "FAIL"]
     known = [x for x in confs if x["bonus_rows"] is not None]
     return {"case": case, "expect": expect, "verdict": res.verdict, "ok": ok,
             "rejected": sum(len(c.rejected) for c in res.comparisons if c.name == "spec"),

@@ -133,12 +133,16 @@ SAMPLED = ("--num-prompts", 1, "--positions", 4, "--samples", 128, "--configs", 
            "--permutations", 199, "--concurrency", 4, "--json")
 
 
-def test_sampled_gate_at_t_gt_0(cli, llamacpp_off, llamacpp_draft):
+def test_sampled_gate_at_t_gt_0(cli, llamacpp_off, llamacpp_draft, llamacpp_notes):
     r, doc = cli("sampled", "sampled", "--baseline", _oa(llamacpp_off), "--candidate", _oa(llamacpp_draft), *SAMPLED,
                  expect=EXIT_OK, about="sampled gate at T > 0 (t=1.0; t=0.7, k=20): draft-model vs spec off")
     assert r.exit_code == EXIT_OK, r.output[-3000:]
     assert doc["verdict"] == "PASS" and doc["comparisons"]["spec"]["testable"] > 0
     assert doc["spec"]["num_accepted_tokens"] > 0 and doc["spec"]["source"] == "metrics"
+    seeds = doc["seed_repeat"][""]  # llama-server honours per-request seeds, speculating or not
+    llamacpp_notes.append(f"sampled seed repeat: baseline {seeds['baseline'][0]} / {seeds['baseline'][1]} differ, "
+                          f"candidate {seeds['candidate'][0]} / {seeds['candidate'][1]}: {seeds['verdict']}")
+    assert seeds["verdict"] == "PASS" and seeds["candidate"][1] > 0
 
 
 def test_sampled_without_readable_samples_is_cannot_test(cli, llamacpp_off, llamacpp_draft, llamacpp_label):
