@@ -310,7 +310,10 @@ class LLMEngine:
             req = self.scheduler.abort(rid)
             if req is not None:
                 req.finish("abort")
-                self._release(req)
+                if self.faults.abort_frees:
+                    self._release(req)
+                else:  # the abort_keeps_pages fault: gone from the batch, its pages never freed
+                    self.requests.pop(req.rid, None)
             return req is not None
 
     def has_unfinished(self) -> bool:

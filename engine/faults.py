@@ -11,7 +11,8 @@ refused), and calls one hook per phase that a fault can break:
            compute, and `on_accept(spans, results)` rewrites greedy verify results before anything is
            recorded;
   commit   `on_commit(spans)` returns the step's `CommitKnobs` (drafter context shift, rollback pages
-           dropped or kept, tokens emitted past a stop, stop ids honoured only at a run's end).
+           dropped or kept, tokens emitted past a stop, stop ids honoured only at a run's end);
+  abort    `abort_frees`: whether engine.abort gives the request's pages back.
 With no fault armed it is `NO_FAULTS`, whose hooks are the plain calls and constants, so the switch costs
 nothing when off. The components take generic knobs and never see a fault name; kernels/ know nothing of
 faults. `specbench selftest` arms each fault and proves that some gate fails.
@@ -115,6 +116,10 @@ class Fault:
 
     def commit(self, spans: list[Span], knobs: CommitKnobs) -> CommitKnobs:
         return knobs
+
+    def frees_on_abort(self) -> bool:
+        """Whether an aborted request's pages go back to the pool (the abort path, engine.abort)."""
+        return True
 
 
 def _verify(spans: list[Span]) -> list[bool]:
@@ -294,6 +299,15 @@ class NoPublishOnFinish(Fault):
         return replace(knobs, publish_on_finish=False)
 
 
+class AbortKeepsPages(Fault):
+    name = "abort_keeps_pages"
+    description = "an aborted request (a client that went away mid-generation) leaves the batch but its KV pages " \
+                  "never go back to the pool"
+
+    def frees_on_abort(self) -> bool:
+        return False
+
+
 class EosInRun(Fault):
     name = "eos_in_run"
     description = "EOS and stop_token_ids are honoured only as the last token of an accepted run"
@@ -355,7 +369,7 @@ _REGISTRY: tuple[type[Fault], ...] = (KVOffset, SkipRollback, WrongBonus, Accept
                                       BatchedDraftPos, AcceptTolerance, EosInRun,
                                       BiasedAccept, ResampleFromP, ReusedUniform, QNextRow, BonusResidual,
                                       RegisterBeforeForward, NoPublishOnFinish, SelectorSkipped, CausalDraft,
-                                      SpecLogprobsLate, UnseededAccept)
+                                      SpecLogprobsLate, UnseededAccept, AbortKeepsPages)
 # Faults that leave the output lossless and move only a drafter's acceptance: no greedy or sampled gate can
 # catch them; `specbench check-draft` does (harness/checkdraft.py), so the gates' self-tests skip them.
 DRAFT_VARIANT_FAULTS = frozenset({"selector_skipped", "causal_draft"})
@@ -380,6 +394,7 @@ class Faults:
         for f in self._armed:
             rule = f.rule(rule)
         self.accept_rule: AcceptRule = rule
+        self.abort_frees = all(f.frees_on_abort() for f in self._armed)  # engine.abort frees the request's pages
 
     def on_propose(self, spans: list[Span]) -> DraftKnobs:
         knobs = NO_DRAFT_KNOBS

@@ -14,7 +14,7 @@ cli._register()
 runner = CliRunner()
 
 REQUIRED = {"kv_offset", "skip_rollback", "wrong_bonus", "accept_off_by_one", "draft_ctx_misaligned", "mask_leak",
-            "stale_shape", "emit_past_stop", "spec_logprobs_late"}
+            "stale_shape", "emit_past_stop", "spec_logprobs_late", "abort_keeps_pages"}
 
 
 @pytest.fixture(scope="module")

@@ -75,6 +75,7 @@ from .greedy import (
     finish_run,
     health,
     position_dist,
+    prompt_request,
     recover_dist,
     resolve_rule,
     run_greedy,
@@ -495,5 +496,60 @@ async def eos_in_run(baseline: EngineAdapter, candidate: EngineAdapter, prompts:
     return run
 
 
+ABORT_VICTIMS = 3  # requests the abort-in-flight gate cancels mid-generation
+ABORT_LONG = 4  # ... each asked for this many times the gate's max_tokens (ignore_eos), so it is still running
+
+
+async def abort_in_flight(baseline: EngineAdapter, candidate: EngineAdapter, prompts: Sequence[Prompt],
+                          max_tokens: int, opts: GreedyGateOptions) -> GateRun:
+    """Clients that go away mid-generation: survivors run beside long victims, and the victims are cancelled
+    one by one while the survivors decode (the local adapter aborts a cancelled request in the engine; an
+    endpoint sees the connection close). The survivors must stay lossless, the engine must hold no page once
+    idle (kv-leak), and a request sent afterwards must be lossless too. Cancel times are spread over how long
+    the survivors took alone (timed first); an abort counts as in flight when the victim had not finished and
+    a survivor had its first token but not its last. CANNOT TEST when none did."""
+    t0 = time.perf_counter()
+    opts = resolve_rule(opts, baseline, candidate)
+    ps = list(prompts[:4])
+    survivors, victims = ps[:2], [ps[(2 + i) % len(ps)] for i in range(ABORT_VICTIMS)]
+    probe = await candidate.generate([prompt_request(p, max_tokens, rid=f"abort-probe-{i}")
+                                      for i, p in enumerate(survivors)], concurrency=None)
+    span = max((r.t_end - r.t_send for r in probe if r.ok and r.t_end), default=1.0)
+    sreqs = [prompt_request(p, max_tokens, rid=f"abort-survivor-{i}") for i, p in enumerate(survivors)]
+    vreqs = [GenRequest(prompt=list(p.ids), max_tokens=ABORT_LONG * max_tokens, temperature=0.0, ignore_eos=True,
+                        rid=f"abort-victim-{i}", prompt_cache=False) for i, p in enumerate(victims)]
+    before = await candidate.spec_counters()
+    start = time.perf_counter()
+    stasks = [asyncio.ensure_future(candidate.generate_one(r)) for r in sreqs]
+    vtasks = [asyncio.ensure_future(candidate.generate_one(r)) for r in vreqs]
+    cuts: list[tuple[float, bool]] = []  # per victim: (when it was cancelled, whether it had finished already)
+    for i, t in enumerate(vtasks):
+        await asyncio.sleep(max(0.0, start + span * (i + 1) / (len(vtasks) + 1) - time.perf_counter()))
+        cuts.append((time.perf_counter(), t.done()))
+        t.cancel()
+    res = list(await asyncio.gather(*stasks))
+    await asyncio.gather(*vtasks, return_exceptions=True)
+    after = (await candidate.generate([prompt_request(ps[-1], max_tokens, rid="abort-after")]))[0]
+    delta = counters_delta(before, await candidate.spec_counters())
+    live = [(r.t_first, r.t_end) for r in res if r.ok and r.t_first and r.t_end]
+    inflight = sum(1 for t, done in cuts if not done and any(a <= t <= b for a, b in live))
+    pcs = await asyncio.gather(*(check_output(baseline, Prompt(f"{p.pid}-survivor", p.ids), r, max_tokens, opts,
+                                              candidate if opts.rescore else None)
+                                 for p, r in zip([*survivors, ps[-1]], [*res, after], strict=True)))
+    pcs[-1].pid = f"{ps[-1].pid}-after-aborts"
+    run = await finish_run("abort-in-flight", candidate, baseline, list(pcs), [*res, after], delta, opts, t0,
+                           engine_k(candidate))
+    run.checks.insert(0, Check("aborted-in-flight", True, f"{inflight} of {len(cuts)} victims cancelled "
+                               "while a survivor was decoding (the rest: before its first token, after its last, or "
+                               "finished)", skipped=not inflight))
+    if not inflight:
+        run.cannot_test.append("an abort while the survivors decoded: every cancel landed outside their decoding "
+                               f"(survivors alone took {span:.3f} s)")
+    run.notes.append(f"{len(survivors)} survivors of max_tokens {max_tokens} beside {len(victims)} victims of "
+                     f"{ABORT_LONG * max_tokens}, cancelled at {', '.join(f'{t - start:.3f}' for t, _ in cuts)} s "
+                     f"(survivors alone: {span:.3f} s)")
+    return run
+
+
 GATES = {"short-then-long": short_then_long, "headroom": headroom, "mixed": mixed, "stop-in-run": stop_in_run,
-         "eos-in-run": eos_in_run}
+         "eos-in-run": eos_in_run, "abort-in-flight": abort_in_flight}

@@ -196,7 +196,7 @@ async def run_engine(label: str, faults: tuple[str, ...], description: str, base
         "greedy": lambda b, c, p, m, o: run_greedy(b, c, p, m, o, concurrency=1),
         "concurrent": run_concurrent,
         "mixed": GATES["mixed"], "stop-in-run": GATES["stop-in-run"], "eos-in-run": GATES["eos-in-run"],
-        "headroom": GATES["headroom"]}
+        "abort-in-flight": GATES["abort-in-flight"], "headroom": GATES["headroom"]}
     for name, fn in runs.items():
         try:
             g = await fn(baseline, candidate, prompts, max_tokens, opts)

@@ -225,3 +225,23 @@ def test_mixed_gate_logprobs_parity(llamacpp_off, llamacpp_draft, llamacpp_notes
                           f"{checks['logprobs-speculate'].detail}")
     assert run.verdict == "PASS", [c.to_dict() for c in run.checks]
     assert parity.ok and not parity.skipped and "without a candidate logprob" in parity.detail
+
+
+def test_abort_in_flight_gate(llamacpp_off, llamacpp_draft, llamacpp_notes):
+    """Clients that go away mid-generation on llama-server: the connection closes under three long requests while
+    two survivors decode; the survivors and a request sent afterwards stay lossless."""
+    import asyncio
+
+    from specbench.suites.lossless.engine_gates import GATES
+    from specbench.suites.lossless.greedy import GreedyGateOptions, Prompt
+
+    off = OpenAIAdapter(llamacpp_off.base_url, probe=True)
+    on = OpenAIAdapter(llamacpp_draft.base_url, probe=True)
+    texts = ["Question: Tom has 3 apples and buys 2 more. How many apples does he have?\nAnswer:",
+             "Question: A train travels 60 miles in 2 hours. What is its speed?\nAnswer:",
+             "Question: Sara reads 12 pages a day. How many pages does she read in a week?\nAnswer:"]
+    prompts = [Prompt(f"p{i}", off.tokenize_sync(t)) for i, t in enumerate(texts)]
+    run = asyncio.run(GATES["abort-in-flight"](off, on, prompts, 32, GreedyGateOptions()))
+    checks = {c.name: c for c in run.checks}
+    llamacpp_notes.append(f"abort-in-flight gate: {run.verdict}; {checks['aborted-in-flight'].detail}")
+    assert run.verdict == "PASS", ([c.to_dict() for c in run.checks], run.notes, [p.reason for p in run.prompts])
