@@ -4,7 +4,7 @@ Contract:
 - Every greedy fault the candidate's engine names (its "faults" capability, `armable_faults()`, minus the
   speculative-sampling faults, which belong to the sampled-equivalence gate's self-test) is armed on a
   fresh engine like the candidate (`with_faults`), and every gate runs against it: short-then-long (first,
-  on the fresh engine), greedy, concurrent, mixed, stop-in-run, eos-in-run, headroom, and an
+  on the fresh engine), greedy, concurrent, mixed, stop-in-run, eos-in-run, abort-in-flight, headroom, and an
   acceptance-regression gate (mean accepted length on the greedy gate's prompts vs the clean engine's,
   two-sided: a fall or a rise beyond 10% of the excess over 1; `draft_ctx_misaligned` leaves the tokens
   lossless, because verify corrects them, and only acceptance shows it). Every gate applies the tolerance
@@ -41,8 +41,8 @@ from .prompts import load_prompts
 SAMPLING_FAULTS = frozenset(FAULT_CASES)  # caught by the sampled gate's self-test, not by greedy gates
 # The greedy gates' requests are salted off the prefix cache: its faults belong to the prefix gate's self-test.
 NOT_GREEDY = SAMPLING_FAULTS | frozenset(PREFIX_FAULTS)
-GATE_NAMES = ("short-then-long", "greedy", "concurrent", "mixed", "stop-in-run", "eos-in-run", "headroom",
-              "acceptance")
+GATE_NAMES = ("short-then-long", "greedy", "concurrent", "mixed", "stop-in-run", "eos-in-run", "abort-in-flight",
+              "headroom", "acceptance")
 
 
 def greedy_faults(candidate: EngineAdapter) -> dict[str, str]:
