@@ -55,9 +55,13 @@ def sampled(
     seed: int = typer.Option(0, "--seed", min=0, help="Base seed (sample seeds and permutations)."),
     concurrency: int = typer.Option(128, "--concurrency", min=1, help="Requests in flight per arm."),
     refine: bool = typer.Option(True, "--refine/--no-refine", help="Extra permutations for cells near the p floor."),
-    seed_repeat: int = typer.Option(64, "--seed-repeat", min=0, help="Seeded samples of each arm sent again one at "
-                                    "a time: the candidate must reproduce its first draws as often as the baseline "
-                                    "does (one-sided Fisher exact, alpha 1e-3); 0 = off."),
+    seed_repeat: int = typer.Option(128, "--seed-repeat", min=0, help="Seeded samples of each arm sent again in one "
+                                    "batch, configs mixed, beside half as many requests of other parameters (each "
+                                    "run alone first): the candidate must reproduce as often as the baseline does "
+                                    "(one-sided Fisher exact, alpha 1e-3); 0 = off."),
+    seed_repeat_gate: bool = typer.Option(False, "--seed-repeat-gate", help="A seed-repeat FAIL fails the gate (else "
+                                          "advisory: an engine whose speculation adapts to load draws differently in "
+                                          "another batch by design). --selftest always enforces it."),
     prompt_chars: int | None = typer.Option(None, "--prompt-chars", min=16, help="Keep the last N characters "
                                             "of a question (default 400; --selftest: 200)."),
     prompt_set: str | None = typer.Option(None, "--prompt-set", help="Prompt sets, comma-separated: gsm8k; echo "
@@ -102,7 +106,7 @@ def sampled(
         sized: dict[str, Any] = {k: v if v is not None else dflt_opts.get(k, getattr(SampledGateOptions, k)) for k, v in given.items()}
         opts = SampledGateOptions(**sized, permutations=permutations, q=q, null=null, seed=seed,
                                   concurrency=concurrency, refine=refine, endpoint_type=endpoint_type,
-                                  seed_repeat=seed_repeat)
+                                  seed_repeat=seed_repeat, seed_repeat_gate=seed_repeat_gate)
         cfgs = parse_configs(configs) if configs else list(DEFAULT_CONFIGS)
         if candidate is None and (selftest or baseline is None):
             bspec = parse_engine(baseline) if baseline else baseline_and_candidate(None, None)[0]

@@ -101,6 +101,8 @@ class AcceptStep:
             rows += range(r0, r0 + cnt)
             params += [spans[i].req.params] * cnt
         sel = logits if len(rows) == logits.shape[0] else logits[torch.tensor(rows, device=logits.device)]
+        if self.faults.accept_rule.first_params:  # the row_params_first fault
+            params = [params[0]] * len(params)
         probs = sampling_probs_rows(sel, params)
         qs = [spans[i].draft_probs for i in idx]
         res = accept_sampled_batch([list(spans[i].drafts) for i in idx], qs, probs,

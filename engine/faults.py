@@ -364,12 +364,19 @@ class UnseededAccept(_RuleFlag):
     flag = "unseeded"
 
 
+class RowParamsFirst(_RuleFlag):
+    name = "row_params_first"
+    description = "every sampled verify row of a step is transformed with the first sampled request's temperature " \
+                  "/ top-k / top-p (right whenever one sampling config fills the batch)"
+    flag = "first_params"
+
+
 _REGISTRY: tuple[type[Fault], ...] = (KVOffset, SkipRollback, WrongBonus, AcceptOffByOne, DraftCtxMisaligned,
                                       MaskLeak, StaleShape, EmitPastStop, RollbackKeepsPage, VerifyPosShift,
                                       BatchedDraftPos, AcceptTolerance, EosInRun,
                                       BiasedAccept, ResampleFromP, ReusedUniform, QNextRow, BonusResidual,
                                       RegisterBeforeForward, NoPublishOnFinish, SelectorSkipped, CausalDraft,
-                                      SpecLogprobsLate, UnseededAccept, AbortKeepsPages)
+                                      SpecLogprobsLate, UnseededAccept, AbortKeepsPages, RowParamsFirst)
 # Faults that leave the output lossless and move only a drafter's acceptance: no greedy or sampled gate can
 # catch them; `specbench check-draft` does (harness/checkdraft.py), so the gates' self-tests skip them.
 DRAFT_VARIANT_FAULTS = frozenset({"selector_skipped", "causal_draft"})

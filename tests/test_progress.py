@@ -62,8 +62,10 @@ def _sampled(tiny_pair, tmp_path, *extra: str):
 def test_sampled_shows_progress_then_a_summary_table(tiny_pair, tmp_path) -> None:
     r = _sampled(tiny_pair, tmp_path)
     assert r.exit_code == 0, r.output
-    assert "baseline (spec off): 16 requests; 0/32 done" in r.stderr
-    assert "candidate (spec on): 16 requests; 16/32 done" in r.stderr and "done: 32/32 requests" in r.stderr
+    # 16 samples an arm, then its seed repeat: the 16 again beside 8 neighbours, each neighbour alone first (32)
+    assert "baseline (spec off): 16 requests; 0/96 done" in r.stderr
+    assert "seed repeat (baseline): 32 requests; 16/96 done" in r.stderr
+    assert "candidate (spec on): 16 requests; 48/96 done" in r.stderr and "done: 96/96 requests" in r.stderr
     assert "sampled gate: PASS (1 prompts x t0.5, " in r.stdout  # the table's title (config names)
     assert "comparison" in r.stdout and "spec" in r.stdout and r.stdout.rstrip().splitlines()[-1].startswith(
         "sampled gate: PASS")

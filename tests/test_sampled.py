@@ -171,7 +171,7 @@ class FakeEngine(EngineAdapter):
         self.spec_calls += req.temperature != self.idle_temp
         if self.fail_every and self.calls % self.fail_every == 0:
             return GenResult(rid=req.rid or "x", ok=False, error="boom")
-        rng = self._rng if self.unseeded else np.random.default_rng(req.seed)
+        rng = self._rng if self.unseeded else np.random.default_rng(req.seed if req.seed is not None else 0)
         ids = []
         for j in range(req.max_tokens):
             p = np.array([0.4, 0.2, 0.15, 0.1, 0.1, 0.05])
@@ -226,16 +226,22 @@ def test_gate_end_to_end_on_a_fake_engine():
 
 
 def test_seed_repeat_on_fakes():
-    """A candidate that ignores seeds fails (its law is right: any cell it rejects is chance); a baseline that ignores them
+    """With --seed-repeat-gate a candidate that ignores seeds fails (its law is right: any cell it rejects is chance),
+    without it the check is advisory (noted); a baseline that ignores them
     leaves the check CANNOT TEST (noted, the gate's verdict unchanged); 0 turns it off."""
     from specbench.suites.sampled.gate import SeedRepeat, run_gate, seed_check
 
     cfgs = parse_configs("t=1")
-    res = run_gate(FakeEngine(), FakeEngine(unseeded=True), SampledGateOptions(**FAKE_OPTS), cfgs)
+    res = run_gate(FakeEngine(), FakeEngine(unseeded=True), SampledGateOptions(**FAKE_OPTS, seed_repeat_gate=True),
+                   cfgs)
     chk = res.seed_repeat[""]
     assert res.verdict == "FAIL", res.summary()
-    assert chk["verdict"] == "FAIL" and chk["baseline"]["differ"] == 0 and chk["candidate"]["compared"] == 64
-    assert res.summary()["seed_repeat"][""]["candidate"][0] >= 50
+    assert chk["verdict"] == "FAIL" and chk["baseline"]["differ"] == 0 and chk["candidate"]["compared"] == 128 + 64
+    assert res.summary()["seed_repeat"][""]["candidate"][0] >= 100
+    advisory = run_gate(FakeEngine(), FakeEngine(unseeded=True), SampledGateOptions(**FAKE_OPTS), cfgs)
+    assert advisory.seed_repeat[""]["verdict"] == "FAIL" and not advisory.seed_repeat[""]["enforced"]
+    assert any("advisory" in n for n in advisory.notes)
+    assert advisory.verdict == ("FAIL" if any(c.rejected for c in advisory.comparisons) else "PASS")
     res = run_gate(FakeEngine(unseeded=True), FakeEngine(unseeded=True), SampledGateOptions(**FAKE_OPTS), cfgs)
     assert res.verdict == "PASS" and res.seed_repeat[""]["verdict"].startswith("CANNOT TEST")
     assert any("does not honour seeds" in n for n in res.notes)
@@ -366,7 +372,18 @@ def test_unseeded_accept_is_caught_by_the_seed_repeat_alone(selftest_ci):
     assert any("seed repeat" in c["configuration"] for c in rows["unseeded_accept"]["caught_by"])
     clean = results["clean"].seed_repeat
     assert all(chk["verdict"] == "PASS" and chk["candidate"]["differ"] == 0 == chk["baseline"]["differ"]
-               and chk["candidate"]["compared"] == 64 for chk in clean.values()), clean
+               and chk["candidate"]["compared"] == 128 + 64 and chk["candidate"]["neighbours"] == 64
+               for chk in clean.values()), clean
+
+
+def test_row_params_first_is_caught_by_the_mixed_repeat_alone(selftest_ci):
+    """Every sampled verify row transformed with the first request's parameters: right whenever one config fills
+    the batch, which every distribution batch does (CI_CONFIGS is one config), wrong in the seed repeat's batch,
+    whose neighbours sample at another config."""
+    rows, results = selftest_ci
+    assert rows["row_params_first"]["verdict"] == "FAIL" and rows["row_params_first"]["ok"]
+    seeds = results["row_params_first"].seed_repeat
+    assert all(chk["verdict"] == "FAIL" for chk in seeds.values()), seeds
 
 
 def test_bonus_residual_is_caught_at_the_bonus_position_of_the_repeat_prompt(selftest_ci):

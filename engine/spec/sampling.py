@@ -43,6 +43,9 @@ class AcceptRule:
     # the uniforms come from the process's default generator, not the request's: the law stays exact, but a
     # seeded request no longer reproduces (what only the sampled gate's seed-repeat check can see)
     unseeded: bool = False
+    # every sampled verify row of a step takes the first sampled request's parameters (temperature, top-k/p):
+    # a batch-only bug that a batch of one sampling config never shows (accept_step.py reads it)
+    first_params: bool = False
     # greedy (spec/accept.py, not the sampled resolve): a draft also matches when its target logit is within
     # this of the row's max (0: the exact argmax match)
     greedy_tol: float = 0.0

@@ -84,9 +84,14 @@ class SampledGateOptions:
     # baseline's greedy answer, the question again); repeat (a question, then a run of one repeated digit)
     prompt_set: str = "echo,repeat"
     endpoint_type: str = "completions"  # "chat": each prompt as one user message, the server's chat template
-    # seeded samples of each arm sent again one at a time and compared with their first draws (0 = off): a
-    # candidate whose seeded requests stop reproducing (its spec path ignores the request's generator) fails
-    seed_repeat: int = 64
+    # seeded samples of each arm sent again in one batch of mixed parameters and compared with their first draws
+    # (0 = off): a candidate whose seeded requests stop reproducing (its spec path ignores the request's
+    # generator, or mixes up rows' sampling parameters) fails (gate.seed_repeat)
+    seed_repeat: int = 128
+    # the seed repeat's FAIL fails the gate (else it is advisory: reported, noted, the verdict left to the law).
+    # Off by default: an engine whose speculation adapts to load (a max-batch gate, an automatic span policy)
+    # draws a seeded request differently in another batch by design, with its law exact
+    seed_repeat_gate: bool = False
 
     def __post_init__(self) -> None:
         for name, lo in (("num_prompts", 1), ("positions", 1), ("samples", 2), ("permutations", 19),

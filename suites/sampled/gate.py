@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -193,41 +193,85 @@ def _read_ids(adapter: EngineAdapter, res: Any, retok: dict[str, list[int] | Non
 
 @dataclass
 class SeedRepeat:
-    """Seeded samples of one arm sent again, one at a time, against their first draws (`seed_repeat`)."""
+    """Seeded samples of one arm sent again in one mixed batch, against their first draws (`seed_repeat`)."""
 
     arm: str
     compared: int = 0
     differ: int = 0
     examples: list[str] = field(default_factory=list)  # the first few that differed: rid and first position
+    neighbours: int = 0  # requests of other parameters in the batch, each compared with itself run alone
 
 
-def seed_repeat(adapter: EngineAdapter, samples: Samples, n: int) -> SeedRepeat:
-    """Re-send n of an arm's seeded requests (spread over its prompts and configs), one at a time, where the
-    first draws ran opts.concurrency at once, and compare the tokens: an engine that honours per-request seeds
-    draws the same tokens whatever the batch, up to numerical noise at a CDF boundary. Where requests report
-    their own drafts, those that drafted go first (a sample that never reached a verify step cannot show a
-    speculative path's use of the seed)."""
+REPEAT_GREEDY = 4  # the fewest neighbours in the seed repeat's mixed batch (every 4th greedy, the rest sampled)
+NEIGHBOUR_T, NEIGHBOUR_K = 0.25, 2  # the sampled neighbours' config: far from any run's (near-greedy)
+
+
+def neighbours(n: int) -> int:
+    """The seed repeat's neighbours beside n repeated samples: half as many (at least REPEAT_GREEDY), so that
+    whichever rows a batch-level parameter mix-up gets wrong, a good share of the batch shows it."""
+    return max(REPEAT_GREEDY, n // 2)
+
+
+def seed_repeat(adapter: EngineAdapter, samples: Samples, n: int,
+                on_result: Callable[[Any], None] | None = None) -> SeedRepeat:
+    """Re-send n of an arm's seeded requests (spread over its prompts and configs) and compare the tokens with
+    their first draws. The first draws ran one sampling config per batch; the repeat sends them all at once,
+    configs interleaved, beside `neighbours(n)` requests of other parameters (every 4th greedy, the rest
+    sampled at NEIGHBOUR_T / NEIGHBOUR_K; each run alone first): an engine that honours
+    per-request seeds and applies each row its own request's sampling parameters draws the same tokens in any
+    batch, up to numerical noise at a CDF boundary. So this catches a speculative path that ignores the seed
+    (the law stays exact) and one that mixes up rows' parameters when configs share a batch (each config's
+    own batches never show it). Where requests report their own drafts, those that drafted go first (a sample
+    that never reached a verify step cannot show a speculative path's use of the seed)."""
     out = SeedRepeat(samples.arm)
     rids = [r for r in samples.requests if r in samples.outputs]
     if not rids or n <= 0:
         return out
     pick = _spread([r for r in rids if r in samples.drafted], n)
     pick += _spread([r for r in rids if r not in samples.drafted], n - len(pick))
-    res = adapter.generate_sync([samples.requests[r] for r in pick], concurrency=1)
+    first = samples.requests[pick[0]]
+    # neighbours of other parameters: greedy, and sampled at a config no run uses (so even a one-config run has
+    # mixed parameters in the batch); each run alone first, one at a time, for its reference
+    neigh = [replace(first, temperature=0.0, top_p=1.0, top_k=0, seed=None, rid=f"{samples.arm}-repeat-greedy-{i}")
+             if i % 4 == 3 else
+             replace(first, temperature=NEIGHBOUR_T, top_p=1.0, top_k=NEIGHBOUR_K, seed=(first.seed or 0) + 7 * i + 1,
+                     rid=f"{samples.arm}-repeat-neighbour-{i}") for i in range(neighbours(len(pick)))]
+    alone = adapter.generate_sync(neigh, concurrency=1, on_result=on_result)
+    by_config: dict[tuple, list[str]] = {}
+    for r in pick:
+        q = samples.requests[r]
+        by_config.setdefault((q.temperature, q.top_p, q.top_k), []).append(r)
+    order: list[str] = []  # round robin over the configs: neighbours of different parameters
+    while any(by_config.values()):
+        for xs in by_config.values():
+            if xs:
+                order.append(xs.pop(0))
+    reqs = [samples.requests[r] for r in order]
+    n0 = len(reqs)
+    for i, g in enumerate(neigh):  # spread the neighbours through the batch, the first one leading it
+        reqs.insert(min(len(reqs), i * n0 // len(neigh) + i), g)
+    res = {r.rid: r for r in adapter.generate_sync(reqs, concurrency=len(reqs), on_result=on_result)}
     retok: dict[str, list[int] | None] = {}
-    for rid, r in zip(pick, res, strict=True):
-        if not r.ok:
+    want = {r: samples.outputs[r] for r in order}
+    for g, a in zip(neigh, alone, strict=True):
+        ref = _read_ids(adapter, a, retok, first.max_tokens)[0] if a.ok else None
+        if ref is not None:
+            want[g.rid] = ref
+            out.neighbours += 1
+    for rid, first_ids in want.items():
+        r = res.get(rid)
+        if r is None or not r.ok:
             continue
-        ids, _ = _read_ids(adapter, r, retok, len(samples.outputs[rid]))
+        ids, _ = _read_ids(adapter, r, retok, len(first_ids))
         if ids is None:
             continue
-        first, again = samples.outputs[rid], ids[:len(samples.outputs[rid])]
+        again = ids[:len(first_ids)]
         out.compared += 1
-        if again != first:
+        if again != first_ids:
             out.differ += 1
             if len(out.examples) < 3:
-                i = next((j for j, (a, b) in enumerate(zip(first, again, strict=False)) if a != b),
-                         min(len(first), len(again)))
+                i = next((j for j, (a, b) in enumerate(zip(first_ids, again, strict=False)) if a != b),
+                         min(len(first_ids), len(again)))
                 out.examples.append(f"{rid}: first difference at position {i}")
     return out
 
@@ -567,7 +611,8 @@ def run_gate(baseline: EngineAdapter, candidate: EngineAdapter | Sequence[Engine
     n = len(prompts) * len(configs) * opts.samples
     reps = min(opts.seed_repeat, n)
     if progress is not None:  # every phase's requests, for one ETA over the whole gate
-        progress.plan(n * ((baseline_samples is None) + len(cands) * (1 + bool(opts.null))) + reps * (1 + len(cands)))
+        progress.plan(n * ((baseline_samples is None) + len(cands) * (1 + bool(opts.null)))
+                      + (reps + 2 * neighbours(reps)) * (1 + len(cands)) * bool(reps))
     secs: dict[str, float] = {}
     if baseline_samples is None:
         say(f"baseline: {n} generations of {opts.positions} tokens")
@@ -578,9 +623,9 @@ def run_gate(baseline: EngineAdapter, candidate: EngineAdapter | Sequence[Engine
     secs["baseline"] = baseline_samples.seconds
     base_rep: SeedRepeat | None = None
     if reps:
-        say(f"seed repeat: {reps} seeded baseline samples again, one at a time")
-        phase("seed repeat (baseline)", reps)
-        base_rep = seed_repeat(baseline, baseline_samples, reps)
+        say(f"seed repeat: {reps} seeded baseline samples again, configs mixed in one batch")
+        phase("seed repeat (baseline)", reps + 2 * neighbours(reps))
+        base_rep = seed_repeat(baseline, baseline_samples, reps, tick)
     seeds: dict[str, dict] = {}
     spec_comps, null_comps, arms = [], [], [baseline_samples]
     failed, untestable = list(baseline_samples.failed), list(baseline_samples.untestable)
@@ -596,9 +641,9 @@ def run_gate(baseline: EngineAdapter, candidate: EngineAdapter | Sequence[Engine
             on_samples(cand)
         secs[f"candidate{tag}"] = cand.seconds
         if base_rep is not None:
-            say(f"seed repeat{' ' + lab if lab else ''}: {reps} seeded candidate samples again, one at a time")
-            phase(f"seed repeat{' ' + lab if lab else ''} (spec on)", reps)
-            seeds[lab] = seed_check(base_rep, seed_repeat(adapter, cand, reps))
+            say(f"seed repeat{' ' + lab if lab else ''}: {reps} seeded candidate samples again, configs mixed")
+            phase(f"seed repeat{' ' + lab if lab else ''} (spec on)", reps + 2 * neighbours(reps))
+            seeds[lab] = seed_check(base_rep, seed_repeat(adapter, cand, reps, tick))
         spec_comps.append(compare("spec", baseline_samples, cand, prompts, configs, opts, lab, family=False))
         failed += cand.failed
         untestable += cand.untestable
@@ -642,11 +687,20 @@ def run_gate(baseline: EngineAdapter, candidate: EngineAdapter | Sequence[Engine
                          "arms computed the same prompt is unverified")
     verdicts = {lab: verdict_of([c for c in comps if c.candidate == lab], by_cand[lab], failed, missing)
                 for lab in labels}
-    for lab, chk in seeds.items():  # a candidate that does not reproduce its seeded samples fails
-        if chk["verdict"] == FAIL and verdicts[lab] != "INCOMPLETE":
+    for lab, chk in seeds.items():  # a candidate that does not reproduce its seeded samples (enforced: fails)
+        chk["enforced"] = opts.seed_repeat_gate
+        who = f"seed repeat{' ' + lab if lab else ''}"
+        c, b = chk["candidate"], chk["baseline"]
+        if chk["verdict"] == FAIL and opts.seed_repeat_gate and verdicts[lab] != "INCOMPLETE":
             verdicts[lab] = FAIL
+        elif chk["verdict"] == FAIL:
+            notes.append(f"{who}: the candidate's seeded samples came back different {c['differ']} of {c['compared']} "
+                         f"times in a batch of mixed parameters, the baseline's {b['differ']} of {b['compared']} (p = "
+                         f"{chk['p_value']:.1e}): advisory (--seed-repeat-gate makes it a FAIL). An engine whose "
+                         "speculation adapts to load draws differently in another batch by design; otherwise its "
+                         "speculative path ignores the request's seed or mixes up rows' sampling parameters")
         elif chk["verdict"].startswith(CANNOT_TEST):
-            notes.append(f"seed repeat{' ' + lab if lab else ''}: {chk['verdict']}")
+            notes.append(f"{who}: {chk['verdict']}")
     total = spec_summary(raw_total)
     engines = {"baseline": baseline.describe()}
     engines.update({f"candidate{f':{lab}' if lab else ''}": a.describe() for a, lab in zip(cands, labels, strict=True)})

@@ -154,16 +154,21 @@ def _seed_lines(r: GateResult) -> list[str]:
     if not r.seed_repeat:
         return []
     lines = ["## Seed repeat", "",
-             "Seeded samples sent again one at a time (their first draws ran in the full batch); an engine that honours "
-             "per-request seeds draws the same tokens. The candidate fails when its repeats differ significantly more "
-             "often than the baseline's (one-sided Fisher exact, alpha 1e-3):", "",
-             "| candidate | baseline differ / repeated | candidate differ / repeated | p | verdict | first differences |",
-             "|---|---:|---:|---:|---|---|"]
+             "Seeded samples sent again in one batch, sampling configs mixed, beside requests of other parameters "
+             "(each run alone first); their first draws ran one config per batch. An engine that honours per-request "
+             "seeds and gives each row its own parameters draws the same tokens. The check fails when the candidate's "
+             "differ significantly more often than the baseline's (one-sided Fisher exact, alpha 1e-3); it decides the "
+             "verdict only with --seed-repeat-gate (an engine whose speculation adapts to load draws differently in "
+             "another batch by design):", "",
+             "| candidate | baseline differ / repeated | candidate differ / repeated | p | check | decides the verdict | "
+             "first differences |",
+             "|---|---:|---:|---:|---|---|---|"]
     for lab, chk in r.seed_repeat.items():
         b, c = chk["baseline"], chk["candidate"]
         p = _p(chk["p_value"]) if chk["p_value"] is not None else "-"
         lines.append(f"| {lab or 'candidate'} | {b['differ']} / {b['compared']} | {c['differ']} / {c['compared']} | "
-                     f"{p} | {chk['verdict']} | {'; '.join(c['examples']) or '-'} |")
+                     f"{p} | {chk['verdict']} | {'yes' if chk.get('enforced') else 'no (advisory)'} | "
+                     f"{'; '.join(c['examples']) or '-'} |")
     return lines + [""]
 
 

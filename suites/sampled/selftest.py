@@ -37,7 +37,8 @@ from .gate import (
     run_gate,
 )
 
-FAULT_CASES = ("biased_accept", "resample_from_p", "reused_uniform", "q_next_row", "bonus_residual", "unseeded_accept")
+FAULT_CASES = ("biased_accept", "resample_from_p", "reused_uniform", "q_next_row", "bonus_residual", "unseeded_accept",
+               "row_params_first")
 # Every sampling fault is armed by default: on the echo and repeat prompts each is caught by both default
 # candidates (docs/sampled.md "The self-test matrix").
 DEFAULT_FAULT_CASES = FAULT_CASES
@@ -104,7 +105,7 @@ def run_selftest(baseline: EngineAdapter, candidates: EngineAdapter | Sequence[E
         raise SampledError(f"--positions {opts.positions} is too few for the self-test: reused_uniform acts only "
                            "from the second draft of a verify step, which needs positions >= 4")
     q_run = opts.q / repeat
-    run_opts = replace(opts, q=q_run)
+    run_opts = replace(opts, q=q_run, seed_repeat_gate=True)  # the seed repeat decides too: its faults need it
     open_ = list(cands)  # closed once their case ran or the self-test ended
     try:
         for c in cands:
