@@ -18,8 +18,8 @@ Contract:
     (b, span), the decode steps at decode bucket b. Kinds cycle greedy / sampled (temperature 1) /
     filtered (temperature 0.7, top_p 0.9, top_k 40) over the requests, with more rounds where b < 3, so
     every kind runs at every batch size;
-  * logprobs: generated logprobs (greedy and sampled: span-1 steps, i.e. the decode graphs even when
-    speculating) and prompt logprobs (every prefill row's logits);
+  * logprobs: generated logprobs (greedy and sampled; they speculate, so top-k logprobs over verify rows, or
+    span-1 steps with SPECBENCH_SPEC_LOGPROBS=0) and prompt logprobs (every prefill row's logits);
   * long (CUDA by default): one prompt longer than the step's token budget and the largest graph row count
     (chunked prefill through the plain forward), beside two short requests whose decode / verify spans
     share those steps.
