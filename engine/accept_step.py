@@ -11,6 +11,8 @@ KV, request or counter state (prompt logprobs excepted: they are written as thei
   the verify row that decided it (SpecConfig.logprobs: such requests speculate).
 Host reads are batched: one argmax transfer serves every greedy span, one speculative-sampling resolve
 every sampled verify span (on CUDA the fused kernel), one inverse-CDF draw every sampled single pick.
+Requests that set penalties (repetition / presence / frequency) are judged on their penalized rows (`penalized`:
+a verify row's history holds the drafts before it); logprobs stay the raw rows'.
 Synthetic acceptance (speed curves on random weights) replaces the greedy accept count; then the armed
 faults may rewrite the results (`Faults.on_accept`), before the commit records anything.
 """
@@ -24,7 +26,7 @@ import torch
 from .config import SamplingParams
 from .faults import Faults
 from .forward import StepForward
-from .sampler import draw_one_each, sampling_probs_rows, topk_logprobs
+from .sampler import apply_penalties, draw_one_each, sampling_probs_rows, topk_logprobs
 from .scheduler import Span, StepPlan
 from .spec.accept import accept_greedy, accept_greedy_within
 from .spec.sampling import accept_sampled_batch
@@ -51,12 +53,16 @@ class AcceptStep:
         self.gens, self.faults, self.synthetic, self.kernel = gens, faults, synthetic, kernel
 
     def accept(self, plan: StepPlan, fwd: StepForward) -> list[SpanResult]:
-        spans, logits = plan.spans, fwd.logits
+        spans, raw = plan.spans, fwd.logits
+        # the logits every choice reads: the raw ones, or with the penalties of the requests that set any
+        logits = penalized(spans, fwd.rows, raw, self.faults.accept_rule.verify_unpenalized) \
+            if any(s.req.params.penalized for s in spans) else raw
         # One batched argmax and one host transfer per step serve every greedy span (not one sync each).
         amax = logits.argmax(-1).tolist() if any(s.req.params.greedy for s in spans) else []
         sampled = self._resolve_sampled(spans, fwd.rows, logits)  # every sampled verify span, resolved together
         picks = self._draw_picks(spans, fwd.rows, logits)  # every sampled single pick, drawn together
-        results = [self._span(s, logits[r0:r0 + n], amax[r0:r0 + n], sampled.get(i), picks.get(i))
+        # logprobs (and the faults' tolerance) read the raw rows: the model's distribution, as vLLM reports it
+        results = [self._span(s, raw[r0:r0 + n], amax[r0:r0 + n], sampled.get(i), picks.get(i))
                    for i, (s, (r0, n)) in enumerate(zip(spans, fwd.rows, strict=True))]
         self.faults.on_accept(spans, results)
         return results
@@ -144,6 +150,23 @@ class AcceptStep:
 def _drawn(pick: int | None) -> int:
     assert pick is not None  # every sampled single pick is drawn with the batch (_draw_picks)
     return pick
+
+
+def penalized(spans: list[Span], rows: list[tuple[int, int]], logits: torch.Tensor,
+              verify_unpenalized: bool = False) -> torch.Tensor:
+    """The step's logits with each penalized request's penalties applied to its rows (sampler.apply_penalties).
+    A row's history is the prompt and the output so far; a verify span's row j also holds the drafts d1..dj it
+    follows (row j predicts the token after them). `verify_unpenalized` (the verify_ignores_penalties fault):
+    verify spans keep their raw rows."""
+    out = logits.clone()
+    for s, (r0, n) in zip(spans, rows, strict=True):
+        p = s.req.params
+        if not p.penalized or not n or (verify_unpenalized and s.kind == "verify"):
+            continue
+        hist = list(s.req.output_ids)
+        outs = [hist + list(s.drafts[:j]) for j in range(n)] if s.kind == "verify" else [hist] * n
+        out[r0:r0 + n] = apply_penalties(logits[r0:r0 + n], p, s.req.prompt_ids, outs)
+    return out
 
 
 def _logprobs(rows: torch.Tensor, tok: int, p: SamplingParams) -> Logprobs | None:

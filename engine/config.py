@@ -195,6 +195,13 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    # vLLM's penalties: repetition (> 1 discourages every token of the prompt and the output so far: a positive
+    # logit divided by it, a negative one multiplied), presence and frequency (OpenAI's: subtracted once per
+    # token present in the output so far / once per occurrence). Applied to the logits before the transform,
+    # greedy included; under speculation a verify row's history holds the drafts before it.
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -234,6 +241,13 @@ class SamplingParams:
         _need(isinstance(self.top_k, int) and self.top_k >= -1, "top_k", self.top_k,
               "an integer >= 0 (0 or -1 = disabled)")
         _need(isinstance(self.min_p, int | float) and 0 <= self.min_p <= 1, "min_p", self.min_p, "a number in [0, 1]")
+        _need(isinstance(self.repetition_penalty, int | float) and not isinstance(self.repetition_penalty, bool)
+              and math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+              self.repetition_penalty, "a finite number > 0 (1 = off)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            _need(isinstance(v, int | float) and not isinstance(v, bool) and -2 <= v <= 2, name, v,
+                  "a number in [-2, 2] (0 = off)")
         _need(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
               "seed", self.seed, "an integer or null")
         for name in ("logprobs", "prompt_logprobs"):
@@ -247,6 +261,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature <= GREEDY_EPS
+
+    @property
+    def penalized(self) -> bool:
+        """Any penalty on (the logits depend on the request's history, not on the position alone)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def with_(self, **kw: Any) -> SamplingParams:
         return replace(self, **kw)

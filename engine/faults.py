@@ -371,12 +371,20 @@ class RowParamsFirst(_RuleFlag):
     flag = "first_params"
 
 
+class VerifyIgnoresPenalties(_RuleFlag):
+    name = "verify_ignores_penalties"
+    description = "penalties (repetition / presence / frequency) are applied on plain decode steps but not on a " \
+                  "verify span's rows: drafts are judged on the raw logits"
+    flag = "verify_unpenalized"
+
+
 _REGISTRY: tuple[type[Fault], ...] = (KVOffset, SkipRollback, WrongBonus, AcceptOffByOne, DraftCtxMisaligned,
                                       MaskLeak, StaleShape, EmitPastStop, RollbackKeepsPage, VerifyPosShift,
                                       BatchedDraftPos, AcceptTolerance, EosInRun,
                                       BiasedAccept, ResampleFromP, ReusedUniform, QNextRow, BonusResidual,
                                       RegisterBeforeForward, NoPublishOnFinish, SelectorSkipped, CausalDraft,
-                                      SpecLogprobsLate, UnseededAccept, AbortKeepsPages, RowParamsFirst)
+                                      SpecLogprobsLate, UnseededAccept, AbortKeepsPages, RowParamsFirst,
+                                      VerifyIgnoresPenalties)
 # Faults that leave the output lossless and move only a drafter's acceptance: no greedy or sampled gate can
 # catch them; `specbench check-draft` does (harness/checkdraft.py), so the gates' self-tests skip them.
 DRAFT_VARIANT_FAULTS = frozenset({"selector_skipped", "causal_draft"})

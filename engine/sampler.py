@@ -1,6 +1,7 @@
 """Token selection and logprobs.
 
-Greedy is an exact argmax over the raw logits (temperature 0 is not clamped). Sampling applies the
+Greedy is an exact argmax over the raw logits (temperature 0 is not clamped), after the request's penalties
+(`apply_penalties`: repetition, presence, frequency; off by default) when it set any. Sampling applies the
 request's transform (temperature, top-k, top-p, min-p) and draws with the request's own
 `torch.Generator` (seeded when the request gave a seed), so a seeded request is reproducible regardless
 of its batch neighbours. Logprobs are log_softmax of the raw logits in fp32 (the model's distribution,
@@ -45,6 +46,31 @@ def sampling_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         probs = probs.masked_fill(probs < thresh, 0.0)
         masked = True
     return probs / probs.sum(-1, keepdim=True) if masked else probs
+
+
+def apply_penalties(rows: torch.Tensor, params: SamplingParams, prompt: list[int],
+                    outputs: list[list[int]]) -> torch.Tensor:
+    """vLLM's repetition / presence / frequency penalties on logits rows [R, V] (a new fp32 tensor): row r's
+    history is the prompt and outputs[r], the output tokens before its position (under speculation the drafts
+    before the row are in it). Repetition: every token of the prompt or the output so far has a positive logit
+    divided by the penalty and a negative one multiplied by it; presence: the penalty once for every token in
+    the output so far; frequency: the penalty times its count there."""
+    x = rows.to(torch.float32, copy=True)
+    v = x.shape[-1]
+    dev = x.device
+    for r, out in enumerate(outputs):
+        if params.repetition_penalty != 1.0:
+            seen = torch.zeros(v, dtype=torch.bool, device=dev)
+            ids = list(prompt) + list(out)
+            if ids:
+                seen[torch.tensor(ids, device=dev)] = True
+            row = x[r]
+            pen = torch.where(row > 0, row / params.repetition_penalty, row * params.repetition_penalty)
+            x[r] = torch.where(seen, pen, row)
+        if out and (params.presence_penalty or params.frequency_penalty):
+            counts = torch.bincount(torch.tensor(out, device=dev), minlength=v)[:v].to(torch.float32)
+            x[r] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(torch.float32)
+    return x
 
 
 def _transform_key(p: SamplingParams) -> tuple:

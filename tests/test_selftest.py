@@ -14,7 +14,7 @@ cli._register()
 runner = CliRunner()
 
 REQUIRED = {"kv_offset", "skip_rollback", "wrong_bonus", "accept_off_by_one", "draft_ctx_misaligned", "mask_leak",
-            "stale_shape", "emit_past_stop", "spec_logprobs_late", "abort_keeps_pages"}
+            "stale_shape", "emit_past_stop", "spec_logprobs_late", "abort_keeps_pages", "verify_ignores_penalties"}
 
 
 @pytest.fixture(scope="module")

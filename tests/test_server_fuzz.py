@@ -66,6 +66,8 @@ small_text = st.text(min_size=0, max_size=40)
 token_ids = st.lists(st.integers(0, 300), min_size=0, max_size=12)
 bad_ids = st.lists(st.integers(-5, 10**12) | st.booleans() | st.floats(), min_size=1, max_size=4)
 numbers = st.floats(-3, 3) | st.integers(-3, 3) | st.just(math.nan) | st.just(1e308) | st.booleans()
+nonfinite = st.sampled_from([math.nan, math.inf, -math.inf])
+penalty_bad = st.floats(2.01, 10) | st.floats(-10, -2.01) | nonfinite | st.booleans()
 
 
 class Field(NamedTuple):
@@ -126,9 +128,9 @@ COMMON = {
     "suffix": f(st.none() | st.just(""), small_text.filter(bool)),
     "logit_bias": f(st.none() | st.just({}), st.dictionaries(st.text(max_size=3), st.integers(), min_size=1,
                                                              max_size=2)),
-    "presence_penalty": f(st.just(0), numbers),
-    "frequency_penalty": f(st.just(0.0), numbers),
-    "repetition_penalty": f(st.none() | st.just(1.0), numbers),
+    "presence_penalty": f(st.just(0) | st.floats(-2, 2), penalty_bad),
+    "frequency_penalty": f(st.just(0.0) | st.floats(-2, 2), penalty_bad),
+    "repetition_penalty": f(st.none() | st.just(1.0) | st.floats(0.5, 2.0), st.floats(-3, 0) | nonfinite | st.booleans()),
     "cache_salt": f(st.none() | small_text.filter(bool), st.just("") | st.integers()),
     "zz_unknown_field": f(any_json),
 }

@@ -46,6 +46,9 @@ class AcceptRule:
     # every sampled verify row of a step takes the first sampled request's parameters (temperature, top-k/p):
     # a batch-only bug that a batch of one sampling config never shows (accept_step.py reads it)
     first_params: bool = False
+    # penalties (repetition / presence / frequency) left off a verify span's rows: they are judged on the raw
+    # logits (accept_step.penalized reads it)
+    verify_unpenalized: bool = False
     # greedy (spec/accept.py, not the sampled resolve): a draft also matches when its target logit is within
     # this of the row's max (0: the exact argmax match)
     greedy_tol: float = 0.0

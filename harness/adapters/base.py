@@ -68,6 +68,10 @@ class GenRequest:
     stop_token_ids: tuple[int, ...] | list[int] = ()  # generation ends after any of these ids (vLLM-style)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-k logprobs per output position (None = off)
+    # vLLM's penalties (1 / 0 = off): repetition over the prompt and output, presence / frequency over the output
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     rid: str | None = None
     meta: dict = field(default_factory=dict)  # opaque to adapters; copied into the result
     prompt_cache: bool | None = None  # reuse a cached prompt prefix (None = the engine's default; gates send False)

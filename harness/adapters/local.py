@@ -53,7 +53,9 @@ def sampling_params(req: GenRequest, **extra: Any) -> SamplingParams:
     return SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
                           top_k=req.top_k, seed=req.seed, stop=tuple(req.stop),
                           stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos,
-                          logprobs=req.logprobs, prompt_cache=req.prompt_cache is not False, **extra)
+                          logprobs=req.logprobs, prompt_cache=req.prompt_cache is not False,
+                          repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
+                          frequency_penalty=req.frequency_penalty, **extra)
 
 
 def engine_version() -> str:

@@ -62,8 +62,19 @@ def native_body(req: GenRequest, dialect: str, *, stream: bool, extras: bool, ex
         body["ignore_eos"] = True
     if req.logprobs is not None:
         body["n_probs"] = req.logprobs
+    penalties(body, req, "repeat_penalty")
     body.update(extra_body)
     return body
+
+
+def penalties(body: dict, req: GenRequest, repetition: str = "repetition_penalty") -> None:
+    """The request's penalties where set (vLLM's repetition_penalty; llama.cpp names it repeat_penalty)."""
+    if req.repetition_penalty != 1.0:
+        body[repetition] = req.repetition_penalty
+    if req.presence_penalty:
+        body["presence_penalty"] = req.presence_penalty
+    if req.frequency_penalty:
+        body["frequency_penalty"] = req.frequency_penalty
 
 
 def completions_body(req: GenRequest, model: str, dialect: str, *, stream: bool, continuous_usage: bool,
@@ -85,6 +96,7 @@ def completions_body(req: GenRequest, model: str, dialect: str, *, stream: bool,
         body["stop_token_ids"] = list(req.stop_token_ids)
     if req.ignore_eos:
         body["ignore_eos"] = True
+    penalties(body, req, "repeat_penalty" if dialect == "llamacpp" else "repetition_penalty")
     if stream:
         body["stream_options"] = {"include_usage": True}
         if continuous_usage:

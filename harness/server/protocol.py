@@ -3,7 +3,7 @@
 Contract: `parse_completion` / `parse_chat` either return a fully validated dataclass or raise
 `APIError(400, param=<field>)` whose message names the field, the value and what would be accepted.
 Booleans are never accepted where numbers belong. Unknown fields are ignored (as vLLM does), but
-options this server cannot honour (n > 1, best_of, suffix, logit_bias, penalties) are refused rather
+options this server cannot honour (n > 1, best_of, suffix, logit_bias) are refused rather
 than silently dropped. Range checks against the model (token ids, context length) happen when the
 request is admitted by the engine.
 """
@@ -136,6 +136,9 @@ class CommonParams:
     top_p: float
     top_k: int
     min_p: float
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
     seed: int | None
     stop: tuple[str, ...]
     stop_token_ids: tuple[int, ...]
@@ -174,12 +177,6 @@ def _refuse_unsupported(body: dict) -> None:
         raise _bad("suffix", body["suffix"], "null (suffix is not supported)")
     if body.get("logit_bias"):
         raise _bad("logit_bias", body["logit_bias"], "null or {} (logit_bias is not supported)")
-    for pen in ("presence_penalty", "frequency_penalty"):
-        if get_num(body, pen, 0.0, -2.0, 2.0) != 0.0:
-            raise _bad(pen, body[pen], "0 (penalties are not supported)")
-    rp = body.get("repetition_penalty")
-    if rp not in (None, 1, 1.0):
-        raise _bad("repetition_penalty", rp, "1.0 (penalties are not supported)")
 
 
 def _common(body: dict, max_tokens_default: int | None, max_tokens_key: str = "max_tokens") -> dict:
@@ -199,6 +196,9 @@ def _common(body: dict, max_tokens_default: int | None, max_tokens_key: str = "m
         top_p=get_num(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
         top_k=get_int(body, "top_k", 0, lo=-1) or 0,
         min_p=get_num(body, "min_p", 0.0, 0.0, 1.0),
+        repetition_penalty=get_num(body, "repetition_penalty", 1.0, 0.0, None, lo_open=True),
+        presence_penalty=get_num(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=get_num(body, "frequency_penalty", 0.0, -2.0, 2.0),
         seed=get_int(body, "seed", None, lo=-(2**63), hi=2**63 - 1),  # int64, as vLLM (torch refuses more)
         stop=get_stop(body),
         stop_token_ids=get_ids(body, "stop_token_ids"),

@@ -496,6 +496,84 @@ async def eos_in_run(baseline: EngineAdapter, candidate: EngineAdapter, prompts:
     return run
 
 
+PEN_FREQUENCY, PEN_PRESENCE = 0.5, 0.2  # the penalties gate's frequency and presence penalties
+
+
+async def penalties(baseline: EngineAdapter, candidate: EngineAdapter, prompts: Sequence[Prompt],
+                    max_tokens: int, opts: GreedyGateOptions) -> GateRun:
+    """Greedy requests with presence and frequency penalties (OpenAI's, over the output so far): under
+    speculation a verify row must be penalized like a decode step, its count holding the drafts before it; an
+    engine that forgets penalties on the verify path (the verify_ignores_penalties fault) picks other tokens.
+    Two prompts as given and
+    two echo prompts (prompt + the baseline's greedy answer + the prompt again: the answer comes back, drafts
+    are accepted, the penalties bite), all at once on the candidate, each one at a time on the baseline with
+    the same penalties and logprobs. Judged at the first divergence: the penalized score of a token is its
+    baseline logprob minus the penalties its count in the common prefix earns (shift-invariant, so exact from
+    the reported logprobs), and the pick's regret under it decides (the gate's tolerance). A benign flip ends
+    the comparison: a re-anchored baseline would count the prefix as prompt, not output. Repetition penalties
+    are not judged here (not shift-invariant: the reported logprobs cannot give the penalized scores)."""
+    t0 = time.perf_counter()
+    opts = resolve_rule(opts, baseline, candidate)
+    ps = list(prompts[:2])
+    firsts = await asyncio.gather(*(baseline_for(baseline, p.ids, [], max_tokens, opts.top_k) for p in ps))
+    ps += [Prompt(f"{p.pid}-echo", list(p.ids) + list(b.output_ids or []) + list(p.ids)) for p, b in zip(ps, firsts,
+                                                                                                     strict=True)]
+
+    def req(p: Prompt, rid: str, lp: int | None) -> GenRequest:
+        return GenRequest(prompt=list(p.ids), max_tokens=max_tokens, temperature=0.0, logprobs=lp, rid=rid,
+                          frequency_penalty=PEN_FREQUENCY, presence_penalty=PEN_PRESENCE, prompt_cache=False)
+
+    before = await candidate.spec_counters()
+    res = await candidate.generate([req(p, f"penalties-{p.pid}", None) for p in ps], concurrency=None)
+    delta = counters_delta(before, await candidate.spec_counters())
+    bases = await baseline.generate([req(p, f"penalties-base-{p.pid}", opts.top_k) for p in ps], concurrency=1)
+    pcs = [judge_penalized(p, r, b, max_tokens, opts) for p, r, b in zip(ps, res, bases, strict=True)]
+    run = await finish_run("penalties", candidate, baseline, pcs, res, delta, opts, t0, engine_k(candidate))
+    run.notes.append(f"frequency_penalty {PEN_FREQUENCY}, presence_penalty {PEN_PRESENCE}; {len(ps)} requests "
+                     "(2 echo prompts)")
+    return run
+
+
+def judge_penalized(p: Prompt, cand: GenResult, base: GenResult, max_tokens: int, opts: GreedyGateOptions
+                    ) -> PromptCheck:
+    """One penalized greedy output against its baseline, up to and including the first divergence (`penalties`)."""
+    pc = PromptCheck(f"{p.pid}-penalized", len(p.ids), max_tokens, spec=cand.spec)
+    for side, r in (("candidate", cand), ("baseline", base)):
+        if not r.ok:
+            pc.status, pc.reason, pc.complete = "error", f"{side} request failed: {r.error}", False
+            return pc
+        if r.output_ids is None:
+            pc.status, pc.missing = "untestable", f"output token ids ({side})"
+            pc.reason = f"CANNOT TEST: the {side} reports no output token ids"
+            return pc
+    c, b = list(cand.output_ids or []), list(base.output_ids or [])
+    pc.candidate_tokens = len(c)
+    i = first_divergence(c, b)
+    if i is None:
+        pc.tokens_compared = len(c)
+        return pc
+    pc.tokens_compared = i
+    if i >= len(b) or i >= len(c):
+        kind = "past_stop" if i >= len(b) else "early_stop"
+        pc.divergences.append(Divergence(i, kind, c[i] if i < len(c) else None, b[i] if i < len(b) else None, 0))
+        pc.status, pc.reason = "fail", pc.divergences[-1].describe()
+        return pc
+    dist = position_dist(base.logprobs, i)
+    if not dist:
+        pc.status, pc.missing = "untestable", "baseline logprobs at the divergence"
+        pc.reason = f"CANNOT TEST at position {i}: the baseline reported no logprobs there"
+        return pc
+    counts: dict[int, int] = {}
+    for t in b[:i]:
+        counts[t] = counts.get(t, 0) + 1
+    score = {t: lp - PEN_FREQUENCY * counts.get(t, 0) - PEN_PRESENCE * (t in counts) for t, lp in dist.items()}
+    j = judge_pick(c[i], score, opts.tol)
+    pc.divergences.append(Divergence(i, "token", c[i], b[i], 0, judgement=j, dist_source="generation, penalized"))
+    pc.status = "flip" if j.ok else "fail"
+    pc.reason = pc.divergences[-1].describe() + (" (compared up to this benign flip)" if j.ok else "")
+    return pc
+
+
 ABORT_VICTIMS = 3  # requests the abort-in-flight gate cancels mid-generation
 ABORT_LONG = 4  # ... each asked for this many times the gate's max_tokens (ignore_eos), so it is still running
 ABORT_ATTEMPTS = 3  # rounds, each aimed at the decode window the last one observed, until a cancel lands in it
@@ -574,4 +652,4 @@ async def _abort_round(candidate: EngineAdapter, sreqs: list[GenRequest], vreqs:
 
 
 GATES = {"short-then-long": short_then_long, "headroom": headroom, "mixed": mixed, "stop-in-run": stop_in_run,
-         "eos-in-run": eos_in_run, "abort-in-flight": abort_in_flight}
+         "eos-in-run": eos_in_run, "abort-in-flight": abort_in_flight, "penalties": penalties}
