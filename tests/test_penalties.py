@@ -127,3 +127,30 @@ def test_the_server_takes_penalties_and_refuses_bad_ones():
                        ({"prompt": "a", "frequency_penalty": 3}, "frequency_penalty")):
         with pytest.raises(APIError, match=name):
             parse_completion(body)
+
+
+def test_sampled_gate_with_a_penalty_config(tiny_target, tiny_draft):
+    """`--configs t=1,rp=1.5`: the law compared is the penalized one on both arms. The clean engine passes (fixed
+    seeds: deterministic here; a correct engine fails a run with probability about q by design), and one whose
+    verify path forgets the penalties fails: its accepted drafts follow the unpenalized law."""
+    from specbench.harness.adapters.local import LocalAdapter
+    from specbench.suites.sampled.config import SampledGateOptions, parse_configs
+    from specbench.suites.sampled.gate import run_gate
+
+    opts = SampledGateOptions(num_prompts=1, positions=4, samples=256, permutations=999, prompt_chars=200,
+                              prompt_set="echo,repeat", seed_repeat=0)
+    cfgs = parse_configs("t=1,rp=1.5")
+    assert cfgs[0].name == "t1-rp1.5" and cfgs[0].penalties() == {"repetition_penalty": 1.5}
+    base = LocalAdapter.from_dirs(tiny_target, spec="off", name="baseline")
+    out = {}
+    try:
+        for label, faults in (("clean", ()), ("fault", ("verify_ignores_penalties",))):
+            cand = LocalAdapter.from_dirs(tiny_target, draft=tiny_draft, spec="dflash", name=label, faults=faults)
+            try:
+                out[label] = run_gate(base, cand, opts, cfgs)
+            finally:
+                cand.close()
+    finally:
+        base.close()
+    assert out["clean"].verdict == "PASS", out["clean"].summary()
+    assert out["fault"].verdict == "FAIL" and any(c.rejected for c in out["fault"].comparisons)

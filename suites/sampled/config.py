@@ -23,14 +23,27 @@ class SamplingConfig:
     temperature: float
     top_p: float = 1.0
     top_k: int = 0
+    # penalties (engine/config.py SamplingParams): the law compared is the penalized one, on both arms
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    def penalties(self) -> dict[str, float]:
+        """The request keywords of the penalties this config sets (none by default)."""
+        return {k: v for k, v in (("repetition_penalty", self.repetition_penalty),
+                                  ("presence_penalty", self.presence_penalty),
+                                  ("frequency_penalty", self.frequency_penalty)) if v != (1.0 if k[0] == "r" else 0.0)}
 
 
 _KEYS = {"t": "temperature", "temperature": "temperature", "p": "top_p", "top_p": "top_p", "k": "top_k",
-         "top_k": "top_k"}
+         "top_k": "top_k", "rp": "repetition_penalty", "repetition_penalty": "repetition_penalty",
+         "pp": "presence_penalty", "presence_penalty": "presence_penalty", "fp": "frequency_penalty",
+         "frequency_penalty": "frequency_penalty"}
 
 
 def parse_configs(text: str) -> list[SamplingConfig]:
-    """'t=1.0;t=0.7,p=0.9;t=1,k=20' -> configs (keys t|temperature, p|top_p, k|top_k)."""
+    """'t=1.0;t=0.7,p=0.9;t=1,k=20,fp=0.5' -> configs (keys t|temperature, p|top_p, k|top_k, and the penalties
+    rp|repetition_penalty, pp|presence_penalty, fp|frequency_penalty)."""
     out = []
     for part in [s.strip() for s in text.split(";") if s.strip()]:
         kw: dict[str, float] = {}
@@ -38,7 +51,8 @@ def parse_configs(text: str) -> list[SamplingConfig]:
             key, eq, val = item.partition("=")
             if not eq or key.strip() not in _KEYS:
                 raise SampledError(f"--configs item {item!r} is invalid: expected key=value with key one of "
-                                   "t, p, k (temperature, top_p, top_k), configs separated by ';'")
+                                   "t, p, k, rp, pp, fp (temperature, top_p, top_k, repetition / presence / "
+                                   "frequency penalty), configs separated by ';'")
             try:
                 kw[_KEYS[key.strip()]] = float(val)
             except ValueError:
@@ -48,8 +62,12 @@ def parse_configs(text: str) -> list[SamplingConfig]:
             raise SampledError(f"--configs temperature={t} is invalid: expected > 0 (greedy has its own gate)")
         if not 0 < p <= 1 or k < 0 or k != int(k):
             raise SampledError(f"--configs {part!r}: expected 0 < top_p <= 1 and an integer top_k >= 0")
-        name = f"t{t:g}" + (f"-p{p:g}" if p < 1 else "") + (f"-k{int(k)}" if k else "")
-        out.append(SamplingConfig(name, t, p, int(k)))
+        rp, pp, fp = kw.get("repetition_penalty", 1.0), kw.get("presence_penalty", 0.0), kw.get("frequency_penalty", 0.0)
+        if not (rp > 0 and math.isfinite(rp)) or not -2 <= pp <= 2 or not -2 <= fp <= 2:
+            raise SampledError(f"--configs {part!r}: expected rp > 0 and pp, fp in [-2, 2]")
+        name = f"t{t:g}" + (f"-p{p:g}" if p < 1 else "") + (f"-k{int(k)}" if k else "") + \
+            (f"-rp{rp:g}" if rp != 1 else "") + (f"-pp{pp:g}" if pp else "") + (f"-fp{fp:g}" if fp else "")
+        out.append(SamplingConfig(name, t, p, int(k), rp, pp, fp))
     if not out:
         raise SampledError("--configs is empty: expected e.g. 't=1.0;t=0.7,p=0.9'")
     return out

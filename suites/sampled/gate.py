@@ -134,7 +134,7 @@ def collect(adapter: EngineAdapter, prompts: Sequence[tuple[str, str]], configs:
                 s = seed_of(opts.seed, arm_index, pi * len(configs) + ci, si, cells, opts.samples)
                 reqs.append(request(text, chat, max_tokens=opts.positions, temperature=c.temperature,
                                     top_p=c.top_p, top_k=c.top_k, seed=s, ignore_eos=True,
-                                    rid=f"{arm}-{pid}-{c.name}-{si}", prompt_cache=False))
+                                    rid=f"{arm}-{pid}-{c.name}-{si}", prompt_cache=False, **c.penalties()))
                 keys.append((pi, ci))
         sent += reqs
         before = adapter.spec_counters_sync()
@@ -232,15 +232,17 @@ def seed_repeat(adapter: EngineAdapter, samples: Samples, n: int,
     first = samples.requests[pick[0]]
     # neighbours of other parameters: greedy, and sampled at a config no run uses (so even a one-config run has
     # mixed parameters in the batch); each run alone first, one at a time, for its reference
-    neigh = [replace(first, temperature=0.0, top_p=1.0, top_k=0, seed=None, rid=f"{samples.arm}-repeat-greedy-{i}")
-             if i % 4 == 3 else
+    plain = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+    neigh = [replace(first, temperature=0.0, top_p=1.0, top_k=0, seed=None, rid=f"{samples.arm}-repeat-greedy-{i}",
+                     **plain) if i % 4 == 3 else
              replace(first, temperature=NEIGHBOUR_T, top_p=1.0, top_k=NEIGHBOUR_K, seed=(first.seed or 0) + 7 * i + 1,
-                     rid=f"{samples.arm}-repeat-neighbour-{i}") for i in range(neighbours(len(pick)))]
+                     rid=f"{samples.arm}-repeat-neighbour-{i}", **plain) for i in range(neighbours(len(pick)))]
     alone = adapter.generate_sync(neigh, concurrency=1, on_result=on_result)
     by_config: dict[tuple, list[str]] = {}
     for r in pick:
         q = samples.requests[r]
-        by_config.setdefault((q.temperature, q.top_p, q.top_k), []).append(r)
+        by_config.setdefault((q.temperature, q.top_p, q.top_k, q.repetition_penalty, q.presence_penalty,
+                              q.frequency_penalty), []).append(r)
     order: list[str] = []  # round robin over the configs: neighbours of different parameters
     while any(by_config.values()):
         for xs in by_config.values():
