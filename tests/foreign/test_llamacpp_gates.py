@@ -245,3 +245,25 @@ def test_abort_in_flight_gate(llamacpp_off, llamacpp_draft, llamacpp_notes):
     checks = {c.name: c for c in run.checks}
     llamacpp_notes.append(f"abort-in-flight gate: {run.verdict}; {checks['aborted-in-flight'].detail}")
     assert run.verdict == "PASS", ([c.to_dict() for c in run.checks], run.notes, [p.reason for p in run.prompts])
+
+
+def test_penalties_gate(llamacpp_off, llamacpp_draft, llamacpp_notes):
+    """Penalties over llama-server (the adapter sends repetition_penalty as llama.cpp's repeat_penalty): they are
+    honoured (the output moves), and the penalties gate passes draft-model speculation against spec off."""
+    import asyncio
+
+    from specbench.suites.lossless.engine_gates import GATES
+    from specbench.suites.lossless.greedy import GreedyGateOptions, Prompt
+
+    off = OpenAIAdapter(llamacpp_off.base_url, probe=True)
+    on = OpenAIAdapter(llamacpp_draft.base_url, probe=True)
+    ids = off.tokenize_sync("Question: Tom has 3 apples and buys 2 more. How many apples does he have?\nAnswer:")
+    plain, rep = off.generate_sync([GenRequest(prompt=ids, max_tokens=40, ignore_eos=True, prompt_cache=False),
+                                    GenRequest(prompt=ids, max_tokens=40, ignore_eos=True, prompt_cache=False,
+                                               repetition_penalty=1.3)])
+    assert plain.ok and rep.ok and plain.output_ids != rep.output_ids  # repeat_penalty reached the sampler
+    prompts = [Prompt("p0", ids), Prompt("p1", off.tokenize_sync("Question: A train travels 60 miles in 2 hours. "
+                                                                 "What is its speed?\nAnswer:"))]
+    run = asyncio.run(GATES["penalties"](off, on, prompts, 32, GreedyGateOptions()))
+    llamacpp_notes.append(f"penalties gate: {run.verdict}; {run.stats.describe()}")
+    assert run.verdict == "PASS", [(p.pid, p.status, p.reason) for p in run.prompts]
