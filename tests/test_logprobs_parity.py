@@ -193,12 +193,10 @@ def test_mixed_gate_fails_logprobs_one_position_late(tiny_target, tiny_draft, gs
 def test_drafted_reads_tokens_or_rounds():
     """llama.cpp reports draft tokens per request (timings), not rounds: the mixed gate's neighbours-speculate read
     num_drafts alone and failed every llama-server run (tests/foreign: test_mixed_gate_logprobs_parity)."""
-    from specbench.suites.lossless.checks import per_request_drafted
-
     def r(spec):
         return GenResult(rid="x", ok=True, spec=spec)
 
-    assert per_request_drafted(r({"num_draft_tokens": 63, "num_accepted_tokens": 12})) == 63
-    assert per_request_drafted(r({"num_drafts": 4})) == 4
-    assert per_request_drafted(r({"num_drafts": 0, "num_draft_tokens": 0})) == 0
-    assert per_request_drafted(r(None)) is None and per_request_drafted(r({"source": "timings"})) is None
+    assert r({"num_draft_tokens": 63, "num_accepted_tokens": 12}).drafted == 63
+    assert r({"num_drafts": 4}).drafted == 4
+    assert r({"num_drafts": 0, "num_draft_tokens": 0}).drafted == 0
+    assert r(None).drafted is None and r({"source": "timings"}).drafted is None

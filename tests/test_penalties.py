@@ -154,3 +154,18 @@ def test_sampled_gate_with_a_penalty_config(tiny_target, tiny_draft):
         base.close()
     assert out["clean"].verdict == "PASS", out["clean"].summary()
     assert out["fault"].verdict == "FAIL" and any(c.rejected for c in out["fault"].comparisons)
+
+
+def test_penalties_judge_needs_token_ids_on_both_sides():
+    """Text with an empty token list is no output to compare: CANNOT TEST, never identical (cannot_compare)."""
+    from specbench.harness.adapters.base import GenResult
+    from specbench.suites.lossless.engine_gates import judge_penalized
+    from specbench.suites.lossless.greedy import GreedyGateOptions, Prompt
+
+    p, opts = Prompt("p", [1, 2]), GreedyGateOptions()
+    empty = GenResult(rid="c", ok=True, text="hello", output_ids=[])
+    pc = judge_penalized(p, empty, GenResult(rid="b", ok=True, text="hello", output_ids=[]), 8, opts)
+    assert pc.status == "untestable" and pc.missing == "output token ids (candidate)"
+    pc = judge_penalized(p, GenResult(rid="c", ok=True, output_ids=[5]), GenResult(rid="b", ok=False, error="x"), 8,
+                         opts)
+    assert pc.status == "error" and "baseline" in pc.reason

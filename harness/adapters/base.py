@@ -126,6 +126,14 @@ class GenResult:
         return None if self.t_first is None else self.t_first - self.t_send
 
     @property
+    def drafted(self) -> int | None:
+        """Draft tokens this request carried where the engine reports them per request (llama.cpp's timings give
+        tokens, not rounds), else its draft rounds, else None."""
+        sp = self.spec or {}
+        n = sp.get("num_draft_tokens", sp.get("num_drafts"))
+        return int(n) if n is not None else None
+
+    @property
     def e2el(self) -> float | None:
         return None if self.t_end is None else self.t_end - self.t_send
 

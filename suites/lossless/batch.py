@@ -50,6 +50,7 @@ from .greedy import (
     LosslessError,
     Prompt,
     PromptCheck,
+    cannot_compare,
     engine_k,
     finish_run,
     recover_dist,
@@ -176,22 +177,12 @@ async def run_level(adapter: EngineAdapter, prompts: Sequence[Prompt], max_token
     return LevelRun(level, results, audit, counters_delta(before, after), time.perf_counter() - t0)
 
 
-def _usable(r: GenResult) -> bool:
-    return r.output_ids is not None and not (r.text and not r.output_ids)
-
-
 async def compare_outputs(adapter: EngineAdapter, prompt: Prompt, ref: GenResult, other: GenResult, max_tokens: int,
                           opts: GreedyGateOptions, level: int) -> PromptCheck:
     """The engine's output at `level` against its own level-1 output (module docstring)."""
     pc = PromptCheck(prompt.pid, len(prompt.ids), max_tokens, spec=other.spec)
-    for r, which in ((ref, "c1"), (other, f"c{level}")):
-        if not r.ok:
-            pc.status, pc.complete, pc.reason = "error", False, f"the {which} request failed: {r.error}"
-            return pc
-        if not _usable(r):
-            pc.status, pc.complete, pc.missing = "untestable", False, f"output token ids ({which})"
-            pc.reason = f"CANNOT TEST: the {which} run reports no output token ids"
-            return pc
+    if cannot_compare(pc, (("c1", ref), (f"c{level}", other))):
+        return pc
     a, b = list(ref.output_ids or []), list(other.output_ids or [])
     pc.candidate_tokens = len(b)
     i = first_divergence(b, a)

@@ -446,14 +446,6 @@ def per_request_rounds(r: GenResult) -> int | None:
     return int(n) if n is not None else None
 
 
-def per_request_drafted(r: GenResult) -> int | None:
-    """Draft tokens one request carried where the engine reports them (llama.cpp's timings give tokens, not
-    rounds), else its draft rounds, else None."""
-    sp = r.spec or {}
-    n = sp.get("num_draft_tokens", sp.get("num_drafts"))
-    return int(n) if n is not None else None
-
-
 def _total(xs: Iterable[int | None]) -> int | None:
     vals = list(xs)
     return sum(v for v in vals if v is not None) if vals and all(v is not None for v in vals) else None

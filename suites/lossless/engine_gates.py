@@ -61,7 +61,6 @@ from .checks import (
     count_problems,
     eos_ids_of,
     logprob_parity,
-    per_request_drafted,
 )
 from .greedy import (
     Divergence,
@@ -70,6 +69,7 @@ from .greedy import (
     Prompt,
     PromptCheck,
     baseline_for,
+    cannot_compare,
     check_output,
     engine_k,
     finish_run,
@@ -180,8 +180,8 @@ async def mixed(baseline: EngineAdapter, candidate: EngineAdapter, prompts: Sequ
                                  for p, k, r, b in zip(ps, kinds, res, bases, strict=True)))
     greedy_res = [r for r, k in zip(res, kinds, strict=True) if k == "greedy" and r.ok]
     checks = []
-    if greedy_res and all(per_request_drafted(r) is not None for r in greedy_res):
-        idle = [r.rid for r in greedy_res if not per_request_drafted(r)]
+    if greedy_res and all(r.drafted is not None for r in greedy_res):
+        idle = [r.rid for r in greedy_res if not r.drafted]
         checks.append(Check("neighbours-speculate", not idle,
                             f"greedy requests that never drafted: {idle}" if idle
                             else f"all {len(greedy_res)} greedy neighbours drafted"))
@@ -210,7 +210,7 @@ def logprobs_checks(pairs: Sequence[tuple[GenResult, GenResult]], opts: GreedyGa
     each = [(r.rid, logprob_parity(r, b, MIXED_LOGPROBS, tol)) for r, b in pairs]
     parity = check_logprob_parity(each, tol, strict)
     missing = sum(p.missing for _, p in each)
-    drafted = [per_request_drafted(r) for r, _ in pairs]
+    drafted = [r.drafted for r, _ in pairs]
     if any(d is None for d in drafted):
         spec = Check("logprobs-speculate", True, "the candidate reports no per-request drafts: whether its "
                      "logprobs requests speculated is unknown", skipped=True)
@@ -538,14 +538,8 @@ def judge_penalized(p: Prompt, cand: GenResult, base: GenResult, max_tokens: int
                     ) -> PromptCheck:
     """One penalized greedy output against its baseline, up to and including the first divergence (`penalties`)."""
     pc = PromptCheck(f"{p.pid}-penalized", len(p.ids), max_tokens, spec=cand.spec)
-    for side, r in (("candidate", cand), ("baseline", base)):
-        if not r.ok:
-            pc.status, pc.reason, pc.complete = "error", f"{side} request failed: {r.error}", False
-            return pc
-        if r.output_ids is None:
-            pc.status, pc.missing = "untestable", f"output token ids ({side})"
-            pc.reason = f"CANNOT TEST: the {side} reports no output token ids"
-            return pc
+    if cannot_compare(pc, (("candidate", cand), ("baseline", base))):
+        return pc
     c, b = list(cand.output_ids or []), list(base.output_ids or [])
     pc.candidate_tokens = len(c)
     i = first_divergence(c, b)

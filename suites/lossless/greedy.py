@@ -396,6 +396,21 @@ def _usable(ids: list[int] | None, text: str) -> list[int] | None:
     return None if ids is None or (text and not ids) else list(ids)
 
 
+def cannot_compare(pc: PromptCheck, sides: Sequence[tuple[str, GenResult]]) -> bool:
+    """Whether two outputs cannot be compared token by token, `pc` marked with why: "error" when a side's request
+    failed, "untestable" (CANNOT TEST) when a side reports no output token ids, or text with an empty token list
+    (re-tokenized text is no substitute). False, `pc` untouched, when every side can be compared."""
+    for side, r in sides:
+        if not r.ok:
+            pc.status, pc.complete, pc.reason = "error", False, f"the {side} request failed: {r.error}"
+            return True
+        if _usable(r.output_ids, r.text) is None:
+            pc.status, pc.complete, pc.missing = "untestable", False, f"output token ids ({side})"
+            pc.reason = f"CANNOT TEST: the {side} request reports no output token ids"
+            return True
+    return False
+
+
 async def health(adapter: EngineAdapter, settle_s: float = 2.0) -> dict | None:
     """The adapter's health snapshot once idle (None where it has none); waits briefly for the loop to settle."""
     fn: Callable | None = getattr(adapter, "health", None)

@@ -44,6 +44,7 @@ import numpy as np
 from specbench.harness.adapters.base import EngineAdapter, counters_delta, refuse_synthetic
 from specbench.harness.verdicts import CANNOT_TEST, FAIL, PASS, combine, exit_code
 
+from ..lossless.regret import first_divergence
 from . import stats
 from .config import (
     DEFAULT_CONFIGS,
@@ -163,8 +164,7 @@ def collect(adapter: EngineAdapter, prompts: Sequence[tuple[str, str]], configs:
             continue
         ids = list(out[:opts.positions])
         outputs[req.rid] = ids
-        sp = res.spec or {}
-        if sp.get("num_draft_tokens", sp.get("num_drafts")):
+        if res.drafted:
             drafted.add(req.rid)
         rows.setdefault(key, []).append(ids + [END] * (opts.positions - len(ids)))
     tokens = {k: np.asarray(v, dtype=np.int64) for k, v in rows.items()}
@@ -272,9 +272,7 @@ def seed_repeat(adapter: EngineAdapter, samples: Samples, n: int,
         if again != first_ids:
             out.differ += 1
             if len(out.examples) < 3:
-                i = next((j for j, (a, b) in enumerate(zip(first_ids, again, strict=False)) if a != b),
-                         min(len(first_ids), len(again)))
-                out.examples.append(f"{rid}: first difference at position {i}")
+                out.examples.append(f"{rid}: first difference at position {first_divergence(first_ids, again)}")
     return out
 
 
