@@ -105,8 +105,10 @@ def _plan(arm: str) -> SpecPlan:
 
 
 def simulate(arm: str, tau: float, c: int, ppl: int = 3, max_tokens: int = 128, costs: SimCosts | None = None,
-             seed: int = 0) -> dict:
-    """One closed-loop run of `arm` (plain, spec, gate1, auto): tokens per second and the spans chosen."""
+             seed: int = 0, spread: float = 0.0) -> dict:
+    """One closed-loop run of `arm` (plain, spec, gate1, auto): tokens per second and the spans chosen. `spread`:
+    each request's max_tokens uniform in [M (1 - S), M (1 + S)] (the same draw for every arm, as `specbench tune
+    --max-tokens-spread` does); 0 = every request M tokens (a lockstep batch)."""
     costs = costs or SimCosts()
     rng = random.Random(seed)  # prompts: the same for every arm
     acc_rng = random.Random(seed + 1)  # acceptance draws
@@ -125,7 +127,8 @@ def simulate(arm: str, tau: float, c: int, ppl: int = 3, max_tokens: int = 128, 
     def new() -> _Req:
         nonlocal made
         made += 1
-        return _Req(f"r{made}", rng.randint(60, 240), max_tokens)
+        lo, hi = max(1, round(max_tokens * (1 - spread))), max(1, round(max_tokens * (1 + spread)))
+        return _Req(f"r{made}", rng.randint(60, 240), rng.randint(lo, hi) if spread else max_tokens)
 
     running = [new() for _ in range(min(c, total))]
     tokens = 0
@@ -188,7 +191,8 @@ def simulate(arm: str, tau: float, c: int, ppl: int = 3, max_tokens: int = 128, 
         prev_one = one and not prefill and bool(decode)
         if not running and queue:
             running, queue = queue, []
-    return {"arm": arm, "tau": tau, "c": c, "tok_s": tokens / clock[0], "spans": dict(sorted(spans.items()))}
+    return {"arm": arm, "tau": tau, "c": c, "tok_s": tokens / clock[0], "tokens": tokens,
+            "spans": dict(sorted(spans.items()))}
 
 
 def run(taus: list[float], levels: list[int], arms: tuple[str, ...] = ("plain", "spec", "gate1", "auto"),
@@ -224,10 +228,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--taus", default="2.0,3.5,6.5")
     ap.add_argument("--levels", default="1,16,64")
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--spread", type=float, default=0.0,
+                    help="output length spread S: max_tokens uniform in [M (1 - S), M (1 + S)] (0: all M, lockstep)")
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--md", default=None, help="write the table here (markdown, with the command)")
     a = ap.parse_args(argv)
-    rows = run([float(x) for x in a.taus.split(",")], [int(x) for x in a.levels.split(",")], seeds=a.seeds)
+    rows = run([float(x) for x in a.taus.split(",")], [int(x) for x in a.levels.split(",")], seeds=a.seeds,
+               spread=a.spread)
     print(render(rows))
     if a.json:
         with open(a.json, "w") as f:
@@ -235,7 +242,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if a.md:
         with open(a.md, "w") as f:
             f.write("# The automatic span policy in simulation (benchmarks/policy_sim.py)\n\n"
-                    f"`python -m specbench.benchmarks.policy_sim --taus {a.taus} --levels {a.levels} --seeds {a.seeds}`: "
+                    f"`python -m specbench.benchmarks.policy_sim --taus {a.taus} --levels {a.levels} --seeds {a.seeds}"
+                    f"{f' --spread {a.spread}' if a.spread else ''}`: "
                     "tok/s ratios to plain decode, mean over seeds, simulated H200-fitted step costs (a model of "
                     "the machine, not the machine; the GPU runs are in reports/h200-levers/).\n\n" + render(rows) + "\n")
     return rows

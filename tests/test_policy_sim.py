@@ -56,3 +56,15 @@ def test_the_report_is_written(tmp_path) -> None:
     md = (tmp_path / "r.md").read_text()
     assert "auto / best of plain, spec" in md and "| 6.5 | 1 |" in md and "--taus 6.5 --levels 1 --seeds 1" in md
     assert len(rows) == 1 and rows[0]["auto"] > rows[0]["plain"]
+
+
+def test_spread_draws_lengths_the_same_for_every_arm_and_breaks_the_lockstep() -> None:
+    """--spread: max_tokens uniform in [M (1 - S), M (1 + S)], the same draws for every arm (the prompts' rng), so
+    plain decode at c64 loses its lockstep waves (each finish an arrival of its own, as on the H200: 14,300 ->
+    8,100 tok/s at spread 0.5, reports/h200-levers/2026-12-04-s2) and the arms still compare like for like."""
+    lock = ps.simulate("plain", 2.0, 64, seed=0)
+    spread = ps.simulate("plain", 2.0, 64, seed=0, spread=0.5)
+    assert spread["tok_s"] < 0.9 * lock["tok_s"]
+    a = ps.simulate("plain", 2.0, 8, seed=1, spread=0.5)
+    b = ps.simulate("spec", 2.0, 8, seed=1, spread=0.5)
+    assert a["tokens"] == b["tokens"] and a["tokens"] != ps.simulate("plain", 2.0, 8, seed=1)["tokens"]
