@@ -11,8 +11,9 @@ KV, request or counter state (prompt logprobs excepted: they are written as thei
   the verify row that decided it (SpecConfig.logprobs: such requests speculate).
 Host reads are batched: one argmax transfer serves every greedy span, one speculative-sampling resolve
 every sampled verify span (on CUDA the fused kernel), one inverse-CDF draw every sampled single pick.
-Requests that set penalties (repetition / presence / frequency) are judged on their penalized rows (`penalized`:
-a verify row's history holds the drafts before it); logprobs stay the raw rows'.
+Requests that set penalties (repetition / presence / frequency), a logit bias or min_tokens are judged on their
+shaped rows (`shaped`: a verify row's history holds the drafts before it, and its min_tokens mask its own output
+position); logprobs stay the raw rows'.
 Synthetic acceptance (speed curves on random weights) replaces the greedy accept count; then the armed
 faults may rewrite the results (`Faults.on_accept`), before the commit records anything.
 """
@@ -26,10 +27,17 @@ import torch
 from .config import SamplingParams
 from .faults import Faults
 from .forward import StepForward
-from .sampler import apply_penalties, draw_one_each, sampling_probs_rows, topk_logprobs
+from .sampler import (
+    apply_bias,
+    apply_penalties,
+    draw_one_each,
+    mask_min_tokens,
+    sampling_probs_rows,
+    topk_logprobs,
+)
 from .scheduler import Span, StepPlan
 from .spec.accept import accept_greedy, accept_greedy_within
-from .spec.sampling import accept_sampled_batch
+from .spec.sampling import AcceptRule, accept_sampled_batch
 from .spec.synthetic import SyntheticAcceptance
 
 Logprobs = list[tuple[float, dict[int, float]]]
@@ -47,16 +55,18 @@ class SpanResult:
 
 class AcceptStep:
     def __init__(self, gens: dict[str, torch.Generator], faults: Faults, synthetic: SyntheticAcceptance | None,
-                 kernel: bool) -> None:
+                 kernel: bool, eos: set[int] | None = None) -> None:
         """gens: each request's generator, by id (shared with the engine); kernel: the fused accept kernel
-        may run (EngineConfig.triton)."""
+        may run (EngineConfig.triton); eos: the ids min_tokens masks (with each request's stop_token_ids)."""
         self.gens, self.faults, self.synthetic, self.kernel = gens, faults, synthetic, kernel
+        self.eos = set(eos or ())
 
     def accept(self, plan: StepPlan, fwd: StepForward) -> list[SpanResult]:
         spans, raw = plan.spans, fwd.logits
-        # the logits every choice reads: the raw ones, or with the penalties of the requests that set any
-        logits = penalized(spans, fwd.rows, raw, self.faults.accept_rule.verify_unpenalized) \
-            if any(s.req.params.penalized for s in spans) else raw
+        # the logits every choice reads: the raw ones, or shaped for the requests that set penalties, a logit
+        # bias or min_tokens
+        logits = shaped(spans, fwd.rows, raw, self.eos, self.faults.accept_rule) \
+            if any(s.req.params.shaped for s in spans) else raw
         # One batched argmax and one host transfer per step serve every greedy span (not one sync each).
         amax = logits.argmax(-1).tolist() if any(s.req.params.greedy for s in spans) else []
         sampled = self._resolve_sampled(spans, fwd.rows, logits)  # every sampled verify span, resolved together
@@ -152,20 +162,32 @@ def _drawn(pick: int | None) -> int:
     return pick
 
 
-def penalized(spans: list[Span], rows: list[tuple[int, int]], logits: torch.Tensor,
-              verify_unpenalized: bool = False) -> torch.Tensor:
-    """The step's logits with each penalized request's penalties applied to its rows (sampler.apply_penalties).
-    A row's history is the prompt and the output so far; a verify span's row j also holds the drafts d1..dj it
-    follows (row j predicts the token after them). `verify_unpenalized` (the verify_ignores_penalties fault):
-    verify spans keep their raw rows."""
+def shaped(spans: list[Span], rows: list[tuple[int, int]], logits: torch.Tensor, eos: set[int],
+           rule: AcceptRule | None = None) -> torch.Tensor:
+    """The step's logits with each shaped request's processors applied to its rows, in vLLM's order: penalties
+    (sampler.apply_penalties), logit bias (apply_bias), the min_tokens mask (mask_min_tokens). A row's history is
+    the prompt and the output so far; a verify span's row j also holds the drafts d1..dj it follows (row j predicts
+    output token len(output) + j). `rule`'s fault flags leave a verify span's rows unpenalized
+    (verify_ignores_penalties) or unbiased (verify_ignores_logit_bias), or mask them all by the span's first row
+    (min_tokens_at_span_start)."""
+    rule = rule or AcceptRule()
     out = logits.clone()
     for s, (r0, n) in zip(spans, rows, strict=True):
         p = s.req.params
-        if not p.penalized or not n or (verify_unpenalized and s.kind == "verify"):
+        if not p.shaped or not n:
             continue
+        verify = s.kind == "verify"
         hist = list(s.req.output_ids)
-        outs = [hist + list(s.drafts[:j]) for j in range(n)] if s.kind == "verify" else [hist] * n
-        out[r0:r0 + n] = apply_penalties(logits[r0:r0 + n], p, s.req.prompt_ids, outs)
+        x = out[r0:r0 + n]
+        if p.penalized and not (verify and rule.verify_unpenalized):
+            outs = [hist + list(s.drafts[:j]) for j in range(n)] if verify else [hist] * n
+            x = apply_penalties(x, p, s.req.prompt_ids, outs)
+        if p.logit_bias and not (verify and rule.verify_unbiased):
+            x = apply_bias(x, p)
+        if p.min_tokens:
+            lengths = [len(hist) + (j if verify and not rule.min_tokens_at_start else 0) for j in range(n)]
+            x = mask_min_tokens(x, p, lengths, eos)
+        out[r0:r0 + n] = x
     return out
 
 

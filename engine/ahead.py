@@ -140,7 +140,7 @@ class DecodeAhead:
     @staticmethod
     def request_ok(req) -> bool:
         p = req.params
-        return p.logprobs is None and p.prompt_logprobs is None and (p.greedy or p.top_p >= 1.0) and not p.penalized
+        return p.logprobs is None and p.prompt_logprobs is None and (p.greedy or p.top_p >= 1.0) and not p.shaped
 
     def eligible(self, plan: StepPlan) -> bool:
         """A plan the scheduler made that may start a chain: plain decode of eligible requests that fits the

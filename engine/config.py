@@ -202,6 +202,12 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # OpenAI's logit_bias: {token id: bias in [-100, 100]} added to the logits before the transform, greedy
+    # included (a dict is kept as sorted (id, bias) pairs: the params stay hashable)
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # vLLM's min_tokens: EOS (unless ignore_eos) and stop_token_ids are masked at every position before the
+    # min_tokens-th output token, and no stop (strings included) ends the request before it
+    min_tokens: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -248,6 +254,10 @@ class SamplingParams:
             v = getattr(self, name)
             _need(isinstance(v, int | float) and not isinstance(v, bool) and -2 <= v <= 2, name, v,
                   "a number in [-2, 2] (0 = off)")
+        object.__setattr__(self, "logit_bias", bias_pairs(self.logit_bias))
+        _need(isinstance(self.min_tokens, int) and not isinstance(self.min_tokens, bool)
+              and 0 <= self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
+              f"an integer in [0, max_tokens={self.max_tokens}]")
         _need(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
               "seed", self.seed, "an integer or null")
         for name in ("logprobs", "prompt_logprobs"):
@@ -267,8 +277,39 @@ class SamplingParams:
         """Any penalty on (the logits depend on the request's history, not on the position alone)."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
+    @property
+    def shaped(self) -> bool:
+        """The logits a token is chosen from are not the raw ones: penalties, a logit bias or min_tokens (the
+        accept phase shapes the rows; decode ahead, which picks on the device from the raw rows, skips it)."""
+        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
+
     def with_(self, **kw: Any) -> SamplingParams:
         return replace(self, **kw)
+
+
+LOGIT_BIAS_MAX = 100.0  # OpenAI's bound on a logit_bias value
+
+
+def bias_pairs(v: Any) -> tuple[tuple[int, float], ...]:
+    """logit_bias as sorted (token id, bias) pairs, from a dict (JSON's string keys allowed) or pairs; refused by
+    name when an id is not a non-negative integer or a bias is not a number in [-100, 100]."""
+    accepted = "a map of token id -> number in [-100, 100]"
+    if v is None:
+        return ()
+    items = v.items() if isinstance(v, dict) else v
+    _need(isinstance(items, tuple | list | type({}.items())), "logit_bias", v, accepted)
+    out: dict[int, float] = {}
+    for item in items:
+        _need(isinstance(item, tuple | list) and len(item) == 2, "logit_bias", v, accepted)
+        k, b = item
+        if isinstance(k, str) and k.strip().isdigit():
+            k = int(k)
+        _need(isinstance(k, int) and not isinstance(k, bool) and k >= 0, "logit_bias", v,
+              f"{accepted} (token id {k!r} is not a non-negative integer)")
+        _need(isinstance(b, int | float) and not isinstance(b, bool) and math.isfinite(b)
+              and -LOGIT_BIAS_MAX <= b <= LOGIT_BIAS_MAX, "logit_bias", v, f"{accepted} (token {k}: {b!r})")
+        out[k] = float(b)
+    return tuple(sorted(out.items()))
 
 
 SPEC_METHODS = ("dflash", "ngram", "oracle")

@@ -115,7 +115,7 @@ class LLMEngine:
         self.synthetic = SyntheticAcceptance(cfg.spec.synthetic_tau, self.k, cfg.seed) \
             if (cfg.spec.synthetic_tau is not None and self.spec_on) else None
         self.output = OutputWriter(self.tokenizer, self.eos_ids, self.metrics, incremental=cfg.incremental_detok)
-        self.accept_step = AcceptStep(self._gens, self.faults, self.synthetic, kernel=cfg.triton)
+        self.accept_step = AcceptStep(self._gens, self.faults, self.synthetic, kernel=cfg.triton, eos=self.eos_ids)
         self.commit_step = CommitStep(self.pool, self.scheduler, self.proposer, self.spec, self.metrics, self.output,
                                       self.faults, self._release, prefix=self.prefix)
         self.invariants = InvariantChecker(self.pool, self.scheduler, self.proposer, self.spec) \
@@ -251,6 +251,10 @@ class LLMEngine:
         bad = [t for t in ids if not 0 <= t < self.mcfg.vocab_size]
         if bad:
             raise ConfigError(f"prompt token ids {bad[:5]} are out of range: expected 0 <= id < {self.mcfg.vocab_size}")
+        bad = [t for t, _ in params.logit_bias if t >= self.mcfg.vocab_size]
+        if bad:
+            raise ConfigError(f"logit_bias token ids {bad[:5]} are out of range: expected 0 <= id < "
+                              f"{self.mcfg.vocab_size}")
         # the step lock free (no step in flight, no abort) or the inbox off: straight into the scheduler, after
         # any earlier arrivals
         direct = self._lock.acquire(blocking=not self.admit_inbox)

@@ -378,13 +378,27 @@ class VerifyIgnoresPenalties(_RuleFlag):
     flag = "verify_unpenalized"
 
 
+class VerifyIgnoresLogitBias(_RuleFlag):
+    name = "verify_ignores_logit_bias"
+    description = "a logit bias is added on plain decode steps but not to a verify span's rows: drafts are " \
+                  "judged (and the bonus picked) on the unbiased logits"
+    flag = "verify_unbiased"
+
+
+class MinTokensAtSpanStart(_RuleFlag):
+    name = "min_tokens_at_span_start"
+    description = "the min_tokens mask of a verify span's rows is decided by the span's first output position: " \
+                  "rows at or past min_tokens still have the stop tokens masked"
+    flag = "min_tokens_at_start"
+
+
 _REGISTRY: tuple[type[Fault], ...] = (KVOffset, SkipRollback, WrongBonus, AcceptOffByOne, DraftCtxMisaligned,
                                       MaskLeak, StaleShape, EmitPastStop, RollbackKeepsPage, VerifyPosShift,
                                       BatchedDraftPos, AcceptTolerance, EosInRun,
                                       BiasedAccept, ResampleFromP, ReusedUniform, QNextRow, BonusResidual,
                                       RegisterBeforeForward, NoPublishOnFinish, SelectorSkipped, CausalDraft,
                                       SpecLogprobsLate, UnseededAccept, AbortKeepsPages, RowParamsFirst,
-                                      VerifyIgnoresPenalties)
+                                      VerifyIgnoresPenalties, VerifyIgnoresLogitBias, MinTokensAtSpanStart)
 # Faults that leave the output lossless and move only a drafter's acceptance: no greedy or sampled gate can
 # catch them; `specbench check-draft` does (harness/checkdraft.py), so the gates' self-tests skip them.
 DRAFT_VARIANT_FAULTS = frozenset({"selector_skipped", "causal_draft"})

@@ -3,7 +3,8 @@
 Contract: `OutputWriter.append(req, tokens, logprobs)` appends a step's tokens in order and finishes the
 request at the first stop: EOS (unless ignore_eos; the model's, its generation_config's and the
 tokenizer's), a stop token id, a stop string (the text is cut there, or after it with
-include_stop_str_in_output), or max_tokens. Nothing is appended after a finish, so a stop inside an
+include_stop_str_in_output), or max_tokens; none of the stops before the request's min_tokens-th token (vLLM's
+rule: a stop string whose text ends earlier never stops it). Nothing is appended after a finish, so a stop inside an
 accepted run of drafts ends the request there (`past_stop` and `stop_ids_at_end` are the self-test's knobs
 that break this: tokens past a stop emitted; EOS and stop ids seen only as a run's last token).
 `build(req, new)` is the request's snapshot after a step: the text is decoded in full once finished,
@@ -93,6 +94,10 @@ class OutputWriter:
                 req.logprobs.append(lps[i])
             if req.finished:
                 continue
+            if len(req.output_ids) < p.min_tokens:  # vLLM: no stop of any kind before min_tokens tokens
+                if p.stop:  # the stop strings' search window moves on: text before min_tokens never stops it
+                    req.output_text_len = len(self._text_so_far(req))
+                continue
             ids_seen = not stop_ids_at_end or i == last
             if ids_seen and not p.ignore_eos and t in self.eos:
                 req.finish("stop", None)
@@ -105,8 +110,11 @@ class OutputWriter:
         if not req.finished and len(req.output_ids) >= p.max_tokens:
             req.finish("length")
 
+    def _text_so_far(self, req: Request) -> str:
+        return self.partial_text(req) if self.incremental else self.tokenizer.decode(req.output_ids)
+
     def _stop_string(self, req: Request) -> bool:
-        text = self.partial_text(req) if self.incremental else self.tokenizer.decode(req.output_ids)
+        text = self._text_so_far(req)
         best: tuple[int, str] | None = None
         for stop in req.params.stop:
             i = text.find(stop, max(0, req.output_text_len - len(stop)))

@@ -1,7 +1,8 @@
 """Token selection and logprobs.
 
 Greedy is an exact argmax over the raw logits (temperature 0 is not clamped), after the request's penalties
-(`apply_penalties`: repetition, presence, frequency; off by default) when it set any. Sampling applies the
+(`apply_penalties`: repetition, presence, frequency; off by default), logit bias (`apply_bias`) and min_tokens
+mask (`mask_min_tokens`) when it set any. Sampling applies the
 request's transform (temperature, top-k, top-p, min-p) and draws with the request's own
 `torch.Generator` (seeded when the request gave a seed), so a seeded request is reproducible regardless
 of its batch neighbours. Logprobs are log_softmax of the raw logits in fp32 (the model's distribution,
@@ -71,6 +72,27 @@ def apply_penalties(rows: torch.Tensor, params: SamplingParams, prompt: list[int
             counts = torch.bincount(torch.tensor(out, device=dev), minlength=v)[:v].to(torch.float32)
             x[r] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(torch.float32)
     return x
+
+
+def apply_bias(rows: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """OpenAI's logit_bias on logits rows [R, V] in place: each listed token's bias added to every row (ids past
+    the vocabulary were refused at admission)."""
+    if params.logit_bias:
+        ids = torch.tensor([t for t, _ in params.logit_bias], device=rows.device)
+        rows[:, ids] += torch.tensor([b for _, b in params.logit_bias], device=rows.device, dtype=rows.dtype)
+    return rows
+
+
+def mask_min_tokens(rows: torch.Tensor, params: SamplingParams, lengths: list[int], eos: set[int]) -> torch.Tensor:
+    """vLLM's min_tokens on logits rows [R, V] in place: row r, whose pick becomes output token lengths[r] (0-based),
+    has the stop tokens (stop_token_ids, and EOS unless ignore_eos) at -inf while lengths[r] < min_tokens."""
+    stops = {t for t in set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos)) if t < rows.shape[-1]}
+    early = [r for r, n in enumerate(lengths) if n < params.min_tokens]
+    if early and stops:  # (a stop id past the vocabulary can never be drawn: nothing to mask)
+        ids = torch.tensor(sorted(stops), device=rows.device, dtype=torch.long)
+        r = torch.tensor(early, device=rows.device)
+        rows[r.unsqueeze(-1), ids.unsqueeze(0)] = float("-inf")
+    return rows
 
 
 def _transform_key(p: SamplingParams) -> tuple:

@@ -74,18 +74,19 @@ def test_speculation_keeps_penalized_greedy_exact(engines, gsm8k_prompts, kw):
 
 
 def test_a_verify_row_counts_the_drafts_before_it():
-    from specbench.engine.accept_step import penalized
+    from specbench.engine.accept_step import shaped
     from specbench.engine.request import Request
     from specbench.engine.scheduler import Span
+    from specbench.engine.spec.sampling import AcceptRule
 
     p = SamplingParams(frequency_penalty=1.0)
     req = Request("r", [1, 2], p)
     req.output_ids = [3]
     span = Span(req, [3, 4, 4], 3, "verify", drafts=[4, 4])
     logits = torch.zeros(3, 8)
-    out = penalized([span], [(0, 3)], logits)
+    out = shaped([span], [(0, 3)], logits, set())
     assert out[:, 3].tolist() == [-1.0, -1.0, -1.0] and out[:, 4].tolist() == [0.0, -1.0, -2.0]
-    raw = penalized([span], [(0, 3)], logits, verify_unpenalized=True)
+    raw = shaped([span], [(0, 3)], logits, set(), AcceptRule(verify_unpenalized=True))
     assert torch.equal(raw, logits)
 
 

@@ -126,8 +126,14 @@ COMMON = {
     "n": f(st.just(1), st.integers(0, 3)),
     "best_of": f(st.none() | st.just(1), st.integers(0, 3)),
     "suffix": f(st.none() | st.just(""), small_text.filter(bool)),
-    "logit_bias": f(st.none() | st.just({}), st.dictionaries(st.text(max_size=3), st.integers(), min_size=1,
-                                                             max_size=2)),
+    "logit_bias": f(st.none() | st.just({}) | st.dictionaries(st.integers(0, 200).map(str), st.floats(-100, 100),
+                                                                max_size=3),
+                    st.dictionaries(st.text(alphabet="ab-", min_size=1, max_size=3), st.integers(), min_size=1,
+                                    max_size=2)
+                    | st.dictionaries(st.integers(0, 200).map(str), st.integers(101, 10**6) | nonfinite, min_size=1,
+                                      max_size=2)
+                    | st.just([[1, 2.0]])),
+    "min_tokens": f(st.sampled_from([0, 1]), st.integers(-5, -1) | st.just("2")),
     "presence_penalty": f(st.just(0) | st.floats(-2, 2), penalty_bad),
     "frequency_penalty": f(st.just(0.0) | st.floats(-2, 2), penalty_bad),
     "repetition_penalty": f(st.none() | st.just(1.0) | st.floats(0.5, 2.0), st.floats(-3, 0) | nonfinite | st.booleans()),

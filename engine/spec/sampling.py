@@ -49,6 +49,11 @@ class AcceptRule:
     # penalties (repetition / presence / frequency) left off a verify span's rows: they are judged on the raw
     # logits (accept_step.penalized reads it)
     verify_unpenalized: bool = False
+    # the logit bias left off a verify span's rows (accept_step.shaped reads it)
+    verify_unbiased: bool = False
+    # every row of a verify span masked for min_tokens by the span's first row's output position, not its own
+    # (accept_step.shaped reads it): a stop allowed from a row past min_tokens is still masked there
+    min_tokens_at_start: bool = False
     # greedy (spec/accept.py, not the sampled resolve): a draft also matches when its target logit is within
     # this of the row's max (0: the exact argmax match)
     greedy_tol: float = 0.0

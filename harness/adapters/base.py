@@ -72,6 +72,8 @@ class GenRequest:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None  # OpenAI's: token id -> bias in [-100, 100] on the logits
+    min_tokens: int = 0  # vLLM's: no EOS / stop token id / stop before this many output tokens (0 = off)
     rid: str | None = None
     meta: dict = field(default_factory=dict)  # opaque to adapters; copied into the result
     prompt_cache: bool | None = None  # reuse a cached prompt prefix (None = the engine's default; gates send False)

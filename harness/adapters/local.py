@@ -29,7 +29,7 @@ from dataclasses import replace
 from typing import Any
 
 from specbench.engine import ConfigError, EngineConfig, LLMEngine, SamplingParams, SpecConfig
-from specbench.engine.config import lever_kw
+from specbench.engine.config import bias_pairs, lever_kw
 from specbench.engine.scheduler import AdmissionError
 
 from ..spec_method import engine_method, spec_method
@@ -55,7 +55,8 @@ def sampling_params(req: GenRequest, **extra: Any) -> SamplingParams:
                           stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos,
                           logprobs=req.logprobs, prompt_cache=req.prompt_cache is not False,
                           repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
-                          frequency_penalty=req.frequency_penalty, **extra)
+                          frequency_penalty=req.frequency_penalty, logit_bias=bias_pairs(req.logit_bias),
+                          min_tokens=req.min_tokens, **extra)
 
 
 def engine_version() -> str:

@@ -63,18 +63,25 @@ def native_body(req: GenRequest, dialect: str, *, stream: bool, extras: bool, ex
     if req.logprobs is not None:
         body["n_probs"] = req.logprobs
     penalties(body, req, "repeat_penalty")
+    if req.logit_bias:  # llama.cpp's own form: [[token id, bias], ...]
+        body["logit_bias"] = [[int(t), float(b)] for t, b in req.logit_bias.items()]
     body.update(extra_body)
     return body
 
 
 def penalties(body: dict, req: GenRequest, repetition: str = "repetition_penalty") -> None:
-    """The request's penalties where set (vLLM's repetition_penalty; llama.cpp names it repeat_penalty)."""
+    """The request's penalties where set (vLLM's repetition_penalty; llama.cpp names it repeat_penalty), its logit
+    bias (OpenAI's form: {"token id": bias}) and min_tokens (vLLM's; llama.cpp has none: a gate sees it ignored)."""
     if req.repetition_penalty != 1.0:
         body[repetition] = req.repetition_penalty
     if req.presence_penalty:
         body["presence_penalty"] = req.presence_penalty
     if req.frequency_penalty:
         body["frequency_penalty"] = req.frequency_penalty
+    if req.logit_bias:
+        body["logit_bias"] = {str(int(t)): float(b) for t, b in req.logit_bias.items()}
+    if req.min_tokens:
+        body["min_tokens"] = req.min_tokens
 
 
 def completions_body(req: GenRequest, model: str, dialect: str, *, stream: bool, continuous_usage: bool,

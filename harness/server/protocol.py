@@ -3,7 +3,7 @@
 Contract: `parse_completion` / `parse_chat` either return a fully validated dataclass or raise
 `APIError(400, param=<field>)` whose message names the field, the value and what would be accepted.
 Booleans are never accepted where numbers belong. Unknown fields are ignored (as vLLM does), but
-options this server cannot honour (n > 1, best_of, suffix, logit_bias) are refused rather
+options this server cannot honour (n > 1, best_of, suffix) are refused rather
 than silently dropped. Range checks against the model (token ids, context length) happen when the
 request is admitted by the engine.
 """
@@ -15,6 +15,8 @@ import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
+
+from specbench.engine.config import ConfigError, bias_pairs
 
 from .errors import APIError
 
@@ -139,6 +141,8 @@ class CommonParams:
     repetition_penalty: float
     presence_penalty: float
     frequency_penalty: float
+    logit_bias: tuple[tuple[int, float], ...]
+    min_tokens: int
     seed: int | None
     stop: tuple[str, ...]
     stop_token_ids: tuple[int, ...]
@@ -175,8 +179,6 @@ def _refuse_unsupported(body: dict) -> None:
         raise _bad("best_of", bo, "null or 1")
     if body.get("suffix"):
         raise _bad("suffix", body["suffix"], "null (suffix is not supported)")
-    if body.get("logit_bias"):
-        raise _bad("logit_bias", body["logit_bias"], "null or {} (logit_bias is not supported)")
 
 
 def _common(body: dict, max_tokens_default: int | None, max_tokens_key: str = "max_tokens") -> dict:
@@ -199,6 +201,8 @@ def _common(body: dict, max_tokens_default: int | None, max_tokens_key: str = "m
         repetition_penalty=get_num(body, "repetition_penalty", 1.0, 0.0, None, lo_open=True),
         presence_penalty=get_num(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=get_num(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        logit_bias=_logit_bias(body),
+        min_tokens=get_int(body, "min_tokens", 0, lo=0) or 0,
         seed=get_int(body, "seed", None, lo=-(2**63), hi=2**63 - 1),  # int64, as vLLM (torch refuses more)
         stop=get_stop(body),
         stop_token_ids=get_ids(body, "stop_token_ids"),
@@ -211,6 +215,20 @@ def _common(body: dict, max_tokens_default: int | None, max_tokens_key: str = "m
         tokens_as_ids=get_bool(body, "return_tokens_as_token_ids", False),
         cache_salt=_cache_salt(body),
     )
+
+
+def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias: {"token id": bias in [-100, 100]} (null or {} = none); ids past the vocabulary are
+    refused when the engine admits the request."""
+    v = body.get("logit_bias")
+    if v is None:
+        return ()
+    if not isinstance(v, dict):
+        raise _bad("logit_bias", v, "an object of token id -> number in [-100, 100]")
+    try:
+        return bias_pairs(v)
+    except ConfigError as e:
+        raise APIError(str(e), param="logit_bias", code="invalid_value") from e
 
 
 def _cache_salt(body: dict) -> str | None:

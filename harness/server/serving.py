@@ -192,7 +192,7 @@ def sampling(p: CommonParams, max_tokens: int, logprobs: int | None, prompt_logp
         return SamplingParams(max_tokens=max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
                               min_p=p.min_p, repetition_penalty=p.repetition_penalty,
                               presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-                              seed=p.seed, stop=p.stop, stop_token_ids=p.stop_token_ids,
+                              logit_bias=p.logit_bias, min_tokens=p.min_tokens, seed=p.seed, stop=p.stop, stop_token_ids=p.stop_token_ids,
                               ignore_eos=p.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                               include_stop_str_in_output=p.include_stop_str, cache_salt=p.cache_salt)
     except Exception as e:

@@ -40,7 +40,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -55,6 +55,7 @@ from specbench.harness.adapters.base import (
 from .checks import (
     AcceptanceEvidence,
     Check,
+    acceptance_evidence,
     check_after_stop,
     check_kv_idle,
     check_logprob_parity,
@@ -516,8 +517,7 @@ async def penalties(baseline: EngineAdapter, candidate: EngineAdapter, prompts: 
     opts = resolve_rule(opts, baseline, candidate)
     ps = list(prompts[:2])
     firsts = await asyncio.gather(*(baseline_for(baseline, p.ids, [], max_tokens, opts.top_k) for p in ps))
-    ps += [Prompt(f"{p.pid}-echo", list(p.ids) + list(b.output_ids or []) + list(p.ids)) for p, b in zip(ps, firsts,
-                                                                                                     strict=True)]
+    ps += echo_prompts(ps, firsts)
 
     def req(p: Prompt, rid: str, lp: int | None) -> GenRequest:
         return GenRequest(prompt=list(p.ids), max_tokens=max_tokens, temperature=0.0, logprobs=lp, rid=rid,
@@ -537,7 +537,27 @@ async def penalties(baseline: EngineAdapter, candidate: EngineAdapter, prompts: 
 def judge_penalized(p: Prompt, cand: GenResult, base: GenResult, max_tokens: int, opts: GreedyGateOptions
                     ) -> PromptCheck:
     """One penalized greedy output against its baseline, up to and including the first divergence (`penalties`)."""
-    pc = PromptCheck(f"{p.pid}-penalized", len(p.ids), max_tokens, spec=cand.spec)
+    def score(dist: dict[int, float], before: list[int], i: int) -> dict[int, float]:
+        counts: dict[int, int] = {}
+        for t in before:
+            counts[t] = counts.get(t, 0) + 1
+        return {t: lp - PEN_FREQUENCY * counts.get(t, 0) - PEN_PRESENCE * (t in counts) for t, lp in dist.items()}
+
+    return judge_shaped(f"{p.pid}-penalized", p, cand, base, max_tokens, opts, score, "penalized")
+
+
+MASKED = -1e4  # a masked token's score in a shaped judge (min_tokens): any pick of it fails by this much
+
+
+def judge_shaped(pid: str, p: Prompt, cand: GenResult, base: GenResult, max_tokens: int, opts: GreedyGateOptions,
+                 score: Callable[[dict[int, float], list[int], int], dict[int, float]], label: str) -> PromptCheck:
+    """A greedy output of shaped logits (penalties, a logit bias, min_tokens) against its baseline, up to and including
+    the first divergence. `score(dist, prefix, i)`: the shaped score of each token of the baseline's reported
+    distribution at position i after the common prefix; shaping is a per-row shift of the logprobs where the
+    processors are additive, so the pick's regret under it is exact from the reported logprobs. A benign flip ends
+    the comparison (a re-anchored baseline would count the prefix as prompt, not output); a length difference
+    fails (early or past the baseline's stop)."""
+    pc = PromptCheck(pid, len(p.ids), max_tokens, spec=cand.spec)
     if cannot_compare(pc, (("candidate", cand), ("baseline", base))):
         return pc
     c, b = list(cand.output_ids or []), list(base.output_ids or [])
@@ -557,15 +577,171 @@ def judge_penalized(p: Prompt, cand: GenResult, base: GenResult, max_tokens: int
         pc.status, pc.missing = "untestable", "baseline logprobs at the divergence"
         pc.reason = f"CANNOT TEST at position {i}: the baseline reported no logprobs there"
         return pc
-    counts: dict[int, int] = {}
-    for t in b[:i]:
-        counts[t] = counts.get(t, 0) + 1
-    score = {t: lp - PEN_FREQUENCY * counts.get(t, 0) - PEN_PRESENCE * (t in counts) for t, lp in dist.items()}
-    j = judge_pick(c[i], score, opts.tol)
-    pc.divergences.append(Divergence(i, "token", c[i], b[i], 0, judgement=j, dist_source="generation, penalized"))
+    j = judge_pick(c[i], score(dist, b[:i], i), opts.tol)
+    pc.divergences.append(Divergence(i, "token", c[i], b[i], 0, judgement=j, dist_source=f"generation, {label}"))
     pc.status = "flip" if j.ok else "fail"
     pc.reason = pc.divergences[-1].describe() + (" (compared up to this benign flip)" if j.ok else "")
     return pc
+
+
+def untestable(pid: str, p: Prompt, cand: GenResult, max_tokens: int, missing: str) -> PromptCheck:
+    """A case the gate cannot judge: its baseline shows no sign of honouring the option under test."""
+    pc = PromptCheck(pid, len(p.ids), max_tokens, spec=cand.spec)
+    pc.status, pc.missing, pc.reason = "untestable", missing, f"CANNOT TEST: {missing}"
+    return pc
+
+
+def echo_prompts(ps: Sequence[Prompt], firsts: Sequence[GenResult]) -> list[Prompt]:
+    """Prompt + the baseline's greedy answer + the prompt again: the answer comes back, so drafts are accepted."""
+    return [Prompt(f"{p.pid}-echo", list(p.ids) + list(b.output_ids or []) + list(p.ids))
+            for p, b in zip(ps, firsts, strict=True)]
+
+
+BIAS_BAN = -100.0  # the logit-bias gate's bias on the tokens it bans (OpenAI's bound)
+BIAS_AT = (0.05, 0.3, 0.55, 0.8)  # where in each unbiased output the banned tokens are taken
+
+
+def banned_tokens(ids: Sequence[int], avoid: set[int]) -> dict[int, float]:
+    """Tokens of an unbiased greedy output to ban: the one at each fraction BIAS_AT of its length (each is the
+    argmax there, so the biased output must leave the unbiased one by then), never one in `avoid` (EOS)."""
+    out: dict[int, float] = {}
+    for f in BIAS_AT:
+        i = min(len(ids) - 1, int(len(ids) * f))
+        if i >= 0 and ids[i] not in avoid:
+            out[ids[i]] = BIAS_BAN
+    return out
+
+
+async def logit_bias(baseline: EngineAdapter, candidate: EngineAdapter, prompts: Sequence[Prompt],
+                     max_tokens: int, opts: GreedyGateOptions) -> GateRun:
+    """Greedy requests with a logit bias (OpenAI's, -100 on tokens of each prompt's unbiased greedy output, at
+    several places), all at once on the candidate beside an unbiased neighbour, each one at a time on the baseline
+    with logprobs. Under speculation the verify rows must carry the bias as a decode step does: an engine that
+    leaves it off the verify path (the verify_ignores_logit_bias fault) accepts drafts the bias forbids, since its
+    drafter proposes what the unbiased target would say. Checks: no banned token in any candidate output (exact,
+    whatever the ties); each biased output against the baseline's, judged at the first divergence with the bias
+    added to the reported logprobs (exact: a bias is a per-token shift); the neighbour lossless against its own
+    unbiased baseline (a bias must not leak to another row). Two prompts as given and their echo prompts (drafts
+    accepted). CANNOT TEST when the baseline shows no sign of honouring the bias (a banned token in its output, or
+    an output equal to the unbiased one)."""
+    t0 = time.perf_counter()
+    opts = resolve_rule(opts, baseline, candidate)
+    eos = eos_ids_of(candidate.describe()) or eos_ids_of(baseline.describe())
+    ps = list(prompts[:2])
+    firsts = await asyncio.gather(*(baseline_for(baseline, p.ids, [], max_tokens, opts.top_k) for p in ps))
+    echoes = echo_prompts(ps, firsts)
+    firsts += await asyncio.gather(*(baseline_for(baseline, p.ids, [], max_tokens, opts.top_k) for p in echoes))
+    ps += echoes
+    bans = [banned_tokens(list(f.output_ids or []), eos) for f in firsts]
+
+    def req(p: Prompt, rid: str, bias: dict[int, float] | None, lp: int | None) -> GenRequest:
+        return GenRequest(prompt=list(p.ids), max_tokens=max_tokens, temperature=0.0, logprobs=lp, rid=rid,
+                          logit_bias=bias, prompt_cache=False)
+
+    neighbour = Prompt(f"{ps[0].pid}-neighbour", ps[0].ids, ps[0].text)
+    before = await candidate.spec_counters()
+    res = await candidate.generate([req(p, f"bias-{p.pid}", ban, None) for p, ban in zip(ps, bans, strict=True)]
+                                   + [req(neighbour, f"bias-{neighbour.pid}", None, None)], concurrency=None)
+    delta = counters_delta(before, await candidate.spec_counters())
+    res, nres = res[:-1], res[-1]
+    bases = await baseline.generate([req(p, f"bias-base-{p.pid}", ban, opts.top_k) for p, ban in zip(ps, bans,
+                                                                                                   strict=True)],
+                                    concurrency=1)
+
+    def scorer(ban: dict[int, float]) -> Callable[[dict[int, float], list[int], int], dict[int, float]]:
+        return lambda dist, before, i: {t: lp + ban.get(t, 0.0) for t, lp in dist.items()}
+
+    # evidence: the biased baseline left its unbiased output and kept no banned token; a case without it is not
+    # judged (a candidate held to a baseline that ignores the bias would fail for honouring it)
+    honoured = [bool(ban) and b.ok and not any(t in ban for t in (b.output_ids or [])) and b.output_ids != f.output_ids
+                for b, f, ban in zip(bases, firsts, bans, strict=True)]
+    pcs = [judge_shaped(f"{p.pid}-biased", p, r, b, max_tokens, opts, scorer(ban), "biased") if ok else
+           untestable(f"{p.pid}-biased", p, r, max_tokens, "a baseline that honours logit_bias")
+           for p, r, b, ban, ok in zip(ps, res, bases, bans, honoured, strict=True)]
+    pcs.append(await check_output(baseline, neighbour, nres, max_tokens, opts, candidate, first_base=firsts[0]))
+    run = await finish_run("logit-bias", candidate, baseline, pcs, list(res) + [nres], delta, opts, t0,
+                           engine_k(candidate))
+    leaks = [f"{r.rid}: {sorted({t for t in (r.output_ids or []) if t in ban})}"
+             for r, ban, ok in zip(res, bans, honoured, strict=True) if ok and any(t in ban for t in (r.output_ids or []))]
+    run.checks.append(Check("banned-tokens", not leaks, "no banned token in a candidate output" if not leaks else
+                            f"tokens at bias {BIAS_BAN:g} emitted: " + "; ".join(leaks[:4]), skipped=not any(honoured)))
+    if not all(honoured):
+        ignored = [b.rid for b, ok in zip(bases, honoured, strict=True) if not ok]
+        run.cannot_test.append(f"a baseline that honours logit_bias: {len(ignored)} of {len(bases)} biased baseline "
+                               f"outputs kept a banned token, equal the unbiased one or had nothing to ban "
+                               f"({ignored[0]})")
+    run.notes.append(f"bias {BIAS_BAN:g} on {sum(map(len, bans))} tokens over {len(ps)} requests (2 echo prompts) "
+                     "beside one unbiased neighbour")
+    return run
+
+
+MIN_TOKENS_AT = (3, 6, 10, 15)  # the min-tokens gate's min_tokens values (each its own request)
+MIN_TOKENS_BIAS = 100.0  # the bias that makes its stop token the argmax wherever it is allowed
+
+
+async def min_tokens(baseline: EngineAdapter, candidate: EngineAdapter, prompts: Sequence[Prompt],
+                     max_tokens: int, opts: GreedyGateOptions) -> GateRun:
+    """vLLM's min_tokens under speculation. Each request names a stop token t (stop_token_ids, t from the prompt's
+    unbiased greedy output) with a bias of +100 on it and min_tokens m: t must be masked at every position before
+    m and is then the argmax, so the one correct output is m tokens without t, then t (finish: stop): exact,
+    whatever the model. Under speculation each verify row is masked by its own output position; an engine that
+    masks a span's rows by where the span starts (the min_tokens_at_span_start fault) runs past m, one that leaves
+    the mask off its verify rows stops early. One echo prompt (drafts accepted) at each m in MIN_TOKENS_AT, all at
+    once on the candidate; the baseline one at a time with logprobs; judged at the first divergence under the
+    mask and bias. CANNOT TEST when the baseline does not end at m + 1 with t (min_tokens, the bias or
+    stop_token_ids not honoured)."""
+    t0 = time.perf_counter()
+    opts = resolve_rule(opts, baseline, candidate)
+    eos = eos_ids_of(candidate.describe()) or eos_ids_of(baseline.describe())
+    ms = [m for m in MIN_TOKENS_AT if m < max_tokens - 1] or [max(1, max_tokens - 2)]
+    p0 = list(prompts[:1])
+    first = await baseline_for(baseline, p0[0].ids, [], max_tokens, opts.top_k)
+    echo = echo_prompts(p0, [first])[0]
+    ids = list((await baseline_for(baseline, echo.ids, [], max_tokens, opts.top_k)).output_ids or [])
+    t = next((x for x in ids[len(ids) // 2:] + ids if x not in eos), None)
+    if t is None:
+        run = GateRun("min-tokens", [], acceptance_evidence([], None), [], time.perf_counter() - t0, rule=opts.rule_dict())
+        run.cannot_test.append("a stop token: the baseline's output was empty or all EOS")
+        return run
+    cases = [Prompt(f"{echo.pid}-min{m}", echo.ids, echo.text) for m in ms]
+
+    def req(p: Prompt, m: int, lp: int | None) -> GenRequest:
+        return GenRequest(prompt=list(p.ids), max_tokens=max_tokens, temperature=0.0, logprobs=lp, rid=f"min-{p.pid}",
+                          stop_token_ids=[t], min_tokens=m, logit_bias={t: MIN_TOKENS_BIAS}, prompt_cache=False)
+
+    before = await candidate.spec_counters()
+    res = await candidate.generate([req(p, m, None) for p, m in zip(cases, ms, strict=True)], concurrency=None)
+    delta = counters_delta(before, await candidate.spec_counters())
+    bases = await baseline.generate([req(p, m, opts.top_k) for p, m in zip(cases, ms, strict=True)], concurrency=1)
+
+    def scorer(m: int) -> Callable[[dict[int, float], list[int], int], dict[int, float]]:
+        return lambda dist, before, i: {x: (MASKED if i < m else lp + MIN_TOKENS_BIAS) if x == t else lp
+                                        for x, lp in dist.items()}
+
+    def shape_ok(r: GenResult, m: int) -> bool:
+        o = list(r.output_ids or [])
+        return len(o) == m + 1 and o[-1] == t and t not in o[:-1]
+
+    # evidence: the baseline's output has the one correct shape; a case without it is not judged
+    honoured = [b.ok and shape_ok(b, m) for b, m in zip(bases, ms, strict=True)]
+    pcs = [judge_shaped(p.pid, p, r, b, max_tokens, opts, scorer(m), f"min_tokens {m}") if ok else
+           untestable(p.pid, p, r, max_tokens, "a baseline that honours min_tokens with a biased stop token")
+           for p, r, b, m, ok in zip(cases, res, bases, ms, honoured, strict=True)]
+    run = await finish_run("min-tokens", candidate, baseline, pcs, res, delta, opts, t0, engine_k(candidate))
+    bad = [f"{r.rid}: {len(r.output_ids or [])} tokens, t at {[i for i, x in enumerate(r.output_ids or []) if x == t][:3]}"
+           for r, m, ok in zip(res, ms, honoured, strict=True) if ok and r.ok and not shape_ok(r, m)]
+    run.checks.append(Check("min-tokens-shape", not bad, f"every output is m tokens without {t}, then {t}" if not bad
+                            else f"expected m tokens without {t}, then {t}: " + "; ".join(bad[:4]),
+                            skipped=not any(honoured)))
+    inside = [stop_inside_run(r, m, None) for r, m in zip(res, ms, strict=True)]
+    run.notes.append(f"stop token {t} at bias +{MIN_TOKENS_BIAS:g}, min_tokens {ms}; the stop decided inside an "
+                     f"accepted run in {sum(x is True for x in inside)} of {len(ms)} ("
+                     f"{sum(x is None for x in inside)} unknown)")
+    off = [b.rid for b, ok in zip(bases, honoured, strict=True) if not ok]
+    if off:
+        run.cannot_test.append(f"a baseline that honours min_tokens with a biased stop token: {len(off)} of "
+                               f"{len(bases)} baseline outputs are not m tokens then the stop ({off[0]})")
+    return run
 
 
 ABORT_VICTIMS = 3  # requests the abort-in-flight gate cancels mid-generation
@@ -646,4 +822,5 @@ async def _abort_round(candidate: EngineAdapter, sreqs: list[GenRequest], vreqs:
 
 
 GATES = {"short-then-long": short_then_long, "headroom": headroom, "mixed": mixed, "stop-in-run": stop_in_run,
-         "eos-in-run": eos_in_run, "abort-in-flight": abort_in_flight, "penalties": penalties}
+         "eos-in-run": eos_in_run, "abort-in-flight": abort_in_flight, "penalties": penalties,
+         "logit-bias": logit_bias, "min-tokens": min_tokens}

@@ -4,8 +4,8 @@ Contract:
 - Every greedy fault the candidate's engine names (its "faults" capability, `armable_faults()`, minus the
   speculative-sampling faults, which belong to the sampled-equivalence gate's self-test) is armed on a
   fresh engine like the candidate (`with_faults`), and every gate runs against it: short-then-long (first,
-  on the fresh engine), greedy, concurrent, mixed, stop-in-run, eos-in-run, abort-in-flight, penalties, headroom,
-  and an
+  on the fresh engine), greedy, concurrent, mixed, stop-in-run, eos-in-run, abort-in-flight, penalties, logit-bias,
+  min-tokens, headroom, and an
   acceptance-regression gate (mean accepted length on the greedy gate's prompts vs the clean engine's,
   two-sided: a fall or a rise beyond 10% of the excess over 1; `draft_ctx_misaligned` leaves the tokens
   lossless, because verify corrects them, and only acceptance shows it). Every gate applies the tolerance
@@ -43,7 +43,7 @@ SAMPLING_FAULTS = frozenset(FAULT_CASES)  # caught by the sampled gate's self-te
 # The greedy gates' requests are salted off the prefix cache: its faults belong to the prefix gate's self-test.
 NOT_GREEDY = SAMPLING_FAULTS | frozenset(PREFIX_FAULTS)
 GATE_NAMES = ("short-then-long", "greedy", "concurrent", "mixed", "stop-in-run", "eos-in-run", "abort-in-flight",
-              "penalties", "headroom", "acceptance")
+              "penalties", "logit-bias", "min-tokens", "headroom", "acceptance")
 
 
 def greedy_faults(candidate: EngineAdapter) -> dict[str, str]:
@@ -65,7 +65,8 @@ class CachedAdapter(EngineAdapter):
     async def generate_one(self, req: GenRequest) -> GenResult:
         key = (tuple(req.prompt) if isinstance(req.prompt, list) else req.prompt, req.max_tokens, req.logprobs,
                tuple(req.stop), tuple(req.stop_token_ids), req.temperature, req.ignore_eos, req.repetition_penalty,
-               req.presence_penalty, req.frequency_penalty)
+               req.presence_penalty, req.frequency_penalty, tuple(sorted((req.logit_bias or {}).items())),
+               req.min_tokens)
         hit = self.cache.get(key)
         if hit is not None:
             self.hits += 1
@@ -198,7 +199,8 @@ async def run_engine(label: str, faults: tuple[str, ...], description: str, base
         "greedy": lambda b, c, p, m, o: run_greedy(b, c, p, m, o, concurrency=1),
         "concurrent": run_concurrent,
         "mixed": GATES["mixed"], "stop-in-run": GATES["stop-in-run"], "eos-in-run": GATES["eos-in-run"],
-        "abort-in-flight": GATES["abort-in-flight"], "penalties": GATES["penalties"], "headroom": GATES["headroom"]}
+        "abort-in-flight": GATES["abort-in-flight"], "penalties": GATES["penalties"],
+        "logit-bias": GATES["logit-bias"], "min-tokens": GATES["min-tokens"], "headroom": GATES["headroom"]}
     for name, fn in runs.items():
         try:
             g = await fn(baseline, candidate, prompts, max_tokens, opts)

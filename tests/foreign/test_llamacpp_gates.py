@@ -267,3 +267,30 @@ def test_penalties_gate(llamacpp_off, llamacpp_draft, llamacpp_notes):
     run = asyncio.run(GATES["penalties"](off, on, prompts, 32, GreedyGateOptions()))
     llamacpp_notes.append(f"penalties gate: {run.verdict}; {run.stats.describe()}")
     assert run.verdict == "PASS", [(p.pid, p.status, p.reason) for p in run.prompts]
+
+
+def test_logit_bias_and_min_tokens_gates(llamacpp_off, llamacpp_draft, llamacpp_notes):
+    """llama-server honours OpenAI's logit_bias (a -100 bias bans a token its greedy output had), so the logit-bias
+    gate judges draft-model speculation against spec off; it has no min_tokens (nor stop_token_ids on this route),
+    so the min-tokens gate finds a baseline that ignores it and says CANNOT TEST rather than PASS."""
+    import asyncio
+
+    from specbench.suites.lossless.engine_gates import GATES
+    from specbench.suites.lossless.greedy import GreedyGateOptions, Prompt
+
+    off = OpenAIAdapter(llamacpp_off.base_url, probe=True)
+    on = OpenAIAdapter(llamacpp_draft.base_url, probe=True)
+    ids = off.tokenize_sync("Question: Tom has 3 apples and buys 2 more. How many apples does he have?\nAnswer:")
+    plain = off.generate_sync([GenRequest(prompt=ids, max_tokens=24, ignore_eos=True, prompt_cache=False)])[0]
+    ban = {plain.output_ids[2]: -100.0}
+    biased = off.generate_sync([GenRequest(prompt=ids, max_tokens=24, ignore_eos=True, prompt_cache=False,
+                                           logit_bias=ban)])[0]
+    assert biased.ok and plain.output_ids[2] not in biased.output_ids  # the bias reached the sampler
+    prompts = [Prompt("p0", ids), Prompt("p1", off.tokenize_sync("Question: A train travels 60 miles in 2 hours. "
+                                                                 "What is its speed?\nAnswer:"))]
+    run = asyncio.run(GATES["logit-bias"](off, on, prompts, 32, GreedyGateOptions()))
+    llamacpp_notes.append(f"logit-bias gate: {run.verdict}; {run.stats.describe()}")
+    assert run.verdict == "PASS", (run.cannot_test, [(p.pid, p.status, p.reason) for p in run.prompts])
+    run = asyncio.run(GATES["min-tokens"](off, on, prompts, 32, GreedyGateOptions()))
+    llamacpp_notes.append(f"min-tokens gate: {run.verdict}; {run.cannot_test}")
+    assert run.verdict == "CANNOT TEST" and run.cannot_test, (run.verdict, [(p.pid, p.status) for p in run.prompts])
