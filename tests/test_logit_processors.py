@@ -1,7 +1,8 @@
 """logit_bias (OpenAI's) and min_tokens (vLLM's) in the engine, under speculation, in the server and in the gates.
 
 - `apply_bias` / `mask_min_tokens` on constructed rows; a verify row's min_tokens mask follows its own output
-  position (`accept_step.shaped`), and the two faults move exactly that;
+  position (`accept_step.shaped`), and the two faults move exactly that; property (hypothesis): every verify row is
+  shaped as the decode step at its position would be (each of the three verify faults breaks it);
 - greedy with a bias and with min_tokens: speculation on == off token for token (fp32, CPU), the bias acts, the
   min_tokens output has its one correct shape (m tokens without the stop token, then it);
 - the logit-bias and min-tokens engine gates: PASS on the clean engine (speculating), FAIL with
@@ -206,3 +207,41 @@ def test_the_openai_bodies_carry_the_options():
     assert b["logit_bias"] == {"5": -100.0} and b["min_tokens"] == 3
     n = native_body(r, "llamacpp", stream=False, extras=True, extra_body={})
     assert n["logit_bias"] == [[5, -100.0]]
+
+
+def test_a_verify_span_is_shaped_row_for_row_as_decode_steps_would_be():
+    """Property (hypothesis): every row j of a verify span is shaped exactly as a decode step whose output so far
+    is the request's output plus the first j drafts: penalties, bias and the min_tokens mask, in any combination."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from specbench.engine.accept_step import shaped
+    from specbench.engine.request import Request
+    from specbench.engine.scheduler import Span
+
+    v = 12
+    ids = st.integers(0, v - 1)
+
+    @settings(max_examples=150, deadline=None)
+    @given(out=st.lists(ids, max_size=6), drafts=st.lists(ids, min_size=1, max_size=5),
+           bias=st.dictionaries(ids, st.floats(-100, 100, allow_nan=False), max_size=3),
+           min_tokens=st.integers(0, 12), stop=st.lists(ids, max_size=2), eos=st.sets(ids, max_size=2),
+           ignore_eos=st.booleans(), rp=st.sampled_from([1.0, 1.3]), fp=st.sampled_from([0.0, 0.5]),
+           seed=st.integers(0, 2**16))
+    def check(out, drafts, bias, min_tokens, stop, eos, ignore_eos, rp, fp, seed):
+        p = SamplingParams(max_tokens=32, logit_bias=bias, min_tokens=min_tokens, stop_token_ids=tuple(stop),
+                           ignore_eos=ignore_eos, repetition_penalty=rp, frequency_penalty=fp)
+        req = Request("r", [1, 2, 3], p)
+        req.output_ids = list(out)
+        n = len(drafts) + 1
+        logits = torch.randn(n, v, generator=torch.Generator().manual_seed(seed))
+        span = Span(req, [out[-1] if out else 3, *drafts], len(out) + 3, "verify", drafts=list(drafts))
+        got = shaped([span], [(0, n)], logits, set(eos))
+        for j in range(n):
+            one = Request("d", [1, 2, 3], p)
+            one.output_ids = list(out) + list(drafts[:j])
+            dspan = Span(one, [0], 0, "decode")
+            want = shaped([dspan], [(0, 1)], logits[j:j + 1], set(eos))
+            assert torch.equal(got[j:j + 1], want), (j, got[j], want[0])
+
+    check()
