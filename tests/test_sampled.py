@@ -483,3 +483,33 @@ def test_default_candidates_run_where_the_baseline_runs():
         assert c.options["spec"] in ("ngram", "dflash") and "faults" not in c.options
     plain = _default_candidates(parse_engine("local,spec=off"))
     assert all("device" not in c.options for c in plain)
+
+
+def test_selftest_progress_plans_what_it_runs(tiny_pair):
+    """The self-test's progress plan counts every request it sends, the seed repeats of every run included (it
+    counted samples only: 40,192 done of a 38,400 plan in the shipped self-test)."""
+    from specbench.harness.adapters.local import LocalAdapter
+    from specbench.suites.sampled.selftest import run_selftest
+
+    class Recorder:
+        planned = done = 0
+
+        def plan(self, total: int) -> None:
+            self.planned = total
+
+        def phase(self, name: str, n: int | None) -> None:
+            pass
+
+        def advance(self, result: object = None, n: int = 1) -> None:
+            self.done += n
+
+    base = LocalAdapter.from_dirs(tiny_pair[0], spec="off", name="baseline")
+    cand = _candidate(tiny_pair, "ngram", mix=float(SOFT_Q_MIX), name="ngram-soft")
+    rec = Recorder()
+    opts = SampledGateOptions(**{**CI_OPTS, "samples": 16, "permutations": 99, "prompt_set": "echo"}, seed_repeat=4)
+    try:
+        run_selftest(base, [cand], opts, parse_configs(CI_CONFIGS), cases=("clean", "unseeded_accept"), repeat=1,
+                     progress=rec)
+    finally:
+        base.close()
+    assert rec.planned == rec.done > 0, (rec.planned, rec.done)

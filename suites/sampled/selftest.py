@@ -33,6 +33,7 @@ from .gate import (
     config_key,
     configurations,
     make_prompts,
+    neighbours,
     not_tested,
     run_gate,
 )
@@ -117,8 +118,10 @@ def run_selftest(baseline: EngineAdapter, candidates: EngineAdapter | Sequence[E
         faults = [f for f in cases if f != "clean"]
         runs = ([f"clean#{r + 1}" if r else "clean" for r in range(repeat)] if "clean" in cases else []) + faults
         n = len(prompts) * len(configs) * opts.samples
+        reps = min(run_opts.seed_repeat, n)  # each run's seed repeat: the baseline's and every candidate's
         if progress is not None:
-            progress.plan(n * ((baseline_samples is None) + len(cands) * (len(runs) + bool(opts.null))))
+            progress.plan(n * ((baseline_samples is None) + len(cands) * (len(runs) + bool(opts.null)))
+                          + (reps + 2 * neighbours(reps)) * (1 + len(cands)) * len(runs) * bool(reps))
         t0 = time.perf_counter()
         base = baseline_samples
         if base is None:
