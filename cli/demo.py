@@ -5,7 +5,7 @@ with where its full report is:
 1. generate: the bundled tiny pair with spec off and on, in this process. Start-up (building the engine, then
    its first call: lazy initialisation, caches) is timed and printed apart; the figures are the median of
    STEADY_RUNS identical calls after it.
-2. lossless: the greedy gate as a subprocess of the same CLI. A verdict, not a speed figure: its wall time
+2. lossless: the gate's default set (greedy, concurrent, the engine gates) as a subprocess of the same CLI. A verdict, not a speed figure: its wall time
    splits into start-up (the process, both engines) and the gates' own time (run.json summary wall_s).
 3. sweep: a short spec-off vs spec-on sweep as a subprocess. Its figures are steady state by construction
    (warm-up waves excluded, records from the measured cells only); its wall time splits into start-up,
@@ -36,7 +36,8 @@ SAYS = {
     "generate": "one greedy generation with speculation off and on (the DFlash drafter): whether the text is the "
                 "same, and the speed once each engine is warm.",
     "lossless": "whether speculation changes any greedy token on 8 gsm8k prompts beyond a benign tie flip (each "
-                "divergence judged by its regret under the spec-off distribution).",
+                "divergence judged by its regret under the spec-off distribution), alone, batched, and under "
+                "stops, aborts, penalties, logit bias and min_tokens (the engine gates).",
     "sweep": "throughput spec on vs spec off at 1 and 4 requests in flight, with a paired noise floor (the baseline "
              "run twice, interleaved).",
 }

@@ -2,6 +2,8 @@
 
 Contract: parses options, builds the two adapters (default: the bundled tiny pair, baseline spec off,
 candidate spec on; a local candidate alone gets the same model with speculation off as its baseline),
+runs the greedy gate and, unless --quick, the concurrent gate and the engine gates (on by default: their CANNOT
+TEST is reported beside the verdict, not deciding it; named with --concurrent / --engine-gates, it decides it),
 opens a results run (records under results/<run-id>/: checks.jsonl per prompt, requests.jsonl of the
 candidate, gates.jsonl), calls specbench.suites.lossless.suite.run_lossless, prints the per-prompt table
 and the summary (one JSON document with --json), writes the markdown report with --report, and ends with a
@@ -36,8 +38,9 @@ def lossless(
     max_divergences: int = typer.Option(8, "--max-divergences", min=1, help="Benign flips (re-anchors) judged per prompt before stopping."),
     rescore: bool = typer.Option(True, "--rescore/--no-rescore", help="Re-score each divergence with the candidate's own prefill path."),
     concurrency: int = typer.Option(1, "--concurrency", min=1, help="Candidate requests in flight in the greedy gate."),
-    concurrent: bool = typer.Option(False, "--concurrent", help="Also run the concurrent heterogeneous gate (staggered max_tokens, one batch)."),
-    engine_gates: bool = typer.Option(False, "--engine-gates", help="Also run short-then-long, mixed batch, stop-in-run and headroom."),
+    concurrent: bool | None = typer.Option(None, "--concurrent/--no-concurrent", help="The concurrent heterogeneous gate (staggered max_tokens, one batch). Default: on (off with --quick)."),
+    engine_gates: bool | None = typer.Option(None, "--engine-gates/--no-engine-gates", help="The engine gates (short-then-long, mixed batch, stop-in-run, eos-in-run, abort-in-flight, penalties, logit-bias, min-tokens, headroom). Default: on (off with --quick, and with --endpoint-type chat)."),
+    quick: bool = typer.Option(False, "--quick", help="The greedy gate alone (at --concurrency): the concurrent and engine gates stay off unless named. Bugs that only batching, stops or sampling parameters reach go unseen."),
     expect_accept_len: float | None = typer.Option(None, "--expect-accept-len", min=1.0, help="Fail if the mean accepted length moves >10% (of its excess over 1) away from this, either way (a rise without cause fails as a drop does). Default: the reference recorded for this engine / drafter / prompts / max_tokens."),
     accept_reference: bool = typer.Option(True, "--accept-reference/--no-accept-reference", help="Hold acceptance against the reference recorded in the results store for the same fingerprint, and record one from a PASS when none exists."),
     record_reference: bool = typer.Option(False, "--record-reference", help="Replace the recorded acceptance reference with this run's (when it PASSes): after a real drafter change."),
@@ -63,7 +66,7 @@ def lossless(
 ) -> None:
     """Is speculation lossless? Greedy spec-on vs spec-off, every divergence judged by its regret.
 
-    At each divergence the candidate's pick is scored under the baseline's top-20 distribution: regret = logp(top1) - logp(pick). Regret <= --margin-tol is a benign tie flip and the gate re-anchors (a fresh baseline from prompt + candidate tokens) to judge every later divergence too; larger, or a pick outside the top-20, is a FAIL. Speculation that never happened is reported as NOT SPECULATING, not PASS. Exit 1 on FAIL or NOT SPECULATING, 2 on bad input, 3 on CANNOT TEST (a capability the gate needs is missing; it is named).
+    At each divergence the candidate's pick is scored under the baseline's top-20 distribution: regret = logp(top1) - logp(pick). Regret <= --margin-tol is a benign tie flip and the gate re-anchors (a fresh baseline from prompt + candidate tokens) to judge every later divergence too; larger, or a pick outside the top-20, is a FAIL. Speculation that never happened is reported as NOT SPECULATING, not PASS. By default the concurrent gate and the engine gates (batching, stops inside accepted runs, aborts, penalties, logit bias, min_tokens, headroom) run too; --quick runs the greedy gate alone. Exit 1 on FAIL or NOT SPECULATING, 2 on bad input, 3 on CANNOT TEST (a capability the gate needs is missing; it is named).
     """
     from specbench.harness.engines import (
         EngineStringError,
@@ -75,6 +78,7 @@ def lossless(
     )
     from specbench.harness.results import open_run
     from specbench.suites.lossless.batch import parse_levels
+    from specbench.suites.lossless.engine_gates import GATES
     from specbench.suites.lossless.prompts import DATASETS
     from specbench.suites.lossless.regret import STRICT_FP32_TOL
     from specbench.suites.lossless.report import render_console, render_markdown
@@ -98,6 +102,15 @@ def lossless(
                 json_out, report, bad, results if record else False)
         return
 
+    # On by default (not --quick): the concurrent gate, and the engine gates where the requests are token ids. Asked
+    # for by name, a gate's CANNOT TEST decides the verdict; on by default, it is reported beside it (advisory).
+    advisory: list[str] = []
+    if concurrent is None:
+        concurrent = not quick
+        advisory += ["concurrent"] if concurrent else []
+    if engine_gates is None:
+        engine_gates = not quick and endpoint_type == "completions"
+        advisory += list(GATES) if engine_gates else []
     try:
         cfg = LosslessConfig(margin_tol=margin_tol, dataset=dataset, num_prompts=num_prompts, max_tokens=max_tokens,
                              max_divergences=max_divergences, rescore=rescore, concurrency=concurrency,
@@ -107,7 +120,8 @@ def lossless(
                              batch_prompts=batch_prompts, rate_alpha=rate_alpha, rate_detect=rate_detect,
                              strict=strict, strict_tol=STRICT_FP32_TOL if strict_tol is None else strict_tol,
                              accept_reference=accept_reference, endpoint_type=endpoint_type,
-                             record_reference=record_reference, results=str(results) if results else None)
+                             record_reference=record_reference, results=str(results) if results else None,
+                             advisory=tuple(advisory))
         from specbench.harness.adapters.dialect import with_tokenizer
 
         bspec, cspec = share_gpu(gate_specs(with_tokenizer(list(baseline_and_candidate(baseline, candidate)), tokenizer)))

@@ -110,6 +110,8 @@ def lossless_summary(out: Any, run_dir: Any = None, report: Any = None) -> Summa
                      sum(p.untestable for p in ps), _num(g.stats.mean_accept_len if g.stats.known else None, "{:.2f}"),
                      f"{g.wall_s:.1f}"])
     notes = [f"missing: {'; '.join(out.missing)}"] if getattr(out, "missing", None) else []
+    if getattr(out, "not_tested", None):
+        notes.append(f"not tested here (on by default, not deciding the verdict): {'; '.join(out.not_tested)}")
     if run_dir is not None:
         notes.append(f"records: {run_dir} (full report: specbench report {run_dir})")
     if report:

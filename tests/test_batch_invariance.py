@@ -23,7 +23,7 @@ runner = CliRunner()
 # Small runs: 8 mixed-length prompts at c1 and c4. --rate-detect 100 (per 1,000 tokens) makes the rate tests
 # powered on a few hundred tokens; the default (5 per 1,000) needs a few thousand (docs/lossless.md).
 SMALL = ["--num-prompts", "4", "--max-tokens", "32", "--batch-levels", "1,4", "--batch-prompts", "8",
-         "--rate-detect", "100", "--no-record", "--json"]
+         "--rate-detect", "100", "--no-record", "--json", "--quick"]
 GATES = {"greedy", "divergence-rate", "batch c4 spec-off", "batch c4 spec-on", "batch-rate"}
 
 

@@ -265,8 +265,8 @@ def test_missing_baseline_logprobs_are_recovered_not_used(cli, llama_spec):
     with serving(FakeServer("llamacpp", spec=True, gap=0.1)) as base_tie, \
             serving(FakeServer("llamacpp", spec=True, flip_at=1, gap=0.1)) as tie, \
             serving(FakeServer("llamacpp", spec=True, flip_at=1)) as real:
-        benign = _lossless(cli, base_tie, tie)
-        fail = _lossless(cli, url, real)
+        benign = _lossless(cli, base_tie, tie, "--quick")  # the greedy gate's flips alone
+        fail = _lossless(cli, url, real, "--quick")
     doc = json.loads(benign.stdout.strip().splitlines()[-1])
     assert benign.exit_code == 0 and doc["summary"]["flips"] == 2, benign.output
     divs = [d for p in doc["gates"][0]["prompts"] for d in p["divergences"]]

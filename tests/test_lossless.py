@@ -36,7 +36,7 @@ def _run(args: list[str]):
 def test_lossless_passes_on_the_bundled_pair(tiny_pair, tmp_path):
     report = tmp_path / "r.md"
     res, out = _run(["--margin-tol", "0.20", *_engines(tiny_pair), "--num-prompts", "3", "--max-tokens", "24",
-                     "--concurrent", "--json", "--report", str(report), "--results", str(tmp_path / "res")])
+                     "--quick", "--concurrent", "--json", "--report", str(report), "--results", str(tmp_path / "res")])
     assert res.exit_code == 0, res.output
     assert out["verdict"] == "PASS" and out["summary"]["failed_prompts"] == 0
     assert {g["name"] for g in out["gates"]} == {"greedy", "concurrent"}
@@ -129,3 +129,45 @@ def test_spec_stats_prefers_per_request():
 def test_staggered_lengths():
     mts = staggered(64, 6)
     assert mts[0] == 64 and min(mts) <= 4 and all(2 <= m <= 64 for m in mts) and len(set(mts)) == 6
+
+
+# ---- the default gate set: every gate, --quick the greedy gate alone ----------------------------------------
+
+
+def _gate(name: str, status: str = "identical", missing: str | None = None):
+    from specbench.suites.lossless.outcomes import GateRun, PromptCheck
+    pc = PromptCheck(f"{name}-0", 8, 8, status=status, tokens_compared=8, missing=missing)
+    return GateRun(name, [pc], AcceptanceEvidence("counters", 10, 30, 20, [8, 6, 6]), require_spec=False)
+
+
+def test_a_gate_on_by_default_that_cannot_test_is_reported_not_deciding():
+    from specbench.suites.lossless.suite import LosslessOutcome
+    gates = [_gate("greedy"), _gate("min-tokens", "untestable", "min_tokens (the endpoint ignores it)")]
+    asked = LosslessOutcome(list(gates), {}, {})  # --engine-gates named: its CANNOT TEST decides
+    assert asked.verdict == "CANNOT TEST" and asked.missing == ["min-tokens: min_tokens (the endpoint ignores it)"]
+    default = LosslessOutcome(list(gates), {}, {}, advisory=("min-tokens",))
+    assert default.verdict == "PASS" and default.exit_code == 0 and default.missing == []
+    assert default.not_tested == ["min-tokens: min_tokens (the endpoint ignores it)"]
+    assert default.summary()["not_tested"] == default.not_tested
+    assert any("min-tokens" in x and "not deciding" in x for x in default.checks_not_run())
+    # a FAIL decides whether the gate was asked for or not; the first gate is never advisory
+    assert LosslessOutcome([_gate("greedy"), _gate("min-tokens", "fail")], {}, {},
+                           advisory=("min-tokens",)).verdict == "FAIL"
+    assert LosslessOutcome([_gate("concurrent", "untestable", "x")], {}, {},
+                           advisory=("concurrent",)).verdict == "CANNOT TEST"
+
+
+def test_default_run_catches_a_stop_bug_that_the_greedy_gate_alone_misses(tiny_pair):
+    """emit_past_stop (tokens after a stop inside an accepted run are emitted) leaves every greedy output of the
+    gsm8k prompts right: the default run (every gate) fails it, --quick (the greedy gate alone) cannot see it."""
+    args = ["--margin-tol", "0.20", *_engines(tiny_pair, "emit_past_stop"), "--num-prompts", "2", "--max-tokens", "24",
+            "--no-record", "--json", "--no-check-draft"]
+    res, out = _run(args)
+    assert res.exit_code == 1 and out["verdict"] == "FAIL", res.output
+    failed = {g["name"] for g in out["gates"] if g["verdict"] == "FAIL"}
+    assert failed and failed <= {"stop-in-run", "eos-in-run"}
+    assert {g["name"] for g in out["gates"]} >= {"greedy", "concurrent", "mixed", "penalties", "headroom"}
+    res, out = _run([*args, "--quick"])
+    assert res.exit_code == 0 and [g["name"] for g in out["gates"]] == ["greedy"], res.output
+    res, out = _run([*args, "--quick", "--concurrent"])  # named gates are added to --quick
+    assert [g["name"] for g in out["gates"]] == ["greedy", "concurrent"]

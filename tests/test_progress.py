@@ -216,7 +216,7 @@ def _lossless(tiny_pair, *extra: str):
     _register()
     return CliRunner().invoke(app, ["lossless", "--baseline", f"local:{target},spec=off", "--candidate",
                                     f"local:{target},draft={draft},spec=dflash", "--num-prompts", "2",
-                                    "--max-tokens", "12", "--no-check-draft", *extra])
+                                    "--max-tokens", "12", "--no-check-draft", "--quick", *extra])
 
 
 def test_lossless_counts_prompts_compared(tiny_pair, tmp_path, monkeypatch) -> None:

@@ -200,7 +200,10 @@ class StreamAccumulator:
             res.completion_tokens = self.usage.get("completion_tokens")
         if self.have_ids:
             res.output_ids = list(self.ids)
-        elif self.positions and all(p.token_id is not None for p in self.positions):
+        elif (self.positions and all(p.token_id is not None for p in self.positions)
+              and res.completion_tokens in (None, len(self.positions))):
+            # the ids the logprobs name, only where they cover every token: an engine that leaves some tokens
+            # without logprobs (llama-server's verify steps) would otherwise hand back part of the output as all
             res.output_ids = [p.token_id for p in self.positions]  # type: ignore[misc]
         if res.completion_tokens is None and res.output_ids is not None:
             res.completion_tokens = len(res.output_ids)

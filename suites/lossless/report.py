@@ -246,6 +246,8 @@ def render_console(out: LosslessOutcome) -> str:
         lines.append(f"tolerance: {rule_line(out.rule, out.config)}")
     s = out.summary()
     why = f" [missing: {'; '.join(out.missing)}]" if out.missing and out.verdict.startswith("CANNOT") else ""
+    if out.not_tested and not out.verdict.startswith("CANNOT"):
+        why += f" [not tested here: {'; '.join(out.not_tested)}]"
     lines.append(f"VERDICT: {out.verdict}{why}  ({s['prompts']} prompts, {s['failed_prompts']} failed, {s['flips']} benign "
                  f"flips, mean accepted length {_f(s['mean_accept_len'], 2)}, {out.wall_s:.1f} s)")
     return "\n".join(lines)

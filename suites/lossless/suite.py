@@ -1,4 +1,4 @@
-"""The `lossless` suite: the greedy gate, optionally the concurrent gate and the engine gates, one verdict.
+"""The `lossless` suite: the greedy gate, the concurrent gate and the engine gates (each switchable), one verdict.
 
 Contract:
 - `run_lossless(baseline, candidate, cfg, run=None, log=print)` tokenizes the prompt set once (the
@@ -11,11 +11,15 @@ Contract:
 - Progress (`progress`, cli/progress.py RunProgress): prompts compared, planned for the gates that judge
   prompt by prompt (greedy; concurrent with `cfg.concurrent`), one tick per prompt judged; every gate is
   named as it starts, the engine, rate and batch gates without a count of their own.
-- Verdict: FAIL if any gate fails; else CANNOT TEST if any gate could not collect its evidence (or the
-  prompts could not be tokenized at all: then no gate runs), naming what was missing; else NOT
-  SPECULATING if the greedy gate saw no speculation (zero drafts or a mean accepted length <=
-  min_accept_len); else PASS ("PASS (speculation unverified)" when the candidate exposes no spec
+- Verdict: FAIL if any gate fails (a gate whose only failed check is that speculation happened, beside a
+  greedy gate that saw none, is that one finding: NOT SPECULATING); else NOT SPECULATING if the greedy gate
+  saw no speculation (zero drafts or a mean accepted length <= min_accept_len); else CANNOT TEST if a gate
+  could not collect its evidence (or the prompts could not be tokenized at all: then no gate runs), naming
+  what was missing; else PASS ("PASS (speculation unverified)" when the candidate exposes no spec
   counters). `exit_code` maps it (harness/verdicts.py: 0 PASS, 1 FAIL / NOT SPECULATING, 3 CANNOT TEST).
+- `cfg.advisory` names the gates that run because they are on by default (the CLI without --quick): their
+  CANNOT TEST does not decide the verdict but is listed (`not_tested`, the notes, the reports' "could not
+  run" and the VERDICT line); their FAIL does. The greedy gate is never advisory.
 - `checks_not_run()` lists, per gate, every check that could not run and why (skipped run checks,
   re-scoring the candidate could not do, untestable prompts, the engines' missing capabilities); the
   reports print it beside the verdict.
@@ -98,6 +102,11 @@ class LosslessConfig:
     record_reference: bool = False  # replace the stored reference with this run's acceptance (when it PASSes)
     results: str | None = None  # the results directory the references live in (None: $SPECBENCH_RESULTS / ./results)
     endpoint_type: str = "completions"  # "chat": the prompts as chat messages, rendered by the server
+    # Gates run because they are on by default, not because they were asked for (`specbench lossless` without
+    # --quick, --concurrent or --engine-gates): a FAIL among them fails the run as any gate's does, but a CANNOT TEST
+    # (an engine that cannot take min_tokens, a remote engine without the model geometry) is reported beside the
+    # verdict (`LosslessOutcome.not_tested`) instead of deciding it. Names: "concurrent" and the engine gates'.
+    advisory: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name, lo in (("num_prompts", 1), ("max_tokens", 1), ("max_divergences", 1), ("concurrency", 1),
@@ -113,6 +122,9 @@ class LosslessConfig:
             raise LosslessError(f"--strict-tol {self.strict_tol!r} is invalid: expected nats in (0, 50)")
         if self.endpoint_type not in ENDPOINT_TYPES:
             raise LosslessError(f"--endpoint-type {self.endpoint_type!r} is invalid: expected completions or chat")
+        bad = sorted(set(self.advisory) - {"concurrent", *GATES})
+        if bad:
+            raise LosslessError(f"advisory gates {bad} are invalid: expected concurrent or {', '.join(GATES)}")
         if self.endpoint_type == "chat":
             for flag, on in (("--engine-gates", self.engine_gates), ("--rate-test", self.rate_test),
                              ("--batch-invariance", self.batch_invariance)):
@@ -143,13 +155,29 @@ class LosslessOutcome:
     rule: dict = field(default_factory=dict)  # the tolerance every gate applied (GreedyGateOptions.rule_dict)
     reference: dict = field(default_factory=dict)  # the acceptance reference used / recorded (reference.py)
 
+    advisory: tuple[str, ...] = ()  # gates on by default, not asked for (LosslessConfig.advisory)
+
+    def _advisory(self, g: GateRun) -> bool:
+        return g.name in self.advisory and g is not (self.gates[0] if self.gates else None)
+
     @property
     def verdict(self) -> str:
-        if any(g.verdict in ("FAIL", "ERROR") for g in self.gates):
+        bad = [g for g in self.gates if g.verdict in ("FAIL", "ERROR")]
+        if bad and not (self.gates[0].verdict == "NOT SPECULATING" and all(_speculation_only(g) for g in bad)):
             return "FAIL"
-        if self.cannot_test or not self.gates or any(g.verdict == CANNOT_TEST for g in self.gates):
+        if self.gates and self.gates[0].verdict == "NOT SPECULATING":
+            return "NOT SPECULATING"  # a FAIL variant: it wins over CANNOT TEST (harness/verdicts.combine)
+        if self.cannot_test or not self.gates or any(g.verdict == CANNOT_TEST and not self._advisory(g)
+                                                     for g in self.gates):
             return CANNOT_TEST
         return self.gates[0].verdict
+
+    @property
+    def not_tested(self) -> list[str]:
+        """The gates on by default (not asked for) that could not collect their evidence, each with what was
+        missing: reported beside the verdict, not deciding it (LosslessConfig.advisory)."""
+        return [f"{g.name}: {m}" for g in self.gates if self._advisory(g) and g.verdict == CANNOT_TEST
+                for m in (g.missing or ["?"])]
 
     @property
     def ok(self) -> bool:
@@ -165,11 +193,11 @@ class LosslessOutcome:
         out = [self.cannot_test] if self.cannot_test else []
         if not self.gates and not out:
             out.append("no gate ran")
-        return out + [f"{g.name}: {m}" for g in self.gates for m in g.missing]
+        return out + [f"{g.name}: {m}" for g in self.gates if not self._advisory(g) for m in g.missing]
 
     def checks_not_run(self) -> list[str]:
         """Every check that could not run, and why (for the reports)."""
-        out = list(self.missing)
+        out = list(self.missing) + [f"{m} (on by default: not deciding the verdict)" for m in self.not_tested]
         for g in self.gates:
             out += [f"{g.name}: {c.name} check skipped: {c.detail}" for c in g.checks if c.skipped]
             if g.require_spec and g.stats.speculating is None:
@@ -188,7 +216,8 @@ class LosslessOutcome:
 
     def summary(self) -> dict:
         g0 = self.gates[0] if self.gates else None
-        return {"verdict": self.verdict, "missing": self.missing, "checks_not_run": self.checks_not_run(),
+        return {"verdict": self.verdict, "missing": self.missing, "not_tested": self.not_tested,
+                "checks_not_run": self.checks_not_run(),
                 "gates": {g.name: g.verdict for g in self.gates},
                 "prompts": len(g0.prompts) if g0 else 0,
                 "failed_prompts": sum(not p.ok and not p.untestable for g in self.gates for p in g.prompts),
@@ -201,6 +230,16 @@ class LosslessOutcome:
         return {"suite": "lossless", "suite_version": SUITE_VERSION, "run_id": self.run_id, "verdict": self.verdict,
                 "summary": self.summary(), "config": self.config, "engines": self.engines, "notes": self.notes,
                 "gates": [g.to_dict() for g in self.gates]}
+
+
+SPECULATION_CHECKS = ("speculating",)  # checks that speculation happened (not lossless ones)
+
+
+def _speculation_only(g: GateRun) -> bool:
+    """A failed gate whose only findings are that the candidate did not speculate: no prompt failed, and every
+    failed check is one of SPECULATION_CHECKS."""
+    return (not any(not p.ok and not p.untestable for p in g.prompts) and bool(g.failed_checks)
+            and all(c.name in SPECULATION_CHECKS for c in g.failed_checks))
 
 
 def recorded_acceptance(describe: dict) -> float | None:
@@ -246,14 +285,15 @@ async def run_lossless(baseline: EngineAdapter, candidate: EngineAdapter, cfg: L
         else:
             prompts, notes = await tokenize_prompts(baseline, candidate, texts)
     except CannotTest as e:
-        out = LosslessOutcome([], engines, asdict(cfg), [str(e)], cannot_test=f"{e.capability}: {e.detail}")
+        out = LosslessOutcome([], engines, asdict(cfg), [str(e)], cannot_test=f"{e.capability}: {e.detail}",
+                              advisory=tuple(cfg.advisory))
         out.run_id = run.run_id if run is not None else None
         out.wall_s = time.perf_counter() - t0
         say(f"[lossless] CANNOT TEST: {e}")
         if run is not None:
             run.update(summary=out.summary(), engines=engines)
         return out
-    out = LosslessOutcome([], engines, asdict(cfg), notes, rule=opts.rule_dict())
+    out = LosslessOutcome([], engines, asdict(cfg), notes, rule=opts.rule_dict(), advisory=tuple(cfg.advisory))
     out.notes.append(f"tolerance: {'strict' if opts.rule == 'strict' else 'margin'} {opts.tol:g} nat ({opts.rule_reason})")
     if run is not None:
         out.run_id = run.run_id
@@ -327,6 +367,12 @@ async def run_lossless(baseline: EngineAdapter, candidate: EngineAdapter, cfg: L
             say(f"[lossless] {g.name}: {g.verdict} ({g.wall_s:.1f} s)")
             out.gates.append(g)
             _record(run, g)
+    ran = [g.name for g in out.gates if out._advisory(g)]
+    if ran:
+        out.notes.append(f"on by default (--quick: the greedy gate alone): {', '.join(ran)}; a FAIL among them fails "
+                         "the run, a CANNOT TEST is reported here without deciding the verdict")
+    if out.not_tested:
+        out.notes.append(f"not tested here (on by default, not asked for): {'; '.join(out.not_tested)}")
     faults = (engines["candidate"].get("config") or {}).get("faults") if isinstance(engines["candidate"], dict) else None
     if (run is not None and cfg.accept_reference and out.verdict == "PASS" and not faults and main.stats.known
             and main.stats.num_drafts and (stored is None or cfg.record_reference)):
