@@ -168,7 +168,7 @@ def shaped(spans: list[Span], rows: list[tuple[int, int]], logits: torch.Tensor,
     (sampler.apply_penalties), logit bias (apply_bias), the min_tokens mask (mask_min_tokens). A row's history is
     the prompt and the output so far; a verify span's row j also holds the drafts d1..dj it follows (row j predicts
     output token len(output) + j). `rule`'s fault flags leave a verify span's rows unpenalized
-    (verify_ignores_penalties) or unbiased (verify_ignores_logit_bias), or mask them all by the span's first row
+    (verify_ignores_penalties) or penalized without the drafts (verify_penalty_history_stale), or unbiased (verify_ignores_logit_bias), or mask them all by the span's first row
     (min_tokens_at_span_start)."""
     rule = rule or AcceptRule()
     out = logits.clone()
@@ -180,7 +180,8 @@ def shaped(spans: list[Span], rows: list[tuple[int, int]], logits: torch.Tensor,
         hist = list(s.req.output_ids)
         x = out[r0:r0 + n]
         if p.penalized and not (verify and rule.verify_unpenalized):
-            outs = [hist + list(s.drafts[:j]) for j in range(n)] if verify else [hist] * n
+            outs = [hist + list(s.drafts[:j]) for j in range(n)] if verify and not rule.verify_history_stale \
+                else [hist] * n
             x = apply_penalties(x, p, s.req.prompt_ids, outs)
         if p.logit_bias and not (verify and rule.verify_unbiased):
             x = apply_bias(x, p)

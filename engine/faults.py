@@ -80,6 +80,7 @@ class CommitKnobs:
     keep_pages: tuple[int, ...] = ()  # per span: pages past the committed length the rollback keeps anyway
     emit_past_stop: bool = False  # tokens after a stop inside an accepted run are emitted too
     stop_ids_at_end: bool = False  # EOS / stop_token_ids end a request only as the last token of a step's run
+    stop_strings_at_end: bool = False  # stop strings are looked for only at the last token of a step's run
     seal_ahead: int = 0  # prefix cache: blocks sealed this many tokens past the committed length (not forwarded)
     publish_on_finish: bool = True  # False: a request finishing this step seals its blocks without the capture
 
@@ -317,6 +318,41 @@ class EosInRun(Fault):
 
 
 # Sampling faults (speculative sampling): variants of the accept rule, computed by both resolve paths.
+class StopStringAtRunEnd(Fault):
+    name = "stop_string_at_run_end"
+    description = "stop strings are looked for only once a step's run is appended: the text is cut at the stop, " \
+        "but the tokens of the run after it stay in the output ids (and usage)"
+
+    def commit(self, spans: list[Span], knobs: CommitKnobs) -> CommitKnobs:
+        return replace(knobs, stop_strings_at_end=True)
+
+
+class DecodeRowShift(Fault):
+    name = "decode_row_shift"
+    description = "in a step that mixes decode and verify spans, a decode span's logits row does not advance the " \
+        "row offset: every later span reads its rows shifted back by the decode spans before it"
+
+    def logits(self, spans: list[Span], logits: torch.Tensor) -> torch.Tensor:
+        if not any(s.kind == "verify" for s in spans) or not any(s.kind == "decode" for s in spans):
+            return logits
+        out, r, shift = logits.clone(), 0, 0
+        for s in spans:
+            n = _logit_rows(s)
+            if shift and n:
+                idx = (torch.arange(r, r + n, device=logits.device) - shift).clamp(min=0)
+                out[r:r + n] = logits[idx]
+            shift += int(s.kind == "decode")
+            r += n
+        return out
+
+
+def _logit_rows(s: Span) -> int:
+    """The logits rows a span gets (engine/forward.py logit_rows)."""
+    if s.kind == "prefill":
+        return len(s.tokens) if s.req.params.prompt_logprobs is not None else int(s.completes_prefill)
+    return 1 if s.kind == "decode" else len(s.tokens)
+
+
 class _RuleFlag(Fault):
     """A fault that turns on one boolean field of the accept rule, `flag`."""
 
@@ -385,6 +421,13 @@ class VerifyIgnoresLogitBias(_RuleFlag):
     flag = "verify_unbiased"
 
 
+class VerifyPenaltyHistoryStale(_RuleFlag):
+    name = "verify_penalty_history_stale"
+    description = "a verify span's rows are penalized with the history before the span: the drafts before each " \
+        "row are not counted (repetition / presence / frequency)"
+    flag = "verify_history_stale"
+
+
 class MinTokensAtSpanStart(_RuleFlag):
     name = "min_tokens_at_span_start"
     description = "the min_tokens mask of a verify span's rows is decided by the span's first output position: " \
@@ -398,7 +441,8 @@ _REGISTRY: tuple[type[Fault], ...] = (KVOffset, SkipRollback, WrongBonus, Accept
                                       BiasedAccept, ResampleFromP, ReusedUniform, QNextRow, BonusResidual,
                                       RegisterBeforeForward, NoPublishOnFinish, SelectorSkipped, CausalDraft,
                                       SpecLogprobsLate, UnseededAccept, AbortKeepsPages, RowParamsFirst,
-                                      VerifyIgnoresPenalties, VerifyIgnoresLogitBias, MinTokensAtSpanStart)
+                                      VerifyIgnoresPenalties, VerifyIgnoresLogitBias, MinTokensAtSpanStart,
+                                      StopStringAtRunEnd, DecodeRowShift, VerifyPenaltyHistoryStale)
 # Faults that leave the output lossless and move only a drafter's acceptance: no greedy or sampled gate can
 # catch them; `specbench check-draft` does (harness/checkdraft.py), so the gates' self-tests skip them.
 DRAFT_VARIANT_FAULTS = frozenset({"selector_skipped", "causal_draft"})

@@ -80,7 +80,7 @@ class OutputWriter:
         return req.detok.advance(self.tokenizer, req.output_ids)
 
     def append(self, req: Request, toks: list[int], lps: list | None, past_stop: bool = False,
-               stop_ids_at_end: bool = False) -> None:
+               stop_ids_at_end: bool = False, stop_strings_at_end: bool = False) -> None:
         now = time.perf_counter()
         p = req.params
         last = len(toks) - 1
@@ -103,7 +103,7 @@ class OutputWriter:
                 req.finish("stop", None)
             elif ids_seen and t in p.stop_token_ids:
                 req.finish("stop", t)
-            elif p.stop and self._stop_string(req):
+            elif p.stop and (not stop_strings_at_end or i == last) and self._stop_string(req):
                 pass
             elif len(req.output_ids) >= p.max_tokens:
                 req.finish("length")

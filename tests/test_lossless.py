@@ -157,17 +157,28 @@ def test_a_gate_on_by_default_that_cannot_test_is_reported_not_deciding():
                            advisory=("concurrent",)).verdict == "CANNOT TEST"
 
 
-def test_default_run_catches_a_stop_bug_that_the_greedy_gate_alone_misses(tiny_pair):
-    """emit_past_stop (tokens after a stop inside an accepted run are emitted) leaves every greedy output of the
-    gsm8k prompts right: the default run (every gate) fails it, --quick (the greedy gate alone) cannot see it."""
-    args = ["--margin-tol", "0.20", *_engines(tiny_pair, "emit_past_stop"), "--num-prompts", "2", "--max-tokens", "24",
+@pytest.mark.parametrize("fault, gates", [
+    ("emit_past_stop", {"stop-in-run", "eos-in-run"}),  # tokens after a stop token inside an accepted run emitted
+    ("stop_string_at_run_end", {"stop-in-run"}),  # a stop string looked for once the run is appended
+    ("verify_penalty_history_stale", {"penalties"}),  # a verify row penalized without the drafts before it
+    ("decode_row_shift", {"concurrent", "mixed", "abort-in-flight", "logit-bias", "penalties", "min-tokens"}),
+])
+def test_default_run_catches_bugs_that_the_greedy_gate_alone_misses(tiny_pair, fault, gates):
+    """Each fault leaves every greedy output of the gsm8k prompts, sent one at a time with the default sampling
+    parameters, right: the default run (every gate) fails it, --quick (the greedy gate alone) cannot see it."""
+    args = ["--margin-tol", "0.20", *_engines(tiny_pair, fault), "--num-prompts", "4", "--max-tokens", "48",
             "--no-record", "--json", "--no-check-draft"]
     res, out = _run(args)
     assert res.exit_code == 1 and out["verdict"] == "FAIL", res.output
     failed = {g["name"] for g in out["gates"] if g["verdict"] == "FAIL"}
-    assert failed and failed <= {"stop-in-run", "eos-in-run"}
+    assert failed and failed <= gates, failed
     assert {g["name"] for g in out["gates"]} >= {"greedy", "concurrent", "mixed", "penalties", "headroom"}
     res, out = _run([*args, "--quick"])
     assert res.exit_code == 0 and [g["name"] for g in out["gates"]] == ["greedy"], res.output
-    res, out = _run([*args, "--quick", "--concurrent"])  # named gates are added to --quick
-    assert [g["name"] for g in out["gates"]] == ["greedy", "concurrent"]
+
+
+def test_quick_with_a_named_gate(tiny_pair):
+    res, out = _run(["--margin-tol", "0.20", *_engines(tiny_pair), "--num-prompts", "2", "--max-tokens", "8",
+                     "--no-record", "--json", "--no-check-draft", "--quick", "--concurrent"])
+    assert res.exit_code == 0 and [g["name"] for g in out["gates"]] == ["greedy", "concurrent"], res.output
+    assert out["config"]["advisory"] == []  # named: its CANNOT TEST would decide the verdict

@@ -90,7 +90,7 @@ def test_a_verify_row_counts_the_drafts_before_it():
     assert torch.equal(raw, logits)
 
 
-def _gate(tiny_target, tiny_draft, gsm8k_prompts, faults):
+def _gate(tiny_target, tiny_draft, gsm8k_prompts, faults, n=2):
     from specbench.harness.adapters.local import LocalAdapter
     from specbench.suites.lossless.engine_gates import GATES
     from specbench.suites.lossless.greedy import GreedyGateOptions, Prompt
@@ -99,7 +99,7 @@ def _gate(tiny_target, tiny_draft, gsm8k_prompts, faults):
     cand = LocalAdapter.from_dirs(tiny_target, draft=tiny_draft, spec="dflash", num_pages=512, name="cand",
                                   faults=faults)
     try:
-        prompts = [Prompt(f"p{i}", base.engine.tokenizer.encode(t)) for i, t in enumerate(gsm8k_prompts[:2])]
+        prompts = [Prompt(f"p{i}", base.engine.tokenizer.encode(t)) for i, t in enumerate(gsm8k_prompts[:n])]
         return asyncio.run(GATES["penalties"](base, cand, prompts, 48, GreedyGateOptions()))
     finally:
         base.close()
@@ -109,7 +109,15 @@ def _gate(tiny_target, tiny_draft, gsm8k_prompts, faults):
 def test_penalties_gate_passes_the_clean_engine(tiny_target, tiny_draft, gsm8k_prompts):
     run = _gate(tiny_target, tiny_draft, gsm8k_prompts, ())
     assert run.verdict == "PASS", [(p.pid, p.status, p.reason) for p in run.prompts]
-    assert len(run.prompts) == 4 and run.stats.num_drafts > 0
+    from specbench.suites.lossless.engine_gates import PEN_SETTINGS
+    assert len(run.prompts) == 2 * 2 * len(PEN_SETTINGS) and run.stats.num_drafts > 0  # (prompt, echo) x setting
+
+
+def test_penalties_gate_fails_a_verify_row_penalized_without_the_drafts(tiny_target, tiny_draft, gsm8k_prompts):
+    """verify_penalty_history_stale: each verify row counts the output before the span, not the drafts before the
+    row: only a token repeated inside an accepted run moves, so it needs the gate's four prompts."""
+    run = _gate(tiny_target, tiny_draft, gsm8k_prompts, ("verify_penalty_history_stale",), n=4)
+    assert run.verdict == "FAIL", [(p.pid, p.status, p.reason) for p in run.prompts]
 
 
 def test_penalties_gate_fails_a_verify_path_without_penalties(tiny_target, tiny_draft, gsm8k_prompts):

@@ -49,6 +49,9 @@ class AcceptRule:
     # penalties (repetition / presence / frequency) left off a verify span's rows: they are judged on the raw
     # logits (accept_step.penalized reads it)
     verify_unpenalized: bool = False
+    # a verify span's row j penalized with the history before the span, without the drafts d1..dj it follows
+    # (accept_step.shaped reads it)
+    verify_history_stale: bool = False
     # the logit bias left off a verify span's rows (accept_step.shaped reads it)
     verify_unbiased: bool = False
     # every row of a verify span masked for min_tokens by the span's first row's output position, not its own
