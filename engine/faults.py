@@ -247,6 +247,17 @@ class VerifyPosShift(Fault):
         knobs.verify_graph = False
 
 
+class LongContextPosShift(Fault):
+    name = "long_context_pos_shift"
+    description = "past position 512 the verify forward's drafted tokens sit one position late (a position-" \
+        "dependent bug: a RoPE table, page table or kernel limit that a prompt of a few hundred tokens never reaches)"
+    after = 512
+
+    def forward(self, spans: list[Span], knobs: ForwardKnobs) -> None:
+        knobs.pos_shift = [int(s.kind == "verify" and s.start >= self.after) for s in spans]
+        knobs.verify_graph = False
+
+
 class BatchedDraftPos(Fault):
     name = "batched_draft_pos"
     description = "the batched draft tiles the requests' block starts (repeat, not repeat_interleave): " \
@@ -442,7 +453,8 @@ _REGISTRY: tuple[type[Fault], ...] = (KVOffset, SkipRollback, WrongBonus, Accept
                                       RegisterBeforeForward, NoPublishOnFinish, SelectorSkipped, CausalDraft,
                                       SpecLogprobsLate, UnseededAccept, AbortKeepsPages, RowParamsFirst,
                                       VerifyIgnoresPenalties, VerifyIgnoresLogitBias, MinTokensAtSpanStart,
-                                      StopStringAtRunEnd, DecodeRowShift, VerifyPenaltyHistoryStale)
+                                      StopStringAtRunEnd, DecodeRowShift, VerifyPenaltyHistoryStale,
+                                      LongContextPosShift)
 # Faults that leave the output lossless and move only a drafter's acceptance: no greedy or sampled gate can
 # catch them; `specbench check-draft` does (harness/checkdraft.py), so the gates' self-tests skip them.
 DRAFT_VARIANT_FAULTS = frozenset({"selector_skipped", "causal_draft"})

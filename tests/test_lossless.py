@@ -162,6 +162,7 @@ def test_a_gate_on_by_default_that_cannot_test_is_reported_not_deciding():
     ("stop_string_at_run_end", {"stop-in-run"}),  # a stop string looked for once the run is appended
     ("verify_penalty_history_stale", {"penalties"}),  # a verify row penalized without the drafts before it
     ("decode_row_shift", {"concurrent", "mixed", "abort-in-flight", "logit-bias", "penalties", "min-tokens"}),
+    ("long_context_pos_shift", {"long-context"}),  # verify positions one late past 512: no data set prompt is that long
 ])
 def test_default_run_catches_bugs_that_the_greedy_gate_alone_misses(tiny_pair, fault, gates):
     """Each fault leaves every greedy output of the gsm8k prompts, sent one at a time with the default sampling
@@ -182,3 +183,13 @@ def test_quick_with_a_named_gate(tiny_pair):
                      "--no-record", "--json", "--no-check-draft", "--quick", "--concurrent"])
     assert res.exit_code == 0 and [g["name"] for g in out["gates"]] == ["greedy", "concurrent"], res.output
     assert out["config"]["advisory"] == []  # named: its CANNOT TEST would decide the verdict
+
+
+def test_long_prompt_is_whole_pieces_then_the_tail():
+    from specbench.suites.lossless.engine_gates import long_prompt
+    pieces, tail = [[1] * 100, [2] * 150], [9] * 40
+    ids = long_prompt(pieces, tail, 700)
+    assert ids[-40:] == tail and len(ids) <= 700 and len(ids) > 700 - 150 - 40
+    assert ids[:250] == [1] * 100 + [2] * 150  # the pieces whole, cycled
+    assert long_prompt(pieces, tail, 100) == tail  # no piece fits: the tail alone
+    assert long_prompt([], tail, 100) == tail * 2  # one prompt: the echo itself is the filler

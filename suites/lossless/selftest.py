@@ -43,7 +43,7 @@ SAMPLING_FAULTS = frozenset(FAULT_CASES)  # caught by the sampled gate's self-te
 # The greedy gates' requests are salted off the prefix cache: its faults belong to the prefix gate's self-test.
 NOT_GREEDY = SAMPLING_FAULTS | frozenset(PREFIX_FAULTS)
 GATE_NAMES = ("short-then-long", "greedy", "concurrent", "mixed", "stop-in-run", "eos-in-run", "abort-in-flight",
-              "penalties", "logit-bias", "min-tokens", "headroom", "acceptance")
+              "penalties", "logit-bias", "min-tokens", "long-context", "headroom", "acceptance")
 
 
 def greedy_faults(candidate: EngineAdapter) -> dict[str, str]:
@@ -200,7 +200,8 @@ async def run_engine(label: str, faults: tuple[str, ...], description: str, base
         "concurrent": run_concurrent,
         "mixed": GATES["mixed"], "stop-in-run": GATES["stop-in-run"], "eos-in-run": GATES["eos-in-run"],
         "abort-in-flight": GATES["abort-in-flight"], "penalties": GATES["penalties"],
-        "logit-bias": GATES["logit-bias"], "min-tokens": GATES["min-tokens"], "headroom": GATES["headroom"]}
+        "logit-bias": GATES["logit-bias"], "min-tokens": GATES["min-tokens"], "long-context": GATES["long-context"],
+        "headroom": GATES["headroom"]}
     for name, fn in runs.items():
         try:
             g = await fn(baseline, candidate, prompts, max_tokens, opts)

@@ -352,7 +352,7 @@ async def run_lossless(baseline: EngineAdapter, candidate: EngineAdapter, cfg: L
                                                 on_prompt=lambda _pc: tick()))
     if cfg.engine_gates:
         for name in ("mixed", "stop-in-run", "eos-in-run", "abort-in-flight", "penalties", "logit-bias", "min-tokens",
-                     "headroom"):
+                     "long-context", "headroom"):
             await gate(name, GATES[name](baseline, candidate, prompts, cfg.max_tokens, opts))
     if cfg.rate_test:  # the spec-on divergences of greedy (+ concurrent) against the baseline's batch noise
         await gate("divergence-rate", run_rate_gate(baseline, prompts, cfg.max_tokens, opts, cfg.batch_options,
