@@ -37,7 +37,7 @@ SAYS = {
                 "same, and the speed once each engine is warm.",
     "lossless": "whether speculation changes any greedy token on 8 gsm8k prompts beyond a benign tie flip (each "
                 "divergence judged by its regret under the spec-off distribution), alone, batched, and under "
-                "stops, aborts, penalties, logit bias and min_tokens (the engine gates).",
+                "stops, aborts, penalties, logit bias, min_tokens and long contexts (the engine gates).",
     "sweep": "throughput spec on vs spec off at 1 and 4 requests in flight, with a paired noise floor (the baseline "
              "run twice, interleaved).",
 }

@@ -39,7 +39,7 @@ def lossless(
     rescore: bool = typer.Option(True, "--rescore/--no-rescore", help="Re-score each divergence with the candidate's own prefill path."),
     concurrency: int = typer.Option(1, "--concurrency", min=1, help="Candidate requests in flight in the greedy gate."),
     concurrent: bool | None = typer.Option(None, "--concurrent/--no-concurrent", help="The concurrent heterogeneous gate (staggered max_tokens, one batch). Default: on (off with --quick)."),
-    engine_gates: bool | None = typer.Option(None, "--engine-gates/--no-engine-gates", help="The engine gates (short-then-long, mixed batch, stop-in-run, eos-in-run, abort-in-flight, penalties, logit-bias, min-tokens, headroom). Default: on (off with --quick, and with --endpoint-type chat)."),
+    engine_gates: bool | None = typer.Option(None, "--engine-gates/--no-engine-gates", help="The engine gates (short-then-long, mixed batch, stop-in-run, eos-in-run, abort-in-flight, penalties, logit-bias, min-tokens, long-context, headroom). Default: on (off with --quick, and with --endpoint-type chat)."),
     quick: bool = typer.Option(False, "--quick", help="The greedy gate alone (at --concurrency): the concurrent and engine gates stay off unless named. Bugs that only batching, stops or sampling parameters reach go unseen."),
     expect_accept_len: float | None = typer.Option(None, "--expect-accept-len", min=1.0, help="Fail if the mean accepted length moves >10% (of its excess over 1) away from this, either way (a rise without cause fails as a drop does). Default: the reference recorded for this engine / drafter / prompts / max_tokens."),
     accept_reference: bool = typer.Option(True, "--accept-reference/--no-accept-reference", help="Hold acceptance against the reference recorded in the results store for the same fingerprint, and record one from a PASS when none exists."),
@@ -66,7 +66,7 @@ def lossless(
 ) -> None:
     """Is speculation lossless? Greedy spec-on vs spec-off, every divergence judged by its regret.
 
-    At each divergence the candidate's pick is scored under the baseline's top-20 distribution: regret = logp(top1) - logp(pick). Regret <= --margin-tol is a benign tie flip and the gate re-anchors (a fresh baseline from prompt + candidate tokens) to judge every later divergence too; larger, or a pick outside the top-20, is a FAIL. Speculation that never happened is reported as NOT SPECULATING, not PASS. By default the concurrent gate and the engine gates (batching, stops inside accepted runs, aborts, penalties, logit bias, min_tokens, headroom) run too; --quick runs the greedy gate alone. Exit 1 on FAIL or NOT SPECULATING, 2 on bad input, 3 on CANNOT TEST (a capability the gate needs is missing; it is named).
+    At each divergence the candidate's pick is scored under the baseline's top-20 distribution: regret = logp(top1) - logp(pick). Regret <= --margin-tol is a benign tie flip and the gate re-anchors (a fresh baseline from prompt + candidate tokens) to judge every later divergence too; larger, or a pick outside the top-20, is a FAIL. Speculation that never happened is reported as NOT SPECULATING, not PASS. By default the concurrent gate and the engine gates (batching, stops inside accepted runs, aborts, penalties, logit bias, min_tokens, long contexts, headroom) run too; --quick runs the greedy gate alone. Exit 1 on FAIL or NOT SPECULATING, 2 on bad input, 3 on CANNOT TEST (a capability the gate needs is missing; it is named).
     """
     from specbench.harness.engines import (
         EngineStringError,
