@@ -79,7 +79,7 @@ class CommitStep:
         n0 = len(req.output_ids)
         if r.tokens:
             self.output.append(req, r.tokens, r.logprobs, knobs.emit_past_stop, knobs.stop_ids_at_end,
-                               knobs.stop_strings_at_end)
+                               knobs.stop_strings_at_end, knobs.eos_ignored_at_end_only)
         # new_ids = what this step appended: a stop inside the run drops the tokens after it (not r.tokens)
         emit = req.finished or (bool(r.tokens) and not finished_only)
         out = self.output.build(req, req.output_ids[n0:]) if emit else None

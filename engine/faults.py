@@ -81,6 +81,7 @@ class CommitKnobs:
     emit_past_stop: bool = False  # tokens after a stop inside an accepted run are emitted too
     stop_ids_at_end: bool = False  # EOS / stop_token_ids end a request only as the last token of a step's run
     stop_strings_at_end: bool = False  # stop strings are looked for only at the last token of a step's run
+    eos_ignored_at_end_only: bool = False  # ignore_eos holds only for a run's last token: EOS inside a run stops it
     seal_ahead: int = 0  # prefix cache: blocks sealed this many tokens past the committed length (not forwarded)
     publish_on_finish: bool = True  # False: a request finishing this step seals its blocks without the capture
 
@@ -338,6 +339,15 @@ class StopStringAtRunEnd(Fault):
         return replace(knobs, stop_strings_at_end=True)
 
 
+class IgnoreEosInRun(Fault):
+    name = "ignore_eos_in_run"
+    description = "with ignore_eos, an EOS inside an accepted run still ends the request (only a run's last " \
+        "token, or a plain decode step's, honours ignore_eos)"
+
+    def commit(self, spans: list[Span], knobs: CommitKnobs) -> CommitKnobs:
+        return replace(knobs, eos_ignored_at_end_only=True)
+
+
 class DecodeRowShift(Fault):
     name = "decode_row_shift"
     description = "in a step that mixes decode and verify spans, a decode span's logits row does not advance the " \
@@ -454,7 +464,7 @@ _REGISTRY: tuple[type[Fault], ...] = (KVOffset, SkipRollback, WrongBonus, Accept
                                       SpecLogprobsLate, UnseededAccept, AbortKeepsPages, RowParamsFirst,
                                       VerifyIgnoresPenalties, VerifyIgnoresLogitBias, MinTokensAtSpanStart,
                                       StopStringAtRunEnd, DecodeRowShift, VerifyPenaltyHistoryStale,
-                                      LongContextPosShift)
+                                      LongContextPosShift, IgnoreEosInRun)
 # Faults that leave the output lossless and move only a drafter's acceptance: no greedy or sampled gate can
 # catch them; `specbench check-draft` does (harness/checkdraft.py), so the gates' self-tests skip them.
 DRAFT_VARIANT_FAULTS = frozenset({"selector_skipped", "causal_draft"})

@@ -80,7 +80,8 @@ class OutputWriter:
         return req.detok.advance(self.tokenizer, req.output_ids)
 
     def append(self, req: Request, toks: list[int], lps: list | None, past_stop: bool = False,
-               stop_ids_at_end: bool = False, stop_strings_at_end: bool = False) -> None:
+               stop_ids_at_end: bool = False, stop_strings_at_end: bool = False,
+               eos_ignored_at_end_only: bool = False) -> None:
         now = time.perf_counter()
         p = req.params
         last = len(toks) - 1
@@ -99,7 +100,8 @@ class OutputWriter:
                     req.output_text_len = len(self._text_so_far(req))
                 continue
             ids_seen = not stop_ids_at_end or i == last
-            if ids_seen and not p.ignore_eos and t in self.eos:
+            ignore_eos = p.ignore_eos and (not eos_ignored_at_end_only or i == last)  # (the fault's rule)
+            if ids_seen and not ignore_eos and t in self.eos:
                 req.finish("stop", None)
             elif ids_seen and t in p.stop_token_ids:
                 req.finish("stop", t)

@@ -162,7 +162,8 @@ def test_a_gate_on_by_default_that_cannot_test_is_reported_not_deciding():
     ("stop_string_at_run_end", {"stop-in-run"}),  # a stop string looked for once the run is appended
     ("verify_penalty_history_stale", {"penalties"}),  # a verify row penalized without the drafts before it
     ("decode_row_shift", {"concurrent", "mixed", "abort-in-flight", "logit-bias", "penalties", "min-tokens"}),
-    ("long_context_pos_shift", {"long-context"}),  # verify positions one late past 512: no data set prompt is that long
+    ("long_context_pos_shift", {"long-context"}),
+    ("ignore_eos_in_run", {"eos-in-run"}),  # ignore_eos honoured at a run's end only: EOS inside a run stops it  # verify positions one late past 512: no data set prompt is that long
 ])
 def test_default_run_catches_bugs_that_the_greedy_gate_alone_misses(tiny_pair, fault, gates):
     """Each fault leaves every greedy output of the gsm8k prompts, sent one at a time with the default sampling

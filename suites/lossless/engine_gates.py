@@ -542,6 +542,7 @@ async def eos_in_run(baseline: EngineAdapter, candidate: EngineAdapter, prompts:
                 if got is not None:
                     tally[1] += 1
                     tally[0] += bool(got)
+        extra_checks += await _ignore_eos_cases(baseline, candidate, prompts, set(eos or ()), max_tokens, opts, pcs)
         if oracle is not None:  # the oracle's requests stay out of the candidate's speculation statistics
             for ck in (check_after_stop(oracle_results, eos), check_kv_idle(await health(oracle))):
                 ck.name = f"oracle {ck.name}"
@@ -569,6 +570,57 @@ async def eos_in_run(baseline: EngineAdapter, candidate: EngineAdapter, prompts:
     elif not n_inside:
         run.cannot_test.append("a stop inside an accepted run: no case put its stop inside one (" + tallies + ")")
     return run
+
+
+IGNORE_EOS_PROMPTS = 4  # prompts searched for an EOS to run past with ignore_eos
+IGNORE_EOS_SEARCH = 4  # ... within this many times the gate's max_tokens (at most 256 tokens)
+IGNORE_EOS_PAST = 16  # ... and how far past it the ignore_eos requests run
+
+
+async def _ignore_eos_cases(baseline: EngineAdapter, candidate: EngineAdapter, prompts: Sequence[Prompt],
+                            eos: set[int], max_tokens: int, opts: GreedyGateOptions,
+                            pcs: list[PromptCheck]) -> list[Check]:
+    """ignore_eos under speculation: for each prompt whose greedy baseline ends at EOS within a search budget, the
+    same request with ignore_eos, on both arms, to IGNORE_EOS_PAST tokens past that EOS: the candidate must run past
+    it (inside an accepted run too) as the baseline does, judged at the first divergence by the regret rule. Without
+    an EOS found, or with a baseline that stops at EOS anyway, a skipped check names it (not a CANNOT TEST of the
+    whole gate, whose stop cases stand on their own)."""
+    if not eos:
+        return [Check("ignore-eos", True, "no EOS ids known", skipped=True)]
+    budget = min(256, IGNORE_EOS_SEARCH * max_tokens)
+    found: list[tuple[Prompt, int]] = []
+    for p in prompts[:IGNORE_EOS_PROMPTS]:
+        b = await baseline_for(baseline, p.ids, [], budget, 1)
+        ids = list(b.output_ids or [])
+        at = next((k for k, t in enumerate(ids) if t in eos), None)
+        if b.ok and at is not None:
+            found.append((p, at))
+    if not found:
+        return [Check("ignore-eos", True, f"no baseline output of {min(len(prompts), IGNORE_EOS_PROMPTS)} prompts "
+                      f"ended at EOS within {budget} tokens", skipped=True)]
+
+    def req(p: Prompt, n: int, rid: str, lp: int | None) -> GenRequest:
+        return GenRequest(prompt=list(p.ids), max_tokens=n, temperature=0.0, logprobs=lp, rid=rid, ignore_eos=True,
+                          prompt_cache=False)
+
+    lens = [at + 1 + IGNORE_EOS_PAST for _, at in found]
+    bases = await baseline.generate([req(p, n, f"ignore-eos-base-{k}", opts.top_k)
+                                     for k, ((p, _), n) in enumerate(zip(found, lens, strict=True))], concurrency=1)
+    honoured = [(p, at, n, b) for (p, at), n, b in zip(found, lens, bases, strict=True)
+                if b.ok and len(b.output_ids or []) > at + 1]
+    if not honoured:
+        return [Check("ignore-eos", True, f"the baseline stops at EOS with ignore_eos ({len(found)} case(s) not "
+                      "run)", skipped=True)]
+    res = await candidate.generate([req(p, n, f"ignore-eos-{k}", None) for k, (p, _, n, _) in enumerate(honoured)],
+                                   concurrency=1)
+    for (p, at, n, b), r in zip(honoured, res, strict=True):
+        pcs.append(judge_shaped(f"{p.pid}-ignore-eos@{at}", p, r, b, n, opts, lambda dist, before, i: dist,
+                                "ignore_eos"))
+    # (their results stay out of the gate's run checks: tokens after EOS are what they ask for)
+    drafted = [r.drafted for r in res if r.ok]
+    return [Check("ignore-eos", True, f"{len(honoured)} request(s) with ignore_eos run {IGNORE_EOS_PAST} tokens past "
+                  f"the EOS their baseline ends at (positions {[at for _, at, _, _ in honoured]})"
+                  + (f", draft tokens {drafted}" if drafted and all(d is not None for d in drafted) else ""))]
 
 
 # The penalties gate's (frequency, presence) settings, each on every prompt: presence and frequency together,
