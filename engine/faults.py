@@ -24,7 +24,7 @@ Registry: one `Fault` subclass per name, each overriding the hooks of the phase 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -222,12 +222,20 @@ class StaleShape(Fault):
         return out
 
 
-class EmitPastStop(Fault):
-    name = "emit_past_stop"
-    description = "tokens after a stop token inside an accepted run are emitted"
+class _CommitFlag(Fault):
+    """A fault that turns on one boolean field of the commit knobs, `flag`."""
+
+    flag: ClassVar[str]
 
     def commit(self, spans: list[Span], knobs: CommitKnobs) -> CommitKnobs:
-        return replace(knobs, emit_past_stop=True)
+        on: dict[str, Any] = {self.flag: True}  # (CommitKnobs has non-boolean fields beside the flags)
+        return replace(knobs, **on)
+
+
+class EmitPastStop(_CommitFlag):
+    name = "emit_past_stop"
+    description = "tokens after a stop token inside an accepted run are emitted"
+    flag = "emit_past_stop"
 
 
 # Bug classes that slipped through every token gate at defaults (#18); each a one- or two-line change.
@@ -321,31 +329,24 @@ class AbortKeepsPages(Fault):
         return False
 
 
-class EosInRun(Fault):
+class EosInRun(_CommitFlag):
     name = "eos_in_run"
     description = "EOS and stop_token_ids are honoured only as the last token of an accepted run"
-
-    def commit(self, spans: list[Span], knobs: CommitKnobs) -> CommitKnobs:
-        return replace(knobs, stop_ids_at_end=True)
+    flag = "stop_ids_at_end"
 
 
-# Sampling faults (speculative sampling): variants of the accept rule, computed by both resolve paths.
-class StopStringAtRunEnd(Fault):
+class StopStringAtRunEnd(_CommitFlag):
     name = "stop_string_at_run_end"
     description = "stop strings are looked for only once a step's run is appended: the text is cut at the stop, " \
         "but the tokens of the run after it stay in the output ids (and usage)"
-
-    def commit(self, spans: list[Span], knobs: CommitKnobs) -> CommitKnobs:
-        return replace(knobs, stop_strings_at_end=True)
+    flag = "stop_strings_at_end"
 
 
-class IgnoreEosInRun(Fault):
+class IgnoreEosInRun(_CommitFlag):
     name = "ignore_eos_in_run"
     description = "with ignore_eos, an EOS inside an accepted run still ends the request (only a run's last " \
         "token, or a plain decode step's, honours ignore_eos)"
-
-    def commit(self, spans: list[Span], knobs: CommitKnobs) -> CommitKnobs:
-        return replace(knobs, eos_ignored_at_end_only=True)
+    flag = "eos_ignored_at_end_only"
 
 
 class DecodeRowShift(Fault):
@@ -374,6 +375,7 @@ def _logit_rows(s: Span) -> int:
     return 1 if s.kind == "decode" else len(s.tokens)
 
 
+# Sampling faults (speculative sampling): variants of the accept rule, computed by both resolve paths.
 class _RuleFlag(Fault):
     """A fault that turns on one boolean field of the accept rule, `flag`."""
 
