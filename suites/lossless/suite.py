@@ -11,8 +11,7 @@ Contract:
 - Progress (`progress`, cli/progress.py RunProgress): prompts compared, planned for the gates that judge
   prompt by prompt (greedy; concurrent with `cfg.concurrent`), one tick per prompt judged; every gate is
   named as it starts, the engine, rate and batch gates without a count of their own.
-- Verdict: FAIL if any gate fails (a gate whose only failed check is that speculation happened, beside a
-  greedy gate that saw none, is that one finding: NOT SPECULATING); else NOT SPECULATING if the greedy gate
+- Verdict: FAIL if any gate fails; else NOT SPECULATING if the greedy gate
   saw no speculation (zero drafts or a mean accepted length <= min_accept_len); else CANNOT TEST if a gate
   could not collect its evidence (or the prompts could not be tokenized at all: then no gate runs), naming
   what was missing; else PASS ("PASS (speculation unverified)" when the candidate exposes no spec
@@ -162,8 +161,7 @@ class LosslessOutcome:
 
     @property
     def verdict(self) -> str:
-        bad = [g for g in self.gates if g.verdict in ("FAIL", "ERROR")]
-        if bad and not (self.gates[0].verdict == "NOT SPECULATING" and all(_speculation_only(g) for g in bad)):
+        if any(g.verdict in ("FAIL", "ERROR") for g in self.gates):
             return "FAIL"
         if self.gates and self.gates[0].verdict == "NOT SPECULATING":
             return "NOT SPECULATING"  # a FAIL variant: it wins over CANNOT TEST (harness/verdicts.combine)
@@ -230,16 +228,6 @@ class LosslessOutcome:
         return {"suite": "lossless", "suite_version": SUITE_VERSION, "run_id": self.run_id, "verdict": self.verdict,
                 "summary": self.summary(), "config": self.config, "engines": self.engines, "notes": self.notes,
                 "gates": [g.to_dict() for g in self.gates]}
-
-
-SPECULATION_CHECKS = ("speculating",)  # checks that speculation happened (not lossless ones)
-
-
-def _speculation_only(g: GateRun) -> bool:
-    """A failed gate whose only findings are that the candidate did not speculate: no prompt failed, and every
-    failed check is one of SPECULATION_CHECKS."""
-    return (not any(not p.ok and not p.untestable for p in g.prompts) and bool(g.failed_checks)
-            and all(c.name in SPECULATION_CHECKS for c in g.failed_checks))
 
 
 def recorded_acceptance(describe: dict) -> float | None:
