@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
+import held_engine
 import httpx
 import pytest
 
@@ -70,56 +71,65 @@ def test_start_up_failures_are_one_line_before_torch(tmp_path):
         assert f"--port={port} is busy" in err and "--port 0" in err
 
 
-def _start(tiny_pair, *extra: str) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "specbench", "serve", "--model", tiny_pair[0], "--spec", "off", "--port", "0",
-           "--num-pages", "256", "--no-warmup", "--served-model-name", "cli", *extra]
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+READY_LIMIT_S = 300.0  # hang guards only: each wait below ends on an event (ready, first token, exit)
+
+
+def _start(tiny_pair, gate_dir: Path, mode: str, *extra: str) -> tuple[subprocess.Popen, str]:
+    """`specbench serve` with its engine held after each request's first token (tests/held_engine.py): with
+    `mode` "signal" the server opens the gate right after its signal handler ran, with "never" only the server's
+    cancel (the grace period's end) ends the request. No request can end before the test wants it to."""
+    args = ["--model", tiny_pair[0], "--spec", "off", "--port", "0", "--num-pages", "256", "--no-warmup",
+            "--served-model-name", "cli", *extra]
+    p = subprocess.Popen(held_engine.launch_cmd(gate_dir, mode, *args), stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True)
     first = p.stderr.readline()
     m = re.search(r"on http://127\.0\.0\.1:(\d+)/v1", first)
     assert m, first
     url = f"http://127.0.0.1:{m.group(1)}"
-    for _ in range(300):
+    t0 = time.monotonic()
+    while p.poll() is None and time.monotonic() - t0 < READY_LIMIT_S:
         try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
                 return p, url
         except httpx.HTTPError:
             pass
         time.sleep(0.05)
     p.kill()
-    raise AssertionError("the server never became ready")
+    raise AssertionError(f"the server never became ready: {p.stderr.read()}")
 
 
-def _stream(url: str, out: dict, max_tokens: int) -> None:
+def _stream(url: str, out: dict, first: threading.Event, max_tokens: int) -> None:
     body = {"model": "cli", "prompt": "1 2 3", "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
-            "temperature": 0, "logprobs": 1}  # logprobs: one token per step, so it is still running at the signal
+            "temperature": 0}
     events = []
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                events.append(line[6:])
-                out["first"] = True
-    out["events"] = events
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=READY_LIMIT_S) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    first.set()
+    finally:
+        out["events"] = events
+        first.set()  # a stream that failed before its first event wakes the test too (it then finds no events)
 
 
 def _shutdown(p: subprocess.Popen, sig: int, url: str, max_tokens: int) -> tuple[int, str, dict]:
+    """Start a stream, send `sig` once its first event arrived (the engine holds the rest), wait for the exit."""
     out: dict = {}
-    t = threading.Thread(target=_stream, args=(url, out, max_tokens))
+    first = threading.Event()
+    t = threading.Thread(target=_stream, args=(url, out, first, max_tokens))
     t.start()
-    for _ in range(200):
-        if out.get("first"):
-            break
-        time.sleep(0.02)
-    assert out.get("first"), "the stream never started"
+    assert first.wait(READY_LIMIT_S) and "events" not in out, f"the stream never started: {out}"
     p.send_signal(sig)
-    rc = p.wait(60)
-    t.join(30)
+    rc = p.wait(READY_LIMIT_S)
+    t.join(READY_LIMIT_S)
     return rc, p.stderr.read(), out
 
 
-def test_sigterm_past_the_grace_period_cancels_cleanly(tiny_pair):
-    p, url = _start(tiny_pair, "--shutdown-timeout", "0.3", "--log-level", "warning")
+def test_sigterm_past_the_grace_period_cancels_cleanly(tiny_pair, tmp_path):
+    p, url = _start(tiny_pair, tmp_path, "never", "--shutdown-timeout", "0.3", "--log-level", "warning")
     try:
-        rc, err, out = _shutdown(p, signal.SIGTERM, url, 2000)
+        rc, err, out = _shutdown(p, signal.SIGTERM, url, 60)
     finally:
         if p.poll() is None:
             p.kill()
@@ -129,10 +139,11 @@ def test_sigterm_past_the_grace_period_cancels_cleanly(tiny_pair):
                         r"1 aborted \(--shutdown-timeout 0\.3 s\)", err.strip()), err
     ev = out["events"]
     assert ev[-1] == "[DONE]" and json.loads(ev[-2])["error"]["code"] == "shutting_down", ev[-3:]
+    assert not (tmp_path / "open").exists()  # the request was held until the grace period ran out
 
 
-def test_sigint_within_the_grace_period_finishes_the_request(tiny_pair):
-    p, url = _start(tiny_pair, "--shutdown-timeout", "60", "--log-level", "warning")
+def test_sigint_within_the_grace_period_finishes_the_request(tiny_pair, tmp_path):
+    p, url = _start(tiny_pair, tmp_path, "signal", "--shutdown-timeout", "60", "--log-level", "warning")
     try:
         rc, err, out = _shutdown(p, signal.SIGINT, url, 60)
     finally:
@@ -143,6 +154,7 @@ def test_sigint_within_the_grace_period_finishes_the_request(tiny_pair):
     ev = out["events"]
     assert ev[-1] == "[DONE]" and all("error" not in json.loads(e) for e in ev[:-1])
     assert json.loads(ev[-2])["choices"][0]["finish_reason"] == "length"
+    assert (tmp_path / "open").exists()  # the tokens after the first went out once the signal had landed
 
 
 @pytest.fixture(scope="module")
