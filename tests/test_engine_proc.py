@@ -12,9 +12,11 @@ import os
 import signal
 import threading
 import time
+from multiprocessing.connection import wait as mp_wait
 from pathlib import Path
 from types import SimpleNamespace
 
+import held_engine
 import httpx
 import pytest
 
@@ -22,8 +24,10 @@ from specbench.engine import ConfigError, EngineConfig, LLMEngine, SamplingParam
 from specbench.engine.scheduler import AdmissionError
 from specbench.harness.adapters.loop import EngineFailure
 from specbench.harness.server import ServerThread, make_app, make_proc_app
+from specbench.harness.server.engine_proc import ProcEngineLoop
 
 MODEL = "tiny"
+WAIT_S = 300.0  # hang guards only: the waits below end on events
 
 
 def _cfg(target: str) -> EngineConfig:
@@ -84,7 +88,7 @@ def _same(a: object, b: object, where: str = "") -> None:
         assert a == b, where
 
 
-def _idle(engine, timeout: float = 3.0) -> None:
+def _idle(engine, timeout: float = WAIT_S) -> None:
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         snap = engine.refresh()
@@ -185,7 +189,10 @@ def _wait_for(path: str, engine, stop, progress) -> dict:
 
 def test_warmup_then_ready_then_a_killed_child_fails_fast(tiny_target, tmp_path):
     gate = tmp_path / "go"
-    app, loop = make_proc_app(_cfg(tiny_target), served_name=MODEL, warmup=functools.partial(_wait_for, str(gate)))
+    held = tmp_path / "held"
+    held.mkdir()
+    app, loop = make_proc_app(_cfg(tiny_target), served_name=MODEL, warmup=functools.partial(_wait_for, str(gate)),
+                              factory=held_engine.HeldFactory(str(held / "open")))  # never opened: held after a token
     srv = ServerThread(app).start(ready=False)
     try:
         h = httpx.get(srv.url + "/health")
@@ -193,44 +200,77 @@ def test_warmup_then_ready_then_a_killed_child_fails_fast(tiny_target, tmp_path)
         r = _post(srv.url, "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 2})
         assert r.status_code == 503 and r.json()["error"]["code"] == "starting"
         Path(gate).touch()
-        assert loop.wait_ready(10)
+        assert loop.wait_ready(WAIT_S)
         h = httpx.get(srv.url + "/health")
         assert h.status_code == 200 and h.json()["warmup"]["state"] == "done" and h.json()["warmup"]["gated"]
 
-        got: dict = {}
+        got: dict = {"lines": []}
+        first = threading.Event()
 
         def stream() -> None:
-            body = {"model": MODEL, "prompt": "Question: 3 + 4 =", "max_tokens": 1500, "temperature": 0,
-                    "ignore_eos": True, "logprobs": 1, "stream": True}
+            body = {"model": MODEL, "prompt": "Question: 3 + 4 =", "max_tokens": 64, "temperature": 0,
+                    "ignore_eos": True, "stream": True}
             try:
-                with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=30) as resp:
-                    got["lines"] = [line for line in resp.iter_lines() if line.startswith("data: ")]
+                # the read timeout is the hang detector: a stream the dead child leaves open ends in ReadTimeout
+                with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as resp:
+                    for line in resp.iter_lines():
+                        if line.startswith("data: "):
+                            got["lines"].append(line)
+                            first.set()
             except httpx.HTTPError as e:
                 got["error"] = repr(e)
+            finally:
+                first.set()
 
         t = threading.Thread(target=stream)
         t.start()
-        t0 = time.monotonic()
-        while loop.num_pending == 0 and time.monotonic() - t0 < 5:
-            time.sleep(0.02)
-        time.sleep(0.2)
+        assert first.wait(WAIT_S) and got["lines"] and "error" not in got, got  # running: the engine holds it
         os.kill(loop.pid, signal.SIGKILL)
-        t.join(10)
+        t.join(WAIT_S)
         assert not t.is_alive(), "the stream hung after the engine process died"
-        assert "error" in got or any('"error"' in line for line in got["lines"]), got
-        assert time.monotonic() - t0 < 10
-        t1 = time.monotonic()
-        while httpx.get(srv.url + "/health").status_code == 200 and time.monotonic() - t1 < 5:
-            time.sleep(0.05)
+        assert "error" not in got, got  # not the client's timeout: the server ended the stream
+        assert '"error"' in got["lines"][-2] and got["lines"][-1] == "data: [DONE]", got["lines"][-3:]
+        assert not loop.alive  # the reader marked the child dead before it failed the stream
         h = httpx.get(srv.url + "/health")
         assert h.status_code != 200 and "engine" in h.text
         assert "killed by signal" in (loop.last_error or "")
-        r = _post(srv.url, "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 2}, timeout=10)
+        r = _post(srv.url, "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 2})
         assert r.status_code >= 500 and r.json()["error"]
         assert loop.num_pending == 0
     finally:
         srv.stop()
         loop.close()
+
+
+def test_close_returns_after_the_childs_last_messages_are_handled(tiny_target, tmp_path):
+    """The shutdown summary reads the abort count (the on_abort observer, fed by the child's "aborted" messages)
+    right after `close()`. close() returned once the child had exited, while the reader thread could still be
+    handling its last messages: "0 aborted" for a request the grace period cancelled. A slow observer widens
+    that window; close() must wait for the reader, so the count is complete when it returns."""
+    loop = ProcEngineLoop(_cfg(tiny_target), factory=held_engine.HeldFactory(str(tmp_path / "open")))
+    seen: list[tuple[str, str]] = []
+
+    def slow_observer(rid: str, reason: str) -> None:
+        mp_wait([loop.proc.sentinel])  # a reader still busy with the abort when the child has exited ...
+        time.sleep(0.5)  # ... and for a while after (only widens the window; the pass waits for no clock)
+        seen.append((rid, reason))
+
+    loop.on_abort = slow_observer
+
+    async def held_then_cancelled() -> str:
+        rid, q = loop.submit("Question: 1 + 1 =", SamplingParams(max_tokens=20, ignore_eos=True, temperature=0))
+        _, first = await asyncio.wait_for(q.get(), WAIT_S)  # the first token; the engine holds the rest
+        assert not first.finished and len(first.output_ids) == 1
+        assert loop.cancel_all("grace period over") == 1
+        loop.close()
+        return rid
+
+    try:
+        rid = asyncio.run(held_then_cancelled())
+    finally:
+        loop.close()
+    assert seen == [(rid, "abort")]
+    assert not (tmp_path / "open").exists()
 
 
 def test_the_switch_and_its_variable(monkeypatch):

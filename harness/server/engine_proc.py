@@ -34,7 +34,8 @@ Contract:
   `alive` turns False (/health 503) and `last_error` says how it exited.
 - The child ignores SIGINT / SIGTERM (a terminal's Ctrl-C reaches the whole process group; the parent drains
   and then closes it) and exits when its command pipe closes. `close()` asks it to stop, joins it, and
-  terminates / kills it after the timeout.
+  terminates / kills it after the timeout; it returns once the reader has handled every message the child sent
+  (the observers have seen each abort the child reported: the shutdown summary's count is read right after).
 - Clocks: token times, arrival and queue times are `time.perf_counter()` (CLOCK_MONOTONIC on Linux, one clock
   for both processes), so the parent's latency histograms read as in process.
 """
@@ -311,6 +312,8 @@ class ProcEngineLoop(ConsumerSurface):
         self._post(("close",))
         self.proc.join(timeout)
         self._kill()
+        if threading.current_thread() is not self._reader:  # the child is gone: the reader reaches EOF
+            self._reader.join(timeout)
         with contextlib.suppress(OSError):
             self._cmd.close()
         self._fail_all(EngineFailure("the engine process was closed"))
