@@ -179,6 +179,27 @@ def test_metrics_come_from_the_child(pair):
     assert value("specbench:kv_pages_free") == value("specbench:kv_pages_total") > 0
 
 
+def test_a_scrape_right_after_an_answer_counts_it(pair):
+    """/metrics asked right after a response came back counts that request: each scrape fetches the child's figures
+    afresh (a snapshot cached for 50 ms made the sweep's audit see a short request one request short)."""
+    from specbench.suites.metrics_audit import summarize
+
+    _idle(pair.engine)
+    with httpx.Client(base_url=pair.proc.url, timeout=60) as c:  # one connection: a request takes milliseconds
+        def counters() -> dict:
+            return summarize(c.get("/metrics").text, MODEL)["counters"]
+
+        for _ in range(6):
+            c0 = counters()  # a fresh snapshot now; the request below takes far less than the old cache's 50 ms
+            r = c.post("/v1/completions", json={"model": MODEL, "prompt": "a b c", "max_tokens": 2, "temperature": 0,
+                                                "ignore_eos": True})
+            c1 = counters()
+            u = r.json()["usage"]
+            got = {k: c1[k] - c0[k] for k in ("requests_ok", "generation_tokens", "prompt_tokens")}
+            assert got == {"requests_ok": 1, "generation_tokens": u["completion_tokens"],
+                           "prompt_tokens": u["prompt_tokens"]}, got
+
+
 def _wait_for(path: str, engine, stop, progress) -> dict:
     """A warm-up (picklable: it runs in the child) that lasts until the test creates `path`."""
     progress(phase="gated")

@@ -9,7 +9,9 @@ Contract:
   `position`, `vllm:request_success_total` adds `finished_reason` (stop | length | abort | error).
 - Counters and gauges of the engine are read at each scrape by a collector (`EngineCollector`), never
   cached: running / waiting come from the scheduler's queues, KV usage and free pages from the pool, so
-  after aborts and disconnects they read what the engine holds now (0 and a full pool once idle).
+  after aborts and disconnects they read what the engine holds now (0 and a full pool once idle). An engine in
+  a process of its own is asked for one fresh snapshot per scrape (`ProcEngine.refresh`), so a scrape sent after a
+  response was answered counts that request (a snapshot cached for 50 ms left the counters one request short).
 - Histograms are observed on the engine-loop thread through `EngineLoop`'s observers: queue time when a
   request is first scheduled; TTFT, inter-token latency (one observation per step that emitted tokens:
   several tokens of one verify step arrive together, as in vLLM), time per output token, E2E, prefill and
@@ -61,7 +63,12 @@ class EngineCollector(Collector):
         self.loop, self.labels = loop, list(labels)
 
     def collect(self) -> Iterator[Metric]:
+        # every figure as of this scrape: an engine in a process of its own (engine_proc.py) fetches a fresh snapshot
+        # here, once, and the reads below share it; a cached one could predate the last answered request
         e = self.loop.engine
+        fresh = getattr(e, "refresh", None)
+        if callable(fresh):
+            fresh()
         m = e.metrics
         lab, names = self.labels, list(LABELS)
 
