@@ -79,6 +79,39 @@ def test_an_output_aborted_after_the_step_handed_it_over_sends_nothing() -> None
         loop.close()
 
 
+def test_a_step_built_after_a_later_step_finished_its_request_still_goes_out() -> None:
+    """The sender thread behind the step thread: step 1's message is built only after step 2 finished the request
+    (the loop thread has dropped its consumer by then). Step 1's tokens go out in their own delta, not merged into
+    the finishing one: one streamed event per engine step (the sweep's audit reads each event as one step)."""
+    conn, eng, gate = _Conn(), _Idle(), threading.Event()
+    loop = _ChildLoop(eng, _Sender(conn, threaded=True), None)
+    try:
+        sub = _Sub(None, None, "a", 0.0, 0.0)
+        loop.admit([1, 2, 3], None, "a", sub)
+        loop._send.later(lambda: (gate.wait(), None)[1])  # the sender thread is busy until the gate opens
+        loop._emit([(sub, _out("a", 1))])
+        loop._emit([(sub, _out("a", 3))])  # step 2: two more tokens
+        with loop._lock:
+            del loop._subs["a"]  # step 3 finishes the request: the loop thread lets go of its consumer ...
+        loop._emit([(sub, _out("a", 4, finished=True))])  # ... and hands over its output
+        gate.set()
+        loop._send.flush()
+        assert [(d[0], d[2]) for d in _steps(conn)] == [("a", [100]), ("a", [101, 102]), ("a", [103])]
+        assert loop._sent == {} and loop._finished == {}
+        # an abort still drops what the step handed over before it
+        other = _Sub(None, None, "b", 0.0, 0.0)
+        loop.admit([1], None, "b", other)
+        gate.clear()
+        loop._send.later(lambda: (gate.wait(), None)[1])
+        loop._emit([(other, _out("b", 1))])
+        loop.abort("b")
+        gate.set()
+        loop._send.flush()
+        assert [d[0] for d in _steps(conn)] == ["a", "a", "a"] and "b" in eng.aborted
+    finally:
+        loop.close()
+
+
 def test_a_delta_that_cannot_be_built_fails_its_request() -> None:
     loop, conn, eng = _child()
     try:

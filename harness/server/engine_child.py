@@ -127,6 +127,9 @@ class _ChildLoop(EngineLoop):
     def __init__(self, engine: Any, send: _Sender, warmup: Callable | None) -> None:
         self._send = send
         self._sent: dict[str, _Sent] = {}
+        # consumers whose request a step finished (the loop thread has let go of them) while an earlier step's
+        # message may still wait for the sender thread: that message still goes out (see `_step_message`)
+        self._finished: dict[str, _Sub] = {}
         self._scheduled: list[tuple[str, float]] = []
         super().__init__(engine, None, warmup=warmup)
         self.on_abort = lambda rid, reason: self._send(("aborted", rid, reason))
@@ -154,16 +157,25 @@ class _ChildLoop(EngineLoop):
         sched, self._scheduled = self._scheduled, []
         if items or sched:
             pairs = list(items)
+            for sub, out in pairs:
+                if out.finished:
+                    self._finished[out.rid] = sub
             self._send.later(lambda: self._step_message(pairs, sched))
 
     def _step_message(self, pairs: list[tuple[_Sub, Any]], sched: list[tuple[str, float]]) -> tuple:
         """The step's message, built on the sender thread. An unfinished output whose consumer is no longer
         the one it was handed over for (aborted or cancelled after the step looked it up, or its rid reused)
-        sends nothing and keeps no state (its `_sent` entry would never be freed). A delta that cannot be
-        built fails its request (aborted here, a "fail" to the parent) instead of silently losing tokens."""
+        sends nothing and keeps no state (its `_sent` entry would never be freed). One whose request a later
+        step finished (the sender fell behind the step thread) still goes out: dropping it would merge this
+        step's tokens into the finishing step's delta, one streamed event for two engine steps. A delta that
+        cannot be built fails its request (aborted here, a "fail" to the parent) instead of silently losing
+        tokens."""
         deltas = []
         for sub, out in pairs:
-            if not out.finished and self._subs.get(out.rid) is not sub:
+            if out.finished:
+                if self._finished.get(out.rid) is sub:
+                    del self._finished[out.rid]
+            elif self._subs.get(out.rid) is not sub and self._finished.get(out.rid) is not sub:
                 continue
             try:
                 deltas.append(self._delta(out))
