@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from policy_clock import tick_policy
 
 from specbench.engine import LLM, SamplingParams
 from specbench.engine.spec.policy import DraftState
@@ -24,6 +25,7 @@ BUDGETS = [6, 11, 17, 24, 30]  # staggered max_tokens: the batch shrinks (known 
 def _llm(pair, on: bool, **kw) -> LLM:
     llm = LLM(pair[0], draft=pair[1], num_pages=256, max_num_seqs=8, gated_ahead=on, **kw)
     llm.engine.runner.use_graph_runner = True  # the decode graphs' padded body (eager on CPU), context writer inside
+    tick_policy(llm)  # the automatic policy's measured times: the same on every machine, so on and off decide alike
     return llm
 
 
