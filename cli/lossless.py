@@ -9,9 +9,11 @@ candidate, gates.jsonl), calls specbench.suites.lossless.suite.run_lossless, pri
 and the summary (one JSON document with --json), writes the markdown report with --report, and ends with a
 summary table on stderr (cli/summary.py: a row per gate; none with --quiet or --json).
 --endpoint-type chat sends each prompt as the same chat request to both arms (suite.py's contract).
-Exit codes: 0 PASS; 1 FAIL or NOT SPECULATING (a pass that proves nothing is not a pass); 2 bad input
-(an engine string, an option value); 3 CANNOT TEST (the evidence could not be collected: no engine
-tokenizes, no output token ids, no baseline logprobs at a divergence; the missing capability is named).
+Exit codes: 0 PASS (also "PASS (speculation asserted by the user, not observed)" with --assume-speculating);
+1 FAIL or NOT SPECULATING (a pass that proves nothing is not a pass); 2 bad input (an engine string, an
+option value, --margin-tol with --strict); 3 CANNOT TEST (the evidence could not be collected: no engine
+tokenizes, no output token ids, no baseline logprobs at a divergence, no token at all, no evidence that the
+candidate speculated; what was missing is named).
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from specbench.harness.errors import usage_errors
 
 
 def lossless(
-    margin_tol: float = typer.Option(0.20, "--margin-tol", min=0.0, help="Benign-flip margin in nats for bf16 / fp16 runs: regret <= this is a tie flip."),
-    strict: bool | None = typer.Option(None, "--strict/--no-strict", help="Strict mode: every divergence must cost <= --strict-tol (fp32 noise), not --margin-tol. Default: on when both engines run float32 (an openai engine declares it with dtype=float32)."),
+    margin_tol: float | None = typer.Option(None, "--margin-tol", min=0.0, help="Benign-flip margin in nats: regret <= this is a tie flip. Default 0.2 for bf16 / fp16 runs; where both engines run float32 and none is typed, strict mode applies instead. A typed margin is honoured as typed (fp32 too; the verdict line and the reports say so)."),
+    assume_speculating: bool = typer.Option(False, "--assume-speculating", help="The candidate speculates, though nothing it reports shows it (no spec counters, no per-request draft counts, no streamed chunk of several tokens): a verdict that would be CANNOT TEST for want of that evidence becomes 'PASS (speculation asserted by the user, not observed)'. Evidence, where there is some, still decides (zero drafts: NOT SPECULATING)."),
+    strict: bool | None = typer.Option(None, "--strict/--no-strict", help="Strict mode: every divergence must cost <= --strict-tol (fp32 noise), not --margin-tol (not with a typed --margin-tol). Default: on when both engines run float32 (an openai engine declares it with dtype=float32) and no --margin-tol is typed."),
     strict_tol: float | None = typer.Option(None, "--strict-tol", min=0.0, help="Strict mode's tolerance in nats (default 4e-4: 10x the fp32 noise measured between correct paths, docs/lossless.md)."),
     baseline: str | None = typer.Option(None, "--baseline", help="Engine string of the reference (speculation off). Default: the bundled pair, spec off."),
     candidate: str | None = typer.Option(None, "--candidate", help="Engine string under test (speculation on). Default: the bundled pair, spec on."),
@@ -121,7 +124,7 @@ def lossless(
                              strict=strict, strict_tol=STRICT_FP32_TOL if strict_tol is None else strict_tol,
                              accept_reference=accept_reference, endpoint_type=endpoint_type,
                              record_reference=record_reference, results=str(results) if results else None,
-                             advisory=tuple(advisory))
+                             advisory=tuple(advisory), assume_speculating=assume_speculating)
         from specbench.harness.adapters.dialect import with_tokenizer
 
         bspec, cspec = share_gpu(gate_specs(with_tokenizer(list(baseline_and_candidate(baseline, candidate)), tokenizer)))

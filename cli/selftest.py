@@ -29,7 +29,7 @@ def selftest(
     faults: str | None = typer.Option(None, "--faults", help="Comma-separated subset of faults (default: every greedy fault)."),
     num_prompts: int = typer.Option(6, "--num-prompts", min=1, help="Prompts per gate."),
     max_tokens: int = typer.Option(48, "--max-tokens", min=4, help="Greedy tokens per request."),
-    margin_tol: float = typer.Option(0.20, "--margin-tol", min=0.0, help="Benign-flip margin in nats."),
+    margin_tol: float | None = typer.Option(None, "--margin-tol", min=0.0, help="Benign-flip margin in nats, honoured as typed. Default: strict mode for a float32 candidate (as `specbench lossless`), else 0.2."),
     expect_accept_len: float | None = typer.Option(None, "--expect-accept-len", min=1.0, help="Reference acceptance (default: clean run 1)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON document instead of the table."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress display, no per-engine lines and no summary "
@@ -55,6 +55,7 @@ def selftest(
         spec_off_twin,
     )
     from specbench.suites.lossless.greedy import GreedyGateOptions
+    from specbench.suites.lossless.regret import MARGIN_TOL
     from specbench.suites.lossless.report import render_selftest
     from specbench.suites.lossless.selftest import run_selftest
 
@@ -88,7 +89,8 @@ def selftest(
     async def main():
         try:
             return await run_selftest(cand, baseline, repeat=repeat, num_prompts=num_prompts, max_tokens=max_tokens,
-                                      opts=GreedyGateOptions(margin_tol=margin_tol), faults=names,
+                                      opts=GreedyGateOptions(margin_tol=MARGIN_TOL if margin_tol is None else margin_tol,
+                                                             margin_given=margin_tol is not None), faults=names,
                                       expect_accept_len=expect_accept_len, log=log, progress=progress)
         finally:
             await baseline.aclose()

@@ -10,6 +10,11 @@ Contract:
   SPECULATING, NO DRAFT ACCEPTED, INCOMPLETE), 2 bad usage or input (an option, an engine string), 3
   CANNOT TEST. FAIL wins over CANNOT TEST when a run has both: evidence of a bug is a finding even where
   other parts could not be tested.
+- Speculation (`speculation_verdict`): a losslessness PASS needs evidence that the candidate speculated (spec
+  counters, per-request draft counts, or streamed chunks that carried several tokens): observed -> PASS;
+  evidence that it did not (counters or per-request counts present, zero drafts) -> NOT SPECULATING (exit 1);
+  no evidence at all -> CANNOT TEST (`NO_SPEC_EVIDENCE`), unless the user asserts it speculates
+  (--assume-speculating) -> `PASS_ASSERTED`, which says so (exit 0).
 """
 
 from __future__ import annotations
@@ -17,6 +22,11 @@ from __future__ import annotations
 PASS = "PASS"
 FAIL = "FAIL"
 CANNOT_TEST = "CANNOT TEST"
+
+NOT_SPECULATING = "NOT SPECULATING"
+PASS_ASSERTED = "PASS (speculation asserted by the user, not observed)"
+NO_SPEC_EVIDENCE = ("evidence that the candidate speculated (no spec counters, no per-request draft counts, no "
+                    "streamed chunk of several tokens; --assume-speculating if you know it does)")
 
 EXIT_OK = 0
 EXIT_FAIL = 1
@@ -36,8 +46,18 @@ def is_cannot_test(verdict: str | None) -> bool:
     return bool(verdict) and str(verdict).startswith(CANNOT_TEST)
 
 
+def speculation_verdict(speculating: bool | None, assumed: bool = False) -> str:
+    """The verdict of a gate that found nothing wrong, by what it saw of speculation: True (observed) -> PASS,
+    False (counted, none) -> NOT SPECULATING, None (no evidence) -> PASS_ASSERTED where the user asserted it
+    (`assumed`), else CANNOT TEST."""
+    if speculating is None:
+        return PASS_ASSERTED if assumed else CANNOT_TEST
+    return PASS if speculating else NOT_SPECULATING
+
+
 def exit_code(verdict: str | None) -> int:
-    """0 for PASS (and its qualified forms, e.g. "PASS (speculation unverified)"), 3 for CANNOT TEST, else 1."""
+    """The one exit-code map: 0 for PASS (and its qualified forms, e.g. PASS_ASSERTED), 3 for CANNOT TEST (and its
+    qualified forms), else 1 (FAIL, NOT SPECULATING, NO DRAFT ACCEPTED, INCOMPLETE, ERROR)."""
     v = str(verdict or "")
     if v.startswith(PASS):
         return EXIT_OK

@@ -83,7 +83,7 @@ GT=${NIGHTLY_GATE_TOKENS:-128}
 
 # 2. lossless gates
 if [[ "${NIGHTLY_SKIP_GATES:-0}" != 1 ]]; then
-  step "lossless: tiny pair, dflash, $DEVICE" "${SB[@]}" lossless --margin-tol 0.20 \
+  step "lossless: tiny pair, dflash, $DEVICE" "${SB[@]}" lossless \
     --baseline "local,spec=off,$GPU" --candidate "local,spec=dflash,$GPU" \
     --num-prompts $((2 * GP)) --max-tokens "$GT" --concurrency 4 --concurrent --engine-gates \
     --report "$REPORTS/lossless-tiny.md"

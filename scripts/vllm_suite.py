@@ -482,7 +482,7 @@ def gates(out: Path, logs: Path, record: list) -> None:
                                    ("bundled-tiny-l12", f"draft={FIX / 'tiny-l12' / 'draft'}", pair),
                                    ("bundled-tiny-ngram", f"spec=ngram,k={NGRAM_K}", NG_TINY + ["--concurrent"])):
             if not (out / f"{tag}.json").exists():
-                side.append(sb_cli(["lossless", "--margin-tol", "0.20", "--candidate",
+                side.append(sb_cli(["lossless", "--candidate",
                                     f"local:{t / 'target'},{spec},device=cpu", *prompts, "--json", "--no-record",
                                     "--report", str(out / f"{tag}.md")], out, tag, 200))
 

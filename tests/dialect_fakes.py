@@ -21,6 +21,10 @@ makes the server emit the runner-up at output position i of every generation lon
 `prefix_cache=True` (vLLM) reproduces the prefix-cache tie flip of reports/h200-vllm (finding 2): a
 /v1/completions prompt already seen with the same `cache_salt` (none = the shared cache) is a cache hit and
 emits the runner-up at output position 0; a request with a salt of its own is always cold.
+`empty=True` (vLLM) yields no token but claims token ids and logprobs: every answer carries `token_ids: []`
+and empty logprobs, finish_reason "stop", usage completion_tokens 0 (no evidence of anything: CANNOT TEST).
+`steps=True` (vLLM, with spec=True) streams each step as one chunk, as vLLM does: a token "accepted from a draft"
+travels with the token before it, so a speculating server shows chunks of two tokens even with `metrics=False`.
 """
 
 from __future__ import annotations
@@ -80,6 +84,8 @@ class FakeServer:
     flip_at: int | None = None
     gap: float = 3.0
     tokenizer_json: str | None = None  # tokenize with this tokenizer.json instead of one id per character
+    empty: bool = False  # vLLM: no token, but `token_ids: []` and empty logprobs (finish "stop")
+    steps: bool = False  # vLLM with spec=True: stream each step as one chunk (a drafted token beside the one before)
     prefix_cache: bool = False  # vLLM: a prompt seen before under the same cache_salt flips output position 0
     cached: set = field(default_factory=set)  # (cache_salt, prompt ids) the fake prefix cache holds
     seen: list[dict] = field(default_factory=list)  # request bodies, by route
@@ -100,7 +106,7 @@ class FakeServer:
         out: list[int] = []
         probs: list[dict | None] = []
         drafted = accepted = 0
-        for i in range(max(n, 1)):
+        for i in range(0 if self.empty else max(n, 1)):
             d = dist(ids + out, self.model, self.gap)
             t = sample(d, temperature, top_k, rng)
             if (self.flip_at == i or flip_at == i) and n > i:
@@ -272,7 +278,7 @@ class FakeServer:
                 return {"choices": [{"index": 0, "text": "", "logprobs": lp, "finish_reason": "length"}], "usage": usage}
             if not body.get("stream"):
                 ch: dict = {"index": 0, "text": "".join(piece(x) for x in out), "logprobs": lp_of(out, probs),
-                            "finish_reason": "length"}
+                            "finish_reason": "stop" if srv.empty else "length"}
                 if want_ids:
                     ch["token_ids"] = out
                 res: dict = {"choices": [ch], "usage": usage}
@@ -282,17 +288,27 @@ class FakeServer:
             cont = (body.get("stream_options") or {}).get("continuous_usage_stats") and not llama
 
             def events() -> Iterator[bytes]:
-                for i, (x, p) in enumerate(zip(out, probs, strict=True)):
-                    c: dict = {"index": 0, "text": piece(x), "finish_reason": None}
+                steps: list[list[int]] = []  # output positions per streamed chunk
+                for i in range(len(out)):
+                    if srv.steps and srv.spec and not llama and i % 2 == 1 and steps:
+                        steps[-1].append(i)  # a token accepted from a draft: the same step, the same chunk
+                    else:
+                        steps.append([i])
+                for st in steps:
+                    xs, ps = [out[i] for i in st], [probs[i] for i in st]
+                    c: dict = {"index": 0, "text": "".join(piece(x) for x in xs), "finish_reason": None}
                     if n_probs:
-                        c["logprobs"] = None if (llama and p is None) else lp_of([x], [p])
+                        c["logprobs"] = None if (llama and ps[0] is None) else lp_of(xs, ps)
                     if want_ids:
-                        c["token_ids"] = [x]
+                        c["token_ids"] = xs
                     ev: dict = {"choices": [c]}
                     if cont:
-                        ev["usage"] = {"prompt_tokens": len(p_ids), "completion_tokens": i + 1}
+                        ev["usage"] = {"prompt_tokens": len(p_ids), "completion_tokens": st[-1] + 1}
                     yield f"data: {json.dumps(ev)}\n\n".encode()
-                last: dict = {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}
+                last: dict = {"choices": [{"index": 0, "text": "", "finish_reason": "stop" if srv.empty else "length"}]}
+                if srv.empty:  # the claim without the tokens: ids and logprobs, both empty
+                    last["choices"][0].update(token_ids=[] if want_ids else None,
+                                              logprobs=lp_of([], []) if n_probs else None)
                 if llama:
                     last["timings"] = timings
                 yield f"data: {json.dumps(last)}\n\n".encode()

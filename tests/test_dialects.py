@@ -216,7 +216,8 @@ def test_prometheus_llamacpp_prefix():
 
 
 def test_verdict_vocabulary():
-    assert [exit_code(v) for v in ("PASS", "PASS (speculation unverified)", "FAIL", "NOT SPECULATING",
+    assert [exit_code(v) for v in ("PASS", "PASS (speculation asserted by the user, not observed)", "FAIL",
+                                   "NOT SPECULATING",
                                    CANNOT_TEST)] == [0, 0, 1, 1, 3]
     assert combine([]) == CANNOT_TEST and combine(["PASS", CANNOT_TEST]) == CANNOT_TEST
     assert combine([CANNOT_TEST, "FAIL", "PASS"]) == "FAIL"

@@ -36,7 +36,7 @@ def swapped_rows(monkeypatch):
 
 def _lossless(tiny_pair, extra: str = "") -> dict:
     t, d = tiny_pair
-    res = CliRunner().invoke(cli.app, ["lossless", "--margin-tol", "0.20", "--baseline", f"local:{t},spec=off",
+    res = CliRunner().invoke(cli.app, ["lossless", "--baseline", f"local:{t},spec=off",
                                        "--candidate", f"local:{t},draft={d},spec=dflash{extra}", "--num-prompts", "3",
                                        "--max-tokens", "16", "--no-record", "--json"])
     return {"code": res.exit_code, **json.loads(res.stdout.strip().splitlines()[-1])}

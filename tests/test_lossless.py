@@ -35,7 +35,7 @@ def _run(args: list[str]):
 
 def test_lossless_passes_on_the_bundled_pair(tiny_pair, tmp_path):
     report = tmp_path / "r.md"
-    res, out = _run(["--margin-tol", "0.20", *_engines(tiny_pair), "--num-prompts", "3", "--max-tokens", "24",
+    res, out = _run([*_engines(tiny_pair), "--num-prompts", "3", "--max-tokens", "24",
                      "--quick", "--concurrent", "--json", "--report", str(report), "--results", str(tmp_path / "res")])
     assert res.exit_code == 0, res.output
     assert out["verdict"] == "PASS" and out["summary"]["failed_prompts"] == 0
@@ -56,7 +56,7 @@ def test_lossless_passes_on_the_bundled_pair(tiny_pair, tmp_path):
 
 
 def test_lossless_fails_on_a_faulty_candidate(tiny_pair):
-    res, out = _run(["--margin-tol", "0.20", *_engines(tiny_pair, "wrong_bonus"), "--num-prompts", "2",
+    res, out = _run([*_engines(tiny_pair, "wrong_bonus"), "--num-prompts", "2",
                      "--max-tokens", "16", "--no-record", "--json"])
     assert res.exit_code == 1 and out["verdict"] == "FAIL"
     bad = [p for p in out["gates"][0]["prompts"] if not p["ok"]]
@@ -168,7 +168,7 @@ def test_a_gate_on_by_default_that_cannot_test_is_reported_not_deciding():
 def test_default_run_catches_bugs_that_the_greedy_gate_alone_misses(tiny_pair, fault, gates):
     """Each fault leaves every greedy output of the gsm8k prompts, sent one at a time with the default sampling
     parameters, right: the default run (every gate) fails it, --quick (the greedy gate alone) cannot see it."""
-    args = ["--margin-tol", "0.20", *_engines(tiny_pair, fault), "--num-prompts", "4", "--max-tokens", "48",
+    args = [*_engines(tiny_pair, fault), "--num-prompts", "4", "--max-tokens", "48",
             "--no-record", "--json", "--no-check-draft"]
     res, out = _run(args)
     assert res.exit_code == 1 and out["verdict"] == "FAIL", res.output
@@ -180,7 +180,7 @@ def test_default_run_catches_bugs_that_the_greedy_gate_alone_misses(tiny_pair, f
 
 
 def test_quick_with_a_named_gate(tiny_pair):
-    res, out = _run(["--margin-tol", "0.20", *_engines(tiny_pair), "--num-prompts", "2", "--max-tokens", "8",
+    res, out = _run([*_engines(tiny_pair), "--num-prompts", "2", "--max-tokens", "8",
                      "--no-record", "--json", "--no-check-draft", "--quick", "--concurrent"])
     assert res.exit_code == 0 and [g["name"] for g in out["gates"]] == ["greedy", "concurrent"], res.output
     assert out["config"]["advisory"] == []  # named: its CANNOT TEST would decide the verdict

@@ -6,6 +6,20 @@ check returns an `AcceptanceEvidence` whose `speculating` is False when the engi
 accepted length is within `min_accept_len` of 1.0: a lossless pass on such an engine proves nothing and
 the verdict says "NOT SPECULATING", never a plain PASS.
 
+Evidence that the candidate speculated (`acceptance_evidence`), first that applies:
+1. "per-request": every ok result reports its verify steps (`spec.num_drafts`: the local engine, `specbench
+   serve`): drafts and mean accepted length;
+2. "counters": the engine's spec counters moved around the requests (a counters delta with num_drafts);
+3. "per-request draft tokens": every ok result reports draft and accepted tokens but no verify steps
+   (llama.cpp's timings without its counters): speculating when some draft was accepted, not when none was;
+4. "stream chunks": streamed results counted exactly per chunk (`counted_exactly`) of which some chunk carried
+   several tokens, in a stream of at least two chunks (a non-streamed answer is one chunk by construction):
+   one step emitted several tokens, which only speculation does on a server that streams each step (one that
+   merges steps into a chunk would pass for speculating: docs/lossless.md);
+5. "none": no evidence either way: `speculating` is None, and the gate is CANNOT TEST unless the user asserted
+   speculation (`assumed`, --assume-speculating; harness/verdicts.speculation_verdict).
+`AcceptanceEvidence.not_measured()` is a gate that sent no candidate request (it says so, not "no counters").
+
 Counter invariants (REFERENCE.md section 3), over a counters delta {num_drafts, num_draft_tokens,
 num_accepted_tokens, accepted_per_pos}:
 - sum(accepted_per_pos) == num_accepted_tokens;
@@ -65,20 +79,48 @@ class Check:
         return asdict(self)
 
 
+COUNTED = ("per-request", "counters")  # sources that count verify steps (drafts): a mean accepted length
+EXACT_CHUNK_METHODS = ("engine", "token_ids", "logprobs", "usage")  # token_count_method: exact per-chunk counts
+
+
+def counted_exactly(method: str | None) -> bool:
+    """Whether a result's `chunk_tokens` are exact counts (adapters' `token_count_method`, a '+'-joined set of
+    methods where several applied); "proportional" and "chunks" are estimates."""
+    parts = [m for m in str(method or "").split("+") if m]
+    return bool(parts) and all(m in EXACT_CHUNK_METHODS for m in parts)
+
+
+def multi_token_chunks(r: GenResult) -> int:
+    """Streamed chunks of one result that carried several tokens, where counted exactly, in a stream of at least
+    two chunks (a non-streamed answer is one chunk whatever the engine did): 0 otherwise."""
+    if not r.ok or len(r.chunk_tokens) < 2 or not counted_exactly(r.token_count_method):
+        return 0
+    return sum(1 for c in r.chunk_tokens if c > 1)
+
+
 @dataclass
 class AcceptanceEvidence:
-    """Speculation during one run, from per-request stats (preferred) or a counters delta."""
+    """Speculation during one run: per-request stats (preferred), a counters delta, per-request draft tokens, or
+    streamed chunks of several tokens (the module docstring's order)."""
 
-    source: str  # "per-request" | "counters" | "none"
+    source: str  # "per-request" | "counters" | "per-request draft tokens" | "stream chunks" | "none" | "not measured"
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
     min_accept_len: float = MIN_ACCEPT_LEN
+    multi_token_chunks: int = 0  # "stream chunks": chunks that carried several tokens
+    assumed: bool = False  # the user asserted that the candidate speculates (--assume-speculating)
+
+    @classmethod
+    def not_measured(cls, assumed: bool = False) -> AcceptanceEvidence:
+        """A gate that sent no candidate request: nothing was measured (not "the engine has no counters")."""
+        return cls("not measured", assumed=assumed)
 
     @property
     def known(self) -> bool:
-        return self.source != "none"
+        """Verify steps counted (per-request or counters): a mean accepted length exists."""
+        return self.source in COUNTED
 
     @property
     def mean_accept_len(self) -> float | None:
@@ -91,14 +133,32 @@ class AcceptanceEvidence:
 
     @property
     def speculating(self) -> bool | None:
+        """True: observed; False: counted, and none (or nothing accepted); None: no evidence either way."""
+        if self.source == "per-request draft tokens":
+            return self.num_accepted_tokens > 0
+        if self.source == "stream chunks":
+            return self.multi_token_chunks > 0
         if not self.known:
             return None
         m = self.mean_accept_len
         return m is not None and m > self.min_accept_len
 
     def describe(self) -> str:
+        if self.source == "not measured":
+            return "not measured: the gate sent no candidate request"
+        if self.source == "per-request draft tokens":
+            s = (f"{self.num_draft_tokens} draft tokens, {self.num_accepted_tokens} accepted (per-request counts; no "
+                 "verify-step counts, no spec counters)")
+            return s if self.speculating else f"NOT SPECULATING: {s}"
+        if self.source == "stream chunks":
+            return (f"speculation seen in {self.multi_token_chunks} streamed chunks of several tokens (no spec "
+                    "counters, no per-request draft counts)")
         if not self.known:
-            return "speculation unverified: the engine reports no spec counters"
+            if self.assumed:
+                return ("speculation asserted by the user (--assume-speculating), not observed: no spec counters, no "
+                        "per-request draft counts, no streamed chunk of several tokens")
+            return ("no evidence that the candidate speculated: no spec counters, no per-request draft counts, no "
+                    "streamed chunk of several tokens")
         if not self.num_drafts:
             return "NOT SPECULATING: zero drafts"
         m = self.mean_accept_len or 1.0
@@ -113,13 +173,14 @@ class AcceptanceEvidence:
 
 
 def acceptance_evidence(results: Iterable[GenResult], delta: dict | None,
-               min_accept_len: float = MIN_ACCEPT_LEN) -> AcceptanceEvidence:
+                        min_accept_len: float = MIN_ACCEPT_LEN, assumed: bool = False) -> AcceptanceEvidence:
     """Per-request spec dicts when every ok result has one with a verify-step count (`num_drafts`), else the
-    counters delta, else unknown. (llama.cpp's per-request `timings` give draft tokens but no steps, so its
-    evidence comes from the `llamacpp:` counters.)"""
+    counters delta, else per-request draft tokens, else streamed chunks of several tokens, else none (the module
+    docstring). (llama.cpp's per-request `timings` give draft tokens but no steps, so its evidence comes from the
+    `llamacpp:` counters where the server exposes them.) `assumed`: the user asserted speculation."""
     rs = [r for r in results if r.ok]
     if rs and all(r.spec and r.spec.get("num_drafts") is not None for r in rs):
-        st = AcceptanceEvidence("per-request", min_accept_len=min_accept_len)
+        st = AcceptanceEvidence("per-request", min_accept_len=min_accept_len, assumed=assumed)
         for r in rs:
             sp = r.spec or {}
             st.num_drafts += int(sp.get("num_drafts") or 0)
@@ -131,9 +192,17 @@ def acceptance_evidence(results: Iterable[GenResult], delta: dict | None,
         return st
     if delta and delta.get("num_drafts") is not None:
         return AcceptanceEvidence("counters", int(delta.get("num_drafts") or 0), int(delta.get("num_draft_tokens") or 0),
-                         int(delta.get("num_accepted_tokens") or 0), list(delta.get("accepted_per_pos") or []),
-                         min_accept_len)
-    return AcceptanceEvidence("none", min_accept_len=min_accept_len)
+                                  int(delta.get("num_accepted_tokens") or 0), list(delta.get("accepted_per_pos") or []),
+                                  min_accept_len, assumed=assumed)
+    counts = [per_request_counts(r) for r in rs]
+    if rs and all(c is not None for c in counts):
+        return AcceptanceEvidence("per-request draft tokens", 0, sum(c[0] for c in counts if c),
+                                  sum(c[1] for c in counts if c), min_accept_len=min_accept_len, assumed=assumed)
+    chunks = sum(multi_token_chunks(r) for r in rs)
+    if chunks:
+        return AcceptanceEvidence("stream chunks", min_accept_len=min_accept_len, multi_token_chunks=chunks,
+                                  assumed=assumed)
+    return AcceptanceEvidence("none", min_accept_len=min_accept_len, assumed=assumed)
 
 
 def _pad(xs: list[int], n: int) -> list[int]:

@@ -56,7 +56,6 @@ from specbench.harness.adapters.base import (
 from .checks import (
     AcceptanceEvidence,
     Check,
-    acceptance_evidence,
     check_after_stop,
     check_kv_idle,
     check_logprob_parity,
@@ -122,9 +121,10 @@ async def headroom(baseline: EngineAdapter, candidate: EngineAdapter, prompts: S
     opts = resolve_rule(opts, baseline, candidate)
     geo = geometry(candidate)
     if geo is None:
-        return GateRun("headroom", [], AcceptanceEvidence("none"),
-                       [Check("headroom", True, "engine geometry unknown (not a local engine)", skipped=True)],
-                       require_spec=False)
+        why = ("the model geometry (max_position_embeddings and the usable context), which only a local engine "
+               "gives: no request was sent")
+        return GateRun("headroom", [], AcceptanceEvidence.not_measured(), [Check("headroom", True, why, skipped=True)],
+                       time.perf_counter() - t0, require_spec=False, rule=opts.rule_dict(), cannot_test=[why])
     max_pos, usable = geo
     block = max_pos - usable
     m = min(4, max_tokens)
@@ -194,10 +194,11 @@ async def long_context(baseline: EngineAdapter, candidate: EngineAdapter, prompt
                                  for n in LONG_LENGTHS)}
     ps = [Prompt(f"long-{n}", ids) for n, ids in sorted(built.items()) if n > max(longest, len(tail))]
     if not ps:
-        return GateRun("long-context", [], AcceptanceEvidence("none"),
-                       [Check("long-context", True, f"the engine's usable context ({geo[1] if geo else '?'}) leaves "
-                              f"no prompt longer than the others ({max(longest, len(tail))} tokens)", skipped=True)],
-                       require_spec=False)
+        why = (f"a long prompt: the engine's usable context ({geo[1] if geo else '?'}) leaves no prompt longer than the "
+               f"others ({max(longest, len(tail))} tokens)")
+        return GateRun("long-context", [], AcceptanceEvidence.not_measured(), [Check("long-context", True, why,
+                                                                                      skipped=True)],
+                       time.perf_counter() - t0, require_spec=False, rule=opts.rule_dict(), cannot_test=[why])
     lengths = [len(p.ids) for p in ps]
     reqs = [GenRequest(prompt=p.ids, max_tokens=max_tokens, temperature=0.0, rid=f"long-context-{p.pid}",
                        prompt_cache=False) for p in ps]
@@ -259,12 +260,14 @@ async def mixed(baseline: EngineAdapter, candidate: EngineAdapter, prompts: Sequ
         else:
             idle_batch = "no draft during the mixed batch (counters)"
     lp = [(r, b) for r, b, k in zip(res, bases, kinds, strict=True) if k == "logprobs" and r.ok]
-    counted = [r for r, _ in lp if r.output_ids is not None]  # without output ids there is nothing to count against
+    # without output tokens there is nothing to count the entries against (no ids, or no token at all: an endpoint
+    # that returned nothing owes no logprobs, and a FAIL needs evidence as a PASS does)
+    counted = [r for r, _ in lp if r.output_ids]
     short = [r.rid for r in counted if not r.logprobs or len(r.logprobs) != len(r.output_ids or [])]
     checks.append(Check("logprobs-returned", not short, f"missing logprobs: {short}" if short
                         else f"{len(counted)} logprobs requests returned one entry per token") if counted or not lp
-                  else Check("logprobs-returned", True, "no output ids to count the logprobs entries against",
-                             skipped=True))
+                  else Check("logprobs-returned", True, "no output token to count the logprobs entries against "
+                             f"({len(lp)} logprobs requests returned no ids or no token)", skipped=True))
     checks += logprobs_checks(lp, opts)
     run = await finish_run("mixed", candidate, baseline, list(pcs), res, delta, opts, t0, engine_k(candidate))
     run.checks, run.require_spec = checks + run.checks, False
@@ -391,6 +394,9 @@ async def stop_in_run(baseline: EngineAdapter, candidate: EngineAdapter, prompts
     run = await finish_run("stop-in-run", candidate, baseline, pcs, res, delta, opts, t0, engine_k(candidate))
     run.require_spec = False
     run.notes.append(f"{len(cases)} stop strings; {inside} landed inside an accepted run")
+    if not cases:
+        run.cannot_test.append(f"a stop string to test: no baseline output of {len(prompts[:3])} prompts had text to "
+                               "pick one from")
     return run
 
 
@@ -840,7 +846,8 @@ async def min_tokens(baseline: EngineAdapter, candidate: EngineAdapter, prompts:
     ids = list((await baseline_for(baseline, echo.ids, [], max_tokens, opts.top_k)).output_ids or [])
     t = next((x for x in ids[len(ids) // 2:] + ids if x not in eos), None)
     if t is None:
-        run = GateRun("min-tokens", [], acceptance_evidence([], None), [], time.perf_counter() - t0, rule=opts.rule_dict())
+        run = GateRun("min-tokens", [], AcceptanceEvidence.not_measured(), [], time.perf_counter() - t0,
+                      rule=opts.rule_dict())
         run.cannot_test.append("a stop token: the baseline's output was empty or all EOS")
         return run
     cases = [Prompt(f"{echo.pid}-min{m}", echo.ids, echo.text) for m in ms]

@@ -13,10 +13,12 @@ Contract:
   FAIL ("past_stop"); one that stops where the baseline continued is a FAIL ("early_stop"). Engines that
   report their EOS token in the output ids (the reference engine) turn an EOS flip into an ordinary token
   divergence instead; for the others an EOS-vs-token tie cannot be scored (docs/lossless.md).
-- The tolerance (`resolve_rule`): strict mode when both engines declare fp32 (describe()["config"]["dtype"];
-  an openai engine string's `dtype=float32`) or `strict=True`: every divergence must cost at most
-  `strict_tol` (regret.STRICT_FP32_TOL, 10x the measured fp32 noise between correct paths); else the
-  bf16 / fp16 `margin_tol`. `GreedyGateOptions.tol` is the one the gate applies; `GateRun.rule` records it.
+- The tolerance (`resolve_rule`): strict mode when `strict=True`, or when both engines declare fp32
+  (describe()["config"]["dtype"]; an openai engine string's `dtype=float32`) and the user typed no margin
+  (`margin_given` False): every divergence must cost at most `strict_tol` (regret.STRICT_FP32_TOL, 10x the
+  measured fp32 noise between correct paths); else the `margin_tol` (the bf16 / fp16 default, or the one the
+  user typed, which is honoured as typed, fp32 or not, and the reason says that strict mode would otherwise
+  apply). `GreedyGateOptions.tol` is the one the gate applies; `GateRun.rule` records it (mode, tol, reason).
 - Re-scoring (optional): at each divergence the candidate scores prompt + shared prefix + pick through its
   own prefill path (`adapter.score`, echo + logprobs). A benign flip whose pick the candidate's own prefill
   scores more than `tol` below its top-1 is a FAIL ("rescore"): the verify path and the prefill path of one
@@ -26,8 +28,10 @@ Contract:
   where it can, reported beside the lower bound.
 - `run_greedy` runs a prompt set through both engines and returns a `GateRun` (outcomes.py, re-exported
   here with `Prompt`, `Divergence`, `PromptCheck`) with per-prompt checks, speculation statistics and the
-  run checks (checks.py); `GateRun.verdict` is PASS, FAIL, NOT SPECULATING, "PASS (speculation
-  unverified)" when the engine exposes no counters, or CANNOT TEST.
+  run checks (checks.py); `GateRun.verdict` is PASS, FAIL, NOT SPECULATING, CANNOT TEST (also where
+  nothing shows that the candidate speculated: no counters, no per-request draft counts, no streamed chunk of
+  several tokens), or "PASS (speculation asserted by the user, not observed)" there with
+  `assume_speculating` (harness/verdicts.py).
 - No verdict without evidence (harness/verdicts.py): a prompt whose outputs cannot be compared for want
   of a capability (no output token ids; no usable baseline logprobs at a divergence) is "untestable",
   with the capability named in `missing`; a gate with an untestable prompt, or with no prompt or no token
@@ -88,6 +92,8 @@ class GreedyGateOptions:
     strict_tol: float = STRICT_FP32_TOL
     rule: str = ""  # set by resolve_rule: "strict" | "margin" ("" = not resolved: the margin applies)
     rule_reason: str = ""
+    margin_given: bool = False  # the user typed --margin-tol: honoured as typed, also where both engines run fp32
+    assume_speculating: bool = False  # --assume-speculating: no evidence of speculation is PASS_ASSERTED, not CANNOT TEST
 
     @property
     def tol(self) -> float:
@@ -96,7 +102,7 @@ class GreedyGateOptions:
 
     def rule_dict(self) -> dict:
         return {"mode": self.rule or "margin", "tol": self.tol, "reason": self.rule_reason,
-                "margin_tol": self.margin_tol, "strict_tol": self.strict_tol}
+                "margin_tol": self.margin_tol, "strict_tol": self.strict_tol, "margin_given": self.margin_given}
 
 
 def engine_dtype(adapter: EngineAdapter) -> str | None:
@@ -118,10 +124,14 @@ def resolve_rule(opts: GreedyGateOptions, baseline: EngineAdapter, candidate: En
         mode, why = "strict", f"--strict ({dtypes})"
     elif opts.strict is False:
         mode, why = "margin", f"--no-strict ({dtypes})"
+    elif both and opts.margin_given:
+        mode, why = "margin", (f"--margin-tol {opts.margin_tol:g} as typed, although both engines run float32 (strict "
+                               "fp32 exactness applies when no --margin-tol is given, or with --strict)")
     elif both:
-        mode, why = "strict", "both engines run float32"
+        mode, why = "strict", "both engines run float32 (no --margin-tol typed)"
     else:
-        mode, why = "margin", dtypes + ": the bf16 / fp16 margin"
+        mode, why = "margin", dtypes + (f": --margin-tol {opts.margin_tol:g} as typed" if opts.margin_given
+                                        else ": the bf16 / fp16 margin")
         if db is None or dc is None:
             why += " (an engine that does not declare its dtype: dtype=float32 on its engine string turns strict mode on)"
     return replace(opts, rule=mode, rule_reason=why)
@@ -429,7 +439,7 @@ async def finish_run(name: str, candidate: EngineAdapter, baseline: EngineAdapte
                      k: int | None = None, max_tokens: Sequence[int] | None = None) -> GateRun:
     """Spec statistics and the run checks (counters, after-EOS, output counts, KV idle) around one gate's
     requests (`max_tokens`: each result's, in order, where known)."""
-    stats = acceptance_evidence(results, delta, opts.min_accept_len)
+    stats = acceptance_evidence(results, delta, opts.min_accept_len, assumed=opts.assume_speculating)
     eos = eos_ids_of(candidate.describe()) or eos_ids_of(baseline.describe())
     checks = [check_counters(stats, k), check_after_stop(results, eos), check_counts(results, max_tokens),
               check_kv_idle(await health(candidate))]

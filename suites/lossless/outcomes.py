@@ -8,9 +8,15 @@ Contract:
   judgement is benign and the candidate's re-scoring did not disagree (`rescore_fail`).
 - `PromptCheck` is one prompt's outcome (identical | flip | fail | error | untestable) with its divergences.
 - `GateRun` is one gate's outcome: per-prompt checks, run checks (checks.py) and speculation statistics;
-  `GateRun.verdict` is PASS, FAIL, NOT SPECULATING, "PASS (speculation unverified)" or CANNOT TEST (no
-  verdict without evidence: harness/verdicts.py). greedy.py builds them (check_output, finish_run) and
-  re-exports every name here.
+  `GateRun.verdict` is FAIL, CANNOT TEST, or (for a gate judged on speculation, `require_spec`)
+  harness/verdicts.speculation_verdict of its evidence: PASS, NOT SPECULATING, or PASS_ASSERTED where no evidence
+  was found and the user asserted speculation; a gate not judged on speculation passes as PASS. No verdict
+  without evidence: greedy.py builds them (check_output, finish_run) and re-exports every name here.
+- `GateRun.missing` gives each reason a CANNOT TEST has, and only true ones: where the candidate returned no
+  token at all (every ok output empty, nothing compared, nothing failed) that is the one reason (what else
+  could not be tested follows from it); else the gate's own reasons (`cannot_test`), the capabilities its
+  untestable prompts lacked (a reason the gate already gives is not repeated), "no prompt was tested" only where
+  no other reason says why, and, for a gate judged on speculation, NO_SPEC_EVIDENCE where nothing showed it.
 """
 
 from __future__ import annotations
@@ -18,10 +24,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from specbench.harness.adapters.base import GenResult
-from specbench.harness.verdicts import CANNOT_TEST
+from specbench.harness.verdicts import CANNOT_TEST, FAIL, NO_SPEC_EVIDENCE, PASS, speculation_verdict
 
 from .checks import AcceptanceComparison, AcceptanceEvidence, Check
 from .regret import PickJudgement
+
+NO_OUTPUT = "a token to compare: the candidate returned no token (every output empty)"
 
 
 @dataclass
@@ -144,26 +152,39 @@ class GateRun:
         return any(not p.ok and not p.untestable for p in self.prompts) or bool(self.failed_checks)
 
     @property
+    def no_output(self) -> bool:
+        """The candidate returned no token at all: every ok result empty (no ids, no text) and nothing compared."""
+        ok = [r for r in self.results if r.ok]
+        return (bool(ok) and all(not r.output_ids and not r.text for r in ok)
+                and not sum(p.tokens_compared for p in self.prompts))
+
+    @property
     def missing(self) -> list[str]:
-        """Why the gate cannot reach a verdict (empty when it can): the capabilities, or no evidence at all."""
-        out = sorted({p.missing or "?" for p in self.prompts if p.untestable}) + list(self.cannot_test)
-        if not self.prompts:
+        """Why the gate cannot reach a verdict (empty when it can): each true reason, once (module docstring)."""
+        if self.no_output:
+            return [NO_OUTPUT]
+        out = list(dict.fromkeys(self.cannot_test))
+        for m in sorted({p.missing or "?" for p in self.prompts if p.untestable}):
+            if not any(c == m or c.startswith(m + ":") for c in out):
+                out.append(m)
+        if not self.prompts and not out:
             out.append("no prompt was tested")
         elif not out and not sum(p.tokens_compared for p in self.prompts):
             out.append("no token was compared (every output empty)")
+        if (self.require_spec and self.stats.speculating is None and not self.stats.assumed
+                and self.stats.source != "not measured"):
+            out.append(NO_SPEC_EVIDENCE)
         return out
 
     @property
     def verdict(self) -> str:
         if self.failed:
-            return "FAIL"
+            return FAIL
         if self.missing:
             return CANNOT_TEST
         if not self.require_spec:
-            return "PASS"
-        if self.stats.speculating is None:
-            return "PASS (speculation unverified)"
-        return "PASS" if self.stats.speculating else "NOT SPECULATING"
+            return PASS
+        return speculation_verdict(self.stats.speculating, self.stats.assumed)
 
     def to_dict(self) -> dict:
         return {"name": self.name, "verdict": self.verdict, "ok": self.ok, "wall_s": self.wall_s,

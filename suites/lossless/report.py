@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .greedy import GateRun, PromptCheck
+from .regret import MARGIN_TOL
 
 if TYPE_CHECKING:
     from .selftest import SelftestOutcome
@@ -58,12 +59,13 @@ def _accept(p: PromptCheck) -> str:
 
 
 def gate_summary_rows(gates: list[GateRun]) -> list[str]:
-    rows = ["| gate | verdict | requests | identical | benign flips | failed | cannot test | tokens compared "
-            "| re-anchors | drafts | mean accepted length | wall s |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = ["| gate | verdict | tolerance | requests | identical | benign flips | failed | cannot test "
+            "| tokens compared | re-anchors | drafts | mean accepted length | wall s |",
+            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for g in gates:
         ps = g.prompts
-        rows.append(f"| {g.name} | {'**' + g.verdict + '**' if g.verdict != 'PASS' else g.verdict} | {len(ps)} "
+        rows.append(f"| {g.name} | {'**' + g.verdict + '**' if g.verdict != 'PASS' else g.verdict} "
+                    f"| {_cell(rule_short(g.rule))} | {len(ps)} "
                     f"| {sum(p.status == 'identical' for p in ps)} | {sum(p.status == 'flip' for p in ps)} "
                     f"| {sum(not p.ok and not p.untestable for p in ps)} | {sum(p.untestable for p in ps)} "
                     f"| {sum(p.tokens_compared for p in ps)} "
@@ -154,12 +156,36 @@ def capability_rows(engines: dict[str, dict]) -> list[str]:
     return rows
 
 
+def rule_short(rule: dict | None) -> str:
+    """The tolerance a gate was judged by, in a few words ("strict 0.0004 nat", "margin 0.2 nat"); "-" for a gate
+    no regret tolerance judged (the divergence-rate test's own gate)."""
+    if not rule or rule.get("tol") is None:
+        return "-"
+    return f"{'strict' if rule.get('mode') == 'strict' else 'margin'} {rule['tol']:g} nat"
+
+
 def rule_line(rule: dict, cfg: dict) -> str:
-    tol = rule.get("tol", cfg.get("margin_tol"))
+    """The tolerance and why: the user's margin (typed or the default) or strict fp32 exactness."""
+    tol = rule.get("tol")
+    if tol is None:
+        tol = cfg.get("margin_tol") if cfg.get("margin_tol") is not None else MARGIN_TOL
     mode = rule.get("mode", "margin")
-    what = (f"strict mode: fp32 noise x10 ({rule.get('reason')})" if mode == "strict"
-            else f"the bf16 / fp16 margin ({rule.get('reason') or '--margin-tol'})")
+    what = (f"strict fp32 exactness ({rule.get('reason')})" if mode == "strict"
+            else f"the margin ({rule.get('reason') or '--margin-tol'})")
     return f"benign if <= {tol:g} nat, {what}"
+
+
+def tolerance_summary(gates: list[GateRun]) -> str:
+    """Which tolerance judged each gate, in one phrase: one rule for every gate (the usual case), else per gate."""
+    ruled = [g for g in gates if g.rule]
+    rules = {rule_short(g.rule): g.rule for g in ruled}
+    if not rules:
+        return "no gate was judged by a tolerance"
+    if len(rules) == 1:
+        (short, r), = rules.items()
+        return f"{short} for {'every gate' if len(ruled) == len(gates) else ', '.join(g.name for g in ruled)} " \
+               f"({r.get('reason')})"
+    return "; ".join(f"{g.name}: {rule_short(g.rule)} ({g.rule.get('reason')})" for g in ruled)
 
 
 def acceptance_lines(out: LosslessOutcome) -> list[str]:
@@ -196,6 +222,8 @@ def not_run_lines(out: LosslessOutcome) -> list[str]:
 def render_markdown(out: LosslessOutcome) -> str:
     cfg = out.config
     lines = [f"# Lossless gate: {out.verdict}", ""]
+    if out.gates:
+        lines += [f"Tolerance: {tolerance_summary(out.gates)}.", ""]
     lines += [f"- candidate (spec on): {_engine_line(out.engines.get('candidate', {}))}",
               f"- baseline (spec off): {_engine_line(out.engines.get('baseline', {}))}",
               f"- rule: greedy; at each divergence regret = logp(top1) - logp(pick) under the baseline's "
@@ -224,10 +252,13 @@ def render_markdown(out: LosslessOutcome) -> str:
     lines += ["", "## Divergences", ""] + (div or ["None: every candidate token equals the baseline's."])
     lines += ["", "## Run checks", ""] + check_rows(out.gates)
     lines += ["", "Verdicts: PASS = every token identical or a benign tie flip, speculation observed; "
+              "PASS (speculation asserted by the user, not observed) = the same, but nothing the candidate reported "
+              "showed speculation and --assume-speculating asserted it; "
               "NOT SPECULATING = lossless but the engine never drafted (or accepted ~nothing), which proves "
-              "nothing; FAIL = a pick above the margin, outside the baseline top-k, a length mismatch, a failed "
+              "nothing; FAIL = a pick above the tolerance, outside the baseline top-k, a length mismatch, a failed "
               "request or a failed run check; CANNOT TEST = the evidence a verdict needs could not be collected "
-              "(a capability missing, or nothing to compare), never a pass. See docs/lossless.md.", ""]
+              "(a capability missing, nothing to compare, or no evidence that the candidate speculated), never a "
+              "pass. See docs/lossless.md.", ""]
     return "\n".join(lines)
 
 
@@ -248,8 +279,9 @@ def render_console(out: LosslessOutcome) -> str:
     why = f" [missing: {'; '.join(out.missing)}]" if out.missing and out.verdict.startswith("CANNOT") else ""
     if out.not_tested and not out.verdict.startswith("CANNOT"):
         why += f" [not tested here: {'; '.join(out.not_tested)}]"
+    tol = f", tolerance {tolerance_summary(out.gates)}" if out.gates else ""
     lines.append(f"VERDICT: {out.verdict}{why}  ({s['prompts']} prompts, {s['failed_prompts']} failed, {s['flips']} benign "
-                 f"flips, mean accepted length {_f(s['mean_accept_len'], 2)}, {out.wall_s:.1f} s)")
+                 f"flips, mean accepted length {_f(s['mean_accept_len'], 2)}{tol}, {out.wall_s:.1f} s)")
     return "\n".join(lines)
 
 

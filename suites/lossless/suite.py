@@ -14,16 +14,23 @@ Contract:
 - Verdict: FAIL if any gate fails; else NOT SPECULATING if the greedy gate
   saw no speculation (zero drafts or a mean accepted length <= min_accept_len); else CANNOT TEST if a gate
   could not collect its evidence (or the prompts could not be tokenized at all: then no gate runs), naming
-  what was missing; else PASS ("PASS (speculation unverified)" when the candidate exposes no spec
-  counters). `exit_code` maps it (harness/verdicts.py: 0 PASS, 1 FAIL / NOT SPECULATING, 3 CANNOT TEST).
+  what was missing, which includes a greedy gate that saw no evidence that the candidate speculated (no spec
+  counters, no per-request draft counts, no streamed chunk of several tokens); else the greedy gate's PASS, or
+  "PASS (speculation asserted by the user, not observed)" where nothing showed speculation and
+  `assume_speculating` (--assume-speculating) asserts it. `exit_code` maps it (harness/verdicts.py: 0 PASS,
+  1 FAIL / NOT SPECULATING, 3 CANNOT TEST).
 - `cfg.advisory` names the gates that run because they are on by default (the CLI without --quick): their
   CANNOT TEST does not decide the verdict but is listed (`not_tested`, the notes, the reports' "could not
   run" and the VERDICT line); their FAIL does. The greedy gate is never advisory.
 - `checks_not_run()` lists, per gate, every check that could not run and why (skipped run checks,
   re-scoring the candidate could not do, untestable prompts, the engines' missing capabilities); the
   reports print it beside the verdict.
-- The tolerance: strict mode (regret.STRICT_FP32_TOL) in every gate when both engines run fp32, else
-  `margin_tol` (`strict` True / False forces it; greedy.resolve_rule); the outcome's notes say which and why.
+- The tolerance: `margin_tol` None means the user typed none: then strict mode (regret.STRICT_FP32_TOL) in
+  every gate when both engines run fp32, else the bf16 / fp16 margin (regret.MARGIN_TOL); a typed margin is
+  honoured as typed, fp32 or not (`strict` True / False forces strict or margin; --strict with a typed margin is
+  bad input). greedy.resolve_rule decides; the rule (mode, tol, why) is in the outcome's notes, in `rule` of the
+  summary and of every "gates" record, in `tolerance` of every "checks" record, on the console's VERDICT line
+  and in the reports' per-gate table.
 - Acceptance (two-sided, checks.check_acceptance: within 10% of the reference's excess over 1, either way) on
   the greedy gate, against `expect_accept_len` when given, else against the reference recorded in the results
   store for the same fingerprint (reference.py: engine, drafter, prompts, max_tokens, concurrency), unless
@@ -50,7 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from specbench.harness.adapters.base import EngineAdapter, refuse_synthetic
-from specbench.harness.verdicts import CANNOT_TEST, CannotTest, exit_code
+from specbench.harness.verdicts import CANNOT_TEST, FAIL, NOT_SPECULATING, CannotTest, exit_code
 
 from . import reference as accept_ref
 from .batch import BatchOptions, load_batch_prompts, run_batch_invariance, run_rate_gate
@@ -68,7 +75,7 @@ from .greedy import (
     tokenize_prompts,
 )
 from .prompts import load_prompts
-from .regret import STRICT_FP32_TOL
+from .regret import MARGIN_TOL, STRICT_FP32_TOL
 
 SUITE_VERSION = "1"
 ENDPOINT_TYPES = ("completions", "chat")  # the sweep's --endpoint-type vocabulary
@@ -76,7 +83,7 @@ ENDPOINT_TYPES = ("completions", "chat")  # the sweep's --endpoint-type vocabula
 
 @dataclass(frozen=True)
 class LosslessConfig:
-    margin_tol: float = 0.20
+    margin_tol: float | None = None  # None: not typed (MARGIN_TOL, or strict mode in fp32); a number: honoured
     top_k: int = 20
     dataset: str = "gsm8k"
     num_prompts: int = 8
@@ -106,6 +113,7 @@ class LosslessConfig:
     # (an engine that cannot take min_tokens, a remote engine without the model geometry) is reported beside the
     # verdict (`LosslessOutcome.not_tested`) instead of deciding it. Names: "concurrent" and the engine gates'.
     advisory: tuple[str, ...] = ()
+    assume_speculating: bool = False  # the user asserts the candidate speculates (no evidence: PASS_ASSERTED)
 
     def __post_init__(self) -> None:
         for name, lo in (("num_prompts", 1), ("max_tokens", 1), ("max_divergences", 1), ("concurrency", 1),
@@ -113,8 +121,11 @@ class LosslessConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < lo:
                 raise LosslessError(f"--{name.replace('_', '-')} {v!r} is invalid: expected an integer >= {lo}")
-        if not 0 <= self.margin_tol < 50:
+        if self.margin_tol is not None and not 0 <= self.margin_tol < 50:
             raise LosslessError(f"--margin-tol {self.margin_tol!r} is invalid: expected nats in [0, 50)")
+        if self.margin_tol is not None and self.strict is True:
+            raise LosslessError(f"--margin-tol {self.margin_tol:g} and --strict contradict each other: --strict judges "
+                                "every gate by --strict-tol (fp32 exactness); give one of them")
         if self.top_k > 20:
             raise LosslessError(f"top_k={self.top_k} is invalid: engines return at most 20 logprobs")
         if not 0 < self.strict_tol < 50:
@@ -138,8 +149,10 @@ class LosslessConfig:
 
     @property
     def gate_options(self) -> GreedyGateOptions:
-        return GreedyGateOptions(self.margin_tol, self.top_k, self.max_divergences, self.rescore, self.min_accept_len,
-                                 strict=self.strict, strict_tol=self.strict_tol)
+        return GreedyGateOptions(MARGIN_TOL if self.margin_tol is None else self.margin_tol, self.top_k,
+                                 self.max_divergences, self.rescore, self.min_accept_len, strict=self.strict,
+                                 strict_tol=self.strict_tol, margin_given=self.margin_tol is not None,
+                                 assume_speculating=self.assume_speculating)
 
 
 @dataclass
@@ -161,10 +174,10 @@ class LosslessOutcome:
 
     @property
     def verdict(self) -> str:
-        if any(g.verdict in ("FAIL", "ERROR") for g in self.gates):
-            return "FAIL"
-        if self.gates and self.gates[0].verdict == "NOT SPECULATING":
-            return "NOT SPECULATING"  # a FAIL variant: it wins over CANNOT TEST (harness/verdicts.combine)
+        if any(g.verdict in (FAIL, "ERROR") for g in self.gates):
+            return FAIL
+        if self.gates and self.gates[0].verdict == NOT_SPECULATING:
+            return NOT_SPECULATING  # a FAIL variant: it wins over CANNOT TEST (harness/verdicts.combine)
         if self.cannot_test or not self.gates or any(g.verdict == CANNOT_TEST and not self._advisory(g)
                                                      for g in self.gates):
             return CANNOT_TEST
@@ -179,7 +192,7 @@ class LosslessOutcome:
 
     @property
     def ok(self) -> bool:
-        """Exit status 0? Only a plain PASS (or PASS with speculation unverified) is ok."""
+        """Exit status 0? Only a PASS (plain, or with speculation asserted by the user) is ok."""
         return self.verdict.startswith("PASS")
 
     @property
@@ -198,7 +211,7 @@ class LosslessOutcome:
         out = list(self.missing) + [f"{m} (on by default: not deciding the verdict)" for m in self.not_tested]
         for g in self.gates:
             out += [f"{g.name}: {c.name} check skipped: {c.detail}" for c in g.checks if c.skipped]
-            if g.require_spec and g.stats.speculating is None:
+            if g.require_spec and g.stats.speculating is None and g.stats.assumed:  # else in `missing`
                 out.append(f"{g.name}: speculation check: {g.stats.describe()}")
             rs = sorted({str((d.rescore or {}).get("status")) for p in g.prompts for d in p.divergences
                          if d.rescore and d.rescore.get("status") != "ok"})
@@ -299,7 +312,7 @@ async def run_lossless(baseline: EngineAdapter, candidate: EngineAdapter, cfg: L
     def on_prompt(gate: str) -> Callable[[PromptCheck], None]:
         def f(pc: PromptCheck) -> None:
             if run is not None:
-                run.write("checks", {"gate": gate, **pc.to_dict()})
+                run.write("checks", {"gate": gate, "tolerance": opts.rule_dict(), **pc.to_dict()})
             tick()
         return f
 

@@ -49,11 +49,20 @@ def _header(run: Any, meta: dict) -> list[str]:
     return lines + [""]
 
 
+def _rule(rule: Any, why: bool = True) -> str:
+    """The tolerance a lossless gate (or run) was judged by, from its record's `rule` (suites/lossless/greedy.py
+    GreedyGateOptions.rule_dict): "strict 0.0004 nat (both engines run float32 ...)"; "—" where none is recorded."""
+    if not isinstance(rule, dict) or rule.get("tol") is None:
+        return "—"
+    out = f"{'strict' if rule.get('mode') == 'strict' else 'margin'} {rule['tol']:g} nat"
+    return f"{out} ({rule['reason']})" if why and rule.get("reason") else out
+
+
 def _lossless(run: Any) -> list[str]:
     s = run.meta.get("summary") or {}
     lines = [f"**{s.get('verdict', 'no verdict')}**: {s.get('prompts', 0)} prompts, {s.get('failed_prompts', 0)} failed, "
              f"{s.get('untestable_prompts', 0)} untestable, {s.get('flips', 0)} benign flips; mean accepted length "
-             f"{_f(s.get('mean_accept_len'))}; rule {(s.get('rule') or {}).get('mode', '—')}", ""]
+             f"{_f(s.get('mean_accept_len'))}; tolerance {_rule(s.get('rule'))}", ""]
     if s.get("missing"):
         lines += [f"Missing capabilities: {', '.join(map(str, s['missing']))}", ""]
     gates = run.records("gates")
@@ -61,9 +70,9 @@ def _lossless(run: Any) -> list[str]:
     for g in gates:
         st = g.get("stats") or {}
         failed = [c["name"] for c in g.get("checks") or [] if not c.get("ok") and not c.get("skipped")]
-        rows.append([g.get("name"), g.get("verdict"), st.get("mean_accept_len"), st.get("acceptance_rate"),
-                     g.get("wall_s"), ", ".join(failed) or "—"])
-    lines += ["### Gates", ""] + _table(["gate", "verdict", "mean accept len", "acceptance rate", "wall s",
+        rows.append([g.get("name"), g.get("verdict"), _rule(g.get("rule"), why=False), st.get("mean_accept_len"),
+                     st.get("acceptance_rate"), g.get("wall_s"), ", ".join(failed) or "—"])
+    lines += ["### Gates", ""] + _table(["gate", "verdict", "tolerance", "mean accept len", "acceptance rate", "wall s",
                                         "failed checks"], rows)
     checks = run.records("checks")
     bad = [c for c in checks if not c.get("ok")]
@@ -101,7 +110,7 @@ def _selftest(run: Any) -> list[str]:
     lines = [f"**{'PASS' if s.get('ok') else 'FAIL'}**: {len(s.get('faults') or [])} faults, "
              f"missed {', '.join(s.get('missed') or []) or 'none'}; false alarms "
              f"{'; '.join(s.get('false_alarms') or []) or 'none'}; {s.get('num_prompts')} prompts x "
-             f"{s.get('max_tokens')} tokens, margin tol {_f(s.get('margin_tol'))}", ""]
+             f"{s.get('max_tokens')} tokens, tolerance {_rule(s.get('rule'))}", ""]
     def row(r: dict, nobody: str) -> list[Any]:
         not_pass = "; ".join(f"{g}: {v}" for g, v in (r.get("verdicts") or {}).items() if v not in ("PASS", "n/a"))
         return [r.get("label"), ", ".join(r.get("faults") or []) or "none", ", ".join(r.get("caught_by") or []) or nobody,
