@@ -8,9 +8,10 @@ table (bonus rows, rejections, verdict), or with --selftest runs the gate --repe
 local candidates and, through their "faults" capability, once per sampling fault armed on fresh engines
 (selftest.py). Records go to the results store (run.json, cells.jsonl, samples.jsonl) unless
 --no-record; --endpoint-type chat sends every prompt as one user message (gate.py's chat contract); --report writes markdown; --json prints the summary as one JSON document on the last line.
-Exit codes: 0 PASS (also "PASS (speculation unverified)"), 1 FAIL / NOT SPECULATING / NO DRAFT ACCEPTED /
-INCOMPLETE / a self-test case that did not behave, 2 bad input (engine string, option value), 3 CANNOT
-TEST (no readable samples, or no testable cell: the missing evidence is named, never a pass).
+Exit codes: 0 PASS (also "PASS (speculation asserted by the user, not observed)" with --assume-speculating),
+1 FAIL / NOT SPECULATING / NO DRAFT ACCEPTED / INCOMPLETE / a self-test case that did not behave, 2 bad input
+(engine string, option value), 3 CANNOT TEST (no readable samples, no testable cell, no evidence that the
+candidate speculated: the missing evidence is named, never a pass).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ def sampled(
                                         "spec off, without --candidate)."),
     candidate: str | None = typer.Option(None, "--candidate", help="Engine string, speculation on. "
                                          "Default: two candidates on the bundled target, the n-gram proposer with a "
-                                         "soft q (spec=ngram,mix=0.05) and the bundled DFlash drafter, one BH family."),
+                                         "soft q (spec=ngram,mix=0.05) and the bundled DFlash drafter, each its own "
+                                         "BH family at q / 2."),
     num_prompts: int | None = typer.Option(None, "--num-prompts", min=1, help="Prompts of each prompt set "
                                            "(default 2; --selftest: 1)."),
     configs: str | None = typer.Option(None, "--configs", help="Sampling configs 't=1.0;t=0.7,p=0.9;t=1,k=20' "
@@ -59,6 +61,12 @@ def sampled(
                                     "batch, configs mixed, beside half as many requests of other parameters (each "
                                     "run alone first): the candidate must reproduce as often as the baseline does "
                                     "(one-sided Fisher exact, alpha 1e-3); 0 = off."),
+    assume_speculating: bool = typer.Option(False, "--assume-speculating", help="The candidate speculates, though "
+                                            "nothing it reports shows it (no spec counters, no per-request draft "
+                                            "counts, no streamed chunk of several tokens): a verdict that would be "
+                                            "CANNOT TEST for want of that evidence becomes 'PASS (speculation "
+                                            "asserted by the user, not observed)'. Evidence, where there is some, "
+                                            "still decides (zero drafts: NOT SPECULATING)."),
     seed_repeat_gate: bool = typer.Option(False, "--seed-repeat-gate", help="A seed-repeat FAIL fails the gate (else "
                                           "advisory: an engine whose speculation adapts to load draws differently in "
                                           "another batch by design). --selftest always enforces it."),
@@ -106,7 +114,8 @@ def sampled(
         sized: dict[str, Any] = {k: v if v is not None else dflt_opts.get(k, getattr(SampledGateOptions, k)) for k, v in given.items()}
         opts = SampledGateOptions(**sized, permutations=permutations, q=q, null=null, seed=seed,
                                   concurrency=concurrency, refine=refine, endpoint_type=endpoint_type,
-                                  seed_repeat=seed_repeat, seed_repeat_gate=seed_repeat_gate)
+                                  seed_repeat=seed_repeat, seed_repeat_gate=seed_repeat_gate,
+                                  assume_speculating=assume_speculating)
         cfgs = parse_configs(configs) if configs else list(DEFAULT_CONFIGS)
         if candidate is None and (selftest or baseline is None):
             bspec = parse_engine(baseline) if baseline else baseline_and_candidate(None, None)[0]
@@ -256,6 +265,16 @@ def _n(x) -> str:
 
 def _line(s: dict) -> str:
     parts = [f"sampled gate: {s['verdict']}" + (f" [missing: {'; '.join(s['missing'])}]" if s.get("missing") else "")]
+    if s.get("candidate_verdicts"):  # each candidate judged on its own evidence
+        parts.append("candidates: " + ", ".join(f"{k} {v}" for k, v in s["candidate_verdicts"].items()))
+    fam = s.get("family") or {}
+    if fam.get("q") is not None:
+        parts.append(f"BH within each candidate's cells at q {fam['q_per_candidate']:.3g}"
+                     + (f" (q {fam['q']:g} / {fam['candidates']} candidates)" if fam.get("candidates", 1) > 1 else ""))
+    seen = [f"{k + ': ' if k else ''}{v['describe']}" for k, v in (s.get("speculation") or {}).items()
+            if v.get("source") != "counters" and str(v.get("verdict", "")).startswith("PASS")]
+    if seen:  # a PASS without counters says what showed speculation (or that the user asserted it)
+        parts.append("speculation check: " + "; ".join(seen))
     for name, c in s["comparisons"].items():
         parts.append(f"{name}: {c['rejected']}/{c['testable']} cells rejected (median MDE lone "
                      f"{c['median_mde_lone']:.3f}, all {c['median_mde_all']:.3f})")

@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 
 from specbench.harness.adapters.base import EngineAdapter, GenResult
+from specbench.harness.verdicts import NO_SPEC_EVIDENCE, PASS_ASSERTED
+from specbench.suites.lossless.checks import AcceptanceEvidence
 from specbench.suites.sampled import stats
 from specbench.suites.sampled.config import SOFT_Q_MIX
 from specbench.suites.sampled.gate import (
@@ -135,7 +137,11 @@ def test_verdicts():
     cell = Cell("p", "t1", 1, 8, 8, 3, 0.5, 0.7, 99, 0.1, 0.5, 0.4)
     ok = [Comparison("spec", ("a", "b"), [cell])]
     assert verdict_of(ok, spec, []) == "PASS"
-    assert verdict_of(ok, None, []) == "PASS (speculation unverified)"
+    # no counters and no other evidence that the candidate speculated: no pass (CANNOT TEST), unless the user
+    # asserts it; other evidence decides like counters (tests/test_verdict_evidence.py)
+    assert verdict_of(ok, None, []) == "CANNOT TEST"
+    assert verdict_of(ok, None, [], evidence=AcceptanceEvidence("none", assumed=True)) == PASS_ASSERTED
+    assert verdict_of(ok, None, [], evidence=AcceptanceEvidence("stream chunks", multi_token_chunks=3)) == "PASS"
     assert verdict_of(ok, {"num_drafts": 0, "num_accepted_tokens": 0}, []) == "NOT SPECULATING"
     assert verdict_of(ok, {"num_drafts": 5, "num_accepted_tokens": 0}, []) == "NO DRAFT ACCEPTED"
     assert verdict_of(ok, spec, ["r1: boom"]) == "INCOMPLETE"
@@ -204,7 +210,7 @@ FAKE_OPTS = dict(num_prompts=2, positions=3, samples=200, permutations=199, conc
 
 def test_gate_end_to_end_on_a_fake_engine():
     from specbench.suites.sampled import report
-    from specbench.suites.sampled.gate import run_gate
+    from specbench.suites.sampled.gate import configurations, run_gate
 
     cfgs = parse_configs("t=1")
     res = run_gate(FakeEngine(), FakeEngine(text_only=True), SampledGateOptions(**FAKE_OPTS, null=True), cfgs)
@@ -219,8 +225,13 @@ def test_gate_end_to_end_on_a_fake_engine():
     assert len(bad.comparisons[0].rejected) >= 3 and "Rejected cells" in report.render(bad)
     assert run_gate(FakeEngine(), FakeEngine(counters=(0, 0)), SampledGateOptions(**FAKE_OPTS), cfgs).verdict == \
         "NOT SPECULATING"
-    assert run_gate(FakeEngine(), FakeEngine(counters=None), SampledGateOptions(**FAKE_OPTS), cfgs).verdict == \
-        "PASS (speculation unverified)"
+    blind = run_gate(FakeEngine(), FakeEngine(counters=None), SampledGateOptions(**FAKE_OPTS), cfgs)
+    assert blind.verdict == "CANNOT TEST" and blind.missing == [NO_SPEC_EVIDENCE] and blind.exit_code == 3
+    told = run_gate(FakeEngine(), FakeEngine(counters=None), SampledGateOptions(**FAKE_OPTS, assume_speculating=True),
+                    cfgs)
+    assert told.verdict == PASS_ASSERTED and told.exit_code == 0
+    assert {x["verdict"] for x in configurations(told)} == {PASS_ASSERTED}
+    assert "asserted by the user" in report.render(told)
     inc = run_gate(FakeEngine(), FakeEngine(fail_every=50), SampledGateOptions(**FAKE_OPTS), cfgs)
     assert inc.verdict == "INCOMPLETE" and inc.failed
 
@@ -253,7 +264,7 @@ def test_seed_repeat_on_fakes():
     assert seed_check(SeedRepeat("b", 0, 0), SeedRepeat("c", 24, 12))["verdict"].startswith("CANNOT TEST")
 
 
-def test_several_candidates_share_the_baseline_and_one_bh_family():
+def test_several_candidates_share_the_baseline_each_its_own_bh_family():
     from specbench.suites.sampled import report, stats
     from specbench.suites.sampled.gate import configurations, run_gate
 
@@ -266,11 +277,16 @@ def test_several_candidates_share_the_baseline_and_one_bh_family():
     good, bad = res.comparisons  # no null run: one spec comparison per candidate, against the same baseline
     assert (good.label, bad.label, good.arms[0], bad.arms[0]) == ("spec:good", "spec:bad", "baseline", "baseline")
     assert not good.rejected and bad.rejected
-    # one BH family over both candidates' cells: each cell's q-value is BH over the union, not over its own
+    # each candidate its own BH family at q / 2: each cell's q-value is BH over its own candidate's cells, and a cell
+    # is rejected when that is at most q / 2 (one candidate's cells never move another's threshold)
+    for comp in res.comparisons:
+        cells = [c for c in comp.cells if c.testable]
+        adj = stats.bh_adjusted([c.p_value for c in cells])
+        assert [c.q_value for c in cells] == pytest.approx(list(adj))
+        assert [c.rejected for c in cells] == list(stats.benjamini_hochberg([c.p_value for c in cells], opts.q / 2))
     cells = [c for comp in res.comparisons for c in comp.cells if c.testable]
-    adj = stats.bh_adjusted([c.p_value for c in cells])
-    assert [c.q_value for c in cells] == pytest.approx(list(adj))
     assert len(cells) == 2 * 2 * 2 * 3 and all(math.isfinite(c.mde_all) or c.mde_all == math.inf for c in cells)
+    assert res.summary()["family"]["q_per_candidate"] == pytest.approx(opts.q / 2)
     confs = {(x["candidate"], x["config"]): x for x in configurations(res)}
     assert confs[("good", "t1")]["verdict"] == "PASS" and confs[("good", "t1")]["bonus_rows"] == 2 * 400
     assert confs[("bad", "t1")]["verdict"] == "FAIL" and confs[("bad", "t1")]["rejected"] > 0
@@ -303,6 +319,10 @@ def test_a_configuration_that_reached_neither_branch_is_not_a_pass():
         "PASS (bonus rows and rejections not counted)"
     assert configuration_verdict(0, 0, None).startswith("CANNOT TEST")
     assert configuration_verdict(4, 1, None) == "FAIL"
+    # without counters the candidate's other evidence decides: none is no pass, the user's word is said
+    assert configuration_verdict(4, 0, None) == "CANNOT TEST (no evidence that the candidate speculated)"
+    assert configuration_verdict(4, 0, None, "PASS") == "PASS (bonus rows and rejections not counted)"
+    assert configuration_verdict(4, 0, None, PASS_ASSERTED) == PASS_ASSERTED
 
 
 # ---- the gate on the tiny pair ---------------------------------------------------------------------

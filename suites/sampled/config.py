@@ -110,6 +110,10 @@ class SampledGateOptions:
     # Off by default: an engine whose speculation adapts to load (a max-batch gate, an automatic span policy)
     # draws a seeded request differently in another batch by design, with its law exact
     seed_repeat_gate: bool = False
+    # the user asserts the candidate speculates: where nothing shows it (no counters, no per-request draft counts,
+    # no streamed chunk of several tokens) the verdict is "PASS (speculation asserted by the user, not observed)"
+    # instead of CANNOT TEST (--assume-speculating)
+    assume_speculating: bool = False
 
     def __post_init__(self) -> None:
         for name, lo in (("num_prompts", 1), ("positions", 1), ("samples", 2), ("permutations", 19),

@@ -14,9 +14,19 @@ Contract:
   whose p-value is near the resolution floor 1/(B+1) get extra permutations (up to ceil(2 m / q)) so a
   lone differing cell can still pass BH's q/m threshold.
 - The candidate's spec counters are snapshotted around its generation: no drafts -> NOT SPECULATING, no
-  accepted draft -> NO DRAFT ACCEPTED (both fail: the accept path was not exercised); an engine without
-  counters -> "PASS (speculation unverified)". Any failed request -> INCOMPLETE. Any rejected cell in the
-  main comparison or the null (spec vs spec, disjoint seeds) comparison -> FAIL.
+  accepted draft -> NO DRAFT ACCEPTED (both fail: the accept path was not exercised). An engine without
+  counters is judged by its other evidence (lossless/checks.acceptance_evidence of its results: per-request
+  draft counts, streamed chunks of several tokens): observed -> PASS, zero drafts -> NOT SPECULATING, none
+  -> CANNOT TEST (harness/verdicts.NO_SPEC_EVIDENCE), or with `opts.assume_speculating`
+  (--assume-speculating) "PASS (speculation asserted by the user, not observed)". Any failed request ->
+  INCOMPLETE. Any rejected cell in the main comparison or the null (spec vs spec, disjoint seeds) comparison
+  -> FAIL.
+- Several candidates (each against the same baseline samples) are judged each on its own evidence: its
+  comparisons are its own BH families (its spec cells one, its null cells another) at q / k for k candidates
+  (a run of correct candidates still raises a false alarm with probability about q), and its verdict counts
+  its own failed requests, unreadable samples, rendering problems and speculation (with the baseline's,
+  which every candidate is compared with). One candidate's failure never marks another; the run's verdict
+  combines theirs (harness/verdicts.combine: FAIL before CANNOT TEST before PASS).
 - No verdict without evidence: a sample the gate cannot read (no output ids and no tokenizer; an empty
   token list for a non-empty text; no token at all although max_tokens = P with ignore_eos) is
   "untestable" (`Samples.untestable`, never a row of END), and a comparison with zero testable cells is
@@ -42,8 +52,18 @@ from typing import Any
 import numpy as np
 
 from specbench.harness.adapters.base import EngineAdapter, counters_delta, refuse_synthetic
-from specbench.harness.verdicts import CANNOT_TEST, FAIL, PASS, combine, exit_code
+from specbench.harness.verdicts import (
+    CANNOT_TEST,
+    FAIL,
+    NO_SPEC_EVIDENCE,
+    NOT_SPECULATING,
+    PASS,
+    combine,
+    exit_code,
+    speculation_verdict,
+)
 
+from ..lossless.checks import AcceptanceEvidence, acceptance_evidence
 from ..lossless.regret import first_divergence
 from . import stats
 from .config import (
@@ -88,6 +108,9 @@ class Samples:
     requests: dict[str, Any] = field(default_factory=dict, repr=False)
     outputs: dict[str, list[int]] = field(default_factory=dict, repr=False)
     drafted: set[str] = field(default_factory=set, repr=False)  # ids whose request reported drafts of its own
+    # speculation seen in the arm's results other than through counters (per-request draft counts, streamed
+    # chunks of several tokens: lossless/checks.acceptance_evidence); the counters are `spec`
+    evidence: AcceptanceEvidence = field(default_factory=lambda: AcceptanceEvidence("none"))
 
 
 def _rendered_key(res: Any) -> tuple | None:
@@ -169,7 +192,8 @@ def collect(adapter: EngineAdapter, prompts: Sequence[tuple[str, str]], configs:
         rows.setdefault(key, []).append(ids + [END] * (opts.positions - len(ids)))
     tokens = {k: np.asarray(v, dtype=np.int64) for k, v in rows.items()}
     return Samples(arm, tokens, failed, seconds, spec, untestable, by_config, rendered,
-                   {r.rid: r for r in sent}, outputs, drafted)
+                   {r.rid: r for r in sent}, outputs, drafted,
+                   acceptance_evidence(results, None, assumed=opts.assume_speculating))
 
 
 def _read_ids(adapter: EngineAdapter, res: Any, retok: dict[str, list[int] | None],
@@ -409,6 +433,21 @@ def adjust(comps: Sequence[Comparison], opts: SampledGateOptions) -> None:
         c.seconds += share
 
 
+def adjust_per_candidate(comps: Sequence[Comparison], opts: SampledGateOptions) -> None:
+    """The multiple-testing correction of a run: each candidate's comparisons of one kind are their own family
+    (its spec cells one, its null cells another; `adjust`), at q / k for the k candidates of the run. One
+    candidate's cells never move another's BH threshold (a failing candidate's tiny p-values loosen only its
+    own), and a run of k correct candidates still raises a false alarm with probability about q (Bonferroni
+    over the candidates)."""
+    labels = list(dict.fromkeys(c.candidate for c in comps))
+    fam_opts = replace(opts, q=opts.q / max(len(labels), 1))
+    for lab in labels:
+        for kind in dict.fromkeys(c.name for c in comps):
+            fam = [c for c in comps if c.candidate == lab and c.name == kind]
+            if fam:
+                adjust(fam, fam_opts)
+
+
 def spec_summary(delta: dict | None) -> dict | None:
     """Counters delta -> drafts, acceptance rate, mean accepted length (1 + accepted / drafts), per position."""
     if delta is None or delta.get("num_drafts") is None:
@@ -446,6 +485,9 @@ class GateResult:
     candidate_verdicts: dict[str, str] = field(default_factory=dict)
     # per candidate label ("" with one): the seed-repeat check (seed_check), empty with opts.seed_repeat = 0
     seed_repeat: dict[str, dict] = field(default_factory=dict)
+    # per candidate label ("" with one): what showed its speculation (source: counters, per-request draft tokens,
+    # stream chunks, none) and its verdict (PASS, NOT SPECULATING, NO DRAFT ACCEPTED, PASS_ASSERTED, CANNOT TEST)
+    speculation: dict[str, dict] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -472,6 +514,11 @@ class GateResult:
                 "spec_by_config": self.spec_by_config, "not_tested": not_tested(self.spec_by_config),
                 "comparisons": comps, "configurations": configurations(self),
                 "candidates": list(self.candidates), "candidate_verdicts": dict(self.candidate_verdicts),
+                "speculation": {k: dict(v) for k, v in self.speculation.items()},
+                "family": {"q": self.options.get("q"), "candidates": max(len(self.candidates), 1),
+                           "q_per_candidate": (self.options.get("q") or 0.0) / max(len(self.candidates), 1),
+                           "rule": "Benjamini-Hochberg within each candidate's own cells (spec and null "
+                                   "comparisons separately), at q / number of candidates"},
                 "seed_repeat": {k: {"verdict": v["verdict"], "p_value": v["p_value"],
                                     "baseline": [v["baseline"]["differ"], v["baseline"]["compared"]],
                                     "candidate": [v["candidate"]["differ"], v["candidate"]["compared"]]}
@@ -501,16 +548,23 @@ def config_key(candidate: str, config: str) -> str:
     return f"{candidate}:{config}" if candidate else config
 
 
-def configuration_verdict(testable: int, rejected: int, s: dict | None) -> str:
+def configuration_verdict(testable: int, rejected: int, s: dict | None, speculation: str = CANNOT_TEST) -> str:
     """One configuration's verdict: FAIL on a rejected cell; CANNOT TEST when it has no testable cell or its
     generations reached neither accept-path branch (no verify step: no bonus row, no rejection); PASS when
-    both were reached, qualified when one was not or the engine does not count them."""
+    both were reached, qualified when one was not or the engine does not count them. Without counters (`s`
+    None) the candidate's `speculation` verdict (harness/verdicts.speculation_verdict of its other evidence)
+    decides: observed -> PASS, qualified (the branches are not counted); asserted by the user -> that PASS;
+    no evidence -> CANNOT TEST."""
     if rejected:
         return FAIL
     if not testable:
         return f"{CANNOT_TEST} (no testable cell)"
     if s is None:
-        return "PASS (speculation unverified)"
+        if speculation == PASS:
+            return "PASS (bonus rows and rejections not counted)"
+        if speculation == CANNOT_TEST:
+            return f"{CANNOT_TEST} (no evidence that the candidate speculated)"
+        return speculation
     full, rej = s.get("full_accepts"), s.get("rejections")
     if not s["num_drafts"]:
         return f"{CANNOT_TEST} (no verify step: neither a bonus row nor a rejection tested)"
@@ -530,6 +584,7 @@ def configurations(res: GateResult) -> list[dict]:
     out = []
     for lab in labels:
         spec = [c for c in res.comparisons if c.name == "spec" and c.candidate == lab]
+        seen = (res.speculation.get(lab) or {}).get("verdict", CANNOT_TEST)
         for cfg in res.configs:
             cells = [x for c in spec for x in c.cells if x.config == cfg["name"]]
             fin = [x for x in cells if x.testable]
@@ -540,7 +595,7 @@ def configurations(res: GateResult) -> list[dict]:
                         "verify_steps": s["num_drafts"] if s else None,
                         "bonus_rows": s.get("full_accepts") if s else None,
                         "rejections": s.get("rejections") if s else None,
-                        "verdict": configuration_verdict(len(fin), rej, s)})
+                        "verdict": configuration_verdict(len(fin), rej, s, seen)})
     return out
 
 
@@ -563,20 +618,26 @@ def missing_of(comparisons: Sequence[Comparison], untestable: Sequence[str]) -> 
 
 
 def verdict_of(comparisons: Sequence[Comparison], spec: dict | None, failed: Sequence[str],
-               missing: Sequence[str] = ()) -> str:
+               missing: Sequence[str] = (), evidence: AcceptanceEvidence | None = None) -> str:
+    """One candidate's verdict: INCOMPLETE (a request failed), FAIL (a rejected cell), CANNOT TEST (evidence
+    missing), then by speculation: the counters (`spec`: zero drafts NOT SPECULATING, nothing accepted NO DRAFT
+    ACCEPTED), else the other `evidence` (lossless/checks.acceptance_evidence of the candidate's results:
+    per-request draft counts, streamed chunks of several tokens) by harness/verdicts.speculation_verdict: none
+    at all is CANNOT TEST unless the user asserted speculation."""
     if failed:
         return "INCOMPLETE"
     if any(c.rejected for c in comparisons):
-        return "FAIL"
+        return FAIL
     if missing or not comparisons:
         return CANNOT_TEST
     if spec is None:
-        return "PASS (speculation unverified)"
+        ev = evidence if evidence is not None else AcceptanceEvidence("none")
+        return speculation_verdict(ev.speculating, ev.assumed)
     if spec["num_drafts"] == 0:
-        return "NOT SPECULATING"
+        return NOT_SPECULATING
     if spec["num_accepted_tokens"] == 0:
         return "NO DRAFT ACCEPTED"
-    return "PASS"
+    return PASS
 
 
 def run_gate(baseline: EngineAdapter, candidate: EngineAdapter | Sequence[EngineAdapter], opts: SampledGateOptions,
@@ -587,9 +648,10 @@ def run_gate(baseline: EngineAdapter, candidate: EngineAdapter | Sequence[Engine
     (cli/progress.py RunProgress, or None) hears each phase and each finished request.
 
     `candidate` may be several adapters (distinct names): each draws its samples on the candidate seeds and
-    is compared with the same baseline samples; the spec comparisons of all of them are one BH family at
-    opts.q (so a correct engine fails the run with probability about q, not q per candidate), and so are
-    their null comparisons. The verdict combines the candidates' (FAIL before CANNOT TEST before PASS)."""
+    is compared with the same baseline samples; each candidate's spec comparison is its own BH family at
+    opts.q / k (k candidates; its null comparison another), so a correct candidate is never failed by another's
+    cells and a run of correct ones fails with probability about q. The verdict combines the candidates' own
+    (FAIL before CANNOT TEST before PASS)."""
     say = log or (lambda s: None)
     tick = progress.advance if progress is not None else None
     cands = [candidate] if isinstance(candidate, EngineAdapter) else list(candidate)
@@ -632,6 +694,7 @@ def run_gate(baseline: EngineAdapter, candidate: EngineAdapter | Sequence[Engine
     by_cand: dict[str, dict | None] = {}
     raw_total: dict | None = None
     by_config: dict[str, dict | None] = {}
+    own: dict[str, dict] = {}  # per candidate: its own failed requests, unreadable samples, arms and evidence
     for adapter, lab in zip(cands, labels, strict=True):
         tag = f"[{lab}]" if lab else ""
         say(f"candidate{' ' + lab if lab else ''}: {n} generations of {opts.positions} tokens")
@@ -645,6 +708,8 @@ def run_gate(baseline: EngineAdapter, candidate: EngineAdapter | Sequence[Engine
             phase(f"seed repeat{' ' + lab if lab else ''} (spec on)", reps + 2 * neighbours(reps))
             seeds[lab] = seed_check(base_rep, seed_repeat(adapter, cand, reps, tick))
         spec_comps.append(compare("spec", baseline_samples, cand, prompts, configs, opts, lab, family=False))
+        mine = {"failed": list(cand.failed), "untestable": list(cand.untestable), "arms": [cand],
+                "evidence": cand.evidence}
         failed += cand.failed
         untestable += cand.untestable
         arms.append(cand)
@@ -660,24 +725,24 @@ def run_gate(baseline: EngineAdapter, candidate: EngineAdapter | Sequence[Engine
             null_comps.append(compare("null", cand, cand2, prompts, configs, opts, lab, family=False))
             failed += cand2.failed
             untestable += cand2.untestable
+            mine["failed"] += cand2.failed
+            mine["untestable"] += cand2.untestable
+            mine["arms"].append(cand2)
             arms.append(cand2)
             spec = _add_counters(spec, cand2.spec)
             cfg_counts = {c.name: _add_counters(cand.spec_by_config.get(c.name), cand2.spec_by_config.get(c.name))
                           for c in configs}
+        own[lab] = mine
         by_cand[lab] = spec_summary(spec)
         raw_total = spec if raw_total is None else _add_counters(raw_total, spec)
         for c in configs:
             by_config[config_key(lab, c.name)] = spec_summary(cfg_counts.get(c.name))
-    for fam in (spec_comps, null_comps):  # one BH family each: every candidate's spec cells, their null cells
-        if fam:
-            adjust(fam, opts)
+    adjust_per_candidate(spec_comps + null_comps, opts)
     comps = [x for pair in zip(spec_comps, null_comps or [None] * len(spec_comps), strict=True) for x in pair
              if x is not None]
     secs["stats"] = sum(c.seconds for c in comps)
-    missing = missing_of(comps, untestable)
     notes = []
     if opts.endpoint_type == "chat":
-        missing += rendering_problems(prompts, *arms)
         told = [a.arm for a in arms if any(k[0] == "ids" for ks in a.rendered.values() for k in ks)]
         notes.append("--endpoint-type chat: every request was the prompt as one user message (/v1/chat/completions, "
                      "the server's chat template), the same on both arms; rendered prompt ids reported by "
@@ -685,8 +750,26 @@ def run_gate(baseline: EngineAdapter, candidate: EngineAdapter | Sequence[Engine
         if not any(a.rendered for a in arms):
             notes.append("no arm reported what it rendered (no prompt_token_ids, no usage prompt_tokens): that both "
                          "arms computed the same prompt is unverified")
-    verdicts = {lab: verdict_of([c for c in comps if c.candidate == lab], by_cand[lab], failed, missing)
-                for lab in labels}
+    # Each candidate's verdict from its own evidence: its cells, its requests (and the baseline's, which every
+    # candidate is compared with), its samples, its speculation.
+    verdicts: dict[str, str] = {}
+    missing_by: dict[str, list[str]] = {}
+    speculation: dict[str, dict] = {}
+    for lab in labels:
+        mine = own[lab]
+        cc = [c for c in comps if c.candidate == lab]
+        miss = missing_of(cc, list(baseline_samples.untestable) + mine["untestable"])
+        if opts.endpoint_type == "chat":
+            miss += rendering_problems(prompts, baseline_samples, *mine["arms"])
+        ev: AcceptanceEvidence = mine["evidence"]
+        if by_cand[lab] is None and ev.speculating is None and not ev.assumed:
+            miss.append(NO_SPEC_EVIDENCE)
+        spec_v = (speculation_verdict(ev.speculating, ev.assumed) if by_cand[lab] is None
+                  else _counter_verdict(by_cand[lab]))
+        speculation[lab] = {"verdict": spec_v, "source": "counters" if by_cand[lab] is not None else ev.source,
+                            "describe": _describe_counters(by_cand[lab]) if by_cand[lab] is not None else ev.describe()}
+        missing_by[lab] = miss
+        verdicts[lab] = verdict_of(cc, by_cand[lab], list(baseline_samples.failed) + mine["failed"], miss, ev)
     for lab, chk in seeds.items():  # a candidate that does not reproduce its seeded samples (enforced: fails)
         chk["enforced"] = opts.seed_repeat_gate
         who = f"seed repeat{' ' + lab if lab else ''}"
@@ -704,16 +787,40 @@ def run_gate(baseline: EngineAdapter, candidate: EngineAdapter | Sequence[Engine
     total = spec_summary(raw_total)
     engines = {"baseline": baseline.describe()}
     engines.update({f"candidate{f':{lab}' if lab else ''}": a.describe() for a, lab in zip(cands, labels, strict=True)})
+
+    def named(lab: str, xs: list[str]) -> list[str]:
+        return [f"{lab}: {x}" if multi else x for x in xs]
+
     res = GateResult(combine(list(verdicts.values())), comps, total, asdict(opts), [asdict(c) for c in configs],
-                     [p for p, _ in prompts], engines, failed, secs, missing, untestable, by_config, notes,
-                     labels if multi else [], by_cand if multi else {}, verdicts if multi else {}, seeds)
-    if res.passed:  # a configuration with no evidence is no pass: the run cannot vouch for it
+                     [p for p, _ in prompts], engines, failed, secs, [m for lab in labels for m in named(lab, missing_by[lab])],
+                     untestable, by_config, notes, labels if multi else [], by_cand if multi else {},
+                     verdicts if multi else {}, seeds, speculation)
+    # a configuration with no evidence is no pass: the run cannot vouch for that candidate
+    confs = configurations(res)
+    for lab in labels:
+        if not verdicts[lab].startswith(PASS):
+            continue
         blind = [f"configuration {config_key(r['candidate'], r['config'])}: {r['verdict'][len(CANNOT_TEST) + 1:]}"
-                 for r in configurations(res) if r["verdict"].startswith(CANNOT_TEST)]
+                 for r in confs if r["candidate"] == lab and r["verdict"].startswith(CANNOT_TEST)]
         if blind:
             res.missing += blind
-            res.verdict = CANNOT_TEST
+            verdicts[lab] = CANNOT_TEST
+    if multi:
+        res.candidate_verdicts = dict(verdicts)
+    res.verdict = combine(list(verdicts.values()))
     return res
+
+
+def _counter_verdict(spec: dict) -> str:
+    """What a candidate's spec counters say of its speculation: drafts and accepted tokens, or which is zero."""
+    if spec["num_drafts"] == 0:
+        return NOT_SPECULATING
+    return "NO DRAFT ACCEPTED" if spec["num_accepted_tokens"] == 0 else PASS
+
+
+def _describe_counters(spec: dict) -> str:
+    return (f"spec counters: {spec['num_drafts']} verify steps, {spec['num_draft_tokens']} draft tokens, "
+            f"{spec['num_accepted_tokens']} accepted")
 
 
 def _add_counters(a: dict | None, b: dict | None) -> dict | None:
@@ -734,6 +841,6 @@ def _add_counters(a: dict | None, b: dict | None) -> dict | None:
 
 __all__ = ["DEFAULT_CONFIGS", "END", "PROMPT_SETS", "SEED_ALPHA", "Cell", "Comparison", "SampledGateOptions", "GateResult",
            "SampledError", "SeedRepeat", "seed_check", "seed_repeat",
-           "adjust", "config_key", "configuration_verdict", "configurations", "rendering_problems", "request",
+           "adjust", "adjust_per_candidate", "config_key", "configuration_verdict", "configurations", "rendering_problems", "request",
            "Samples", "SamplingConfig", "collect", "compare", "missing_of", "echo_prompts", "load_prompts", "make_prompts",
            "not_tested", "parse_configs", "run_gate", "seed_of", "spec_summary", "verdict_of"]

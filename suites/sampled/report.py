@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from specbench.harness.verdicts import PASS
+
 from .gate import Cell, Comparison, GateResult, config_key, configurations, not_tested
 
 POWER_NOTE = (
@@ -36,9 +38,11 @@ def _p(x: float) -> str:
     return f"{x:.1e}" if x < 1e-3 else f"{x:.3f}"
 
 
-def _spec_lines(spec: dict | None) -> list[str]:
+def _spec_lines(spec: dict | None, seen: dict | None = None) -> list[str]:
     if spec is None:
-        return ["The candidate exposes no speculation counters: that speculation engaged is **unverified**.", ""]
+        how = (seen or {}).get("describe") or "no evidence that the candidate speculated"
+        return [f"The candidate exposes no speculation counters; other evidence: {how} "
+                f"(verdict: {(seen or {}).get('verdict', '-')}).", ""]
     per = ", ".join(f"{r:.2f}" for r in spec["per_position_rate"]) or "-"
     return ["| drafts | draft tokens | accepted | acceptance rate | mean accepted length | per-position rate |",
             "|---:|---:|---:|---:|---:|---|",
@@ -90,8 +94,11 @@ def render(r: GateResult, title: str = "Sampled equivalence gate") -> str:
     lines = [f"# {title}: {r.verdict}", ""]
     lines += [f"- {arm}: `{d.get('name')}` {_desc(d)}" for arm, d in r.engines.items()]
     if r.candidates:
-        lines.append(f"- {len(r.candidates)} candidates against the same baseline samples; their spec comparisons are "
-                     f"one BH family at q = {o['q']} (and their null comparisons another)")
+        lines.append(f"- {len(r.candidates)} candidates against the same baseline samples, each judged on its own: "
+                     f"each candidate's spec comparison is its own BH family at q / {len(r.candidates)} = "
+                     f"{o['q'] / len(r.candidates):.3g} (its null comparison another), so one candidate's cells never "
+                     f"move another's threshold and a run of correct candidates fails with probability about q = "
+                     f"{o['q']}")
     lines += [f"- {len(r.prompts)} prompts ({o.get('prompt_set', 'gsm8k')}) x {len(r.configs)} configs x "
               f"{o['positions']} output positions; {o['samples']} samples per arm per (prompt, config); "
               f"max_tokens = {o['positions']}",
@@ -111,9 +118,9 @@ def render(r: GateResult, title: str = "Sampled equivalence gate") -> str:
     if r.candidates:
         for lab in r.candidates:
             lines += [f"## Speculation ({lab}, over its generations): {r.candidate_verdicts.get(lab, '')}", ""]
-            lines += _spec_lines(r.spec_by_candidate.get(lab))
+            lines += _spec_lines(r.spec_by_candidate.get(lab), r.speculation.get(lab))
     else:
-        lines += ["## Speculation (candidate, over its generations)", ""] + _spec_lines(r.spec)
+        lines += ["## Speculation (candidate, over its generations)", ""] + _spec_lines(r.spec, r.speculation.get(""))
     lines += _configuration_lines(r)
     lines += _seed_lines(r)
     for c in r.comparisons:
@@ -177,8 +184,9 @@ def _not_run(r: GateResult) -> list[str]:
     out += [f"- {g}" for g in not_tested(r.spec_by_config)]
     if r.spec_by_config and any(s and s.get("full_accepts") is None for s in r.spec_by_config.values()):
         out.append("- bonus rows / rejections: the candidate does not count fully accepted verify steps")
-    if r.spec is None:
-        out.append("- speculation check: the candidate exposes no spec counters (speculation unverified)")
+    for lab, seen in r.speculation.items():
+        if seen.get("source") != "counters" and seen.get("verdict", "").startswith(PASS):
+            out.append(f"- speculation check{' (' + lab + ')' if lab else ''}: no spec counters; {seen.get('describe')}")
     for arm, d in r.engines.items():
         caps = d.get("capabilities") if isinstance(d, dict) else None
         if isinstance(caps, dict):
@@ -205,10 +213,11 @@ def render_selftest(rows: Sequence[dict], options: dict) -> str:
     lines = ["# Sampled gate self-test", "",
              f"Candidates: {cands}; {o['num_prompts']} prompt(s) of each set ({o.get('prompt_set', 'gsm8k')}) x "
              f"{len(o.get('configs', [])) or '?'} configs x {o['positions']} positions, {o['samples']} samples per "
-             f"arm, {o['permutations']} permutations. Every run is one BH family (every candidate's cells) at "
-             f"q / repeat = {o['q']:g} / {rep} = {q_run:.3g}, so a correct engine raises an alarm in any of the "
-             f"{rep} clean run(s) with probability at most {o['q']:g} (Bonferroni over the runs). Each fault must "
-             "be caught (some cell rejected); every clean run must pass.", "",
+             f"arm, {o['permutations']} permutations. Every run is judged at q / repeat = {o['q']:g} / {rep} = "
+             f"{q_run:.3g}, each candidate's cells their own BH family at that level divided by the number of "
+             f"candidates, so a correct engine raises an alarm in any of the {rep} clean run(s) with probability "
+             f"at most {o['q']:g} (Bonferroni over the runs and the candidates). Each fault must be caught (some "
+             "cell rejected); every clean run must pass.", "",
              "| case | expected | verdict | rejected / testable | min p | min BH q | caught by (rejected cells) | "
              "bonus rows | rejections | time (s) | ok |", "|---|---|---|---:|---:|---:|---|---:|---:|---:|---|"]
     for x in rows:
