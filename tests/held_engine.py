@@ -1,11 +1,12 @@
-"""`specbench serve` with its engine held on a gate the test opens, for shutdown tests that must not race a clock.
+"""An engine held on a gate the test opens, for tests that must not race a clock (`HeldEngine`), and
+`specbench serve` running one.
 
 `python -c LAUNCH GATE_DIR MODE serve-args...` (see `launch_cmd`) runs the real `specbench serve` (engine process
-on) with two changes: the engine process builds `HeldEngine` (the real `LLMEngine`, whose `step()` waits while a
-request that already has a token is unfinished and the gate is shut), and with MODE "signal" the server opens
-the gate right after its own SIGTERM / SIGINT handler ran (so the in-flight count it takes at the signal sees the
+on) with two changes: the engine process builds `HeldEngine` (the real `LLMEngine`, whose `step()` waits while the
+gate is shut and every request it holds already has a token), and with MODE "signal" the server opens the gate
+right after its own SIGTERM / SIGINT handler ran (so the in-flight count it takes at the signal sees the
 request). MODE "never": the gate stays shut, so a request runs until the server cancels it (the grace period's end).
-The gate is the file GATE_DIR/open: it crosses from the server process to the engine process it spawned.
+The gate is a file (GATE_DIR/open): it crosses from the server process to the engine process it spawned.
 """
 
 from __future__ import annotations
@@ -29,20 +30,23 @@ def launch_cmd(gate_dir: str | Path, mode: str, *serve_args: str) -> list[str]:
 
 
 class HeldEngine:
-    """`LLMEngine` whose `step()` waits, before it runs, while the gate file is missing and some unfinished request
-    already has an output token: the first token of a request goes out (the client sees the stream start), the
-    rest only once the gate opens. An abort (the grace period's cancel) finishes the request and so ends the wait."""
+    """`LLMEngine` whose `step()` waits, before it runs, while the gate file is missing and every request the
+    engine holds already has an output token (none waits for its first one): each request's first token goes
+    out (its client sees the stream start), the rest only once the gate opens. An abort the engine applies
+    (the grace period's cancel) finishes the request and so ends the wait; a new arrival gets its first token.
+    In process too: `EngineLoop(HeldEngine(engine, path))`, or put on a running loop's `engine`."""
 
     def __init__(self, engine: Any, gate: Path) -> None:
-        self._engine, self._gate = engine, gate
+        self._engine, self._gate = engine, Path(gate)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
 
     def _held(self) -> bool:
-        if self._gate.exists():
+        if self._gate.exists() or self._engine.num_waiting():
             return False
-        return any(r.output_ids and not r.finished for r in list(self._engine.requests.values()))
+        live = [r for r in list(self._engine.requests.values()) if not r.finished]
+        return bool(live) and all(r.output_ids for r in live)
 
     def step(self, finished_only: bool = False) -> list:
         t0 = time.monotonic()

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import held_engine
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -57,7 +58,11 @@ def value(fams: dict, family: str, sample: str | None = None, **labels: str) -> 
     return hits[0]
 
 
-def wait_idle(served, timeout: float = 10.0) -> None:
+WAIT_S = 120.0  # hang guards only: the waits below end on events (idle, entered, every stream started)
+ROUTE_S = 10.0  # a route that must answer while something is held far longer (WAIT_S)
+
+
+def wait_idle(served, timeout: float = WAIT_S) -> None:
     eng, t0 = served.engine, time.monotonic()
     while time.monotonic() - t0 < timeout:
         if served.loop.num_pending == 0 and not eng.has_unfinished() and eng.pool.num_free == eng.pool.num_pages:
@@ -75,40 +80,49 @@ def test_health_answers_while_a_request_tokenizes(served, monkeypatch):
     def slow_encode(text):
         if text.startswith("BLOCK"):
             entered.set()
-            release.wait(30)
+            release.wait(WAIT_S)
         return real(text)
 
     monkeypatch.setattr(tok, "encode", slow_encode)
-    with httpx.Client(timeout=30) as c:
+    with httpx.Client(timeout=WAIT_S) as c:
         t = threading.Thread(target=lambda: c.post(served.url + "/v1/completions",
                                                    json={"prompt": "BLOCK me", "max_tokens": 2}))
         t.start()
         try:
-            assert entered.wait(10)
-            # while the tokenization is held, every other route answers (on the loop: a ReadTimeout here)
-            assert httpx.get(served.url + "/health", timeout=3).status_code == 200
-            assert httpx.get(served.url + "/metrics", timeout=3).status_code == 200
-            r = httpx.post(served.url + "/tokenize", json={"prompt": "hello"}, timeout=3)
+            assert entered.wait(WAIT_S)
+            # while the tokenization is held (until release), every other route answers; on the loop they would
+            # wait for the release: a ReadTimeout here (a bound far above a loaded machine's answer, far below it)
+            assert httpx.get(served.url + "/health", timeout=ROUTE_S).status_code == 200
+            assert httpx.get(served.url + "/metrics", timeout=ROUTE_S).status_code == 200
+            r = httpx.post(served.url + "/tokenize", json={"prompt": "hello"}, timeout=ROUTE_S)
             assert r.status_code == 200 and r.json()["count"] > 0
         finally:
             release.set()
-            t.join(30)
+            t.join(WAIT_S)
     wait_idle(served)
 
 
-def test_health_answers_while_the_engine_holds_its_lock(served):
-    """A long prefill holds the engine's lock for the whole step; admitting a request waits for it, but on
-    a worker thread: /health and the other routes keep answering meanwhile."""
+def test_health_answers_while_the_engine_holds_its_lock(served, monkeypatch):
+    """A long prefill holds the engine's lock for the whole step; admitting a request waits for it (or, with the
+    admission inbox, leaves it there), but on a worker thread: /health and the other routes keep answering."""
     eng = served.engine
     done: dict = {}
+    admitting = threading.Event()
+    real = eng.add_request
+
+    def add_request(*a, **kw):
+        admitting.set()
+        return real(*a, **kw)
+
+    monkeypatch.setattr(eng, "add_request", add_request)
     with eng._lock:  # as a long step does
         t = threading.Thread(target=lambda: done.setdefault("r", httpx.post(
-            served.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)))
+            served.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=WAIT_S)))
         t.start()
-        time.sleep(0.3)  # the request is in add_request, waiting for the lock
-        assert httpx.get(served.url + "/health", timeout=3).status_code == 200
-        assert httpx.get(served.url + "/v1/models", timeout=3).status_code == 200
-    t.join(30)
+        assert admitting.wait(WAIT_S)  # the request reached add_request while the lock is held
+        assert httpx.get(served.url + "/health", timeout=ROUTE_S).status_code == 200
+        assert httpx.get(served.url + "/v1/models", timeout=ROUTE_S).status_code == 200
+    t.join(WAIT_S)
     assert done["r"].status_code == 200
     wait_idle(served)
 
@@ -183,8 +197,13 @@ def test_label_escaping_by_the_library(tiny_pair):
         loop.close()
 
 
-def test_64_streams_aborted_mid_flight_leave_every_gauge_at_zero(served, gsm8k_prompts):
+def test_64_streams_aborted_mid_flight_leave_every_gauge_at_zero(served, gsm8k_prompts, tmp_path, monkeypatch):
+    """64 streams, each left by its client after its first token: every one is aborted, every gauge returns to 0.
+    The engine is held once every request has its first token (tests/held_engine.py) until the server has
+    taken every disconnect, so no stream can finish before its client leaves, however fast the machine."""
     wait_idle(served)
+    gate = tmp_path / "open"
+    monkeypatch.setattr(served.loop, "engine", held_engine.HeldEngine(served.engine, gate))
     fams0 = families(served.url)
     lab = {"model_name": MODEL, "engine": "0"}
     aborted0 = value(fams0, "vllm:request_success", "vllm:request_success_total", finished_reason="abort", **lab)
@@ -205,16 +224,20 @@ def test_64_streams_aborted_mid_flight_leave_every_gauge_at_zero(served, gsm8k_p
 
     async def main() -> None:
         started, counter = asyncio.Event(), [0]
-        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=n + 8)) as c:
-            await asyncio.wait_for(asyncio.gather(*[one(c, i, started, counter) for i in range(n)]), 60)
+        async with httpx.AsyncClient(timeout=WAIT_S, limits=httpx.Limits(max_connections=n + 8)) as c:
+            await asyncio.wait_for(asyncio.gather(*[one(c, i, started, counter) for i in range(n)]), WAIT_S)
 
     asyncio.run(main())
     t0 = time.monotonic()
+    while served.loop.num_pending and time.monotonic() - t0 < WAIT_S:  # the server took every disconnect ...
+        time.sleep(0.02)
+    assert served.loop.num_pending == 0
+    gate.touch()  # ... and only then may the engine step on (it applies the aborts after that step)
     while True:
         fams = families(served.url)
         gauges = {g: value(fams, g, **lab) for g in ("vllm:num_requests_running", "vllm:num_requests_waiting",
                                                      "vllm:kv_cache_usage_perc", "specbench:requests_in_flight")}
-        if all(v == 0 for v in gauges.values()) or time.monotonic() - t0 > 10:
+        if all(v == 0 for v in gauges.values()) or time.monotonic() - t0 > WAIT_S:
             break
         time.sleep(0.05)
     assert all(v == 0 for v in gauges.values()), gauges
