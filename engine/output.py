@@ -9,7 +9,10 @@ accepted run of drafts ends the request there (`past_stop` and `stop_ids_at_end`
 that break this: tokens past a stop emitted; EOS and stop ids seen only as a run's last token).
 `build(req, new)` is the request's snapshot after a step: the text is decoded in full once finished,
 else up to the last complete character, incrementally (engine/detok.py; `incremental=False` decodes the whole
-output each step with `Tokenizer.decode_prefix_safe`). Stop strings are searched in the same partial text.
+output each step with `Tokenizer.decode_prefix_safe`), less the end that may still become a stop string (unless
+include_stop_str_in_output, as vLLM does), so a stream never shows any part of a stop. Stop strings are found in
+the same partial text by the request's automaton (engine/stops.py): each step costs O(the characters it added),
+whatever the number and length of the stops.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from .config import ModelConfig
 from .detok import IncrementalText
 from .metrics import EngineMetrics
 from .request import Request
+from .stops import StopScan, stop_set
 from .tokenizer import Tokenizer
 
 
@@ -96,8 +100,8 @@ class OutputWriter:
             if req.finished:
                 continue
             if len(req.output_ids) < p.min_tokens:  # vLLM: no stop of any kind before min_tokens tokens
-                if p.stop:  # the stop strings' search window moves on: text before min_tokens never stops it
-                    req.output_text_len = len(self._text_so_far(req))
+                if p.stop:  # the scan moves on: a stop whose text ends before min_tokens never stops it
+                    self._scan(req).scan(self._text_so_far(req), self.incremental)
                 continue
             ids_seen = not stop_ids_at_end or i == last
             ignore_eos = p.ignore_eos and (not eos_ignored_at_end_only or i == last)  # (the fault's rule)
@@ -115,20 +119,26 @@ class OutputWriter:
     def _text_so_far(self, req: Request) -> str:
         return self.partial_text(req) if self.incremental else self.tokenizer.decode(req.output_ids)
 
+    def _scan(self, req: Request) -> StopScan:
+        if req.stop_scan is None:
+            req.stop_scan = StopScan(stop_set(req.params.stop))
+        return req.stop_scan
+
     def _stop_string(self, req: Request) -> bool:
-        text = self._text_so_far(req)
-        best: tuple[int, str] | None = None
-        for stop in req.params.stop:
-            i = text.find(stop, max(0, req.output_text_len - len(stop)))
-            if i >= 0 and (best is None or i < best[0]):
-                best = (i, stop)
-        req.output_text_len = len(text)
-        if best is None:
+        hit = self._scan(req).scan(self._text_so_far(req), self.incremental)
+        if hit is None:
             return False
-        i, stop = best
+        i, stop = hit
         req.truncate_text_at = i + (len(stop) if req.params.include_stop_str_in_output else 0)
         req.finish("stop", stop)
         return True
+
+    def visible_text(self, req: Request) -> str:
+        """An unfinished request's text less its end that is a proper prefix of a stop string."""
+        text = self.partial_text(req)
+        if req.params.stop and not req.params.include_stop_str_in_output:
+            text = text[: len(text) - self._scan(req).holdback(text)]
+        return text
 
     def text_of(self, req: Request) -> str:
         text = self.tokenizer.decode(req.output_ids)
@@ -138,7 +148,7 @@ class OutputWriter:
         n_new = min(len(new), len(req.output_ids))
         return RequestOutput(
             rid=req.rid, prompt_ids=req.prompt_ids, output_ids=list(req.output_ids),
-            text=self.text_of(req) if req.finished else self.partial_text(req),
+            text=self.text_of(req) if req.finished else self.visible_text(req),
             finished=req.finished, finish_reason=req.finish_reason, stop_reason=req.stop_reason,
             new_ids=req.output_ids[len(req.output_ids) - n_new:] if n_new else [],
             logprobs=list(req.logprobs) if req.params.logprobs is not None else None,

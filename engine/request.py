@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from .config import SamplingParams
 from .detok import IncrementalText
+from .stops import StopScan
 
 
 class Phase(enum.Enum):
@@ -67,7 +68,7 @@ class Request:
     first_scheduled: float | None = None
     spec: SpecStats = field(default_factory=SpecStats)
     draft_ready: bool = False  # the drafter holds this request's context features
-    output_text_len: int = 0  # characters of text already checked for stop strings
+    stop_scan: StopScan | None = None  # engine/stops.py: where the stop strings' automaton is (OutputWriter)
     truncate_text_at: int | None = None  # set when a stop string ends the text mid-token
     detok: IncrementalText | None = None  # engine/detok.py IncrementalText: the streamed text in O(new tokens) (OutputWriter)
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (engine/prefix_share.py)
