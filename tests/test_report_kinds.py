@@ -68,8 +68,10 @@ def test_selftest_run_renders(cli, tmp_path) -> None:
     from specbench.suites.lossless.selftest import EngineRow, SelftestOutcome
 
     verdicts = {"greedy": "PASS", "concurrent": "FAIL"}
+    rule = {"mode": "strict", "tol": 4e-4, "reason": "both engines run float32 (no --margin-tol typed)",
+            "margin_tol": 0.2, "strict_tol": 4e-4, "margin_given": False}  # a strict run: the rule that judged
     out = SelftestOutcome(engine={"name": "candidate"}, num_prompts=2, max_tokens=16, margin_tol=0.2,
-                          reference_accept=2.5,
+                          reference_accept=2.5, rule=rule,
                           faults=[EngineRow("kv_offset", ("kv_offset",), "KV offset", dict(verdicts)),
                                   EngineRow("skip_rollback", ("skip_rollback",), "rollback", {"greedy": "PASS"})],
                           clean=[EngineRow("clean-1", (), "clean", {"greedy": "PASS"}, accept_len=2.5)])
@@ -77,6 +79,9 @@ def test_selftest_run_renders(cli, tmp_path) -> None:
         run.update(summary=out.to_dict())
     md = _report(cli, str(tmp_path / "st"))
     assert "**FAIL**: 2 faults, missed skip_rollback" in md
+    # the tolerance that judged, not the margin that did not (a strict run once read "margin tol 0.2")
+    assert "tolerance strict 0.0004 nat (both engines run float32 (no --margin-tol typed))" in md
+    assert "margin tol" not in md
     assert "| kv_offset | kv_offset | concurrent | concurrent: FAIL |" in md
     assert "| skip_rollback | skip_rollback | MISSED | all PASS |" in md
     assert "| clean-1 | none | no alarm | all PASS | 2.5 |" in md
