@@ -12,6 +12,7 @@ The gate is a file (GATE_DIR/open): it crosses from the server process to the en
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,7 @@ class HeldEngine:
 
     def __init__(self, engine: Any, gate: Path) -> None:
         self._engine, self._gate = engine, Path(gate)
+        self.holding = threading.Event()  # set once a step waits on the gate (in process: the test can wait for it)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
@@ -51,6 +53,7 @@ class HeldEngine:
     def step(self, finished_only: bool = False) -> list:
         t0 = time.monotonic()
         while self._held():
+            self.holding.set()
             if time.monotonic() - t0 > HOLD_LIMIT_S:
                 raise RuntimeError(f"held_engine: the gate {self._gate} never opened")
             time.sleep(POLL_S)

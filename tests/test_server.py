@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import socket
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import held_engine
 import httpx
 import pytest
 
@@ -62,7 +65,10 @@ def post(served, path: str, body) -> httpx.Response:
     return httpx.post(served.url + path, content=data, headers={"content-type": "application/json"}, timeout=60)
 
 
-def wait_idle(served, timeout: float = 10.0) -> None:
+WAIT_S = 120.0  # hang guards only: the waits below end on events
+
+
+def wait_idle(served, timeout: float = WAIT_S) -> None:
     eng = served.engine
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
@@ -286,22 +292,52 @@ def test_overload_answers_503(served):
     assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded" and r.headers["retry-after"]
 
 
-def test_client_disconnect_mid_stream_frees_kv(served, prompts):
-    n = len(served.engine.tokenizer.encode(prompts[0]))
-    # logprobs keep it one token per step: finishing would take far longer than wait_idle allows.
-    body = {"model": MODEL, "prompt": prompts[0], "max_tokens": served.engine.max_model_len - n, "temperature": 0,
-            "ignore_eos": True, "logprobs": 1, "stream": True}
-    with httpx.Client(timeout=60) as c, c.stream("POST", served.url + "/v1/completions", json=body) as r:
-        seen = 0
-        for line in r.iter_lines():
-            seen += line.startswith("data: {")
-            if seen >= 3:
-                break
-    wait_idle(served, timeout=2.0)
-    # The same without streaming: the client gives up waiting for the whole answer.
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(served.url + "/v1/completions", json={**body, "stream": False}, timeout=0.5)
-    wait_idle(served, timeout=3.0)
+def _abort_count(served) -> int:
+    return int(served.state.metrics.aborts)
+
+
+def _left_mid_flight(served, gate: Path, leave) -> None:
+    """Hold the engine once the request has its first token (tests/held_engine.py), let `leave(first)` send it
+    and go away mid-flight, wait until the server took the disconnect, then let the engine step on: the request
+    cannot finish on its own first, however fast the machine. It must end aborted, its KV freed."""
+    held = held_engine.HeldEngine(served.engine, gate)
+    aborts = _abort_count(served)
+    served.loop.engine = held
+    try:
+        leave(held)
+        t0 = time.monotonic()
+        while served.loop.num_pending and time.monotonic() - t0 < WAIT_S:  # the server saw the client go
+            time.sleep(0.02)
+    finally:
+        gate.touch()
+        served.loop.engine = served.engine
+    wait_idle(served)
+    assert _abort_count(served) == aborts + 1
+
+
+def test_client_disconnect_mid_stream_frees_kv(served, prompts, tmp_path):
+    body = {"model": MODEL, "prompt": prompts[0], "max_tokens": 64, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+
+    def stream_then_leave(held) -> None:
+        with httpx.Client(timeout=WAIT_S) as c, c.stream("POST", served.url + "/v1/completions", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    break  # the first token: the engine holds the rest; leaving closes the connection
+
+    _left_mid_flight(served, tmp_path / "stream", stream_then_leave)
+
+    # The same without streaming: the client gives up waiting for the whole answer (once the request is in
+    # flight: the engine holds it after its first token)
+    def send_then_leave(held) -> None:
+        data = json.dumps({**body, "stream": False}).encode()
+        host, port = served.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+            assert held.holding.wait(WAIT_S) and served.loop.num_pending == 1
+
+    _left_mid_flight(served, tmp_path / "whole", send_then_leave)
     assert httpx.get(served.url + "/health").status_code == 200
 
 
@@ -392,22 +428,26 @@ def test_lm_eval_local_completions_client(served, reference, prompts):
 def test_serve_command_subprocess(tiny_pair, tmp_path):
     """`specbench serve` as users run it: warms up, is ready, answers, then exits cleanly on SIGINT."""
     import signal
-    import socket
     import subprocess
     import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "specbench", "serve", "--model", tiny_pair[0], "--spec", "off", "--port", str(port),
+    cmd = [sys.executable, "-m", "specbench", "serve", "--model", tiny_pair[0], "--spec", "off", "--port", "0",
            "--num-pages", "64", "--served-model-name", "cli", "--log-level", "warning"]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        url = f"http://127.0.0.1:{port}"
+        # the port it bound (--port 0: a port picked here and then bound by the server could be taken between)
+        head: list[str] = []
+        m = None
+        while m is None and (line := p.stdout.readline()):  # "" once it exited
+            head.append(line)
+            m = re.search(r"on http://127\.0\.0\.1:(\d+)/v1", line)
+        assert m, head
+        url = f"http://127.0.0.1:{m.group(1)}"
         health = None
-        for _ in range(600):  # ready, not just up: 503 "starting" while the warm-up runs
+        t0 = time.monotonic()
+        while p.poll() is None and time.monotonic() - t0 < WAIT_S:  # ready, not just up: 503 while it warms up
             try:
-                h = httpx.get(url + "/health", timeout=1)
+                h = httpx.get(url + "/health", timeout=5)
                 if h.status_code == 200:
                     health = h.json()
                     break
@@ -420,7 +460,7 @@ def test_serve_command_subprocess(tiny_pair, tmp_path):
                                                       "temperature": 0}, timeout=30)
         assert r.status_code == 200 and r.json()["choices"][0]["index"] == 0
         p.send_signal(signal.SIGINT)
-        assert p.wait(timeout=30) == 0, p.stdout.read()  # a drained shutdown, not a KeyboardInterrupt
+        assert p.wait(timeout=WAIT_S) == 0, p.stdout.read()  # a drained shutdown, not a KeyboardInterrupt
     finally:
         if p.poll() is None:
             p.kill()
