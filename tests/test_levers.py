@@ -8,6 +8,7 @@ import itertools
 import json
 
 import pytest
+from policy_clock import tick_policy
 from typer.testing import CliRunner
 
 import specbench.engine.spec.policy as pm
@@ -498,20 +499,21 @@ def test_measured_step_times_include_the_loop_between_steps(tiny_pair, fixed_cos
     """A busy engine's step costs the run its time from the previous step's commit: 20 ms of the caller's work
     between two step() calls (a server streaming outputs) shows in every measured step time, speculative or
     not (before, a speculative step was timed from its own schedule phase, a chained gated round from the
-    commit before it: speculation looked cheaper than it was). An idle engine's wait does not count."""
-    import time as _time
-
+    commit before it: speculation looked cheaper than it was). An idle engine's wait does not count. Timed by
+    the policy's clock on ticks (tests/policy_clock.py): the caller's work and the idle spell move it, so no
+    bound here depends on how fast the machine runs a step."""
     monkeypatch.setenv("SPECBENCH_SPEC_ONLINE", "1")
     llm = _llm(tiny_pair, spec_policy="auto")
+    clock = tick_policy(llm)
     eng = llm.engine
     for i, p in enumerate(prompts[:2]):
         eng.add_request(p, SamplingParams(max_tokens=16, ignore_eos=True), rid=f"w{i}")
     while eng.has_unfinished():
         eng.step()
-        _time.sleep(0.02)
+        clock.idle(0.02)  # the caller's work between two step() calls
     walls = eng.policy.walls
     assert walls and all(w[0] >= 0.02 for w in walls.values()), walls
-    _time.sleep(0.3)  # idle: no request left at the last commit
+    clock.idle(0.3)  # idle: no request left at the last commit
     eng.policy.walls.clear()
     eng.add_request(prompts[2], SamplingParams(max_tokens=8, ignore_eos=True), rid="late")
     while eng.has_unfinished():
@@ -525,6 +527,7 @@ def test_prefill_mixed_steps_are_not_timed(tiny_pair, fixed_costs, monkeypatch, 
     (benchmarks/policy_sim.py: 0.90x of plain decode at c64, tau 3.5). The step after it is timed from its end."""
     monkeypatch.setenv("SPECBENCH_SPEC_ONLINE", "1")
     llm = _llm(tiny_pair, spec_policy="auto")
+    tick_policy(llm)  # the spans (so how far "first" got in 4 steps) must not depend on the machine's speed
     eng, pol = llm.engine, llm.engine.policy
     seen: list[tuple[bool, bool]] = []  # (mixed, timed) per step with decode-phase requests
     record = pol.record
@@ -553,6 +556,7 @@ def test_steps_the_policy_did_not_choose_are_not_timed(tiny_pair, fixed_costs, m
     on the H200 (chained ones: 4 ms) and the policy speculated at 0.49x of plain decode."""
     monkeypatch.setenv("SPECBENCH_SPEC_ONLINE", "1")
     llm = _llm(tiny_pair, spec_policy="auto")
+    tick_policy(llm)  # the policy's choices: the same on every machine
     pol = llm.engine.policy
     reasons: list[str] = []
     record = pol.record
