@@ -72,3 +72,75 @@ def scratch_store(record: bool, results: str | Path | None) -> Iterator[str | No
         yield tmp
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---- output paths: one policy for every option that names where a command writes --------------------------
+# A file's missing folders are created before the command runs; a folder (the store, a product folder) is created
+# by the command when it first writes. Either is refused in one line, exit 2, before anything runs when it cannot
+# be made (a file in the way, a folder where a file is wanted, no permission): never a traceback after the run.
+FILE_OPTIONS = ("--report", "--markdown", "--plot", "--merge-into", "--json")  # --json only where it takes a PATH
+FOLDER_OPTIONS = ("--results-dir", "--result-dir")
+OUT_IS_FILE = ("report", "bench-decode")  # their --out is a file; fixtures' and profile's a folder
+
+
+def output_kind(command: str, opts: list[str] | tuple[str, ...]) -> str | None:
+    """"file", "folder" or None (not an output path) for an option of `command` spelled `opts`."""
+    if any(o in FOLDER_OPTIONS for o in opts):
+        return "folder"
+    if any(o in FILE_OPTIONS for o in opts):
+        return "file"
+    if "--out" in opts:
+        return "file" if command in OUT_IS_FILE else "folder"
+    return None
+
+
+def _nearest(p: Path) -> Path:
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def prepare_output(option: str, value: str | Path, kind: str) -> None:
+    """Apply the policy above to one path (`-`, stdout, is left alone); raises BadOutputPath naming the option."""
+    import os
+
+    from specbench.harness.errors import BadOutputPath
+
+    if str(value) in ("", "-"):
+        return
+    p = Path(value).expanduser()
+    bad = f"{option} {str(value)!r} is invalid: "
+    if kind == "file" and p.is_dir():
+        raise BadOutputPath(bad + "it is a folder (expected a file path)")
+    if kind == "folder" and p.exists() and not p.is_dir():
+        raise BadOutputPath(bad + "it is a file (expected a folder)")
+    folder = p.parent if kind == "file" else p
+    top = _nearest(folder)
+    if not top.is_dir():
+        raise BadOutputPath(bad + f"{str(top)!r} is a file, so no folder can be made under it")
+    if not os.access(top, os.W_OK | os.X_OK):
+        raise BadOutputPath(bad + f"no permission to write in {str(top)!r}")
+    if kind == "file":
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise BadOutputPath(bad + f"its folder cannot be created ({e.strerror or e})") from None
+
+
+def prepare_outputs(command: str) -> None:
+    """`prepare_output` for every output-path option the running command was given (cli/app.py calls it before
+    each command)."""
+    from typer._click.globals import get_current_context  # typer 0.29 vendors click as typer._click
+
+    ctx = get_current_context(silent=True)
+    if ctx is None:
+        return
+    for p in ctx.command.params:
+        opts = getattr(p, "opts", None)
+        if not opts or getattr(p, "is_flag", False) or not p.name or opts[0].startswith("-") is False:
+            continue
+        kind = output_kind(command, opts)
+        value = ctx.params.get(p.name)
+        if kind is None or value is None or isinstance(value, bool):
+            continue
+        prepare_output(opts[0], value, kind)

@@ -33,7 +33,6 @@ import dataclasses
 import json
 import os
 import secrets
-import signal
 import socket
 import threading
 import time
@@ -42,6 +41,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .interrupts import sigterm_as_sigint, terminated
 from .provenance import provenance
 from .redact import redact_text, scrub
 
@@ -128,10 +128,6 @@ def _json(obj: Any) -> str:
     return json.dumps(obj, ensure_ascii=False, default=str, allow_nan=True)
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM inside `open_run`: a KeyboardInterrupt, so the run is marked incomplete and the CLI exits 130."""
-
-
 class Run:
     """An open run: append records, update the run record. Thread-safe."""
 
@@ -215,23 +211,17 @@ def open_run(suite: str, suite_version: str = "1", engines: dict[str, dict] | No
                     provenance=provenance())
     run = Run(path, rec, tuple(secrets))
     run._save()
-    old = None
-    if threading.current_thread() is threading.main_thread():
-        def _term(signum: int, frame: Any) -> None:
-            raise Terminated(f"signal {signum}")
-
-        old = signal.signal(signal.SIGTERM, _term)
     try:
-        yield run
+        with sigterm_as_sigint():  # SIGTERM unwinds as Ctrl-C does (harness/interrupts.py)
+            yield run
     except BaseException as e:
         kind = "interrupted" if isinstance(e, KeyboardInterrupt) else type(e).__name__
+        if kind == "interrupted" and terminated():
+            kind = "interrupted (SIGTERM)"
         run.finish("incomplete", f"{kind}: {e}".rstrip(": "))
         raise
     else:
         run.finish("complete")
-    finally:
-        if old is not None:
-            signal.signal(signal.SIGTERM, old)
 
 
 # ---- references ----------------------------------------------------------------------------------
