@@ -189,7 +189,13 @@ def _prefix(candidate, tokenizer, dataset, num_prompts, max_tokens, block_sizes,
     in run.json's summary."""
     from dataclasses import asdict
 
-    from specbench.harness.engines import EngineStringError, baseline_and_candidate, build_adapter, gate_specs
+    from specbench.harness.engines import (
+        EngineStringError,
+        baseline_and_candidate,
+        build_adapter,
+        gate_specs,
+        parse_engine,
+    )
     from specbench.harness.results import open_run
     from specbench.harness.verdicts import exit_code
     from specbench.suites.lossless.prefix import (
@@ -207,7 +213,9 @@ def _prefix(candidate, tokenizer, dataset, num_prompts, max_tokens, block_sizes,
             raise ValueError(f"--block-sizes {block_sizes!r} is invalid: expected positive integers, comma-separated")
         from specbench.harness.adapters.dialect import with_tokenizer
 
-        _, cspec = gate_specs(with_tokenizer(list(baseline_and_candidate(None, candidate)), tokenizer))
+        # the candidate alone: a remote one needs no spec-off twin here (nothing is compared with a baseline)
+        given = parse_engine(candidate) if candidate is not None else baseline_and_candidate(None, None)[1]
+        (cspec,) = gate_specs(with_tokenizer([given], tokenizer))
         cand = build_adapter(cspec, name="candidate")
         texts = load_prompts(dataset, num_prompts)
     except (EngineStringError, ValueError, FileNotFoundError) as e:

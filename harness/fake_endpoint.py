@@ -11,9 +11,13 @@ Faults (`Faults`), decided per request in arrival order, so a test knows exactly
 - `fail_first`: the first N attempts of each distinct prompt answer 503 (retried by the adapter);
 - `fail_marker`: a prompt containing this text answers HTTP 500 every time (a request that can never
   succeed), unless it asks for a single token (the sweep's one-token probe);
-- `api_key`: every route but /health requires `Authorization: Bearer <key>` (else 401);
+- `api_key`: every route but /health (and `open_paths`) requires `Authorization: Bearer <key>` (else
+  `auth_status`, 401 by default; 403 as a proxy may answer); `open_paths=("/v1/models",)` is llama-server's
+  way, which lists its models to anyone and refuses the rest;
 - `echo_auth`: error bodies quote the request's Authorization header (a leaky server: what a client
   records from an error must still never hold the key);
+- `empty`: every completion ends at once with no token (finish_reason "stop", usage 0 completion tokens): an
+  endpoint that answers 200 and generates nothing;
 - `drop_idle`: close every connection right after its response without saying so (a server whose
   keep-alive timeout beat the client's next request: the client must reconnect, not fail).
 `FakeEndpoint.state.connections` counts the connections accepted.
@@ -45,8 +49,11 @@ class Faults:
     fail_first: int = 0
     fail_marker: str | None = None
     api_key: str | None = None
+    auth_status: int = 401
+    open_paths: tuple[str, ...] = ()
     echo_auth: bool = False
     drop_idle: bool = False
+    empty: bool = False
 
 
 @dataclass
@@ -77,8 +84,8 @@ class _State:
 
 
 def _head(status: int, ctype: str, length: int | None = None) -> bytes:
-    reason = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 500: "Internal Server Error",
-              503: "Service Unavailable"}.get(status, "Status")
+    reason = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found",
+              500: "Internal Server Error", 503: "Service Unavailable"}.get(status, "Status")
     h = f"HTTP/1.1 {status} {reason}\r\ncontent-type: {ctype}\r\n"
     h += f"content-length: {length}\r\n" if length is not None else "transfer-encoding: chunked\r\n"
     return (h + "\r\n").encode()
@@ -124,8 +131,9 @@ class _Handler:
         if st.keep_seen:
             st.seen.append({"method": method, "path": path, "headers": headers})
         key = st.faults.api_key
-        if key is not None and path != "/health" and headers.get("authorization") != f"Bearer {key}":
-            w.write(_error(401, "missing or wrong API key"))
+        if key is not None and path != "/health" and path not in st.faults.open_paths \
+                and headers.get("authorization") != f"Bearer {key}":
+            w.write(_error(st.faults.auth_status, "missing or wrong API key"))
             return
         if method == "GET" and path == "/metrics" and st.spec_k:
             body = st.metrics().encode()
@@ -150,7 +158,7 @@ class _Handler:
         prompt = req.get("messages") if chat else req.get("prompt")
         ptext = json.dumps(prompt)
         n_prompt = len(prompt) if isinstance(prompt, list) and not chat else max(1, len(ptext.split()))
-        max_tokens = int(req.get("max_tokens") or req.get("max_completion_tokens") or st.max_tokens)
+        max_tokens = 0 if f.empty else int(req.get("max_tokens") or req.get("max_completion_tokens") or st.max_tokens)
         if f.fail_marker and f.fail_marker in ptext and max_tokens > 1:
             leak = f" (you sent Authorization: {headers.get('authorization')})" if f.echo_auth else ""
             w.write(_error(500, "injected failure (fail_marker)" + leak))
@@ -167,7 +175,7 @@ class _Handler:
         cont = bool(opts.get("continuous_usage_stats"))
         if not req.get("stream"):
             text = "t " * max_tokens
-            choice = {"index": 0, "finish_reason": "length",
+            choice = {"index": 0, "finish_reason": "stop" if f.empty else "length",
                       **({"message": {"role": "assistant", "content": text}} if chat else {"text": text})}
             if ids:
                 choice["token_ids"] = [st.token_id] * max_tokens
@@ -202,6 +210,11 @@ class _Handler:
                 await asyncio.sleep(st.chunk_interval)
             elif done % 64 == 0:
                 await w.drain()
+        if f.empty:  # one event that ends the choice with no text
+            end: dict[str, Any] = {"index": 0, "finish_reason": "stop"}
+            end.update({"delta": {"role": "assistant", "content": ""}} if chat else {"text": ""})
+            _chunk(w, {"id": "fake-1", "object": obj, "model": st.model, "choices": [end],
+                       **({"usage": _usage(n_prompt, 0)} if cont else {})})
         if opts.get("include_usage"):
             _chunk(w, {"id": "fake-1", "object": obj, "model": st.model, "choices": [],
                        "usage": _usage(n_prompt, max_tokens)})

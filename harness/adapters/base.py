@@ -50,6 +50,8 @@ from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ..errors import Refusal
+
 OnResult = Callable[["GenResult"], Awaitable[None] | None]
 
 
@@ -260,7 +262,7 @@ class EngineAdapter(ABC):
             async with sem:
                 try:
                     res = await self.generate_one(req)
-                except asyncio.CancelledError:
+                except (asyncio.CancelledError, Refusal):  # a refusal (harness/errors.py) ends the command
                     raise
                 except Exception as e:  # an adapter bug must not lose the rest of the run
                     res = failed(req, req.rid or f"{self.name}-{i}", f"{type(e).__name__}: {e}", time.perf_counter())

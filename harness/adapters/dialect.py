@@ -4,7 +4,9 @@ Contract:
 - `probe_endpoint(client, root, api, model, ...)` sends a handful of small requests (models, version or
   props, /tokenize in both bodies, one token-id generation per route, one echo request, /metrics) and
   returns a `Capabilities`. It never raises: what could not be determined is None and the reason is in
-  `errors`. `Capabilities.to_dict()` is the record that goes into `describe()["capabilities"]`, hence
+  `errors` (`unreachable` says why when GET /v1/models could not connect at all; an exception raised by the
+  client's own event hooks, the adapter's AuthRefused on a 401 / 403, passes through).
+  `Capabilities.to_dict()` is the record that goes into `describe()["capabilities"]`, hence
   into every run record (`run.json` engines) and report.
 - Dialects: "llamacpp" (llama.cpp's llama-server: `owned_by: llamacpp`, `/props` with `build_info`),
   "vllm", "sglang", "specbench" (`specbench serve`), "openai" (anything else OpenAI-compatible). A
@@ -69,6 +71,7 @@ class Capabilities:
     # llama.cpp; "cache_salt", vLLM: a fresh salt per request)
     sampler_defaults: dict | None = None  # server-side defaults applied unless a request sends its own
     speculated_logprobs: str | None = None  # "reported" | "missing" (llama.cpp: no token of a verify step has any)
+    unreachable: str | None = None  # why GET /v1/models could not even connect (nothing else was probed)
     notes: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
@@ -91,6 +94,8 @@ class Capabilities:
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        if d["unreachable"] is None:
+            del d["unreachable"]
         d["missing"] = self.missing()
         return d
 
@@ -230,6 +235,8 @@ def probe_endpoint(client: httpx.Client, root: str, api: str, model: str | None,
             caps.errors.append(f"/v1/models: {_err(r)}")
     except httpx.HTTPError as e:
         caps.errors.append(f"/v1/models: {type(e).__name__}: {e}")
+        if isinstance(e, httpx.ConnectError | httpx.ConnectTimeout):
+            caps.unreachable = f"GET {api}/models: {type(e).__name__}: {e}"
         return caps  # nothing answers: every capability stays unknown
     if model is None and models:
         model = models[0].get("id")

@@ -24,6 +24,11 @@ Contract:
   --api-key). It is sent as `Authorization: Bearer` and never appears in `describe()` (which says where
   it came from, `config.auth`), in an error text (the key is masked in everything the server answered)
   or in a log line.
+- Refused, not failed (harness/errors.py, reported by the CLI in one line, exit 2): a 401 / 403 answer on
+  any route but /metrics and /health (the probe, the model lookup, /tokenize, scoring, a generation) raises
+  `AuthRefused` (the endpoint, the route, where the key came from; never the key): no request could succeed.
+  On first contact (the probe's GET /v1/models, or the model lookup) a connection that cannot be made raises
+  `EndpointUnreachable`, and a model lookup that finds no model raises `EndpointError` (give model=).
 - One httpx.AsyncClient per event loop (an adapter may be driven by several asyncio.run calls).
 - score() uses echo + logprobs + max_tokens=0 (retried with max_tokens=1 if refused) with token-id
   prompts; spec_counters() scrapes /metrics (prom.py); tokenize() uses vLLM's POST /tokenize.
@@ -60,6 +65,7 @@ from typing import Any
 
 import httpx
 
+from ..errors import AUTH_STATUSES, EndpointError, EndpointUnreachable, Refusal, check_auth
 from ..redact import scrub
 from .base import EngineAdapter, GenRequest, GenResult, PosLogprobs, ScoreResult, failed
 from .dialect import Capabilities, LocalTokenizer, probe_endpoint
@@ -123,8 +129,8 @@ def _json_or_none(r: httpx.Response) -> Any:
 
 def _refused(status: int, body: bytes, req: GenRequest, rid: str, res: GenResult, attempt: int,
              sent: tuple[float, float]) -> GenResult:
-    """A non-200 answer of either transport: 429 and 5xx are retried (raises _Retry), any other status
-    fails the request with the server's message."""
+    """A non-200 answer of either transport (401 / 403 were raised before: OpenAIAdapter._auth): 429 and 5xx are
+    retried (raises _Retry), any other status fails the request with the server's message."""
     msg = _error_text(status, body)
     if status == 429 or status >= 500:
         raise _Retry(msg, sent)
@@ -133,13 +139,34 @@ def _refused(status: int, body: bytes, req: GenRequest, rid: str, res: GenResult
     return out
 
 
-def _error_text(status: int, body: bytes) -> str:
+def auth_hooks(auth: Any, asynchronous: bool) -> dict[str, list]:
+    """httpx event hooks that hand every 401 / 403 answer of a client to `auth(status, "METHOD /path", body)`,
+    which raises (harness/errors.py check_auth): the adapter's clients, and eval's endpoint probe."""
+    def check(r: httpx.Response) -> None:
+        if r.status_code in AUTH_STATUSES:
+            r.read()
+            auth(r.status_code, f"{r.request.method} {r.url.path}", r.content)
+
+    async def acheck(r: httpx.Response) -> None:
+        if r.status_code in AUTH_STATUSES:
+            await r.aread()
+            auth(r.status_code, f"{r.request.method} {r.url.path}", r.content)
+
+    return {"response": [acheck if asynchronous else check]}
+
+
+def error_message(body: bytes) -> str:
+    """The message of an OpenAI-style error body ({"error": {"message"}}), else its text."""
     try:
         err = json.loads(body).get("error")
         msg = err.get("message") if isinstance(err, dict) else err
     except (ValueError, AttributeError):
         msg = body.decode("utf-8", "replace")[:500]
-    return f"HTTP {status}: {msg}"
+    return str(msg)
+
+
+def _error_text(status: int, body: bytes) -> str:
+    return f"HTTP {status}: {error_message(body)}"
 
 
 class OpenAIAdapter(EngineAdapter):
@@ -202,6 +229,14 @@ class OpenAIAdapter(EngineAdapter):
     def _mask(self, text: str) -> str:
         return scrub(text, [self._key] if self._key else [])
 
+    def _auth(self, status: int, route: str, body: bytes) -> None:
+        """Raise AuthRefused for a 401 / 403 on a guarded route (module contract; harness/errors.py check_auth)."""
+        if status in AUTH_STATUSES:
+            check_auth(self.root, status, route, self.auth, self._mask(error_message(body)))
+
+    def _hooks(self, asynchronous: bool) -> dict[str, list]:
+        return auth_hooks(self._auth, asynchronous)
+
     def _raw_client(self) -> RawHTTP | None:
         """The minimal HTTP/1.1 client for generation requests (sse_http.py), or None where httpx serves
         (an injected test transport, https, a proxy, SPECBENCH_RAW_HTTP=0)."""
@@ -217,15 +252,24 @@ class OpenAIAdapter(EngineAdapter):
         loop = asyncio.get_running_loop()
         if self._cli is None or self._cli_loop is not loop:
             self._cli = httpx.AsyncClient(timeout=self.timeout, limits=self.limits, headers=self.headers,
-                                          transport=self.transport)
+                                          transport=self.transport, event_hooks=self._hooks(True))
             self._cli_loop = loop
         return self._cli
 
     async def _model(self) -> str:
+        """The model= of the engine string, else the first id GET /v1/models lists (module contract: a refusal
+        when there is none to be had)."""
         if self.model is None:
-            r = await self._client().get(self.api + "/models")
-            r.raise_for_status()
-            self.model = r.json()["data"][0]["id"]
+            url = self.api + "/models"
+            try:
+                r = await self._client().get(url)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+                raise EndpointUnreachable(self.root, f"GET {url}: {type(e).__name__}: {e}") from None
+            data = (_json_or_none(r) or {}).get("data") if r.status_code == 200 else None
+            if not (isinstance(data, list) and data and isinstance(data[0], dict) and data[0].get("id")):
+                raise EndpointError(f"the endpoint {self.root} names no model (GET {url}: HTTP {r.status_code}, "
+                                    f"{self._mask(r.text[:200])!r}): give it with model=<name> in the engine string")
+            self.model = str(data[0]["id"])
         return self.model
 
     # ---- ready -----------------------------------------------------------------------------------
@@ -288,9 +332,12 @@ class OpenAIAdapter(EngineAdapter):
             if self.caps is None:
                 tr = self.transport if isinstance(self.transport, httpx.BaseTransport) else None
                 with httpx.Client(timeout=httpx.Timeout(60.0, connect=self.timeout.connect), headers=self.headers,
-                                  transport=tr) as c:
-                    self.caps = probe_endpoint(c, self.root, self.api, self.model, extras=self.extras,
-                                               tokenizer=self.local_tokenizer, dialect=self.forced_dialect)
+                                  transport=tr, event_hooks=self._hooks(False)) as c:
+                    caps = probe_endpoint(c, self.root, self.api, self.model, extras=self.extras,
+                                          tokenizer=self.local_tokenizer, dialect=self.forced_dialect)
+                if caps.unreachable:
+                    raise EndpointUnreachable(self.root, caps.unreachable)
+                self.caps = caps
                 if self.model is None:
                     self.model = self.caps.server.get("model")
                 if self.caps.tokenize in ("prompt", "content"):
@@ -326,6 +373,8 @@ class OpenAIAdapter(EngineAdapter):
             return failed(req, rid, why, t0)
         try:
             model = await self._model()
+        except Refusal:
+            raise
         except Exception as e:
             return failed(req, rid, f"cannot resolve the model from {self.api}/models: {type(e).__name__}: {e}", t0)
         await self._caps()
@@ -375,7 +424,7 @@ class OpenAIAdapter(EngineAdapter):
         started = False
         try:
             async with self._client().stream("POST", url, json=body) as resp:
-                if resp.status_code != 200:
+                if resp.status_code != 200:  # (a 401 / 403 was raised by the client's hook)
                     return _refused(resp.status_code, await resp.aread(), req, rid, res, attempt, sent)
                 if not self.stream:
                     obj = json.loads(await resp.aread())
@@ -402,7 +451,9 @@ class OpenAIAdapter(EngineAdapter):
         started = False
         try:
             if resp.status != 200:
-                return _refused(resp.status, await resp.body(), req, rid, res, attempt, sent)
+                body = await resp.body()
+                self._auth(resp.status, f"POST {path}", body)
+                return _refused(resp.status, body, req, rid, res, attempt, sent)
             if not self.stream:
                 acc.feed(json.loads(await resp.body()), time.perf_counter())
             else:

@@ -7,7 +7,11 @@ Contract:
   server log's tail, if the process exits), and on
   exit always stops it: SIGTERM, then SIGKILL after a grace period, on success, error or Ctrl-C. The
   child also gets SIGTERM if this process dies (Linux parent-death signal), so no server outlives a run.
-- For an `openai` engine nothing is started; the base URL may end in /v1 or not.
+- For an `openai` engine nothing is started; the base URL may end in /v1 or not. Its bearer key is the
+  engine string's api_key=, else $OPENAI_API_KEY: the probe sends it, and lm-eval gets it as
+  $OPENAI_API_KEY (`Endpoint.api_key`, never recorded; the recorded engine string has it masked). A 401 / 403
+  (the probe also sends one 1-token completion, so a server that lists its models to anyone is caught too)
+  raises harness/errors.py AuthRefused, and nothing answering at all EndpointUnreachable (exit 2).
 - Either way the endpoint is probed once: the served model (`model=` option, else the first of
   /v1/models), its context length (max_model_len where the server reports it) and whether it answers
   /tokenizer_info and /tokenize (lm-eval's remote tokenizer). Probing never raises for a missing extra.
@@ -31,7 +35,10 @@ from typing import Any
 
 import httpx
 
+from specbench.harness.adapters.openai_api import auth_hooks, error_message
 from specbench.harness.engines import EngineSpec
+from specbench.harness.errors import EndpointUnreachable, check_auth
+from specbench.harness.redact import redact_text, scrub
 
 STARTUP_TIMEOUT_S = 600.0
 STOP_GRACE_S = 15.0
@@ -51,6 +58,7 @@ class Endpoint:
     remote_tokenizer: bool = False
     info: dict[str, Any] = field(default_factory=dict)  # /version and /v1/models, for provenance
     log_path: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # the bearer key (never recorded)
 
     @property
     def completions_url(self) -> str:
@@ -135,14 +143,22 @@ def stop_process(proc: subprocess.Popen, grace: float = STOP_GRACE_S) -> None:
         proc.wait(timeout=grace)
 
 
-def probe(root: str, model: str | None, timeout: float = 10.0) -> tuple[str, int | None, bool, dict]:
-    """(model, max_model_len, remote_tokenizer, info) of a running endpoint."""
+def probe(root: str, model: str | None, timeout: float = 10.0, api_key: str | None = None,
+          key_source: str | None = None) -> tuple[str, int | None, bool, dict]:
+    """(model, max_model_len, remote_tokenizer, info) of a running endpoint (module contract: the key, refusals)."""
     info: dict[str, Any] = {}
-    with httpx.Client(timeout=timeout) as c:
+
+    def auth(status: int, route: str, body: bytes) -> None:
+        check_auth(root, status, route, key_source, scrub(error_message(body), [api_key] if api_key else []))
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with httpx.Client(timeout=timeout, headers=headers, event_hooks=auth_hooks(auth, False)) as c:
         try:
             r = c.get(f"{root}/v1/models")
             r.raise_for_status()
             info["models"] = r.json().get("data", [])
+        except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+            raise EndpointUnreachable(root, f"GET {root}/v1/models: {type(e).__name__}: {e}") from None
         except (httpx.HTTPError, ValueError) as e:
             if model is None:
                 raise EndpointError(f"{root}/v1/models failed ({e}); pass the model name as model=M") from e
@@ -157,6 +173,8 @@ def probe(root: str, model: str | None, timeout: float = 10.0) -> tuple[str, int
             v = c.get(f"{root}/version")
             if v.status_code == 200:
                 info["version"] = v.json()
+        with contextlib.suppress(httpx.HTTPError):  # only a refusal matters here (the hook raises it)
+            c.post(f"{root}/v1/completions", json={"model": model, "prompt": "Hi", "max_tokens": 1})
         remote = False
         with contextlib.suppress(httpx.HTTPError, ValueError):
             ti = c.get(f"{root}/tokenizer_info")
@@ -173,7 +191,8 @@ def spec_counters(ep: Endpoint) -> dict | None:
     from specbench.harness.adapters.prom import spec_counters_from_metrics
 
     try:
-        r = httpx.get(f"{ep.root}/metrics", timeout=10.0)
+        r = httpx.get(f"{ep.root}/metrics", timeout=10.0,
+                      headers={"Authorization": f"Bearer {ep.api_key}"} if ep.api_key else None)
         return spec_counters_from_metrics(r.text, ep.model) if r.status_code == 200 else None
     except httpx.HTTPError:
         return None
@@ -194,8 +213,10 @@ def open_endpoint(spec: EngineSpec, name: str, log_path: Path | None = None,
                   startup_timeout: float = STARTUP_TIMEOUT_S) -> Iterator[Endpoint]:
     if spec.kind == "openai":
         root = normalize_root(spec.target)
-        model, mml, remote, info = probe(root, spec.options.get("model"))
-        yield Endpoint(name, spec.raw, root, model, mml, remote, info)
+        key = spec.options.get("api_key") or os.environ.get("OPENAI_API_KEY") or None
+        source = ("api_key=" if spec.options.get("api_key") else "$OPENAI_API_KEY") if key else None
+        model, mml, remote, info = probe(root, spec.options.get("model"), api_key=key, key_source=source)
+        yield Endpoint(name, redact_text(spec.raw), root, model, mml, remote, info, api_key=key)
         return
     if spec.kind != "local":
         raise EndpointError(f"engine {spec.raw!r}: eval needs an OpenAI-compatible endpoint "

@@ -101,16 +101,18 @@ def read_progress(path: Path) -> tuple[int, int] | None:
 
 
 def run_worker(spec: LmEvalSpec, workdir: Path, role: str,
-               on_progress: Callable[[int, int], None] | None = None, poll_s: float = 0.5) -> dict:
+               on_progress: Callable[[int, int], None] | None = None, poll_s: float = 0.5,
+               api_key: str | None = None) -> dict:
     """Run the lm-eval worker for one arm; return its JSON. Raises EvalError with the log tail.
-    `on_progress(done, total)` hears the worker's counts whenever they change (polled every `poll_s`)."""
+    `on_progress(done, total)` hears the worker's counts whenever they change (polled every `poll_s`);
+    `api_key`: the endpoint's bearer key, which lm-eval's local-completions sends from $OPENAI_API_KEY."""
     spec_path, out_path, log_path = workdir / f"{role}-spec.json", workdir / f"{role}-lm_eval.json", \
         workdir / f"{role}-lm_eval.log"
     prog_path = workdir / f"{role}-progress.json"
     if on_progress is not None:
         spec = replace(spec, progress_path=str(prog_path))
     spec_path.write_text(json.dumps(asdict(spec), indent=2), encoding="utf-8")
-    env = {**os.environ, **OFFLINE_ENV}
+    env = {**os.environ, **OFFLINE_ENV, **({"OPENAI_API_KEY": api_key} if api_key else {})}
     last: tuple[int, int] | None = None
 
     def report() -> None:
@@ -191,7 +193,7 @@ def run_parity(cfg: EvalConfig, progress: Any = None) -> tuple[ParityRun, Path]:
                                 max_length=(cfg.max_length or ep.max_model_len) if backend == "remote" else None,
                                 timeout_s=cfg.request_timeout_s)
                 before = spec_counters(ep)
-                out = run_worker(ls, run.path, role, on_progress)
+                out = run_worker(ls, run.path, role, on_progress, api_key=ep.api_key)
                 done_before[0] = progress.done if progress is not None else 0
                 spec = spec_delta(before, spec_counters(ep))
             for rec in _sample_records(role, name, out["tasks"]):
