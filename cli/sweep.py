@@ -14,7 +14,9 @@ spec counters nor per-request draft counts), 0 on PASS. Without --audit the swee
 exits 0 (2 bad usage, 130 interrupted).
 A sweep in which some measured request failed (after its retries) exits 4 and its run.json status is
 "complete_with_failures", unless --allow-failures is given (then 0); an --audit verdict other than PASS
-keeps its own code (1 or 3). The vLLM bench flags (`--dataset-name`, `--dataset-path`, `--random-input-len`
+keeps its own code (1 or 3). A measured cell whose answered requests gave no output token at all is no
+measurement (0 tok/s of nothing): the records line says NO OUTPUT TOKENS, one line on stderr names the cells
+(`no_tokens_line`, tune's too), and the sweep exits 3, CANNOT TEST (before 4; after an --audit FAIL). The vLLM bench flags (`--dataset-name`, `--dataset-path`, `--random-input-len`
 / `--random-output-len`, `--num-prompts`, `--max-concurrency`, `--request-rate`, `--burstiness`,
 `--endpoint`, `--save-result`, `--result-dir`) mean what they mean there (docs/sweep.md has the table).
 """
@@ -27,11 +29,19 @@ import typer
 
 from specbench.cli.flags import dataset_name, quiet_option, record_option, results_dir_option, scratch_store
 from specbench.harness.datasets import BUNDLED, SYNTHETIC
+from specbench.harness.errors import fail, usage_exit
 
 DATASETS = BUNDLED + SYNTHETIC  # = suites/sweep/workload.py DATASETS, without importing the sweep here
 
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 EXIT_FAILED_REQUESTS = 4
+
+
+def no_tokens_line(cells: list[str]) -> str:
+    """The one line of a sweep (or tune) whose cells were answered with no output token (session.py `no_tokens`)."""
+    shown = ", ".join(cells[:6]) + (f" and {len(cells) - 6} more" if len(cells) > 6 else "")
+    return (f"no output tokens in {len(cells)} measured cell(s) ({shown}): every answered request came back empty, "
+            "so their throughput (0 tok/s) measures nothing: CANNOT TEST")
 
 
 def _dataset_name(name: str, option: str) -> str:
@@ -238,8 +248,7 @@ def sweep(
         except EngineStringError as e:
             raise typer.BadParameter(redact_text(str(e), [api_key]), param_hint="--arms") from None
         except ValueError as e:
-            typer.echo(f"Error: {redact_text(str(e), [api_key])}", err=True)
-            raise typer.Exit(2) from None
+            raise usage_exit("sweep", redact_text(str(e), [api_key])) from None
         if outcome.run_dir is None:
             raise typer.Exit(130)
         code = _finish(outcome, record=record, report=report, quiet=quiet, audit=audit, allow_failures=allow_failures,
@@ -253,8 +262,14 @@ def _finish(outcome, *, record: bool, report: str | None, quiet: bool, audit: bo
     """Print what a finished (or interrupted) sweep has to say, the summary table last; its exit code."""
     acc = outcome.accounting
     nfail = int(acc.get("failed") or 0)
+    empty = list(acc.get("no_tokens") or [])
     if not outcome.complete:
-        status = "INCOMPLETE (interrupted; every finished record kept)" if record else "INCOMPLETE (interrupted)"
+        from specbench.harness.interrupts import how_stopped
+
+        how = how_stopped()
+        status = f"INCOMPLETE ({how}; every finished record kept)" if record else f"INCOMPLETE ({how})"
+    elif empty:
+        status = f"complete, but NO OUTPUT TOKENS in {len(empty)} measured cell(s): CANNOT TEST"
     elif nfail:
         status = f"complete_with_failures: {nfail} of {acc['requests']} requests FAILED"
     else:
@@ -305,6 +320,11 @@ def _finish(outcome, *, record: bool, report: str | None, quiet: bool, audit: bo
                 typer.echo(f"  {prob}", err=True)
         if audit and exit_code(a["verdict"]) != 0:
             code = exit_code(a["verdict"])
+    if not code and empty:
+        from specbench.harness.verdicts import EXIT_CANNOT_TEST
+
+        fail("sweep", no_tokens_line(empty), EXIT_CANNOT_TEST, as_json=False)
+        code = EXIT_CANNOT_TEST
     if not code and nfail and not allow_failures:
         code = EXIT_FAILED_REQUESTS
     if s is not None and not quiet:

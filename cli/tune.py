@@ -7,7 +7,8 @@ one progress display (cli/progress.py: requests done / total over every cell of 
 on stderr), prints the table and writes --json / --report / --merge-into, and ends with a summary table on stderr
 (cli/summary.py: per concurrency the best setting and its ratio to plain, the crossover, the recommendation);
 --quiet (-q, or its older name --no-progress) turns the display and the summary off, stdout is the same. Ctrl-C keeps
-every record already written and exits 130.
+every record already written and exits 130 (SIGTERM: 143). A cell answered with no output token at all exits 3,
+CANNOT TEST, in one line naming the cells (as specbench sweep).
 """
 
 from __future__ import annotations
@@ -74,10 +75,11 @@ def tune(
     import os
 
     from specbench.harness.engines import EngineStringError
+    from specbench.harness.errors import fail
     from specbench.suites.sweep.runner import SweepConfig
     from specbench.suites.tune import merge, remote_arms, render, run_tune, tune_arms
 
-    from .sweep import _dataset_name, _levels
+    from .sweep import _dataset_name, _levels, no_tokens_line
 
     levels = _levels(concurrency, "--concurrency", rate=False)
     if not (0.0 <= max_tokens_spread < 1.0):
@@ -117,8 +119,10 @@ def tune(
         typer.echo(f"specbench tune: {e}", err=True)
         raise typer.Exit(2) from None
     except KeyboardInterrupt:
-        typer.echo("specbench tune: interrupted" + ("; every finished record kept" if record else ""), err=True)
-        raise typer.Exit(130) from None
+        from specbench.harness.interrupts import how_stopped
+
+        typer.echo(f"specbench tune: {how_stopped()}" + ("; every finished record kept" if record else ""), err=True)
+        raise typer.Exit(130) from None  # 143 after SIGTERM (cli/app.py)
     typer.echo(render(res))
     if json_out:
         with open(json_out, "w") as f:
@@ -134,3 +138,7 @@ def tune(
     show(tune_summary(res, report), quiet=quiet)
     if not res.get("complete"):
         raise typer.Exit(130)
+    if res.get("no_tokens"):  # a ratio of nothing to nothing recommends nothing (cli/sweep.py, the same rule)
+        from specbench.harness.verdicts import EXIT_CANNOT_TEST
+
+        raise fail("tune", no_tokens_line(res["no_tokens"]), EXIT_CANNOT_TEST)

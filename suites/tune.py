@@ -113,6 +113,7 @@ def run_tune(cfg: Any, engines: list[str], labels: list[str], out_dir: str | Pat
     res = analyze(summary, outcome.records)
     res["run_dir"] = str(outcome.run_dir)
     res["complete"] = bool(outcome.complete)
+    res["no_tokens"] = list(outcome.accounting.get("no_tokens") or [])  # cells that measured nothing (session.py)
     res["arms"] = [{"label": lab, "engine": e} for lab, e in zip(labels, engines, strict=True)]
     res["settings"] = workload_settings(cfg)
     return res

@@ -16,7 +16,8 @@ Contract:
   (vllm_format.py), copied to `result_dir` under vLLM's file naming when given.
 - Accounting: the run's summary `requests` (and `SweepOutcome.accounting`) counts the measured requests,
   the failed ones, the retried ones and the extra attempts; a complete sweep with failed requests gets
-  the run status "complete_with_failures".
+  the run status "complete_with_failures". `no_tokens` names every measured cell whose answered requests
+  (at least one) gave no output token at all: its throughput (0 tok/s) measures nothing (the CLI: CANNOT TEST).
 - Secrets: `api_key` (for openai arms without their own), $OPENAI_API_KEY and every api_key= option are
   the run's secrets: masked in the arms' engine strings, in every record and file of the store and in the
   ValueError messages this raises (harness/redact.py).
@@ -185,6 +186,8 @@ class _StoreSink:
         self.vllm_files: list[Path] = []
         self.n = self.retried = self.extra = 0
         self.failed: list[str] = []
+        self.cell_tokens: dict[tuple[str, float, int], list[int]] = {}  # measured cell -> [answered, output tokens]
+        self.no_tokens: list[str] = []  # measured cells that were answered with no token at all
         self.busy_max = 0.0
         self.saturated: list[str] = []  # measured cells where the client's event loop was the bottleneck
 
@@ -192,7 +195,7 @@ class _StoreSink:
         """Requests of the measured cells (warm-up excluded): how many failed, were retried, extra attempts;
         the first errors."""
         return {"requests": self.n, "failed": len(self.failed), "retried": self.retried,
-                "extra_attempts": self.extra, "first_errors": self.failed[:5],
+                "extra_attempts": self.extra, "first_errors": self.failed[:5], "no_tokens": list(self.no_tokens),
                 "client_busy_max": round(self.busy_max, 4), "client_saturated": list(self.saturated)}
 
     def request(self, res: Any, arm: str, idx: int, round: int) -> None:
@@ -203,9 +206,14 @@ class _StoreSink:
             self.n += 1
             self.retried += res.attempts > 1
             self.extra += max(0, res.attempts - 1)
+            key = (arm, float(res.meta.get("level", 0)), round)
             if not res.ok:
                 self.failed.append(f"{arm}: {redact_text(str(res.error), self.run.secrets)[:300]}")
-            self.pending.setdefault((arm, float(res.meta.get("level", 0)), round), []).append(d)
+            else:
+                n = self.cell_tokens.setdefault(key, [0, 0])
+                n[0] += 1
+                n[1] += int(res.completion_tokens or 0)
+            self.pending.setdefault(key, []).append(d)
         if self.keep:
             self.outcome.records.append({"kind": "request", **d})
 
@@ -213,8 +221,13 @@ class _StoreSink:
         self.run.write("cells", record)
         if self.keep:
             self.outcome.records.append({"kind": "cell", **record})
-        reqs = self.pending.pop((record["arm"], float(record["level"]), record["round"]), [])
+        key = (record["arm"], float(record["level"]), record["round"])
+        reqs = self.pending.pop(key, [])
         load = record.get("client") or {}
+        answered, tokens = self.cell_tokens.pop(key, [0, 0])
+        if not record.get("warmup") and answered and not tokens:
+            closed = record.get("level_kind") == "concurrency"
+            self.no_tokens.append(f"{record['arm']} {_level_tag(float(record['level']), closed)} r{record['round']}")
         if not record.get("warmup"):
             self.busy_max = max(self.busy_max, float(load.get("busy") or 0.0))
             if load.get("saturated"):
