@@ -15,6 +15,7 @@ from specbench.harness.fixtures import bundled_pair
 
 TARGET, DRAFT = (str(p) for p in bundled_pair())
 PROMPTS = ["The quick brown fox", "Once upon a time, there was", "Question: what is 2 + 2?", "a b c"]
+WAIT_S = 120.0  # hang guards only: a waiting add_request would wait for a lock the test holds until after
 
 
 def _engine(monkeypatch, inbox: bool, spec: bool = True) -> LLMEngine:
@@ -39,7 +40,7 @@ def test_add_request_does_not_wait_for_a_step_in_flight(monkeypatch) -> None:
     e = _engine(monkeypatch, inbox=True, spec=False)
     with e._lock:  # a step in flight on another thread holds this for its whole length
         t, done = _add_in_thread(e, PROMPTS[0], "r0")
-        assert done.wait(5.0), "add_request waited for the step lock"
+        assert done.wait(WAIT_S), "add_request waited for the step lock"
         assert e.has_unfinished() and "r0" not in e.requests  # in the inbox, not yet scheduled
         assert e.num_waiting() == 1  # the gauges count it as waiting
     outs = e.step()
@@ -51,19 +52,45 @@ def test_no_step_in_flight_goes_straight_into_the_scheduler(monkeypatch) -> None
     e = _engine(monkeypatch, inbox=True, spec=False)
     with e._lock:  # an arrival during a step waits in the inbox ...
         t, done = _add_in_thread(e, PROMPTS[0], "r0")
-        assert done.wait(5.0)
+        assert done.wait(WAIT_S)
     t.join()
     e.add_request(PROMPTS[1], SamplingParams(max_tokens=4), rid="r1")  # ... and is scheduled before a later one
     assert [r.rid for r in e.scheduler.waiting] == ["r0", "r1"] and e.num_waiting() == 2 and "r1" in e.requests
 
 
+class _SpyLock:
+    """The engine's step lock, telling when someone asks for it and whether they would wait."""
+
+    def __init__(self, lock) -> None:
+        self._lock, self.asked = lock, threading.Event()
+        self.blocking: list[bool] = []
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if threading.current_thread() is not threading.main_thread():
+            self.blocking.append(blocking)
+            self.asked.set()
+        return self._lock.acquire(blocking, timeout)
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def __enter__(self):
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
 def test_the_off_switch_waits_for_the_step(monkeypatch) -> None:
     e = _engine(monkeypatch, inbox=False, spec=False)
     assert not e.admit_inbox
+    spy = e._lock = _SpyLock(e._lock)
     with e._lock:
         t, done = _add_in_thread(e, PROMPTS[0], "r0")
-        assert not done.wait(0.3), "with the inbox off, add_request must take the step lock"
-    assert done.wait(5.0)
+        assert spy.asked.wait(WAIT_S)  # add_request has asked for the step lock the test holds ...
+        assert spy.blocking[0] is True and not done.is_set(), "with the inbox off, add_request must take the step lock"
+    assert done.wait(WAIT_S)  # ... and got it once the "step" ended
     t.join()
     assert "r0" in e.requests and [o.rid for o in e.step()] == ["r0"]
 

@@ -13,6 +13,8 @@ from specbench.engine.output import RequestOutput
 from specbench.harness.adapters.loop import EngineLoop, _Sub
 from specbench.harness.server.engine_child import _ChildLoop, _Sender
 
+WAIT_S = 120.0  # hang guards only: each wait ends on an event
+
 
 class _Conn:
     def __init__(self) -> None:
@@ -95,7 +97,7 @@ def test_a_step_built_after_a_later_step_finished_its_request_still_goes_out() -
             del loop._subs["a"]  # step 3 finishes the request: the loop thread lets go of its consumer ...
         loop._emit([(sub, _out("a", 4, finished=True))])  # ... and hands over its output
         gate.set()
-        loop._send.flush()
+        loop._send.flush(WAIT_S)
         assert [(d[0], d[2]) for d in _steps(conn)] == [("a", [100]), ("a", [101, 102]), ("a", [103])]
         assert loop._sent == {} and loop._finished == {}
         # an abort still drops what the step handed over before it
@@ -106,7 +108,7 @@ def test_a_step_built_after_a_later_step_finished_its_request_still_goes_out() -
         loop._emit([(other, _out("b", 1))])
         loop.abort("b")
         gate.set()
-        loop._send.flush()
+        loop._send.flush(WAIT_S)
         assert [d[0] for d in _steps(conn)] == ["a", "a", "a"] and "b" in eng.aborted
     finally:
         loop.close()
@@ -168,7 +170,8 @@ def test_in_process_gauges_count_the_inbox(monkeypatch) -> None:
         with e._lock:  # a step in flight
             t = threading.Thread(target=e.add_request, args=("hello", SamplingParams(max_tokens=2)), kwargs={"rid": "r"})
             t.start()
-            t.join(5.0)
+            t.join(WAIT_S)  # the inbox: add_request does not wait for the lock held here
+            assert not t.is_alive()
             loop.refresh_gauges()
             assert e.num_waiting() == 1 and e.metrics.num_waiting == 1
     finally:
@@ -176,16 +179,17 @@ def test_in_process_gauges_count_the_inbox(monkeypatch) -> None:
 
 
 def test_the_sender_backlog_is_bounded_and_the_thread_never_waits_on_itself() -> None:
-    gate, sent = threading.Event(), []
+    gate, sent, stuck = threading.Event(), [], threading.Event()
 
     class _Slow:
         def send(self, msg: tuple) -> None:
-            gate.wait(5.0)  # a parent that has fallen behind
+            stuck.set()
+            gate.wait(WAIT_S)  # a parent that has fallen behind
             sent.append(msg)
 
     snd = _Sender(_Slow(), threaded=True, backlog=2)
     snd(("m", 0))  # taken by the thread, stuck in send
-    time.sleep(0.05)
+    assert stuck.wait(WAIT_S)
     snd(("m", 1))
     snd(("m", 2))  # the backlog is full now
     third = threading.Thread(target=snd, args=(("m", 3),))
@@ -198,9 +202,9 @@ def test_the_sender_backlog_is_bounded_and_the_thread_never_waits_on_itself() ->
         return ("outer",)
 
     gate.set()
-    third.join(5.0)
+    third.join(WAIT_S)
     done = threading.Thread(target=snd.later, args=(make,))
     done.start()
-    done.join(5.0)
-    snd.flush()
+    done.join(WAIT_S)
+    snd.flush(WAIT_S)
     assert sent[:4] == [("m", 0), ("m", 1), ("m", 2), ("m", 3)] and sent[4:] == [("inner",), ("outer",)]
