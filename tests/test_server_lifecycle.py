@@ -84,7 +84,9 @@ def _start(tiny_pair, gate_dir: Path, mode: str, *extra: str) -> tuple[subproces
                          stderr=subprocess.PIPE, text=True)
     first = p.stderr.readline()
     m = re.search(r"on http://127\.0\.0\.1:(\d+)/v1", first)
-    assert m, first
+    if m is None:
+        p.kill()
+        raise AssertionError(f"the server did not start: {first}{p.stderr.read()}")
     url = f"http://127.0.0.1:{m.group(1)}"
     t0 = time.monotonic()
     while p.poll() is None and time.monotonic() - t0 < READY_LIMIT_S:
