@@ -6,7 +6,10 @@ Contract:
   `engine` (the openai kind). `generate(requests, concurrency, on_result, offsets)` splits the requests
   round-robin over `shards(concurrency)` worker processes (spawned on first use, each with its own
   adapter built from the same engine string and key) and gives each an even share of the concurrency
-  (closed loop) or its requests' own offsets against one common start time (open loop). Results come
+  (closed loop) or its requests' own offsets against one common start time (open loop). A worker takes the
+  inner adapter's capability record and model instead of probing the endpoint itself: its probe requests, sent
+  at its first cell, landed in that cell's server counters (the sweep's audit saw 4 requests, 8 output and 88
+  prompt tokens too many in the first c128 cell with two workers). Results come
   back as each request finishes (`on_result` in completion order, the return value in input order), with
   the workers' perf_counter times, which are the same clock on Linux (CLOCK_MONOTONIC).
 - `shards(concurrency)`: `procs` fixed (at most one per request in flight), or with procs=0 ("auto")
@@ -46,13 +49,20 @@ async def _run(ad: EngineAdapter, conn: Any, reqs: list[GenRequest], conc: int, 
     return time.thread_time() - cpu0
 
 
-def _worker(conn: Any, engine: str, name: str, api_key: str | None) -> None:
+def _worker(conn: Any, engine: str, name: str, api_key: str | None, caps: Any = None, model: str | None = None
+            ) -> None:
     from specbench.harness.engines import build_adapter, parse_engine
 
     ad = build_adapter(parse_engine(engine), name=name)
     use = getattr(ad, "use_api_key", None)
     if api_key and callable(use):
         use(api_key, "--api-key")
+    # the parent's probe (an adapter with a capability record never probes again): no probe request of the
+    # worker's own lands inside a measured cell's server counters
+    if caps is not None and getattr(ad, "caps", False) is None:
+        ad.caps = caps  # type: ignore[attr-defined]
+    if model is not None and getattr(ad, "model", False) is None:
+        ad.model = model  # type: ignore[attr-defined]
     while True:
         msg = conn.recv()
         if msg[0] == "stop":
@@ -87,10 +97,12 @@ class ShardedAdapter(EngineAdapter):
 
     def _start(self, n: int) -> None:
         ctx = mp.get_context("spawn")
+        caps = self.probe() if len(self._workers) < n else None  # once, here (the sweep probed before any cell)
+        model = getattr(self.inner, "model", None)
         while len(self._workers) < n:
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker, args=(child, self.engine, self.name, self.api_key), daemon=True,
-                            name=f"specbench-client-{len(self._workers)}")
+            p = ctx.Process(target=_worker, args=(child, self.engine, self.name, self.api_key, caps, model),
+                            daemon=True, name=f"specbench-client-{len(self._workers)}")
             p.start()
             child.close()
             self._workers.append((p, parent))
