@@ -257,6 +257,12 @@ def sweep(
         raise typer.Exit(code)
 
 
+def _cells(arm: dict) -> str:
+    """An audited arm's cells by verdict, e.g. " (cells: 10 PASS, 2 CANNOT TEST)" (suites/sweep/audit.py)."""
+    n = {v: c for v, c in (arm.get("cell_verdicts") or {}).items() if c}
+    return f" (cells: {', '.join(f'{c} {v}' for v, c in n.items())})" if n else ""
+
+
 def _finish(outcome, *, record: bool, report: str | None, quiet: bool, audit: bool, allow_failures: bool,
             vllm_copies: bool, result_dir: str | None) -> int:
     """Print what a finished (or interrupted) sweep has to say, the summary table last; its exit code."""
@@ -314,10 +320,12 @@ def _finish(outcome, *, record: bool, report: str | None, quiet: bool, audit: bo
 
         a = outcome.audit
         typer.echo(f"acceptance audit: {a['verdict']}" + (f" [missing: {'; '.join(a['missing'])}]" if a["missing"] else "")
-                   + "; " + "; ".join(f"{x['arm']} {x['verdict']}" for x in a["arms"]))
+                   + "; " + "; ".join(f"{x['arm']} {x['verdict']}" + _cells(x) for x in a["arms"]))
         for x in a["arms"]:
             for prob in x["problems"][:5]:
                 typer.echo(f"  {prob}", err=True)
+            for why in x.get("unattributed", [])[:5]:
+                typer.echo(f"  not judged: {why}", err=True)
         if audit and exit_code(a["verdict"]) != 0:
             code = exit_code(a["verdict"])
     if not code and empty:

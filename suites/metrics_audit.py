@@ -7,15 +7,21 @@ with `metrics_text()` (an openai endpoint's /metrics, the local engine's own tex
 Contract:
 - `summarize(text, model)` reduces Prometheus text to the families audited (below), summed over label
   sets (restricted to `model_name=model` where the server labels samples with it); `scrape(adapter)`
-  does it for an adapter (None without metrics); `settle(adapter, timeout_s)` polls until the gauges read
-  idle or the time is up and returns the last summary; `ready(adapter)` probes an endpoint first, so its
-  probe requests never land inside a window; `audited(adapter, run)` is the three around one run.
+  does it for an adapter (None without metrics); `settle(adapter)` scrapes until the gauges read idle (the
+  scrape before a window) and `settle(adapter, before, requests, k, per_step)` until the window audits clean
+  against what the client sent (a server may publish a request's counts after answering it), at most
+  SETTLE_SCRAPES scrapes with growing pauses, and marks the summary with how it ended (`settle`: agreed, or
+  not: stable, or still moving); `ready(adapter)` probes an endpoint first, so its probe requests never land
+  inside a window; `audited(adapter, run)` is the three around one run.
 - `audit_window(before, after, requests, k, per_step_stream)` is a pure function of two summaries taken
-  around a window in which the client sent exactly `requests` (GenResults or request-record dicts) and
-  nothing else ran on the server. It returns {"verdict", "checks", "problems", "missing", "client",
-  "server"}: FAIL with the problems, PASS when every check that could run agreed, CANNOT TEST when no
-  check could run (no /metrics, or none of the families). Checks that could not run are named in
-  `missing`.
+  around a window in which the client sent exactly `requests` (GenResults or request-record dicts). It
+  returns {"verdict", "checks", "problems", "missing", "unattributed", "client", "server"}: FAIL with the
+  problems, PASS when every check that could run agreed, CANNOT TEST when no check could run (no /metrics,
+  or none of the families) or when the counters cannot be attributed to the window (`unattributed`, the
+  reason, also in `missing`): the server was busy before it, its counters were still moving when the settle
+  gave up, or more requests finished than the client sent, with tokens of their own (other traffic). Then
+  no counter or gauge is judged: never a FAIL on evidence that may be someone else's. Checks that could
+  not run are named in `missing`.
 
 What the client sees: per request its output tokens (usage), prompt tokens, the tokens each streamed
 chunk carried (`chunk_tokens`, counted exactly where `token_count_method` is token_ids, logprobs or
@@ -23,10 +29,11 @@ usage), the finish reason and, where the server reports them, per-request draft 
 
 The checks (slack: what a correct server may differ by, documented in docs/sweep.md):
 - idle before: running and waiting gauges are 0 before the window; else the counter deltas include other
-  traffic and the counter checks are not run (missing: "an idle server").
+  traffic: unattributed (above).
 - requests: the delta of `vllm:request_success_total` (finished_reason abort / error excluded) equals the
   requests the client got a complete answer for (slack 0; with client-side failures, between the
-  successes and successes + failures).
+  successes and successes + failures). More, with more tokens than the client's too: unattributed; more
+  with no tokens of their own: FAIL (the counter counts requests that never ran).
 - output tokens: the delta of `vllm:generation_tokens_total` / `llamacpp:tokens_predicted_total` equals
   the sum of the client's usage counts (slack 0; with failures: at least the successes' sum).
 - prompt tokens: the delta of `vllm:prompt_tokens_total` equals the sum of the client's prompt tokens
@@ -37,7 +44,9 @@ The checks (slack: what a correct server may differ by, documented in docs/sweep
   max_tokens) and verify steps <= T - n + n (one discarded step per request allowed).
 - tokens per streamed chunk (servers that stream one event per engine step: the local engine and
   `specbench serve`): a chunk with c tokens came from one verify step that accepted c - 1 drafts, so
-  sum(max(0, c - 1)) <= accepted and (chunks with c > 1) <= verify steps. Elsewhere (vLLM merges the
+  sum(max(0, c - 1)) <= accepted and (chunks with c > 1) <= verify steps; and accepted <= sum(max(0, c - 1))
+  + K x n (only a request's last step can lose accepted tokens, to a stop or max_tokens): more is an
+  overstated acceptance. Elsewhere (vLLM merges the
   deltas of steps a slow client has not read yet) the figures are reported, not judged. Per request too,
   where the server reports per-request draft counts.
 - gauges after: running, waiting, `specbench:requests_in_flight` and KV usage (`vllm:kv_cache_usage_perc`,
@@ -118,14 +127,57 @@ def busy_gauges(s: dict | None, kv: bool = True) -> dict[str, float]:
     return {n: v for n, v in (s.get("gauges") or {}).items() if n in judged and abs(v) > GAUGE_EPS}
 
 
-async def settle(adapter: Any, timeout_s: float = 5.0, interval_s: float = 0.05) -> dict | None:
-    """Scrape until every judged gauge reads idle or `timeout_s` has passed; the last summary (or None)."""
-    t_end = time.monotonic() + timeout_s
-    while True:
+SETTLE_SCRAPES = 12  # the most scrapes one settle takes
+SETTLE_STABLE = 3  # counters equal over this many last scrapes: what the server publishes, final
+SETTLE_FIRST_S = 0.01  # the pause before the second scrape, doubled before each next one ...
+SETTLE_MAX_S = 0.5  # ... up to this (12 scrapes span about 3 s)
+
+
+def _published(s: dict) -> tuple:
+    """What must stop moving for a scrape to be final: the counters and the spec counters (gauges excluded)."""
+    spec = s.get("spec") or {}
+    return (sorted((s.get("counters") or {}).items()),
+            [spec.get(k) for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos")])
+
+
+async def settle(adapter: Any, before: dict | None = None, requests: Sequence[Any] | None = None,
+                 k: int | None = None, per_step: bool = False, scrapes: int | None = None) -> dict | None:
+    """Scrape until the server has published everything the client knows it sent, at most `scrapes` times
+    (default SETTLE_SCRAPES), pausing SETTLE_FIRST_S doubling up to SETTLE_MAX_S between scrapes.
+
+    With `before` and `requests` (the window's), it stops at the first scrape whose window audits clean against
+    them (`audit_window`: counters match, gauges idle, nothing unattributed): a server may publish a request's
+    counts after its response (the engine in a process of its own did, from a 50 ms cache). Without them (the
+    scrape before a window) it stops once the gauges read idle. The summary returned (None: no /metrics) carries
+    `settle`: {"scrapes", "agreed", "stable"}; `stable` when it did not agree but its counters were equal over the
+    last SETTLE_STABLE scrapes, so what they say is what the server says (judged); a window whose counters were
+    still moving is not judged (`audit_window`: CANNOT TEST, named)."""
+    n = scrapes or SETTLE_SCRAPES
+    judge = before is not None and requests is not None and not busy_gauges(before, kv=False)
+    seen: list[dict] = []
+    pause = SETTLE_FIRST_S
+    for i in range(n):
+        if i:
+            await asyncio.sleep(pause)
+            pause = min(SETTLE_MAX_S, pause * 2)
         s = await scrape(adapter)
-        if s is None or not busy_gauges(s) or time.monotonic() >= t_end:
+        if s is None:
+            continue
+        seen.append(s)
+        if judge:
+            w = audit_window(before, s, requests, k=k, per_step=per_step)
+            agreed = not w["problems"] and not w.get("unattributed")
+        else:
+            agreed = not busy_gauges(s)
+        if agreed:
+            s["settle"] = {"scrapes": i + 1, "agreed": True, "stable": True}
             return s
-        await asyncio.sleep(interval_s)
+    if not seen:
+        return None
+    last = seen[-1]
+    stable = len(seen) >= SETTLE_STABLE and all(_published(x) == _published(last) for x in seen[-SETTLE_STABLE:])
+    last["settle"] = {"scrapes": n, "agreed": False, "stable": stable}
+    return last
 
 
 def per_step_stream(describe: dict | None) -> bool:
@@ -181,9 +233,18 @@ def audit_window(before: dict | None, after: dict | None, requests: Sequence[Any
     server["names"] = sorted(set(before.get("names") or []) | set(after.get("names") or []))
     busy_before = {n: v for n, v in busy_gauges(before, kv=False).items()}
     n_ok, n_fail, t_out = cv["ok"], cv["failed"], cv["output_tokens"]
+    how = after.get("settle") or {}
     if busy_before:
-        missing.append(pre + "an idle server before the run (" + ", ".join(f"{n} {v:g}" for n, v in busy_before.items())
-                       + "): the counter deltas would include other traffic")
+        why = ("the server was busy before the window (" + ", ".join(f"{n} {v:g}" for n, v in busy_before.items())
+               + "): its counter deltas would include other traffic")
+    elif how and not how.get("agreed", True) and not how.get("stable", True):
+        why = (f"the server's counters were still moving after {how.get('scrapes')} scrapes (they never settled): "
+               "their deltas cannot be attributed to this window")
+    else:
+        why = _other_traffic(before, after, cv)
+    out["unattributed"] = why
+    if why:
+        missing.append(pre + why)
     else:
         d = _delta(before, after, "requests_ok")
         if d is not None:
@@ -217,7 +278,9 @@ def audit_window(before: dict | None, after: dict | None, requests: Sequence[Any
         _spec_checks(before, after, cv, k, per_step, pre, out)
     stale = busy_gauges(after, kv=True)
     gauges_seen = [n for n in (after.get("gauges") or {}) if n in RUNNING + WAITING + KV_USAGE]
-    if gauges_seen:
+    if why:  # other traffic, or counters still moving: the gauges may be someone else's requests
+        pass
+    elif gauges_seen:
         checks.append("gauges after the run: " + ", ".join(f"{n} {after['gauges'][n]:g}" for n in gauges_seen))
         if stale:
             problems.append(pre + "gauges still non-zero after every request finished: "
@@ -226,8 +289,27 @@ def audit_window(before: dict | None, after: dict | None, requests: Sequence[Any
         missing.append(pre + "running / waiting / KV-usage gauges")
     server["gauges_after"] = dict(after.get("gauges") or {})
     server["gauges_before"] = dict(before.get("gauges") or {})
-    out["verdict"] = FAIL if problems else (PASS if checks else CANNOT_TEST)
+    if how:
+        server["settle"] = dict(how)
+    out["verdict"] = FAIL if problems else (CANNOT_TEST if why or not checks else PASS)
     return out
+
+
+def _other_traffic(before: dict, after: dict, cv: dict) -> str | None:
+    """More finished requests than the client sent, carrying tokens of their own: someone else's requests (or the
+    harness's own outside this window) finished inside it, so no counter delta is this window's. Extra requests
+    with no extra tokens are the request counter's own error, judged by the request check (None here)."""
+    d = _delta(before, after, "requests_ok")
+    hi = cv["ok"] + cv["failed"]
+    if d is None or d <= hi:
+        return None
+    gen, prompt = _delta(before, after, "generation_tokens"), _delta(before, after, "prompt_tokens")
+    more = (gen is not None and gen > cv["output_tokens"]) or \
+        (prompt is not None and cv["prompt_tokens_known"] and prompt > cv["prompt_tokens"])
+    if not more and (gen is not None or prompt is not None):
+        return None
+    return (f"{d - hi:g} more finished requests than the client sent ({d:g} vs {hi}), with tokens of their own: other "
+            "traffic on the server during the window, so its counter deltas cannot be attributed to it")
 
 
 def _spec_checks(before: dict, after: dict, cv: dict, k: int | None, per_step: bool, pre: str, out: dict) -> None:
@@ -263,7 +345,11 @@ def _spec_checks(before: dict, after: dict, cv: dict, k: int | None, per_step: b
     if not per_step:
         checks.append(line + " (reported, not judged: this server may merge steps into one chunk)")
         return
-    checks.append(line)
+    checks.append(line + f"; accepted {acc} <= {x} + K x {n}")
+    if acc > x + kk * n:
+        problems.append(pre + f"the accepted-token counter grew by {acc}, but the stream carried {x} tokens beyond the "
+                        f"first of their chunk: at most K x requests ({kk} x {n}) more can have been cut by a stop or "
+                        "max_tokens in a request's last step, so the counters overstate acceptance")
     if x > acc:
         problems.append(pre + f"the client received {x} tokens beyond the first of their streamed chunk, but the "
                         f"accepted-token counter grew by {acc}: the counters miss accepted drafts")
@@ -277,13 +363,14 @@ def _spec_checks(before: dict, after: dict, cv: dict, k: int | None, per_step: b
             continue
         xr = sum(max(0, c - 1) for c in v["chunk_tokens"])
         mr = sum(1 for c in v["chunk_tokens"] if c > 1)
-        if xr > int(sp["num_accepted_tokens"]) or (sp.get("num_drafts") is not None and mr > int(sp["num_drafts"])):
+        ar = int(sp["num_accepted_tokens"])
+        if xr > ar or ar > xr + kk or (sp.get("num_drafts") is not None and mr > int(sp["num_drafts"])):
             bad.append(f"{v['rid']} ({xr} extra chunk tokens vs {sp['num_accepted_tokens']} accepted, {mr} multi-token "
                        f"chunks vs {sp.get('num_drafts')} verify steps)")
     if any(isinstance(v["spec"], dict) for v in cv["per_request"]):
         checks.append("tokens per chunk vs each request's own draft counts")
     if bad:
-        problems.append(pre + "per-request draft counts miss what the stream carried: " + "; ".join(bad[:3])
+        problems.append(pre + "per-request draft counts disagree with what the stream carried: " + "; ".join(bad[:3])
                         + (f" and {len(bad) - 3} more" if len(bad) > 3 else ""))
 
 
@@ -308,10 +395,17 @@ async def ready(adapter: Any) -> None:
             pass
 
 
-async def audited(adapter: Any, run, settle_s: float = 5.0) -> tuple[Any, dict | None, dict | None]:
-    """Probe, scrape, await `run()` (a coroutine factory), settle and scrape again: (its result, before, after)."""
+async def audited(adapter: Any, run, k: int | None = None, per_step: bool | None = None
+                  ) -> tuple[Any, dict | None, dict | None]:
+    """Probe, settle (idle), await `run()` (a coroutine factory returning the window's results), settle against
+    them: (its result, before, after). `per_step` defaults to what the adapter's describe() says."""
     await ready(adapter)
-    before = await scrape(adapter)
+    before = await settle(adapter)
     res = await run()
-    after = await settle(adapter, settle_s) if before is not None else None
+    if per_step is None:
+        try:
+            per_step = per_step_stream(adapter.describe())
+        except Exception:
+            per_step = False
+    after = await settle(adapter, before, res, k=k, per_step=per_step) if before is not None else None
     return res, before, after

@@ -21,6 +21,7 @@ from specbench.harness.adapters.openai_api import OpenAIAdapter
 from specbench.harness.server import ServerThread, make_app
 from specbench.harness.server.metrics import EngineCollector
 from specbench.harness.verdicts import CANNOT_TEST, FAIL, PASS
+from specbench.suites import metrics_audit
 from specbench.suites.metrics_audit import (
     audit_window,
     audited,
@@ -114,9 +115,12 @@ def test_per_request_draft_counts_against_the_stream():
 
 def test_missing_evidence():
     assert audit_window(None, None, [_req(3, [1, 2])])["verdict"] == CANNOT_TEST
-    # a busy server before the window: the counter checks are not run, the gauges still are
-    w = audit_window(_snap(running=3.0), _snap(2, 20, 20), [_req(12, [12]), _req(8, [8])], k=3)
-    assert w["verdict"] == PASS and any("an idle server" in m for m in w["missing"])
+    # a busy server before the window: nothing is judged, the window is CANNOT TEST and says why (even with counters
+    # that disagree: they include other traffic)
+    for after in (_snap(2, 20, 20), _snap(5, 90, 70, running=1.0)):
+        w = audit_window(_snap(running=3.0), after, [_req(12, [12]), _req(8, [8])], k=3)
+        assert w["verdict"] == CANNOT_TEST and not w["problems"] and "busy before the window" in w["unattributed"]
+        assert any(w["unattributed"] in m for m in w["missing"])
     # a failed client request: the request count may include it, token sums are lower bounds
     w = audit_window(_snap(), _snap(2, 25, 25), [_req(12, [12]), _req(8, [8]), _req(0, [], ok=False)], k=3)
     assert w["verdict"] == PASS and any("a request failed" in m for m in w["missing"])
@@ -236,18 +240,27 @@ def test_the_audit_catches_stale_gauges_and_lost_tokens(served, gsm8k_prompts, m
     stale = {"vllm:num_requests_running": lambda: m.num_running, "vllm:num_requests_waiting": lambda: m.num_waiting,
              "vllm:kv_cache_usage_perc": lambda: m.kv_usage}
     _patch_collector(monkeypatch, lambda name, v: stale[name]() if name in stale else v)
+    monkeypatch.setattr(metrics_audit, "SETTLE_MAX_S", 0.05)  # the outcome is set by events below, not by pauses
+    # one answered request first: its last commit sets the gauges to idle (an abort in an earlier test left them
+    # stale, and a window that starts busy is not judged)
+    httpx.post(served.url + "/v1/completions", json={"model": MODEL, "prompt": "a b", "max_tokens": 2}, timeout=60)
 
     async def window(fn):
-        before = await scrape(oa)
+        before = await settle(oa)
         res = await fn()
-        return res, before, await settle(oa, timeout_s=1.0)
+        return res, before, await settle(oa, before, res, per_step=True)
 
     async def disconnect():
+        aborted = (await scrape(oa))["counters"]["requests_not_ok"]
         await asyncio.to_thread(_disconnect_mid_stream, served, gsm8k_prompts[2])
+        t0 = time.monotonic()  # the server has counted the abort: every counter final (a hang guard only)
+        while (await scrape(oa))["counters"]["requests_not_ok"] == aborted and time.monotonic() - t0 < 60:
+            await asyncio.sleep(0.01)
         return [GenResult("gone", False, error="client disconnected")]
 
     res, b, a = asyncio.run(window(disconnect))
     w = audit_window(b, a, res, per_step=True)
+    print("DBG", w["verdict"], w["unattributed"], w["server"].get("settle"), w["server"]["gauges_before"])
     assert w["verdict"] == FAIL and any("(stale)" in p and "num_requests_running = 1" in p for p in w["problems"])
     monkeypatch.undo()
     assert all(v == 0 for v in _wait_gauges_zero(served).values())

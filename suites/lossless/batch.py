@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from specbench.harness.adapters.base import EngineAdapter, GenRequest, GenResult, counters_delta
 from specbench.harness.verdicts import CANNOT_TEST, FAIL
 
-from ..metrics_audit import audit_window, combine_windows, per_step_stream, ready, scrape, settle
+from ..metrics_audit import audit_window, combine_windows, per_step_stream, ready, settle
 from .checks import Check
 from .greedy import (
     Divergence,
@@ -72,7 +72,6 @@ class BatchOptions:
     num_prompts: int | None = None  # batch-invariance prompts (default: the largest level)
     alpha: float = ALPHA
     detect_per_1k: float = DETECT_PER_1K
-    settle_s: float = 5.0  # how long the gauges may take to read idle after a run
 
     def __post_init__(self) -> None:
         if not self.levels or any(not isinstance(x, int) or x < 1 for x in self.levels):
@@ -157,22 +156,23 @@ class LevelRun:
     wall_s: float
 
 
-async def run_level(adapter: EngineAdapter, prompts: Sequence[Prompt], max_tokens: int, level: int, name: str,
-                    settle_s: float = 5.0) -> LevelRun:
+async def run_level(adapter: EngineAdapter, prompts: Sequence[Prompt], max_tokens: int, level: int, name: str
+                    ) -> LevelRun:
     order = list(range(len(prompts))) if level == 1 else list(reversed(range(len(prompts))))
     reqs = [GenRequest(prompt=list(prompts[i].ids), max_tokens=max_tokens, temperature=0.0,
                        rid=f"{name}-c{level}-{i}", prompt_cache=False) for i in order]
     t0 = time.perf_counter()
     await ready(adapter)
-    before_m = await scrape(adapter)
+    before_m = await settle(adapter)  # idle first (suites/metrics_audit.py)
     before = await adapter.spec_counters()
     got = await adapter.generate(reqs, concurrency=level)
-    after = await adapter.spec_counters()
-    after_m = await settle(adapter, settle_s) if before_m is not None else None
-    by_pos = {i: r for i, r in zip(order, got, strict=True)}
-    results = [by_pos[i] for i in range(len(prompts))]
     desc = adapter.describe()
     k = engine_k(adapter)
+    after_m = await settle(adapter, before_m, got, k=k, per_step=per_step_stream(desc)) if before_m is not None \
+        else None  # until the server has published what the client received
+    after = await adapter.spec_counters()
+    by_pos = {i: r for i, r in zip(order, got, strict=True)}
+    results = [by_pos[i] for i in range(len(prompts))]
     audit = audit_window(before_m, after_m, got, k=k, per_step=per_step_stream(desc), label=f"{name} c{level}")
     return LevelRun(level, results, audit, counters_delta(before, after), time.perf_counter() - t0)
 
@@ -250,15 +250,14 @@ async def _compare_level(adapter: EngineAdapter, prompts: Sequence[Prompt], ref:
 
 
 async def arm_batch_gates(adapter: EngineAdapter, arm: str, prompts: Sequence[Prompt], max_tokens: int,
-                          opts: GreedyGateOptions, levels: Sequence[int], settle_s: float = 5.0,
-                          prefix: str = "batch") -> tuple[list[GateRun], RateSample]:
+                          opts: GreedyGateOptions, levels: Sequence[int], prefix: str = "batch") -> tuple[list[GateRun], RateSample]:
     """One arm at level 1 and at each level > 1, each compared with level 1: the gates and the pooled sample."""
-    ref = await run_level(adapter, prompts, max_tokens, 1, f"{prefix}-{arm}", settle_s)
+    ref = await run_level(adapter, prompts, max_tokens, 1, f"{prefix}-{arm}")
     gates: list[GateRun] = []
     pooled = RateSample(f"{arm} batch", sources=[])
     for lv in levels:
         t0 = time.perf_counter()
-        run = await run_level(adapter, prompts, max_tokens, lv, f"{prefix}-{arm}", settle_s)
+        run = await run_level(adapter, prompts, max_tokens, lv, f"{prefix}-{arm}")
         checks = await _compare_level(adapter, prompts, ref, run, max_tokens, opts)
         g = await finish_run(f"{prefix} c{lv} {arm}", adapter, adapter, checks, run.results, run.delta, opts, t0,
                              engine_k(adapter))
@@ -289,8 +288,8 @@ async def run_batch_invariance(baseline: EngineAdapter, candidate: EngineAdapter
     """The batch-invariance gates of both arms and the batch-rate gate (module docstring)."""
     t0 = time.perf_counter()
     opts = resolve_rule(opts, baseline, candidate)  # strict in fp32 here too: each arm is judged against itself
-    off, off_s = await arm_batch_gates(baseline, "spec-off", prompts, max_tokens, opts, bopts.others, bopts.settle_s)
-    on, on_s = await arm_batch_gates(candidate, "spec-on", prompts, max_tokens, opts, bopts.others, bopts.settle_s)
+    off, off_s = await arm_batch_gates(baseline, "spec-off", prompts, max_tokens, opts, bopts.others)
+    on, on_s = await arm_batch_gates(candidate, "spec-on", prompts, max_tokens, opts, bopts.others)
     rg = _rate_gate("batch-rate", on_s, off_s, bopts, [], on[-1].stats if on else off[-1].stats,
                     [f"spec-on batch variance (pooled over c{', c'.join(map(str, bopts.others))} vs c1) against the "
                      "spec-off batch variance of the same prompts: the excess is speculation's, not batching's"])
@@ -308,8 +307,7 @@ async def run_rate_gate(baseline: EngineAdapter, prompts: Sequence[Prompt], max_
         test.sources.append(g.name)
     levels = sorted({min(lv, len(prompts)) for lv in bopts.others}) or [len(prompts)]
     levels = [lv for lv in levels if lv > 1] or [2]
-    gates, noise = await arm_batch_gates(baseline, "spec-off", prompts, max_tokens, opts, levels, bopts.settle_s,
-                                         prefix="noise")
+    gates, noise = await arm_batch_gates(baseline, "spec-off", prompts, max_tokens, opts, levels, prefix="noise")
     noise.label = "spec-off vs spec-off (batch noise)"
     checks = [c for g in gates for c in g.checks]
     noise_checks = [p for g in gates for p in g.prompts]

@@ -258,7 +258,9 @@ def audit_section(s: RunSummary) -> list[str]:
            "<= K x drafts) and, where every request carries its own counts, their sums against the counter "
            "delta; the client-side audit of /metrics (request and token counters vs what the client received, "
            "spec counters vs output tokens and tokens per streamed chunk, gauges stale after a cell). CANNOT TEST "
-           "= neither counters nor per-request counts: the acceptance figures above are unverified.", "",
+           "= neither counters nor per-request counts, or cells whose counters could not be attributed to them "
+           "(another client's traffic, counters that never settled; named, not judged): the acceptance figures "
+           "above are unverified there.", "",
            *_table(["arm", "verdict", "evidence", "checks run", "problems / missing"], rows, left=5)]
     return out + [""]
 

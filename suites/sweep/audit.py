@@ -3,8 +3,15 @@
 Contract: `audit_records(records)` is a pure function of one sweep's records (`cell` records with their
 counter deltas, `request` records with their per-request spec counts; warm-up cells included: their
 counters are real traffic). Per arm (noise copies are arms of their own) it returns PASS, FAIL or
-CANNOT TEST (harness/verdicts.py) with the checks that ran, and one overall verdict (FAIL beats CANNOT
-TEST beats PASS).
+CANNOT TEST (harness/verdicts.py) with the checks that ran, `cell_verdicts` (its cells counted by verdict)
+and `unattributed` (the cells not judged, each with its reason), and one overall verdict (FAIL beats
+CANNOT TEST beats PASS).
+
+A cell whose client-side window cannot be attributed to it (suites/metrics_audit.py `audit_window`: the
+server busy before it, counters still moving when the settle gave up, more finished requests than the
+client sent, with tokens of their own) is CANNOT TEST and none of its counters is judged (not the
+invariants, not the cross-check): its deltas may hold someone else's traffic. Its arm is CANNOT TEST
+unless another cell FAILs.
 
 Checks, per cell:
 - invariants of the counter delta (REFERENCE.md section 3): sum(accepted_per_pos) == accepted;
@@ -62,8 +69,10 @@ def audit_records(records: Sequence[dict]) -> dict:
         a = arms.setdefault(key[0], {"arm": key[0], "cells": 0, "counter_cells": 0, "request_cells": 0,
                                      "cross_checked": 0, "drafts": 0, "draft_tokens": 0, "accepted": 0,
                                      "sources": set(), "problems": [], "metrics_cells": 0,
-                                     "metrics_missing": set()})
+                                     "metrics_missing": set(), "unattributed": [],
+                                     "cell_verdicts": {PASS: 0, FAIL: 0, CANNOT_TEST: 0}})
         a["cells"] += 1
+        n_problems = len(a["problems"])
         delta = c.get("counters")
         have_counters = bool(delta) and delta.get("num_drafts") is not None
         rs = reqs.get(key, [])
@@ -72,12 +81,18 @@ def audit_records(records: Sequence[dict]) -> dict:
         have_per = bool(ok) and len(ok) == len(rs) and all(isinstance(p, dict) and p.get("num_draft_tokens") is not None
                                                            for p in per)
         sm = c.get("server_metrics")
+        why, windowed = None, False
         if isinstance(sm, dict):
             w = audit_window(sm.get("before"), sm.get("after"), rs, k=sm.get("k"), per_step=bool(sm.get("per_step")),
                              label=_name(key))
-            a["metrics_cells"] += w["verdict"] != CANNOT_TEST
+            why, windowed = w.get("unattributed"), w["verdict"] != CANNOT_TEST
+            a["metrics_cells"] += windowed
             a["problems"] += w["problems"]
-            a["metrics_missing"] |= {m.split(": ", 1)[-1] for m in w["missing"]}
+            a["metrics_missing"] |= {m.split(": ", 1)[-1] for m in w["missing"]} - {why}
+        if why:  # the cell's counter delta is not this cell's alone: nothing of it is judged (never a FAIL)
+            a["unattributed"].append(f"{_name(key)}: {why}")
+            a["cell_verdicts"][CANNOT_TEST] += 1
+            continue
         if have_counters:
             a["counter_cells"] += 1
             a["sources"].add(f"counters ({delta.get('prefix') or delta.get('source') or '?'})")
@@ -104,6 +119,8 @@ def audit_records(records: Sequence[dict]) -> dict:
                         pp += [0] * (i + 1 - len(pp))
                         pp[i] += int(x)
                 a["problems"] += [f"{_name(key)}: {b}" for b in counter_invariants({**sums, "accepted_per_pos": pp})]
+        judged = have_counters or have_per or windowed
+        a["cell_verdicts"][FAIL if len(a["problems"]) > n_problems else (PASS if judged else CANNOT_TEST)] += 1
     out_arms = []
     for a in arms.values():
         a["sources"] = sorted(a["sources"])
@@ -112,7 +129,13 @@ def audit_records(records: Sequence[dict]) -> dict:
             a["verdict"] = FAIL
         elif not a["counter_cells"] and not a["request_cells"]:
             a["verdict"] = CANNOT_TEST
-            a["missing"] = "spec counters and per-request draft counts"
+            a["missing"] = "spec counters and per-request draft counts" + (
+                f"; {len(a['unattributed'])} cells whose counters could not be attributed" if a["unattributed"] else "")
+        elif a["unattributed"]:
+            a["verdict"] = CANNOT_TEST
+            a["missing"] = (f"{len(a['unattributed'])} of {a['cells']} cells whose counters could not be attributed "
+                            f"to them: {'; '.join(a['unattributed'][:3])}"
+                            + (f" and {len(a['unattributed']) - 3} more" if len(a["unattributed"]) > 3 else ""))
         else:
             a["verdict"] = PASS
         checks = []

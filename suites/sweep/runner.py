@@ -14,17 +14,19 @@ Contract:
   snapshotted; the delta is stored with the cell, so acceptance can come from counters when the
   engine gives no per-request figures. At c1 (closed loop) the counters are also snapshotted after every
   request (`c1_counters`): a request without spec counts of its own gets the delta around it, labelled
-  source "counters-c1" (per request, since nothing else of this sweep is in flight; other traffic on the
-  server and counters published after the response would shift counts between neighbours, the cell's
-  sum stays exact); the scrape time is taken off the cell's duration (`scrape_s`).
+  source "counters-c1" (per request, since nothing else of this sweep is in flight; each snapshot settles
+  until the server has published that request, so a late count never lands on its neighbour; from the
+  first request that does not settle on, none gets counts, the cell record's `c1_counters` says where);
+  the scrape time is taken off the cell's duration (`scrape_s`).
 - Every cell records the client's own load (`client`: `client_load`): the event-loop thread's CPU over
   the cell, its share of the wall time, the headroom and CPU per chunk; `saturated` when the loop was busy
   >= 90 % of the time (the client, not the engine, may have set the pace).
 - Records go to the sink the moment they exist: `sink.request(result, arm, idx, round)` per finished
   request (the result's meta carries level, level_kind, round, warmup, copy_of, prompt_idx) and
   `sink.cell(record)` per finished cell (duration, counters delta; `server_metrics`: the audited /metrics
-  families before the cell and, settled, after it, for the client-side metrics audit). An interrupt
-  loses only requests still in flight.
+  families before the cell, once the server reads idle, and after it, once it has published what the cell's
+  requests received (suites/metrics_audit.py `settle`, bounded), for the client-side metrics audit; the spec
+  counters delta is taken over the same settled span). An interrupt loses only requests still in flight.
 - Progress: `progress` is None / False (silent) or an object with `plan(total, work)`, `phase(name, n)` and
   `advance(work=)` (cli/progress.py RunProgress): the runner plans the sweep's requests (warm-up included),
   names each cell as it starts ("c8 round 2/3 spec-on, cell 14/55", its n requests) and advances once per
@@ -44,7 +46,7 @@ import numpy as np
 
 from specbench.harness.adapters.base import EngineAdapter, GenResult, counters_delta
 
-from ..metrics_audit import per_step_stream, scrape, settle
+from ..metrics_audit import per_step_stream, settle
 from .workload import Workload, output_len_range
 
 NOISE_SUFFIX = "#2"
@@ -238,8 +240,10 @@ class SweepRunner:
                                       cfg.temperature, meta=dict(key), spread=cfg.max_tokens_spread, seed=cfg.seed)
         for i, r in enumerate(reqs):
             r.rid = f"{arm.label}/{_level_name(cfg, level)}/r{rnd}/{i}"
+        # the client-side metrics audit (suites/metrics_audit.py): the server idle first, then its spec counters
+        before_m = await settle(ad)
         before = await _counters(ad)
-        before_m = await scrape(ad)  # the client-side metrics audit (suites/metrics_audit.py)
+        per_step, k = per_step_stream(_describe(ad)), _k(ad)
         t0, wall0, cpu0 = time.perf_counter(), time.time(), time.thread_time()
         index = {r.rid: i for i, r in enumerate(reqs)}
 
@@ -248,22 +252,25 @@ class SweepRunner:
             if tracker is not None:
                 tracker.advance(work=wave)
 
-        scrape_s = 0.0
+        scrape_s, c1 = 0.0, {}
         if cfg.mode == "closed" and conc == 1 and before is not None and cfg.c1_counters:
-            results, scrape_s = await _one_by_one(ad, reqs, before, record)
+            results, scrape_s, c1 = await _one_by_one(ad, reqs, before, before_m, record, k, per_step)
         else:
             results = await ad.generate(reqs, concurrency=conc, on_result=record, offsets=offsets)
         cpu = time.thread_time() - cpu0  # this thread runs the event loop: the client's own CPU
         duration = time.perf_counter() - t0 - scrape_s  # the per-request scrapes at c1 are not serving time
+        # until the server has published every request of the cell (bounded), then the spec counters
+        after_m = await settle(ad, before_m, results, k=k, per_step=per_step) if before_m is not None else None
         after = await _counters(ad)
-        after_m = await settle(ad) if before_m is not None else None
         cell = {**key, "wall_start": wall0, "duration": duration, "requests": len(reqs),
                 "completed": sum(1 for r in results if r.ok), "counters": counters_delta(before, after),
                 "concurrency": conc, "offsets": offsets is not None, "scrape_s": scrape_s,
                 "client": client_load(cpu, time.perf_counter() - t0, sum(len(r.chunk_times) for r in results),
                                       list(getattr(ad, "client_cpu_by_proc", None) or [])),
                 "server_metrics": None if before_m is None else
-                {"before": before_m, "after": after_m, "per_step": per_step_stream(_describe(ad)), "k": _k(ad)}}
+                {"before": before_m, "after": after_m, "per_step": per_step, "k": k}}
+        if c1:
+            cell["c1_counters"] = c1
         self.sink.cell(cell)
         self.cells_done += 1
         if self.on_cell is not None:
@@ -301,24 +308,40 @@ def _k(ad: EngineAdapter) -> int | None:
     return int(k) if isinstance(k, int) and k > 0 else None
 
 
-async def _one_by_one(ad: EngineAdapter, reqs: list, before: dict, record: Callable[[GenResult], None]
-                      ) -> tuple[list[GenResult], float]:
+async def _one_by_one(ad: EngineAdapter, reqs: list, before: dict, before_m: dict | None,
+                      record: Callable[[GenResult], None], k: int | None, per_step: bool
+                      ) -> tuple[list[GenResult], float, dict]:
     """c1 with a counter snapshot after every request: a request that reports no spec counts of its own
-    gets the counter delta around it (source "counters-c1"). Returns the results and the time spent
-    scraping (taken off the cell's duration)."""
-    out, prev, scrape = [], before, 0.0
-    for r in reqs:
+    gets the counter delta around it (source "counters-c1"). Where the endpoint has /metrics each snapshot
+    is a settle against that one request (suites/metrics_audit.py), so a count the server publishes late
+    never lands on the next request. From the first request whose counters did not settle on, no request of
+    the cell gets counts (a neighbour would be credited with its share). Returns the results, the time spent
+    scraping (taken off the cell's duration) and the attribution's record: {"attributed": n} and, where it
+    stopped, "unsettled_at" (the request's index in the cell); {} when no request needed counts."""
+    out, prev, prev_m, scrape_t = [], before, before_m, 0.0
+    given, unsettled = 0, None
+    for i, r in enumerate(reqs):
         res = (await ad.generate([r]))[0]
         t = time.perf_counter()
-        after = await _counters(ad)
-        scrape += time.perf_counter() - t
+        s = await settle(ad, prev_m, [res], k=k, per_step=per_step) if prev_m is not None else None
+        if s is not None:
+            prev_m, after = s, s.get("spec")
+            if unsettled is None and not (s.get("settle") or {}).get("agreed"):
+                unsettled = i
+        else:
+            after = await _counters(ad)
+        scrape_t += time.perf_counter() - t
         d = counters_delta(prev, after)
-        if res.ok and res.spec is None and d is not None and d.get("num_drafts") is not None:
+        if unsettled is None and res.ok and res.spec is None and d is not None and d.get("num_drafts") is not None:
             res.spec = {**d, "source": "counters-c1"}
+            given += 1
         prev = after if after is not None else prev
         record(res)
         out.append(res)
-    return out, scrape
+    rec: dict = {"attributed": given} if given or unsettled is not None else {}
+    if unsettled is not None:
+        rec["unsettled_at"] = unsettled
+    return out, scrape_t, rec
 
 
 async def _counters(ad: EngineAdapter) -> dict | None:

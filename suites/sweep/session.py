@@ -36,8 +36,9 @@ from specbench.harness.adapters.base import EngineAdapter
 from specbench.harness.redact import redact_text
 from specbench.harness.spec_method import spec_method
 
+from ..metrics_audit import per_step_stream, settle
 from .audit import audit_records
-from .runner import Arm, SweepConfig, SweepRunner, with_noise_copy
+from .runner import Arm, SweepConfig, SweepRunner, _k, with_noise_copy
 from .vllm_format import to_vllm
 from .workload import Workload, output_len_range
 
@@ -290,9 +291,12 @@ async def _main(cfg: SweepConfig, arms: list[Arm], adapters: dict[str, EngineAda
     dropped = workload.keep({label: _context_limit(ad, cfg.max_tokens_hi) for label, ad in adapters.items()})
     for label, ad in adapters.items():  # fail fast on an engine that cannot serve at all
         probe = workload.requests(label, [0], max_tokens=1, ignore_eos=True)
+        before_m = await settle(ad)
         res = (await ad.generate(probe))[0]
         if not res.ok:
             raise ValueError(f"arm {label!r}: a one-token probe request failed before the sweep: {res.error}")
+        if before_m is not None:  # its counts published before the first cell (a server may count it late)
+            await settle(ad, before_m, [res], k=_k(ad), per_step=per_step_stream(_describe(ad)))
     described = {label: _describe(ad) for label, ad in adapters.items()}
     wl = {**workload.describe(), "dropped_too_long": dropped}
     meta = {"suite": "sweep", "suite_version": SUITE_VERSION, "config": cfg.to_dict(), "baseline": baseline,
