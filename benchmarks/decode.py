@@ -36,6 +36,7 @@ import argparse
 import gc
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -43,6 +44,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from specbench.engine.config import DeviceUnavailable, require_device
 from specbench.harness.benchdoc import emit_document, positive_ints
 
 VARIANTS = {  # name: (attention backend, capture graphs, ops: "engine" | "triton" | "gemv" | "torch", max batch)
@@ -282,8 +284,7 @@ def run(model: str | None = None, batches: tuple[int, ...] = (1, 8, 16, 32, 64),
     import specbench
     from specbench.kernels import gemv
 
-    if not torch.cuda.is_available():
-        raise SystemExit("benchmarks/decode.py needs a CUDA GPU")
+    require_device("cuda", "benchmarks/decode.py")  # DeviceUnavailable: CANNOT TEST (exit 3), not a crash
     t_start = time.time()
     model_dir = Path(model) if model else build_target(Path(workdir or tempfile.mkdtemp(prefix="q3-4b-")))
     bw = copy_bandwidth()
@@ -383,4 +384,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except DeviceUnavailable as e:  # as `specbench bench-decode` reports it: one line, CANNOT TEST
+        print(f"benchmarks/decode.py: {e}", file=sys.stderr)
+        sys.exit(3)

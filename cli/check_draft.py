@@ -65,7 +65,12 @@ def check_draft(
         verdicts = [report.verdict]
         doc: dict = {"checks": report.to_dict()}
         if acceptance:
-            v = run_variants(tdir, str(draft), engine, faults, num_prompts, max_tokens, log=say)
+            eng = _probed(engine)
+            try:
+                v = run_variants(tdir, str(draft), eng, faults, num_prompts, max_tokens, log=say)
+            finally:
+                if eng is not None and not isinstance(eng, str):
+                    eng.close()
             say(v.render())
             verdicts.append(v.verdict)
             doc["acceptance"] = v.to_dict()
@@ -75,6 +80,20 @@ def check_draft(
     doc["verdict"] = verdict
     typer.echo(json.dumps(doc) if as_json else f"verdict: {verdict}")
     raise typer.Exit(exit_code(verdict))
+
+
+def _probed(engine: str | None):
+    """An endpoint under test is probed before the variants are measured, so a key it refuses or a URL where
+    nothing answers stops the command at once (in one line, exit 2: cli/app.py), not after a minute of variants.
+    Other engines are left as strings (run_variants builds them)."""
+    from specbench.harness.engines import build_adapter, parse_engine
+    from specbench.harness.redact import redact_text
+
+    if engine is None or parse_engine(engine).kind != "openai":
+        return engine
+    ad = build_adapter(engine, name=redact_text(engine))
+    ad.probe()
+    return ad
 
 
 def _selftest(draft: str, target: str, num_prompts: int, max_tokens: int, say) -> list[dict]:

@@ -1,7 +1,8 @@
 """`specbench fixtures`: build the tiny Qwen3 + DFlash pair, or the random Qwen3-4B-shaped pair.
 
 Contract: writes OUT/target and OUT/draft (and OUT/BUILD.json for the tiny pair) and prints their
-paths; exit code 0 on success, 2 on bad usage (an unknown --shape, a device torch cannot use).
+paths; exit code 0 on success, 2 on bad usage (an unknown --shape or --device), 3 where --device names a CUDA GPU this
+machine lacks (CANNOT TEST).
 """
 
 from __future__ import annotations
@@ -32,17 +33,14 @@ def fixtures(
     Qwen3-4B and Qwen3-4B-DFlash-b16 (about 9 GB), for speed work on a GPU.
     With --dflash2, also DIR/draft-dflash2: a random DFlash2 drafter of that shape.
     """
-    if shape not in SHAPES:
-        typer.echo(f"error: --shape={shape!r} is invalid: expected one of {', '.join(SHAPES)}", err=True)
-        raise typer.Exit(2)
-    import torch
+    from specbench.engine.config import require_device
+    from specbench.harness.errors import usage_exit
 
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        typer.echo(f"error: --device={device!r} is invalid: no CUDA device is available", err=True)
-        raise typer.Exit(2)
+    if shape not in SHAPES:
+        raise usage_exit("fixtures", f"--shape={shape!r} is invalid: expected one of {', '.join(SHAPES)}")
     if not (device == "cpu" or device.startswith("cuda")):
-        typer.echo(f"error: --device={device!r} is invalid: expected cpu or cuda[:N]", err=True)
-        raise typer.Exit(2)
+        raise usage_exit("fixtures", f"--device={device!r} is invalid: expected cpu or cuda[:N]")
+    require_device(device, f"--device={device!r}")  # no CUDA here: CANNOT TEST, exit 3 (cli/app.py)
     from specbench.harness.fixtures import build_qwen3_4b_shape, build_tiny_pair
 
     if shape == "tiny":

@@ -22,6 +22,27 @@ class ConfigError(ValueError):
     """A configuration or request value is invalid. The message names the field."""
 
 
+class DeviceUnavailable(RuntimeError):
+    """The device a configuration names is not on this machine (device=cuda where torch sees no CUDA GPU): nothing
+    can run or be measured here, which the CLI reports in one line as CANNOT TEST, exit 3 (harness/errors.py)."""
+
+
+def require_device(device: str, who: str | None = None) -> None:
+    """Raise DeviceUnavailable unless `device` (cpu, cuda, cuda:N) can be used here; `who` names what needs it
+    (default: `device=...`)."""
+    if not str(device).startswith("cuda"):
+        return
+    import torch
+
+    who = who or f"device={device!r}"
+    if not torch.cuda.is_available():
+        why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA GPU answers on this machine"
+        raise DeviceUnavailable(f"{who} needs a CUDA GPU, and {why}")
+    idx = torch.device(device).index
+    if idx is not None and idx >= torch.cuda.device_count():
+        raise DeviceUnavailable(f"{who} needs CUDA GPU {idx}, and this machine has {torch.cuda.device_count()}")
+
+
 def _need(cond: bool, fieldname: str, value: Any, accepted: str) -> None:
     if not cond:
         raise ConfigError(f"{fieldname}={value!r} is invalid: expected {accepted}")

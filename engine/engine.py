@@ -36,7 +36,7 @@ import torch
 from .accept_step import AcceptStep
 from .ahead import DecodeAhead
 from .commit import CommitStep
-from .config import ConfigError, EngineConfig, ModelConfig, SamplingParams
+from .config import ConfigError, EngineConfig, ModelConfig, SamplingParams, require_device
 from .faults import make_faults
 from .forward import run_forward
 from .invariants import InvariantChecker, InvariantError
@@ -72,6 +72,7 @@ class LLMEngine:
     def __init__(self, cfg: EngineConfig, proposer: Proposer | None = None) -> None:
         self.cfg = cfg
         self.faults = make_faults(cfg.faults)
+        require_device(cfg.device)  # no CUDA where one is named: DeviceUnavailable (CANNOT TEST), not a torch assert
         self.device = torch.device(cfg.device)
         self.dtype = torch_dtype(cfg.dtype)
         self.mcfg = ModelConfig.from_dir(cfg.model)
