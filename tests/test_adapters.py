@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
+import held_engine
 import httpx
 import pytest
 
@@ -16,6 +18,8 @@ from specbench.harness.adapters.openai_api import OpenAIAdapter, split_url
 from specbench.harness.adapters.openai_stream import StreamAccumulator
 from specbench.harness.adapters.prom import spec_counters_from_metrics
 from specbench.harness.engines import EngineStringError, build_adapter, parse_engine
+
+WAIT_S = 120.0  # hang guards only
 
 
 @pytest.fixture(scope="module")
@@ -108,27 +112,32 @@ def test_local_refusals_are_results_not_exceptions(local_off):
     assert "max_tokens" in bad[0].error and "out of range" in bad[1].error
 
 
-def test_local_cancel_frees_kv(local_off, prompts):
+def test_local_cancel_frees_kv(local_off, prompts, tmp_path):
     eng = local_off.engine
     ids = eng.tokenizer.encode(prompts[0])
+    # held after its first token until the cancel was taken (tests/held_engine.py): it cannot finish first
+    held, gate = held_engine.HeldEngine(eng, tmp_path / "open"), tmp_path / "open"
 
     async def main() -> None:
         req = GenRequest(prompt=ids, max_tokens=eng.max_model_len - len(ids), ignore_eos=True)
         task = asyncio.ensure_future(local_off.generate_one(req))
-        for _ in range(500):  # until it is running in the engine
-            if eng.scheduler.running:
-                break
-            await asyncio.sleep(0.01)
+        assert await asyncio.to_thread(held.holding.wait, WAIT_S)  # running in the engine, held
         assert eng.scheduler.running and not task.done()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        for _ in range(200):
-            if not eng.has_unfinished() and local_off.loop.num_pending == 0:
-                break
+        assert local_off.loop.num_pending == 0  # the abort is taken (applied after the step the gate holds)
+        gate.touch()
+        t0 = time.monotonic()  # a hang guard only: the wait ends on the engine's state
+        while eng.has_unfinished() and time.monotonic() - t0 < WAIT_S:
             await asyncio.sleep(0.01)
 
-    asyncio.run(main())
+    local_off.loop.engine = held
+    try:
+        asyncio.run(main())
+    finally:
+        gate.touch()
+        local_off.loop.engine = eng
     assert not eng.has_unfinished() and eng.pool.num_free == eng.pool.num_pages
 
 
