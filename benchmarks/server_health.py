@@ -7,10 +7,19 @@ request is answered, and reports the slowest /health answer and the median. Case
 - `tokenize-500k`: a 500,000-character prompt (~200k tokens, past the context: tokenized, then refused);
 - `tokenize-8m`: an 8,000,000-character prompt (what the issue saw stall /health for 8.8 s);
 - `prefill-2k`: a prompt at the usable context (one long prefill step holds the engine's lock);
-- `idle`: no request, 100 polls.
+- `idle`: no request, 100 polls;
+- `stops-250k` / `stops-250k-128` / `stops-100k` / `stops-1k`: a streamed completion of 32 (128) tokens with that
+  many stop strings of 10 characters that never match (250k: a 3.3 MB body); `stop-1mb`: one stop string of
+  1,000,000 characters (issue 45);
+- `chat-big` / `chat-spin` / `chat-wide` / `chat-double` / `chat-flood` (with `--template trap`): a chat request
+  whose message makes the chat template do what `TRAPS` says (build 'x' * 10**9, run a nested loop of 10**10
+  steps, ...); a plain chat request renders normally.
+Each case also sends one small completion (4 tokens) 0.5 s after the case's request and reports how long it took
+(`side s`; `side_during`: the case's request was still in flight when it left). `--template big|spin|trap` serves a copy of the bundled target whose chat template is one of
+`TEMPLATES` and reports the start-up (launch -> /health 200, or the refusal and its exit code).
 
     python -m specbench.benchmarks.server_health [--cases idle,tokenize-500k,...] [--server-path DIR]
-        [--serve-arg=--no-prefix-cache ...]
+        [--serve-arg=--no-prefix-cache ...] [--template trap] [--request-timeout 600]
 
 Prints a table, then one JSON document as the last stdout line.
 """
@@ -19,16 +28,36 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import httpx
 
-CASES = ("idle", "tokenize-500k", "tokenize-8m", "prefill-2k", "ids-1m")
+CASES = ("idle", "tokenize-500k", "tokenize-8m", "prefill-2k", "ids-1m", "stops-250k", "stops-250k-128", "stops-100k",
+         "stops-1k", "stop-1mb")
+_PLAIN = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+_SPIN = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+TRAPS = {  # what the trap template does when the last message's content is the key
+    "big": "{{ 'x' * 10**9 }}",  # a gigabyte in one operation
+    "spin": _SPIN,  # 10**10 empty loop steps: hours
+    "wide": "{{ 'x'|center(10**9) }}",  # a gigabyte from a filter
+    "double": "{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
+    "flood": "{% for i in range(100000) %}{% for j in range(100000) %}xxxxxxxxxx{% endfor %}{% endfor %}",
+    "refuse": "{{ raise_exception('the trap refuses this conversation') }}",
+}
+TEMPLATES = {  # trips at start-up (big, spin), or only on the message that asks for it (trap)
+    "big": TRAPS["big"] + _PLAIN,
+    "spin": TRAPS["spin"] + _PLAIN,
+    "trap": "".join(f"{{% if messages[-1]['content'] == '{k}' %}}{v}{{% endif %}}" for k, v in TRAPS.items()) + _PLAIN,
+}
 
 
 def _free_port() -> int:
@@ -46,41 +75,87 @@ def _body(case: str) -> dict | None:
         return {"prompt": (words * (n // len(words) + 1))[:n], "max_tokens": 1}
     if case == "ids-1m":  # a million six-digit token ids: the JSON parse alone would hold the GIL ~65 ms
         return {"prompt": [100_000 + i % 50_000 for i in range(1_000_000)], "max_tokens": 1}
+    if case.startswith("stop"):
+        n, tokens = {"stops-250k": (250_000, 32), "stops-250k-128": (250_000, 128), "stops-100k": (100_000, 32),
+                     "stops-1k": (1_000, 32), "stop-1mb": (1, 32)}[case]
+        stop = ["q" * 1_000_000] if case == "stop-1mb" else [f"nv{i:06d}zz" for i in range(n)]
+        return {"prompt": "Once upon a time", "max_tokens": tokens, "ignore_eos": True, "temperature": 0,
+                "stream": True, "stop": stop}
+    if case.startswith("chat-"):
+        return {"messages": [{"role": "user", "content": case[5:]}], "max_tokens": 4}
     return {"prompt": [7 + i % 200 for i in range(2040)], "max_tokens": 1, "temperature": 0}
 
 
-def measure(url: str, case: str) -> dict:
+def measure(url: str, case: str, timeout: float = 600.0) -> dict:
     body = _body(case)
     # serialized before the clock starts: httpx's own json= would hold this process's GIL against the poller
     data = json.dumps(body).encode() if body is not None else b""
+    route = "/v1/chat/completions" if case.startswith("chat-") else "/v1/completions"
     lat: list[float] = []
     status: dict = {}
     done = threading.Event()
 
     def send() -> None:
+        t = time.perf_counter()
         try:
-            r = httpx.post(url + "/v1/completions", content=data, headers={"content-type": "application/json"},
-                           timeout=600)
+            r = httpx.post(url + route, content=data, headers={"content-type": "application/json"}, timeout=timeout)
             status["code"] = r.status_code
         except httpx.HTTPError as e:
             status["code"] = type(e).__name__
         finally:
+            status["s"] = time.perf_counter() - t
             done.set()
 
+    def side() -> None:  # a small completion sent meanwhile: does anyone else get served?
+        t = time.perf_counter()
+        try:
+            r = httpx.post(url + "/v1/completions", json={"prompt": "1 2 3", "max_tokens": 4}, timeout=timeout)
+            status["side_code"] = r.status_code
+        except httpx.HTTPError as e:
+            status["side_code"] = type(e).__name__
+        status["side_s"] = time.perf_counter() - t
+
     t0 = time.perf_counter()
+    sider = None
     if body is not None:
         threading.Thread(target=send, daemon=True).start()
         time.sleep(0.005)  # the request is on its way (polls start while it is received and prepared)
+        # the small completion goes 0.5 s later, when a slow request is well into its work
+        sider = threading.Timer(0.5, lambda: (status.__setitem__("side_during", not done.is_set()), side()))
+        sider.daemon = True
+        sider.start()
     # a fresh connection per case, its first answer timed too (accepting it needs the event loop as well)
     with httpx.Client(timeout=600) as c:
         while (not done.is_set()) if body is not None else len(lat) < 100:
             t = time.perf_counter()
-            c.get(url + "/health")
+            try:
+                c.get(url + "/health", timeout=timeout)
+            except httpx.HTTPError:
+                pass  # a timed-out poll counts at its full wait
             lat.append(time.perf_counter() - t)
             time.sleep(0.005)
-    return {"case": case, "request_s": round(time.perf_counter() - t0, 3), "answer": status.get("code"),
-            "polls": len(lat), "health_max_ms": round(max(lat) * 1000, 1) if lat else None,
-            "health_p50_ms": round(statistics.median(lat) * 1000, 2) if lat else None}
+    if sider is not None:
+        sider.join(timeout)
+    return {"case": case, "request_s": round(status.get("s", time.perf_counter() - t0), 3),
+            "answer": status.get("code"), "polls": len(lat),
+            "health_max_ms": round(max(lat) * 1000, 1) if lat else None,
+            "health_p50_ms": round(statistics.median(lat) * 1000, 2) if lat else None,
+            "side_s": round(status["side_s"], 3) if "side_s" in status else None, "side": status.get("side_code"),
+            "side_during": status.get("side_during")}
+
+
+def template_model(name: str, into: Path) -> Path:
+    """A copy of the bundled target (its files linked) whose chat template is `TEMPLATES[name]`."""
+    from specbench.harness.fixtures import bundled_pair
+
+    src = Path(bundled_pair()[0])
+    for f in src.iterdir():
+        if f.name != "tokenizer_config.json":
+            (into / f.name).symlink_to(f.resolve())
+    cfg = json.loads((src / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = TEMPLATES[name]
+    (into / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return into
 
 
 def main() -> None:
@@ -88,34 +163,54 @@ def main() -> None:
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--server-path", default=None, help="run the server from this checkout (PYTHONPATH)")
     ap.add_argument("--serve-arg", action="append", default=[], help="an extra `specbench serve` argument")
+    ap.add_argument("--template", choices=sorted(TEMPLATES), default=None,
+                    help="serve the bundled target with this chat template (TEMPLATES)")
+    ap.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request or a poll may take")
     args = ap.parse_args()
-    import os
 
     env = dict(os.environ, **({"PYTHONPATH": args.server_path} if args.server_path else {}))
     port = _free_port()
+    tmp = tempfile.TemporaryDirectory(prefix="server_health-")
+    model = ["--model", str(template_model(args.template, Path(tmp.name)))] if args.template else []
     cmd = [sys.executable, "-m", "specbench", "serve", "--spec", "off", "--no-warmup", "--port", str(port),
-           "--num-pages", "512", "--log-level", "warning", *args.serve_arg]
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+           "--num-pages", "512", "--log-level", "warning", *model, *args.serve_arg]
+    t_launch = time.perf_counter()
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, text=True)
     url = f"http://127.0.0.1:{port}"
+    start: dict = {}
+    rows: list[dict] = []
     try:
-        for _ in range(600):
+        for _ in range(6000):
+            if p.poll() is not None:
+                start = {"refused": (p.stderr.read() if p.stderr else "").strip().splitlines()[-1:],
+                         "exit": p.returncode}
+                break
             try:
                 if httpx.get(url + "/health", timeout=1).status_code == 200:
                     break
             except httpx.HTTPError:
                 time.sleep(0.1)
-        rows = [measure(url, c) for c in args.cases.split(",")]
+        start["seconds"] = round(time.perf_counter() - t_launch, 2)
+        if "exit" not in start:
+            rows = [measure(url, c, args.request_timeout) for c in args.cases.split(",")]
     finally:
         p.terminate()
-        p.wait(30)
-    print(f"{'case':<16}{'request s':>10}{'answer':>8}{'polls':>7}{'/health max ms':>16}{'p50 ms':>8}")
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            start["sigterm"] = "ignored for 30 s: killed"
+            p.kill()
+            p.wait(30)
+        tmp.cleanup()
+    print(f"start-up: {start}")
+    print(f"{'case':<16}{'request s':>10}{'answer':>8}{'polls':>7}{'/health max ms':>16}{'p50 ms':>8}{'side s':>8}")
     for r in rows:
         print(f"{r['case']:<16}{r['request_s']:>10}{r['answer']!s:>8}{r['polls']:>7}{r['health_max_ms']!s:>16}"
-              f"{r['health_p50_ms']!s:>8}")
+              f"{r['health_p50_ms']!s:>8}{r['side_s']!s:>8}")
     from specbench.harness.benchdoc import emit_document
 
     emit_document({"benchmark": "server_health", "server_path": args.server_path, "serve_args": args.serve_arg,
-                   "rows": rows})
+                   "template": args.template, "start": start, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 Contract: checks the model and drafter directories and the options, then binds the port (cli/serve_checks.py:
 a missing directory or a bad option exits 2, a busy port 3, each in one line and within 2 s, before torch
 is imported), loads the engine (refusing a bad model/draft/option with exit code 2 and one message naming
-it) and probes its chat template in the sandbox, starts the warm-up (harness/server/warmup.py: every kernel
+it) and probes its chat template in the sandbox, bounded as requests are (--chat-template-timeout; a template
+that trips a bound on a plain conversation is refused: exit 2, one line), starts the warm-up (harness/server/warmup.py: every kernel
 variant and CUDA graph the serving path uses; /health answers 503 "starting" until it is done;
 `--no-warmup` skips it), then serves until SIGINT/SIGTERM (then drains for --shutdown-timeout seconds and
 exits 0 with one line; harness/server/lifecycle.py). Speculation: dflash when --draft is given, else off, unless
@@ -101,6 +102,14 @@ def serve(
                                                     "(default: none, no CORS headers)."),
     shutdown_timeout: float = typer.Option(30.0, "--shutdown-timeout",
                                            help="Seconds in-flight requests get to finish after SIGTERM/SIGINT."),
+    max_stop_strings: int = typer.Option(64, "--max-stop-strings",
+                                         help="The most stop strings one request may send (more: 400 naming stop)."),
+    max_stop_length: int = typer.Option(256, "--max-stop-length",
+                                        help="The most characters one stop string may have (more: 400 naming stop)."),
+    chat_template_timeout: float = typer.Option(5.0, "--chat-template-timeout",
+                                                help="Seconds one chat template render may take (it runs in a worker "
+                                                     "process; past it the worker is killed and the request gets a "
+                                                     "400; at start-up the server is refused)."),
     gil_switch_ms: float | None = typer.Option(None, "--gil-switch-ms", min=0.01, max=100.0,
                                                help="Python's thread switch interval in ms (sys.setswitchinterval): "
                                                     "how long the engine thread may wait for the GIL while the HTTP "
@@ -129,7 +138,9 @@ def serve(
         raise typer.Exit(2)
     try:
         opts = ServerOptions.from_env(api_key, metrics_need_key=metrics_auth,
-                                      allowed_origins=parse_origins(allowed_origins), shutdown_timeout=shutdown_timeout)
+                                      allowed_origins=parse_origins(allowed_origins), shutdown_timeout=shutdown_timeout,
+                                      max_stop_strings=max_stop_strings, max_stop_length=max_stop_length,
+                                      chat_template_timeout=chat_template_timeout)
     except ValueError as e:
         typer.echo(f"specbench serve: {e}", err=True)
         raise typer.Exit(EXIT_CONFIG) from None
@@ -187,7 +198,7 @@ def serve(
     except (ConfigError, ValueError, FileNotFoundError) as e:
         typer.echo(f"specbench serve: {e}", err=True)
         raise typer.Exit(2) from None
-    unsafe = probe_template(tokenizer)
+    unsafe = probe_template(tokenizer, opts.chat_template_timeout)
     if unsafe:
         typer.echo(f"specbench serve: --model={model!r}: {unsafe}", err=True)
         raise typer.Exit(EXIT_CONFIG)

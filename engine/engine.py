@@ -252,10 +252,11 @@ class LLMEngine:
         bad = [t for t in ids if not 0 <= t < self.mcfg.vocab_size]
         if bad:
             raise ConfigError(f"prompt token ids {bad[:5]} are out of range: expected 0 <= id < {self.mcfg.vocab_size}")
-        bad = [t for t, _ in params.logit_bias if t >= self.mcfg.vocab_size]
-        if bad:
-            raise ConfigError(f"logit_bias token ids {bad[:5]} are out of range: expected 0 <= id < "
-                              f"{self.mcfg.vocab_size}")
+        for name, tids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in tids if t >= self.mcfg.vocab_size]
+            if bad:  # a stop id the model cannot emit would never stop anything: refused, not ignored
+                raise ConfigError(f"{name}={bad[:5]} is out of range: expected token ids 0 <= id < "
+                                  f"{self.mcfg.vocab_size}")
         # the step lock free (no step in flight, no abort) or the inbox off: straight into the scheduler, after
         # any earlier arrivals
         direct = self._lock.acquire(blocking=not self.admit_inbox)

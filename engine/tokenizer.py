@@ -6,9 +6,11 @@ vocab emit them) by rendering them as empty strings, so a server never crashes o
 Incremental detokenization: `decode_prefix_safe` returns text for ids, dropping a trailing incomplete
 UTF-8 sequence so streamed text never carries a replacement character that later resolves.
 Chat templates come with the model directory, i.e. from whoever published it, so they are rendered in
-jinja2's `ImmutableSandboxedEnvironment` (compiled once): a template that reaches for Python internals
-(`__class__`, `__globals__`, mutating a list, ...) raises `jinja2.exceptions.SecurityError` instead of
-running code in the process; `raise_exception(msg)` (the HF convention) raises `TemplateError(msg)`.
+jinja2's `ImmutableSandboxedEnvironment` (engine/chat_template.py, compiled once): a template that reaches for
+Python internals (`__class__`, `__globals__`, mutating a list, ...) raises `jinja2.exceptions.SecurityError`
+instead of running code in the process; `raise_exception(msg)` (the HF convention) raises `TemplateError(msg)`.
+This render is unbounded in time and memory: the server renders through engine/chat_template.py's
+`BoundedRenderer` instead.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as _HFTok
 
+from .chat_template import compile_template, render
 from .config import ConfigError
 
 
@@ -72,21 +75,12 @@ class Tokenizer:
             # A plain fallback that is at least unambiguous.
             body = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
             return body + ("<|im_start|>assistant\n" if add_generation_prompt else "")
-        return self._template().render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                       eos_token=self.eos_token or "", bos_token="")
+        return render(self._template(), messages, add_generation_prompt, self.eos_token or "")
 
     def _template(self) -> Any:
         src = self.chat_template or ""
         if self._compiled is None or self._compiled[0] != src:  # compiled once per template text
-            from jinja2.exceptions import TemplateError
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-            def raise_exception(msg: str) -> None:
-                raise TemplateError(msg)
-
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = raise_exception
-            self._compiled = (src, env.from_string(src))
+            self._compiled = (src, compile_template(src))
         return self._compiled[1]
 
 

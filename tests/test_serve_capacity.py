@@ -45,7 +45,7 @@ def _drain(outs: list, coalesce: bool) -> tuple[list[int], str, int]:
         for o in outs:
             q.put_nowait((0, o))
         state = SimpleNamespace(options=ServerOptions(coalesce=coalesce), loop=SimpleNamespace(abort=lambda r: None))
-        cs, ids, text, n = ChoiceStream(()), [], "", 0
+        cs, ids, text, n = ChoiceStream(), [], "", 0
         async for _, out in deltas(state, q, {0: "r0"}):  # type: ignore[arg-type]
             t, new, _ = cs.advance(out)
             ids, text, n = ids + new, text + t, n + 1

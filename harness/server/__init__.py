@@ -141,7 +141,7 @@ class ServerThread:
         self.sock.close()
         state = getattr(getattr(self.server.config.app, "state", None), "sb", None)
         if state is not None:
-            state.executor.shutdown(wait=False, cancel_futures=True)
+            state.close()
 
     def __enter__(self) -> ServerThread:
         return self.start()

@@ -126,6 +126,7 @@ def _detokenize(state: ServerState, raw: bytes) -> dict:
     if not isinstance(toks, list) or not all(is_int(t) and t >= 0 for t in toks):
         raise APIError(f"tokens={toks!r:.80} is invalid: expected a list of non-negative token ids",
                        param="tokens")
+    state.check_ids("tokens", toks)
     return {"prompt": state.tokenizer.decode(toks, skip_special_tokens=False)}
 
 

@@ -1,7 +1,9 @@
 """POST /v1/chat/completions: the tokenizer's chat template, chat-format logprobs, SSE streaming.
 
 Contract: messages are rendered with the model's chat template (add_generation_prompt by default) in
-jinja2's immutable sandbox (`render_chat`) and tokenized by the server, on a worker thread; max_tokens / max_completion_tokens default to the rest of the context.
+jinja2's immutable sandbox, in a worker process bounded in time (--chat-template-timeout), memory and output
+(`render_chat`: engine/chat_template.py's `BoundedRenderer`), and tokenized by the server, on a worker thread;
+max_tokens / max_completion_tokens default to the rest of the context.
 `logprobs: true` + `top_logprobs: k` returns chat-format logprobs. Streaming sends a role delta first,
 then content deltas (one per engine delta), a finish event, the usage event when asked, `[DONE]`.
 `return_token_ids: true` (vLLM's name) adds `token_ids` to each choice / event and the rendered prompt's
@@ -19,6 +21,8 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
+
+from specbench.engine.chat_template import BoundedRenderer, TemplateRefused
 
 from .errors import APIError
 from .formatting import chat_logprobs, merge_spec, request_spec, usage
@@ -38,41 +42,64 @@ from .serving import (
 
 
 def render_chat(state: ServerState, messages: list[dict], add_generation_prompt: bool) -> str:
-    """The chat template in jinja2's immutable sandbox (engine/tokenizer.py). A template that reaches for
-    Python internals is the model directory's fault, not the request's: 500 chat_template_unsafe, naming
-    what it tried; a template that refuses these messages (raise_exception, a bad field) is a 400."""
-    from jinja2.exceptions import SecurityError
-
+    """The chat template rendered by the server's bounded renderer. A template that reaches for Python internals
+    is the model directory's fault, not the request's: 500 chat_template_unsafe, naming what it tried; one that
+    refuses these messages (raise_exception, a bad field), runs past its time, memory or output bound on them is
+    a 400 naming messages; the server stays up and the worker that ran it is replaced."""
+    tok = state.tokenizer
+    if not tok.chat_template:  # the plain fallback (engine/tokenizer.py): linear in the messages
+        return tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
     try:
-        return state.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-    except SecurityError as e:
-        raise APIError(f"the model's chat template tried something the sandbox refuses ({e}): it is not "
-                       "rendered; fix tokenizer_config.json's chat_template", 500, "internal_error", None,
-                       "chat_template_unsafe") from e
-    except Exception as e:  # a template that cannot render these messages is the request's problem
-        raise APIError(f"messages cannot be rendered with the chat template: {type(e).__name__}: {e}",
-                       param="messages") from e
+        return state.templates.render(tok.chat_template, messages, add_generation_prompt, tok.eos_token or "",
+                                      max_chars=state.max_prompt_chars)
+    except TemplateRefused as e:
+        if e.kind == "unsafe":
+            raise APIError(f"the model's chat template tried something the sandbox refuses ({e.message}): it is "
+                           "not rendered; fix tokenizer_config.json's chat_template", 500, "internal_error", None,
+                           "chat_template_unsafe") from e
+        if e.kind == "closed":
+            raise APIError("the server is shutting down: send new requests to another replica", 503,
+                           "service_unavailable_error", None, "shutting_down") from e
+        if e.kind == "too_large":
+            detail = (f"its output would pass {state.max_prompt_chars:,} characters, more than this model's usable "
+                      f"context of {state.engine.max_model_len} tokens can hold ({e.message})")
+        else:
+            detail = e.message if e.kind in ("timeout", "memory", "died") else f"{e.kind}: {e.message}"
+        code = {"timeout": "chat_template_timeout", "too_large": "chat_template_too_large",
+                "memory": "chat_template_memory"}.get(e.kind, "invalid_value")
+        raise APIError(f"messages cannot be rendered with the chat template: {detail}", param="messages",
+                       code=code) from e
 
 
 PROBE = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
          {"role": "assistant", "content": "a"}, {"role": "user", "content": "u"}]
+PROBE_MAX_CHARS = 1 << 20  # a plain four-message conversation rendered into more than this is no chat template
 
 
-def probe_template(tokenizer: Any) -> str | None:
-    """At start-up: the chat template rendered once on a plain conversation in the sandbox. Returns the
-    problem as one line when it reaches for Python internals or does not compile, else None (a template
-    that merely refuses this conversation is left to answer requests with its 400)."""
-    from jinja2.exceptions import SecurityError, TemplateSyntaxError
-
-    try:
-        tokenizer.apply_chat_template(PROBE, add_generation_prompt=True)
-    except SecurityError as e:
-        return (f"the chat template tried something jinja2's sandbox refuses ({e}); it would run code in the "
-                "server: fix tokenizer_config.json's chat_template")
-    except TemplateSyntaxError as e:
-        return f"the chat template does not compile (line {e.lineno}: {e.message}): fix tokenizer_config.json"
-    except Exception:
+def probe_template(tokenizer: Any, timeout: float = 5.0) -> str | None:
+    """At start-up: the chat template rendered once on a plain conversation, bounded as every request's render
+    is. Returns the problem as one line when it reaches for Python internals, does not compile, or runs past
+    `timeout` seconds, its memory bound or PROBE_MAX_CHARS characters, else None (a template that merely refuses
+    this conversation is left to answer requests with its 400)."""
+    if not tokenizer.chat_template:
         return None
+    fix = "fix tokenizer_config.json's chat_template"
+    renderer = BoundedRenderer(timeout, max_workers=1)
+    try:
+        renderer.render(tokenizer.chat_template, PROBE, True, tokenizer.eos_token or "", PROBE_MAX_CHARS)
+    except TemplateRefused as e:
+        return {"unsafe": f"the chat template tried something jinja2's sandbox refuses ({e.message}); it would run "
+                          f"code in the server: {fix}",
+                "syntax": f"the chat template does not compile ({e.message}): fix tokenizer_config.json",
+                "timeout": f"the chat template did not finish rendering a plain four-message conversation within "
+                           f"{timeout:g} s (--chat-template-timeout): {fix}",
+                "too_large": f"the chat template renders a plain four-message conversation into more than "
+                             f"{PROBE_MAX_CHARS:,} characters ({e.message}): {fix}",
+                "memory": f"the chat template ran out of memory rendering a plain four-message conversation "
+                          f"({e.message}): {fix}",
+                "died": f"the chat template could not be rendered ({e.message})"}.get(e.kind)
+    finally:
+        renderer.close()
     return None
 
 
@@ -93,7 +120,7 @@ def build_job(state: ServerState, req: ChatRequest) -> Job:
 def prepare(state: ServerState, raw: bytes, base: str, loop: asyncio.AbstractEventLoop, received: float | None
             ) -> tuple[ChatRequest, str, Job, asyncio.Queue, dict[int, str]]:
     """Parse, validate, render the template, tokenize and admit: on a worker thread (serving.off_loop)."""
-    req = parse_chat(parse_json(raw))
+    req = parse_chat(parse_json(raw), state.options)
     model = state.check_model(req.model)
     job = build_job(state, req)
     q, rids = admit(state, [job], base, loop, received)
@@ -128,7 +155,7 @@ def answer(state: ServerState, req: ChatRequest, job: Job, out: Any, cid: str, m
 
 def _stream(state: ServerState, req: ChatRequest, job: Job, q: Any, rids: dict[int, str], cid: str,
             model: str) -> AsyncIterator[str]:
-    cs = ChoiceStream(job.params.stop)
+    cs = ChoiceStream()
     first: dict = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                 "finish_reason": None}]}
     if req.return_token_ids:  # vLLM: the rendered prompt's ids on the first chunk, top level

@@ -90,7 +90,7 @@ def final_choice(state: ServerState, req: CompletionRequest, job: Job, out: Any)
 def prepare(state: ServerState, raw: bytes, base: str, loop: asyncio.AbstractEventLoop, received: float | None
             ) -> tuple[CompletionRequest, str, list[Job], asyncio.Queue, dict[int, str]]:
     """Parse, validate, tokenize and admit: on a worker thread (serving.off_loop)."""
-    req = parse_completion(parse_json(raw))
+    req = parse_completion(parse_json(raw), state.options)
     model = state.check_model(req.model)
     jobs = build_jobs(state, req)
     q, rids = admit(state, jobs, base, loop, received)
@@ -121,7 +121,7 @@ async def create_completion(state: ServerState, request: Request) -> Any:
 
 def _stream(state: ServerState, req: CompletionRequest, jobs: list[Job], q: Any, rids: dict[int, str],
             cid: str, model: str) -> AsyncIterator[str]:
-    streams = {j.index: ChoiceStream(j.params.stop) for j in jobs}
+    streams = {j.index: ChoiceStream() for j in jobs}
     offsets = {j.index: 0 for j in jobs}
     started: set[int] = set()
 

@@ -8,8 +8,6 @@ Contract:
   added to its position's top_logprobs (as vLLM does), so the dict holds k or k+1 entries; an echoed
   prompt's first position is None/None.
 - Chat logprobs: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}.
-- `holdback(text, stops)`: how many trailing characters of a streamed text could still become a stop
-  string; they are held back so a stop string never reaches a client, even in part.
 """
 
 from __future__ import annotations
@@ -66,16 +64,6 @@ def chat_logprobs(tt: TokenText, ids: list[int], lps: list, as_id: bool) -> list
                 for tid, v in sorted(top.items(), key=lambda kv: -kv[1])]
         out.append({"token": s, "logprob": lp, "bytes": list(tt(t).encode()), "top_logprobs": alts})
     return out
-
-
-def holdback(text: str, stops: tuple[str, ...]) -> int:
-    best = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
-                break
-    return best
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

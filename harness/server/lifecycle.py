@@ -7,7 +7,8 @@ Contract:
   answers 503 "draining", new generation requests 503 `shutting_down`, the listening socket closes,
   requests in flight run to their end for up to `options.shutdown_timeout` seconds, whatever is left is
   cancelled (its engine requests aborted, their KV freed; a stream gets an error event with code
-  `shutting_down` and `[DONE]`, a waiting client a 503), and `run` returns the summary line (the caller
+  `shutting_down` and `[DONE]`, a waiting client a 503; a chat template still rendering has its worker
+  process killed, and its client gets the 503), and `run` returns the summary line (the caller
   writes it):
   `shut down on SIGTERM in 1.2 s: 3 in-flight requests finished, 1 aborted (--shutdown-timeout 30 s)`.
   Nothing is re-raised (uvicorn re-raises the captured signal by default: a KeyboardInterrupt traceback
@@ -89,13 +90,18 @@ class DrainingServer(uvicorn.Server):
             self.in_flight_at_signal = self.state.loop.num_pending
             self.aborted_before = _aborted(self.state)
             self.state.draining = True
-            timer = threading.Timer(self.state.options.shutdown_timeout, self.state.loop.cancel_all,
-                                    ("the server is shutting down: the grace period (--shutdown-timeout) ran out",))
+            timer = threading.Timer(self.state.options.shutdown_timeout, self._grace_over)
             timer.daemon = True
             timer.start()
             for name in ("uvicorn.error", "uvicorn"):  # the summary line is the shutdown's one line
                 logging.getLogger(name).setLevel(logging.CRITICAL)
         super().handle_exit(sig, frame)
+
+
+    def _grace_over(self) -> None:
+        """What still runs is cancelled: engine requests, and chat templates still rendering (their workers killed)."""
+        self.state.loop.cancel_all("the server is shutting down: the grace period (--shutdown-timeout) ran out")
+        self.state.templates.close()
 
 
 def _aborted(state: Any) -> int:
@@ -112,7 +118,7 @@ def run(app: Any, sock: socket.socket, options: ServerOptions, log_level: str = 
         server.run(sockets=[sock])
     finally:
         state.loop.close()
-        state.executor.shutdown(wait=False, cancel_futures=True)
+        state.close()  # the template workers killed: a render waiting on one returns, nothing outlives the server
     if server.signal_name is None:
         return None
     aborted = _aborted(state) - server.aborted_before

@@ -6,6 +6,10 @@ refuses it in one line before loading anything. `api_key=None` (and no `SPECBENC
 environment, read by `from_env`) leaves every route open; with a key every route but `/health` (and
 `/metrics` unless `metrics_need_key`) answers 401 without `Authorization: Bearer <key>`.
 `allowed_origins` empty = no CORS headers at all (browsers refuse cross-origin calls); `("*",)` = any.
+Request limits (docs/server.md, "Limits"): `max_stop_strings` stop strings of at most `max_stop_length` characters
+each (OpenAI accepts 4 stop sequences, TGI 4 by default, vLLM any number: these defaults are far past what a
+client sends, and bound the stop automaton a request builds, engine/stops.py); a chat template render gets
+`chat_template_timeout` seconds in its own process (engine/chat_template.py).
 """
 
 from __future__ import annotations
@@ -28,6 +32,9 @@ class ServerOptions:
     shutdown_timeout: float = 30.0
     max_body_bytes: int = 32 * 1024 * 1024
     prep_threads: int = 8  # worker threads that parse, tokenize, render templates and admit requests
+    max_stop_strings: int = 64
+    max_stop_length: int = 256  # characters
+    chat_template_timeout: float = 5.0  # seconds one render may take
     # SPECBENCH_COALESCE=1: a stream's outputs queued while its consumer was busy go out as one event (serving.py
     # `deltas`); off by default: one event per engine step, so a stream's chunking does not depend on timing
     coalesce: bool = field(default_factory=lambda: os.environ.get(COALESCE_ENV, "0").strip().lower()
@@ -46,6 +53,13 @@ class ServerOptions:
             raise ValueError(f"max_body_bytes={self.max_body_bytes} is invalid: expected >= 1024")
         if self.prep_threads < 1:
             raise ValueError(f"prep_threads={self.prep_threads} is invalid: expected >= 1")
+        for flag, v, hi in (("--max-stop-strings", self.max_stop_strings, 65_536),
+                            ("--max-stop-length", self.max_stop_length, 65_536)):
+            if not (isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= hi):
+                raise ValueError(f"{flag}={v!r} is invalid: expected an integer in 1..{hi}")
+        t = self.chat_template_timeout
+        if not (isinstance(t, int | float) and not isinstance(t, bool) and 0.01 <= t <= 600):
+            raise ValueError(f"--chat-template-timeout={t!r} is invalid: expected seconds in 0.01..600")
 
     @classmethod
     def from_env(cls, api_key: str | None = None, **kw: object) -> ServerOptions:

@@ -4,13 +4,16 @@ Contract: `parse_completion` / `parse_chat` either return a fully validated data
 `APIError(400, param=<field>)` whose message names the field, the value and what would be accepted.
 Booleans are never accepted where numbers belong. Unknown fields are ignored (as vLLM does), but
 options this server cannot honour (n > 1, best_of, suffix) are refused rather
-than silently dropped. Range checks against the model (token ids, context length) happen when the
-request is admitted by the engine.
+than silently dropped. Range checks against the model (token ids in the prompt, stop_token_ids and logit_bias,
+the context length) happen when the request is admitted by the engine. `stop` is bounded by the server's options
+(`ServerOptions.max_stop_strings` / `max_stop_length`): past them a 400 naming `stop`, the limit and the option.
+A message's `content` may be null (or absent) only for an assistant message with `tool_calls` (OpenAI's rule).
 """
 
 from __future__ import annotations
 
 import json
+import json.scanner
 import math
 import os
 from dataclasses import dataclass, field
@@ -19,6 +22,7 @@ from typing import Any
 from specbench.engine.config import ConfigError, bias_pairs
 
 from .errors import APIError
+from .options import ServerOptions
 
 MAX_LOGPROBS = 20
 MAX_PROMPTS = 1024
@@ -28,6 +32,12 @@ MAX_PROMPTS = 1024
 # ':' (an upper bound on the values of its arrays and objects; a count costs ~1 ms per MB): a prompt, a batch
 # of prompts or a message list that large cannot fit any context this server runs. At the bound the parse
 # stays near 20 ms. SPECBENCH_MAX_JSON_VALUES moves it (0 = no bound).
+# Under the bound the C parse of 250,000 short strings (a 3.3 MB stop list) still held the GIL 35-50 ms on the loaded
+# 2-core box, so a body with more than YIELD_VALUES separators is parsed by the stdlib's pure-Python scanner: about 6x
+# the CPU (on a worker thread), but Python code, which hands the GIL to the event loop every switch interval. The
+# separators are counted in slices for the same reason (one count over 3.7 MB held it 7-13 ms).
+YIELD_VALUES = 8_192
+_COUNT_SLICE = 1 << 18
 
 
 def _max_json_values() -> int:
@@ -47,19 +57,37 @@ def parse_json(raw: bytes, max_values: int | None = None) -> dict:
     if not raw.strip():
         raise APIError("the request body is empty: expected a JSON object", param=None, code="invalid_json")
     bound = MAX_JSON_VALUES if max_values is None else max_values
-    if bound and len(raw) > bound:
-        n = raw.count(b",") + raw.count(b":")
-        if n > bound:
-            raise APIError(f"the request body has {n} ',' and ':' separators: at most {bound} are accepted (a "
-                           "prompt or message list that large cannot fit the context; SPECBENCH_MAX_JSON_VALUES "
-                           "moves the bound)", 413, code="too_many_values")
+    n = _separators(raw) if len(raw) > min(YIELD_VALUES, bound or YIELD_VALUES) else 0
+    if bound and n > bound:
+        raise APIError(f"the request body has {n} ',' and ':' separators: at most {bound} are accepted (a "
+                       "prompt or message list that large cannot fit the context; SPECBENCH_MAX_JSON_VALUES "
+                       "moves the bound)", 413, code="too_many_values")
     try:
-        body = json.loads(raw)
+        if n <= YIELD_VALUES:
+            body = json.loads(raw)
+        else:
+            body = _YieldingDecoder().decode(raw.decode(json.detect_encoding(raw), "surrogatepass"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(f"the request body is not valid JSON ({e})", code="invalid_json") from e
+    except RecursionError as e:
+        raise APIError("the request body is nested too deeply: expected a JSON object a few levels deep",
+                       code="invalid_json") from e
     if not isinstance(body, dict):
         raise APIError(f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
     return body
+
+
+def _separators(raw: bytes) -> int:
+    return sum(raw.count(b",", i, i + _COUNT_SLICE) + raw.count(b":", i, i + _COUNT_SLICE)
+               for i in range(0, len(raw), _COUNT_SLICE))
+
+
+class _YieldingDecoder(json.JSONDecoder):
+    """json's decoder over its pure-Python scanner (the C one is a single GIL-holding call); same results."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scan_once = json.scanner.py_make_scanner(self)  # type: ignore[attr-defined]
 
 
 def _bad(name: str, value: Any, accepted: str) -> APIError:
@@ -112,14 +140,23 @@ def get_bool(body: dict, name: str, default: bool) -> bool:
     return v
 
 
-def get_stop(body: dict) -> tuple[str, ...]:
+def get_stop(body: dict, limits: ServerOptions | None = None) -> tuple[str, ...]:
+    """`stop` as a tuple; past the server's limits a 400 naming the field, the limit and the option."""
+    lim = limits or ServerOptions()
     v = body.get("stop")
     if v is None:
         return ()
     if isinstance(v, str):
         v = [v]
+    if isinstance(v, list) and len(v) > lim.max_stop_strings:
+        raise APIError(f"stop has {len(v)} strings: at most {lim.max_stop_strings} are accepted (--max-stop-strings)",
+                       param="stop", code="too_many_stop_strings")
     if not isinstance(v, list) or not all(isinstance(s, str) and s for s in v):
         raise _bad("stop", v, "a non-empty string or a list of non-empty strings")
+    for i, s in enumerate(v):
+        if len(s) > lim.max_stop_length:
+            raise APIError(f"stop[{i}] has {len(s)} characters: at most {lim.max_stop_length} are accepted "
+                           "(--max-stop-length)", param="stop", code="stop_string_too_long")
     return tuple(v)
 
 
@@ -181,7 +218,8 @@ def _refuse_unsupported(body: dict) -> None:
         raise _bad("suffix", body["suffix"], "null (suffix is not supported)")
 
 
-def _common(body: dict, max_tokens_default: int | None, max_tokens_key: str = "max_tokens") -> dict:
+def _common(body: dict, max_tokens_default: int | None, max_tokens_key: str = "max_tokens",
+            limits: ServerOptions | None = None) -> dict:
     _refuse_unsupported(body)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -204,7 +242,7 @@ def _common(body: dict, max_tokens_default: int | None, max_tokens_key: str = "m
         logit_bias=_logit_bias(body),
         min_tokens=get_int(body, "min_tokens", 0, lo=0) or 0,
         seed=get_int(body, "seed", None, lo=-(2**63), hi=2**63 - 1),  # int64, as vLLM (torch refuses more)
-        stop=get_stop(body),
+        stop=get_stop(body, limits),
         stop_token_ids=get_ids(body, "stop_token_ids"),
         ignore_eos=get_bool(body, "ignore_eos", False),
         include_stop_str=get_bool(body, "include_stop_str_in_output", False),
@@ -266,11 +304,11 @@ def _prompts(v: Any) -> list[str | list[int]]:
     return out
 
 
-def parse_completion(body: dict) -> CompletionRequest:
+def parse_completion(body: dict, limits: ServerOptions | None = None) -> CompletionRequest:
     if "prompt" not in body:
         raise APIError("prompt is required", param="prompt", code="missing_field")
     prompts = _prompts(body["prompt"])
-    common = _common(body, 16)
+    common = _common(body, 16, limits=limits)
     lp = body.get("logprobs")
     if lp is not None and (not is_int(lp) or not 0 <= lp <= MAX_LOGPROBS):
         raise _bad("logprobs", lp, f"null or an integer in [0, {MAX_LOGPROBS}]")
@@ -292,7 +330,11 @@ def _messages(v: Any) -> list[dict]:
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in c):
                 raise _bad(f"messages[{i}].content", c, "a string or a list of {\"type\": \"text\", \"text\"} parts")
             c = "".join(p["text"] for p in c)
-        elif c is None:
+        elif c is None:  # OpenAI: content is required, except on an assistant message that carries tool_calls
+            if m["role"] != "assistant" or not (m.get("tool_calls") or m.get("function_call")):
+                raise APIError(f"messages[{i}].content is {'null' if 'content' in m else 'missing'}: a {m['role']} "
+                               "message needs a string or a list of text parts (only an assistant message with "
+                               "tool_calls may leave it null)", param=f"messages[{i}].content", code="invalid_value")
             c = ""
         elif not isinstance(c, str):
             raise _bad(f"messages[{i}].content", c, "a string or a list of text parts")
@@ -300,10 +342,10 @@ def _messages(v: Any) -> list[dict]:
     return out
 
 
-def parse_chat(body: dict) -> ChatRequest:
+def parse_chat(body: dict, limits: ServerOptions | None = None) -> ChatRequest:
     messages = _messages(body.get("messages"))
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    common = _common(body, None, key)
+    common = _common(body, None, key, limits)
     if common["max_tokens"] == 0:
         raise _bad(key, 0, "an integer >= 1")
     want = get_bool(body, "logprobs", False)

@@ -8,7 +8,10 @@ Contract:
   worker threads, so /health and every other connection keep answering under any single request. A
   preparation whose caller is cancelled (the client went away) still finishes, and `cleanup` aborts what
   it admitted. A text prompt so long that it cannot fit the context whatever it tokenizes to (more
-  characters than `MAX_CHARS_PER_TOKEN` x the usable context) is refused before it is tokenized.
+  characters than `max_prompt_chars` = `MAX_CHARS_PER_TOKEN` x the usable context) is refused before it is
+  tokenized; a chat template's output is bounded by the same count (`templates`: engine/chat_template.py's
+  `BoundedRenderer`, whose workers `close()` kills). `check_ids` is the server's rule for token ids (prompts,
+  /detokenize): 0 <= id < the model's vocabulary, else a 400 naming the field.
 - `admit(jobs)` submits every prompt of a request to the engine on one shared queue (tag = choice
   index), from a worker thread (`loop=` the event loop the answers go to). If any prompt is refused, the
   ones already admitted are aborted and the refusal becomes an `APIError`; a request is admitted whole or
@@ -19,8 +22,9 @@ Contract:
 - `gather` waits for every choice's final output, polling the client connection so that a client that
   goes away frees its requests' KV; `deltas` yields outputs as they arrive for streaming. Both abort
   whatever is unfinished when they exit early (disconnect, cancellation, engine failure).
-- `ChoiceStream.advance(out)` turns cumulative outputs into deltas: new text (stop-string prefixes held
-  back until resolved), new token ids and their logprobs.
+- `ChoiceStream.advance(out)` turns cumulative outputs into deltas: new text, new token ids and their
+  logprobs. An unfinished output's text already leaves out whatever may still become a stop string (the
+  engine holds it back: engine/output.py), so no stop matching runs here, on the event loop.
 - `stream_choices` is the streaming tail both generation routes share (their own part is the choice of
   each event): one SSE event per engine delta per choice, running usage with continuous_usage_stats, the
   usage + spec_decode event with include_usage, an engine error as an error event, then `data: [DONE]`;
@@ -45,10 +49,11 @@ from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
 from specbench.engine import SamplingParams
+from specbench.engine.chat_template import BoundedRenderer
 
 from ..adapters.loop import EngineLoop
 from .errors import APIError, from_engine
-from .formatting import TokenText, holdback, merge_spec, usage
+from .formatting import TokenText, merge_spec, usage
 from .metrics import ServerMetrics
 from .options import ServerOptions
 from .protocol import CommonParams
@@ -82,6 +87,7 @@ class ServerState:
         for _ in range(self.options.prep_threads):
             self.executor.submit(ready.wait)
         ready.wait()
+        self.templates = BoundedRenderer(self.options.chat_template_timeout, self.options.prep_threads)
         self.draining = False  # set on SIGTERM / SIGINT: new generation requests get 503 shutting_down
         self.metrics = ServerMetrics(self.loop, self.model_name, k_max=int(self.engine.describe().get("k") or 16))
 
@@ -104,9 +110,14 @@ class ServerState:
         raise APIError(f"model {name!r} does not exist: this server serves {self.served_names[0]!r}",
                        404, "not_found_error", "model", "model_not_found")
 
+    @property
+    def max_prompt_chars(self) -> int:
+        """More characters than this cannot fit the usable context, whatever they tokenize to."""
+        return MAX_CHARS_PER_TOKEN * self.engine.max_model_len
+
     def to_ids(self, prompt: str | list[int], index: int = 0) -> list[int]:
         limit = self.engine.max_model_len
-        if isinstance(prompt, str) and len(prompt) > MAX_CHARS_PER_TOKEN * limit:
+        if isinstance(prompt, str) and len(prompt) > self.max_prompt_chars:
             raise APIError(f"prompt[{index}] has {len(prompt)} characters: more than {MAX_CHARS_PER_TOKEN} per token "
                            f"of this model's usable context of {limit} tokens, so it cannot fit",
                            param="prompt", code="context_length_exceeded")
@@ -114,12 +125,20 @@ class ServerState:
         if not ids:
             raise APIError(f"prompt[{index}] tokenizes to nothing: at least one token is required",
                            param="prompt", code="empty_prompt")
-        vocab = self.engine.mcfg.vocab_size
-        bad = [t for t in ids if t >= vocab]
-        if bad:
-            raise APIError(f"prompt[{index}] has token ids {bad[:5]} out of range: expected 0 <= id < {vocab}",
-                           param="prompt", code="invalid_value")
+        self.check_ids(f"prompt[{index}]", ids, "prompt")
         return ids
+
+    def check_ids(self, name: str, ids: list[int], param: str | None = None) -> None:
+        vocab = self.engine.mcfg.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise APIError(f"{name} has token ids {bad[:5]} out of range: expected 0 <= id < {vocab}",
+                           param=param or name, code="invalid_value")
+
+    def close(self) -> None:
+        """What the state holds beside the engine loop: the preparation threads and the template workers."""
+        self.templates.close()
+        self.executor.shutdown(wait=False, cancel_futures=True)
 
 
     def check_len(self, n_prompt: int, max_tokens: int, index: int = 0) -> None:
@@ -303,14 +322,11 @@ async def gather(state: ServerState, q: asyncio.Queue, rids: dict[int, str], req
 
 @dataclass
 class ChoiceStream:
-    stops: tuple[str, ...]
     sent_chars: int = 0
     sent_tokens: int = 0
 
     def advance(self, out: Any) -> tuple[str, list[int], list | None]:
         text = out.text
-        if not out.finished:
-            text = text[: len(text) - holdback(text, self.stops)]
         delta = text[self.sent_chars:] if len(text) > self.sent_chars else ""
         self.sent_chars = max(self.sent_chars, len(text))
         new_ids = list(out.output_ids[self.sent_tokens:])
