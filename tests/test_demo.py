@@ -5,7 +5,6 @@ real demo is `make demo`); the timing split is computed from real run records.""
 from __future__ import annotations
 
 import json
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -13,6 +12,16 @@ from typer.testing import CliRunner
 
 from specbench.cli import demo
 from specbench.cli.app import _register, app
+
+
+class _Clock:
+    """The demo's perf_counter: moved only by the stand-in engine, so the figures do not depend on the machine."""
+
+    t = 0.0
+
+    @classmethod
+    def perf_counter(cls) -> float:
+        return cls.t
 
 
 class SlowStartLLM:
@@ -25,7 +34,7 @@ class SlowStartLLM:
 
     def generate(self, prompts, sp):
         self.calls += 1
-        time.sleep(self.FIRST if self.calls == 1 else self.STEADY)
+        _Clock.t += self.FIRST if self.calls == 1 else self.STEADY
         return [SimpleNamespace(output_ids=list(range(64)), text=" 72 clips",
                                 spec={"mean_accept_len": 1.0 if self.spec == "off" else 3.0})]
 
@@ -45,6 +54,7 @@ def test_generate_exhibit_times_steady_state_apart_from_start_up(monkeypatch) ->
     import specbench.engine
 
     monkeypatch.setattr(specbench.engine, "LLM", SlowStartLLM)
+    monkeypatch.setattr(demo, "time", _Clock)  # the calls take FIRST / STEADY s by this clock
     _register()
     r = CliRunner().invoke(app, ["demo", "--quick", "--threads", "2"])
     assert r.exit_code == 0, r.output
