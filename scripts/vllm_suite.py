@@ -926,10 +926,27 @@ def summarize_sweep(sweep_dir: Path, out: Path) -> dict:
                 row[f"{a}/{b}"] = {"per_round": per, "median": median(per),
                                    "min": min(per) if per else None, "max": max(per) if per else None}
         rows.append(row)
+    audit = audit_counts(s.audit)
     doc = {"run_id": s.run_id, "complete": s.complete, "baseline": s.baseline, "noise_arm": s.noise_arm,
-           "arms": s.arms, "levels": rows, "meta": s.meta}
+           "arms": s.arms, "levels": rows, "meta": s.meta, "audit": audit}
     (out / "sweep-summary.json").write_text(json.dumps(doc, indent=1, default=str))
-    return {"json": "sweep-summary.json", "complete": s.complete}
+    log("sweep audit: " + json.dumps({k: audit[k] for k in ("verdict", "cells")}))
+    return {"json": "sweep-summary.json", "complete": s.complete, "audit": audit}
+
+
+def audit_counts(a: dict | None) -> dict:
+    """The sweep's acceptance / metrics audit (suites/sweep/audit.py) counted: the verdict, the cells by verdict
+    over every arm and per arm, and the first problems and unjudged cells, so a run's false FAILs are counted."""
+    if not a:
+        return {"verdict": None, "cells": {}, "arms": {}}
+    arms, total = {}, {"PASS": 0, "FAIL": 0, "CANNOT TEST": 0}
+    for x in a.get("arms") or []:
+        cv = dict(x.get("cell_verdicts") or {})
+        for v, n in cv.items():
+            total[v] = total.get(v, 0) + n
+        arms[x["arm"]] = {"verdict": x["verdict"], "cells": cv, "problems": x.get("problems", [])[:5],
+                          "unattributed": x.get("unattributed", [])[:5]}
+    return {"verdict": a.get("verdict"), "cells": total, "arms": arms, "missing": a.get("missing", [])}
 
 
 def main() -> None:
