@@ -9,9 +9,10 @@ answer as a server should. reports/foreign/llamacpp.md lists them (scripts/forei
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
-import time
+import subprocess
 import warnings
 
 import pytest
@@ -73,7 +74,8 @@ def test_finding_dflash_last_layer_tap(llamacpp_build, llamacpp_models, tmp_path
                 status, out = s.post("/completion", body, timeout=60)
             except OSError as e:  # connection reset: the process died mid-request
                 status, out = None, str(e)
-            time.sleep(0.5)
+                with contextlib.suppress(subprocess.TimeoutExpired):  # dying: wait for its exit (a hang guard)
+                    s.proc.wait(60)
             if not s.alive():
                 asserts = [ln.strip() for ln in s.log_path.read_text(errors="replace").splitlines() if "GGML_ASSERT" in ln]
                 exit_code = s.proc.poll() if s.proc else None
