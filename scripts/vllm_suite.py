@@ -385,6 +385,15 @@ def url(name: str) -> str:
 TINY = ["vllm-tiny-off", "vllm-tiny-l12", "vllm-tiny-l13", "vllm-tiny-ngram"]
 BIG = ["vllm-4b-off", "vllm-4b-ngram"]
 SB = ["sb-4b-off", "sb-4b-ngram", "sb-4b-dflash"]
+# VLLM_SPEED_SERVERS: the speed part's servers, comma-separated (default all five: about 110 GB, an H200's size;
+# on an H100 three fit, e.g. vllm-4b-off,sb-4b-off,sb-4b-dflash)
+_SPEED = [t.strip() for t in os.environ.get("VLLM_SPEED_SERVERS", "").split(",") if t.strip()]
+if _SPEED:
+    _unknown = sorted(set(_SPEED) - set(BIG) - set(SB))
+    if _unknown:
+        sys.exit(f"VLLM_SPEED_SERVERS: unknown server(s) {_unknown}; accepted: {BIG + SB}")
+    BIG = [n for n in BIG if n in _SPEED]
+    SB = [n for n in SB if n in _SPEED]
 
 
 # the tiny n-gram gates' prompts: 16 gsm8k questions x 128 greedy tokens; the trained tiny target repeats its own
