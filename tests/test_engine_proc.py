@@ -35,13 +35,17 @@ def _cfg(target: str) -> EngineConfig:
 
 
 @pytest.fixture(scope="module")
-def pair(tiny_target):
-    app, loop = make_proc_app(_cfg(tiny_target), served_name=MODEL, max_pending=64)
+def pair(tiny_target, tmp_path_factory):
+    gate = tmp_path_factory.mktemp("gate") / "open"
+    gate.touch()  # open: the child's engine steps freely until a test shuts it (tests/held_engine.py)
+    app, loop = make_proc_app(_cfg(tiny_target), served_name=MODEL, max_pending=64,
+                              factory=held_engine.HeldFactory(str(gate)))
     proc = ServerThread(app).start()
     eng = LLMEngine(_cfg(tiny_target))
     app2, loop2 = make_app(eng, served_name=MODEL, max_pending=64)
     local = ServerThread(app2).start()
-    yield SimpleNamespace(proc=proc, local=local, loop=loop, loop2=loop2, engine=loop.engine)
+    yield SimpleNamespace(proc=proc, local=local, loop=loop, loop2=loop2, engine=loop.engine, gate=gate,
+                          state=app.state.sb)
     proc.stop()
     loop.close()
     local.stop()
@@ -150,17 +154,28 @@ def test_the_childs_refusals_are_raised_by_submit(pair):
 
 
 def test_client_disconnect_frees_the_childs_request(pair):
+    """The child's engine holds the request after its first token (the gate shut) until the parent took the
+    client's leaving: it cannot finish on its own first, however fast the machine. It ends aborted, freed."""
     body = {"model": MODEL, "prompt": "Question: 1 + 1 =", "max_tokens": 1500, "temperature": 0, "ignore_eos": True,
             "logprobs": 1, "stream": True}
-    with httpx.Client(timeout=60) as c, c.stream("POST", pair.proc.url + "/v1/completions", json=body) as r:
-        seen = 0
-        for line in r.iter_lines():
-            seen += line.startswith("data: {")
-            if seen >= 3:
-                break
-    assert pair.engine.refresh()["requests"] <= 1
+    aborts = pair.state.metrics.aborts
+    pair.gate.unlink()
+    try:
+        with httpx.Client(timeout=60) as c, c.stream("POST", pair.proc.url + "/v1/completions", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    break  # the first token; leaving closes the connection
+        t0 = time.monotonic()
+        while pair.loop.num_pending and time.monotonic() - t0 < WAIT_S:  # the parent took the disconnect
+            time.sleep(0.02)
+        assert pair.loop.num_pending == 0
+    finally:
+        pair.gate.touch()
     _idle(pair.engine)
-    assert pair.loop.num_pending == 0
+    t0 = time.monotonic()  # the child's "aborted" message reaches the parent's observer (a hang guard only)
+    while pair.state.metrics.aborts == aborts and time.monotonic() - t0 < WAIT_S:
+        time.sleep(0.02)
+    assert pair.state.metrics.aborts == aborts + 1  # aborted, not finished
     assert httpx.get(pair.proc.url + "/health").status_code == 200
 
 
