@@ -10,7 +10,8 @@ request is answered, and reports the slowest /health answer and the median. Case
 - `idle`: no request, 100 polls;
 - `stops-250k` / `stops-250k-128` / `stops-100k` / `stops-1k`: a streamed completion of 32 (128) tokens with that
   many stop strings of 10 characters that never match (250k: a 3.3 MB body); `stop-1mb`: one stop string of
-  1,000,000 characters (issue 45);
+  1,000,000 characters (issue 45); `stops-64x256`: 128 streamed tokens under 64 stops of 256 characters (the
+  default limits), each starting with a space, so the text's end often looks like a stop's beginning;
 - `chat-big` / `chat-spin` / `chat-wide` / `chat-double` / `chat-flood` (with `--template trap`): a chat request
   whose message makes the chat template do what `TRAPS` says (build 'x' * 10**9, run a nested loop of 10**10
   steps, ...); a plain chat request renders normally.
@@ -41,7 +42,7 @@ from pathlib import Path
 import httpx
 
 CASES = ("idle", "tokenize-500k", "tokenize-8m", "prefill-2k", "ids-1m", "stops-250k", "stops-250k-128", "stops-100k",
-         "stops-1k", "stop-1mb")
+         "stops-1k", "stop-1mb", "stops-64x256")
 _PLAIN = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 _SPIN = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
@@ -77,8 +78,10 @@ def _body(case: str) -> dict | None:
         return {"prompt": [100_000 + i % 50_000 for i in range(1_000_000)], "max_tokens": 1}
     if case.startswith("stop"):
         n, tokens = {"stops-250k": (250_000, 32), "stops-250k-128": (250_000, 128), "stops-100k": (100_000, 32),
-                     "stops-1k": (1_000, 32), "stop-1mb": (1, 32)}[case]
+                     "stops-1k": (1_000, 32), "stop-1mb": (1, 32), "stops-64x256": (64, 128)}[case]
         stop = ["q" * 1_000_000] if case == "stop-1mb" else [f"nv{i:06d}zz" for i in range(n)]
+        if case == "stops-64x256":  # at the limits: 64 stops of 256 characters, each starting like the text may
+            stop = [" " + f"{i:03d}" * 85 for i in range(64)]
         return {"prompt": "Once upon a time", "max_tokens": tokens, "ignore_eos": True, "temperature": 0,
                 "stream": True, "stop": stop}
     if case.startswith("chat-"):

@@ -7,6 +7,14 @@
   a 5xx. Afterwards the server is alive, idle and every KV page is back. `SPECBENCH_FUZZ_EXAMPLES` scales
   the run (default 600 completions + 400 chat: about 30 s on a CI core). A test with a validator removed
   shows the property fails when a bad value reaches the engine.
+- Fuzz under a /health poll (issue 45): `specbench serve` as users run it (the engine in its own process), with a
+  chat template whose traps a message springs (a gigabyte string, a loop for hours, a flood: benchmarks/
+  server_health.py TRAPS), gets the issue's stop lists (1,000 / 100,000 / 250,000 strings, one of 1 MB), a
+  500,000-character prompt, and hypothesis bodies aimed at stop, stop_token_ids, logit_bias, token-id prompts,
+  messages and /detokenize, while a second client (a process of its own) polls /health every 10 ms: the same
+  property per answer, every poll a 200 within 50 ms (beyond the time the scheduler kept the server and the
+  poller queued for a CPU: see POLLER), and the server idle with its pool full afterwards. The same poll over a
+  server whose preparation runs on the event loop fails the check.
 - Soak: 256 concurrent streams (`SPECBENCH_SOAK_STREAMS`), a third of the clients leaving at a random
   point (before the first byte, mid-stream), the rest reading to the end; then no request in flight, the
   pool full, every gauge 0, and the survivors' answers complete. A test with a page leak planted in the
@@ -20,6 +28,10 @@ import json
 import math
 import os
 import random
+import re
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -32,10 +44,12 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from specbench.benchmarks.server_health import TRAPS, template_model  # noqa: E402
 from specbench.engine import EngineConfig, LLMEngine, SpecConfig  # noqa: E402
 from specbench.harness.server import ServerThread, make_app  # noqa: E402
 
 MODEL = "tiny"
+VOCAB = 4096  # the bundled tiny target's vocabulary (checked by the fixtures)
 EXAMPLES = int(os.environ.get("SPECBENCH_FUZZ_EXAMPLES", "1000"))
 STREAMS = int(os.environ.get("SPECBENCH_SOAK_STREAMS", "256"))
 
@@ -48,6 +62,7 @@ def served(tiny_pair):
     # a small pool, so the soak's requests queue for KV and aborts land in every phase
     eng = LLMEngine(EngineConfig(model=target, draft=draft, spec=spec, num_pages=512,
                                  check_invariants=True))  # the pool partition checked after every step
+    assert eng.mcfg.vocab_size == VOCAB
     app, loop = make_app(eng, served_name=MODEL, max_pending=STREAMS + 16)
     srv = ServerThread(app).start()
     client = httpx.Client(base_url=srv.url, timeout=60)
@@ -113,9 +128,14 @@ COMMON = {
     "min_p": f(st.sampled_from([0.0, 0.1, 1.0]), numbers),
     "seed": f(st.integers(0, 2**31) | st.none() | st.sampled_from([-1, 2**63 - 1, -(2**63)]),
               st.integers(-(2**70), 2**70) | st.sampled_from([2**63, -(2**63) - 1, 2**64, 10**30])),
-    "stop": f(st.none() | small_text.filter(bool) | st.lists(small_text.filter(bool), max_size=3),
-              st.sampled_from(["", [""], [1, 2]])),
-    "stop_token_ids": f(token_ids, bad_ids),
+    # stops that match (short random text over the output's alphabet), at the limits (64 x 256) and past them
+    "stop": f(st.none() | small_text.filter(bool) | st.lists(small_text.filter(bool), max_size=3)
+              | st.lists(st.text("0123456789 .,", min_size=1, max_size=2), min_size=1, max_size=64)
+              | st.lists(st.text(min_size=200, max_size=256), min_size=1, max_size=3),
+              st.sampled_from(["", [""], [1, 2]]) | st.lists(small_text.filter(bool), min_size=65, max_size=70)
+              | st.text(min_size=257, max_size=300) | st.tuples(small_text.filter(bool), st.text(min_size=257,
+                                                                                                   max_size=260)).map(list)),
+    "stop_token_ids": f(token_ids, bad_ids | st.lists(st.integers(VOCAB, 10**12), min_size=1, max_size=2)),
     "ignore_eos": f(bools, numbers),
     "include_stop_str_in_output": f(bools),
     "stream": f(bools),
@@ -131,6 +151,8 @@ COMMON = {
                     st.dictionaries(st.text(alphabet="ab-", min_size=1, max_size=3), st.integers(), min_size=1,
                                     max_size=2)
                     | st.dictionaries(st.integers(0, 200).map(str), st.integers(101, 10**6) | nonfinite, min_size=1,
+                                      max_size=2)
+                    | st.dictionaries(st.integers(VOCAB, 10**12).map(str), st.floats(-100, 100), min_size=1,
                                       max_size=2)
                     | st.just([[1, 2.0]])),
     "min_tokens": f(st.sampled_from([0, 1]), st.integers(-5, -1) | st.just("2")),
@@ -151,12 +173,16 @@ COMPLETION_FIELDS = (
     {**COMMON, "logprobs": f(st.none() | st.integers(0, 20), st.integers(-2, 22) | bools), "echo": f(bools)})
 
 
-content = f(small_text | st.none() | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": small_text}),
-                                                 max_size=2),
-            st.lists(st.fixed_dictionaries({"type": st.sampled_from(["image_url", "text"]), "text": any_json}),
-                     min_size=1, max_size=2))
+# content null is OpenAI's only on an assistant message with tool_calls (`tool_call`); the trap words make the
+# served_proc server's chat template build a gigabyte, spin, flood (TRAPS): plain words on the bundled template
+content = f(small_text | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": small_text}), max_size=2)
+            | st.sampled_from(sorted(TRAPS)),
+            st.none() | st.lists(st.fixed_dictionaries({"type": st.sampled_from(["image_url", "text"]),
+                                                        "text": any_json}), min_size=1, max_size=2))
 role = f(st.sampled_from(["system", "user", "assistant", "tool", "developer"]), st.sampled_from(["robot", "", "USER"]))
-message = st.fixed_dictionaries({"role": role.ok, "content": content.ok})
+tool_call = st.just({"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+    "name": "f", "arguments": "{}"}}]})
+message = st.fixed_dictionaries({"role": role.ok, "content": content.ok}) | tool_call
 odd_message = st.fixed_dictionaries({"role": mixed(role), "content": mixed(content)})
 CHAT_FIELDS = (
     {"messages": f(st.lists(message, min_size=1, max_size=3), st.just([]) | st.lists(odd_message, min_size=1,
@@ -186,6 +212,8 @@ def check_answer(r: httpx.Response, body: object) -> None:
         assert events and events[-1] == "[DONE]", where
         for e in events[:-1]:
             assert "error" not in json.loads(e), where  # a 5xx hidden in a 200 stream
+    elif r.request.url.path == "/detokenize":
+        assert isinstance(r.json()["prompt"], str), where
     else:
         doc = r.json()
         assert doc["choices"] and doc["usage"]["completion_tokens"] >= 0, where
@@ -266,6 +294,208 @@ def test_fuzz_finds_a_validator_removed(served, monkeypatch):
         run()
     monkeypatch.undo()
     assert_alive_and_idle(served)  # and the engine survived it
+
+
+# ---- the served process under fuzz, /health polled meanwhile (issue 45) ----------------------------------------
+HEALTH_BUDGET_S = 0.050  # no /health answer may take longer while any request is being served
+# A second client in a process of its own (this one's GIL is busy with hypothesis): GET /health on one kept-alive
+# connection every 10 ms until its stdin closes, then one JSON line. Each poll's time is also taken less the time
+# the poller's thread and the server's threads sat runnable on a CPU queue during it (/proc/.../schedstat
+# run_delay): on the shared 2-core box an idle server's polls took up to 252 ms with two busy loops beside it,
+# none of it the server's. What is left is the server working or waiting for its own locks (the GIL), which is
+# what request work on the event loop adds: the budget applies to that.
+POLLER = """
+import json, os, sys, threading, time
+import httpx
+server = sys.argv[1]
+
+def queued():
+    ns = int(open("/proc/thread-self/schedstat").read().split()[1])
+    for t in os.listdir(f"/proc/{server}/task"):
+        try:
+            ns += int(open(f"/proc/{server}/task/{t}/schedstat").read().split()[1])
+        except (OSError, IndexError):
+            pass
+    return ns / 1e9
+
+done = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
+lat, own, codes = [], [], {}
+with httpx.Client(base_url=sys.argv[2], timeout=60) as c:
+    c.get("/health")
+    print("ready", flush=True)
+    while not done.is_set():
+        q0 = queued()
+        t = time.perf_counter()
+        r = c.get("/health")
+        wall = time.perf_counter() - t
+        lat.append(wall)
+        own.append(wall - (queued() - q0))
+        codes[r.status_code] = codes.get(r.status_code, 0) + 1
+        done.wait(0.01)
+print(json.dumps({"n": len(lat), "max": max(own), "wall_max": max(lat), "wall_p50": sorted(lat)[len(lat) // 2],
+                  "codes": codes, "wall_slow": sum(x > float(sys.argv[3]) for x in lat)}), flush=True)
+"""
+
+
+class HealthPoller:
+    def __init__(self, url: str, server_pid: int) -> None:
+        self.p = subprocess.Popen([sys.executable, "-c", POLLER, str(server_pid), url, str(HEALTH_BUDGET_S)],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.p.stdout is not None and self.p.stdout.readline().strip() == "ready"
+        self.stats: dict = {}
+
+    def stop(self) -> dict:
+        assert self.p.stdin is not None and self.p.stdout is not None
+        self.p.stdin.close()
+        self.stats = json.loads(self.p.stdout.readline())
+        self.p.wait(WAIT_S)
+        return self.stats
+
+
+def assert_health_answered(stats: dict) -> None:
+    """Every poll a 200, the slowest under the budget (the event loop never waited for request work)."""
+    assert stats["max"] < HEALTH_BUDGET_S, (f"/health took {stats['max'] * 1000:.1f} ms beyond CPU queueing "
+                                            f"(budget 50 ms): {stats}")
+    assert stats["n"] >= 20 and set(stats["codes"]) == {"200"}, stats
+
+
+# run `specbench serve ARGS` with the preparation of every request on the event loop: the regression the poll catches
+ON_THE_LOOP = ("import sys\n"
+               "from specbench.harness.server import serving\n"
+               "async def off_loop(state, fn, *args, cleanup=None):\n"
+               "    return fn(*args)\n"
+               "serving.off_loop = off_loop\n"
+               "from specbench.cli import main\n"
+               "sys.argv = ['specbench', 'serve'] + sys.argv[1:]\n"
+               "main()\n")
+
+
+def serve_proc(model: Path, *extra: str, on_the_loop: bool = False) -> tuple[subprocess.Popen, str]:
+    """`specbench serve` as users run it (the engine in its own process), ready; its URL."""
+    args = ["--model", str(model), "--spec", "off", "--port", "0", "--no-warmup", "--num-pages", "512",
+            "--served-model-name", MODEL, "--log-level", "warning", *extra]
+    cmd = [sys.executable, "-c", ON_THE_LOOP, *args] if on_the_loop else [sys.executable, "-m", "specbench", "serve",
+                                                                          *args]
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    first = p.stderr.readline() if p.stderr else ""
+    m = re.search(r"on http://127\.0\.0\.1:(\d+)/v1", first)
+    assert m, first + (p.stderr.read() if p.stderr else "")
+    url = f"http://127.0.0.1:{m.group(1)}"
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < WAIT_S * 10:
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return p, url
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    p.kill()
+    raise AssertionError(f"the server never became ready: {p.stderr.read() if p.stderr else ''}")
+
+
+@pytest.fixture(scope="module")
+def served_proc(tmp_path_factory):
+    """The bundled target with the trap chat template (benchmarks/server_health.py TRAPS: a message "big" makes
+    it build 'x' * 10**9, "spin" loop for hours, ...), a 1 s render timeout."""
+    p, url = serve_proc(template_model("trap", tmp_path_factory.mktemp("trap")), "--chat-template-timeout", "1")
+    client = httpx.Client(base_url=url, timeout=60)
+    yield SimpleNamespace(url=url, client=client, seen={}, proc=p)
+    client.close()
+    p.send_signal(signal.SIGTERM)
+    p.wait(WAIT_S * 4)
+
+
+# the issue's bodies: stop lists of 1,000 / 100,000 / 250,000 strings (3.3 MB) and one of 1 MB, streamed
+ISSUE_STOPS = [[f"nv{i:06d}zz" for i in range(n)] for n in (1_000, 100_000, 250_000)] + [["q" * 1_000_000]]
+LONG_PROMPT = "the quick brown fox jumps over the lazy dog 12345 " * 10_000  # 500,000 characters
+LIMIT_FIELDS = ("stop", "stop_token_ids", "logit_bias", "prompt")
+detok_ids = f(st.lists(st.integers(0, VOCAB - 1), max_size=12),
+              st.lists(st.integers(VOCAB, 10**12) | st.integers(-3, -1), min_size=1, max_size=3) | any_json)
+
+
+def _idle_proc(served) -> None:
+    """No request in flight and the pool full, read from /metrics (the engine is in another process)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < WAIT_S:
+        g = {ln.split("{")[0]: float(ln.rsplit(" ", 1)[1]) for ln in served.client.get("/metrics").text.splitlines()
+             if ln.startswith(("specbench:requests_in_flight", "specbench:kv_pages_"))}
+        if g["specbench:requests_in_flight"] == 0 and g["specbench:kv_pages_free"] == g["specbench:kv_pages_total"]:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"not idle: {g}")
+
+
+def test_fuzz_limits_with_health_polled(served_proc):
+    """Stop lists (matching, at and past the limits, the issue's 250k), token ids in and out of the vocabulary
+    (stop_token_ids, logit_bias, prompts, /detokenize), and chat messages that spring the template's traps,
+    while a second client polls /health: every answer a 2xx or a 4xx naming its field (never a 5xx), every poll
+    a 200 within 50 ms, and the server idle, its pool full, afterwards."""
+    served = served_proc
+    poller = HealthPoller(served.url, served.proc.pid)
+    try:
+        for stop in ISSUE_STOPS:
+            post(served, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 32, "ignore_eos": True,
+                                             "stream": True, "stop": stop})
+        post(served, "/v1/completions", {"prompt": LONG_PROMPT, "max_tokens": 2})  # tokenized, then too long
+        for trap in sorted(TRAPS):
+            post(served, "/v1/chat/completions", {"messages": [{"role": "user", "content": trap}], "max_tokens": 2})
+        per = max(1, EXAMPLES // 24)
+        for path, fields, names in (("/v1/completions", COMPLETION_FIELDS, LIMIT_FIELDS),
+                                    ("/v1/chat/completions", CHAT_FIELDS, ("messages", "stop"))):
+            for name in names:
+                fuzz_field(served, path, fields, name, per)
+
+        @settings(FUZZ, max_examples=per)
+        @given(toks=detok_ids.ok | detok_ids.bad)
+        def detok(toks):
+            post(served, "/detokenize", {"tokens": toks})
+
+        detok()
+    finally:
+        stats = poller.stop()
+    print(f"/health while fuzzing: {stats}; answers {sorted(served.seen.items())}")
+    assert_health_answered(stats)
+    assert served.seen.get(200, 0) > 20 and served.seen.get(400, 0) > 20, served.seen
+    _idle_proc(served)
+
+
+def fuzz_field(served, path: str, fields: tuple[dict, dict], name: str, examples: int) -> None:
+    @settings(FUZZ, max_examples=examples)
+    @given(body=schema(*fields, target=name) | schema(*fields))
+    def one(body):
+        post(served, path, body)
+
+    one()
+
+
+def test_the_poll_catches_request_work_on_the_event_loop(tmp_path):
+    """The same server with every request's preparation moved onto the event loop (the parse, the validation,
+    the tokenization): the issue's stop lists, or a 500,000-character prompt (tokenized, then refused as too
+    long), keep /health waiting past the budget, and the check fails."""
+    p, url = serve_proc(tiny_model_copy(tmp_path), on_the_loop=True)
+    try:
+        poller = HealthPoller(url, p.pid)
+        try:
+            for body in [{"prompt": "a", "stop": stop} for stop in ISSUE_STOPS[1:3]] + [{"prompt": LONG_PROMPT}]:
+                r = httpx.post(url + "/v1/completions", timeout=WAIT_S * 4, json={**body, "max_tokens": 2})
+                assert r.status_code == 400, r.text
+        finally:
+            stats = poller.stop()
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.wait(WAIT_S * 4)
+    print(f"/health with the preparation on the event loop: {stats}")
+    with pytest.raises(AssertionError, match="budget 50 ms"):
+        assert_health_answered(stats)
+
+
+def tiny_model_copy(into: Path) -> Path:
+    from specbench.harness.fixtures import bundled_pair
+
+    src = Path(bundled_pair()[0])
+    for f_ in src.iterdir():
+        (into / f_.name).symlink_to(f_.resolve())
+    return into
 
 
 # ---- soak -------------------------------------------------------------------------------------------------
