@@ -506,6 +506,13 @@ class EngineConfig:
     # does. Needs decode_ahead and, for a drafter with tapped features, graph_context. Default from
     # SPECBENCH_GATED_AHEAD, else on.
     gated_ahead: bool = field(default_factory=lambda: env_flag("SPECBENCH_GATED_AHEAD", True))
+    # Reduction-order noise of a tensor-parallel engine, emulated on one device (docs/noise.md): with N > 1 each
+    # row-parallel projection of the target (attention o_proj, MLP down_proj: the two a TP engine all-reduces) is N
+    # partial GEMMs over N equal slices of its input dimension (o_proj at head boundaries), each rounded to the
+    # model dtype as a TP rank's output is, summed last slice first (N = 2: second + first). Column-parallel GEMMs
+    # (qkv, gate/up, lm_head) and the drafter are unchanged. 1 = off: the one-GEMM path, unchanged. Needs
+    # num_attention_heads and intermediate_size divisible by N (checked when the model loads).
+    tp_emulate: int = 1
     seed: int = 0
     spec: SpecConfig = field(default_factory=SpecConfig)
     faults: tuple[str, ...] = ()
@@ -549,6 +556,8 @@ class EngineConfig:
               f"an integer 0 (off) .. max_num_batched_tokens={self.max_num_batched_tokens}")
         _need(self.graph_runner in (None, True, False), "graph_runner", self.graph_runner,
               "null (CUDA only), true or false")
+        _need(isinstance(self.tp_emulate, int) and not isinstance(self.tp_emulate, bool) and self.tp_emulate >= 1,
+              "tp_emulate", self.tp_emulate, "an integer >= 1 (1 = off: one GEMM per projection)")
         _need(self.decode_attention in ("flashinfer", "triton"), "decode_attention", self.decode_attention,
               "flashinfer or triton")
         if isinstance(self.faults, list):

@@ -81,6 +81,7 @@ class LLMEngine:
         self.tokenizer = Tokenizer(cfg.model)
         self.eos_ids = eos_ids(self.mcfg, cfg.model, self.tokenizer)
         self.model = Qwen3ForCausalLM.load(cfg.model, self.mcfg, self.dtype, cfg.device)
+        self.model.emulate_tp(cfg.tp_emulate)  # TP-N reduction order in o_proj / down_proj (1: off)
         self.draft_cfg, self.draft_model = self._load_drafter()
         self.spec = resolve_spec(cfg.spec, self.draft_cfg, proposer)
         self.spec_on, self.k = self.spec.enabled, self.spec.k  # the names adapters and benchmarks read

@@ -6,14 +6,15 @@ Forms (options are comma-separated key=value after the target):
         [,eager=0|1][,graph_runner=0|1][,verify_graph=0|1][,draft_graph=0|1][,triton=0|1][,decode_tensor_cores=0|1][,gemv=0|1][,skinny=0|1][,selector_kernel=0|1]
         [,decode_ahead=0|1][,gated_ahead=0|1][,whole_graphs=0|1][,defer_drafts=0|1]
         [,decode_attention=flashinfer|triton][,padded_rows=ladder|bucket][,whole_prefill=N][,graph_logits=0|1][,graph_context=0|1][,invariants=0|1][,gate=N][,trim=K][,policy=off|auto]
-        [,prefix_cache=0|1][,prefix_cache_pages=N][,capture_mb=M]
+        [,prefix_cache=0|1][,prefix_cache_pages=N][,capture_mb=M][,tp_emulate=N]
         (no model_dir = the bundled tiny pair; tau = synthetic acceptance length for speed curves on random
         weights, labelled, never lossless; whole_prefill=N: prefill-mixed steps whose chunks hold <= N tokens as
         one graph (EngineConfig.whole_prefill, docs/gpu.md; 0 = off); eager / verify_graph / draft_graph / triton / padded_rows /
         graph_logits / graph_context / selector_kernel / decode_ahead / gated_ahead / whole_graphs / defer_drafts: the GPU fast-path switches, docs/gpu.md, docs/dflash2.md; graph_runner=1: the graph runners on CPU too, their padded bodies run eagerly (the fast paths' host logic through any gate on CPU), graph_runner=0: the plain forward on CUDA; invariants: the engine's run-time invariants after every step,
         engine/invariants.py, on by default in gate commands: `gate_specs`; gate / trim / policy: the load-aware
         speculation levers, engine/spec/policy.py: one-token rounds above N running requests, k drafts per
-        verify span, the cost-model span choice; 0 / off = off)
+        verify span, the cost-model span choice; 0 / off = off; tp_emulate=N: a TP-N engine's reduction order in
+        the target's row-parallel projections, one device, EngineConfig.tp_emulate, docs/noise.md; 1 = off)
   openai:<base_url>[,model=M][,stream=0|1][,extras=0|1][,timeout=S][,retries=N][,api_key=K][,name=X]
         [,tokenizer=<dir>][,dialect=llamacpp|vllm|sglang|specbench|openai][,probe=0|1][,ready_timeout=S][,dtype=D]
         (probe: detect the endpoint's dialect and capabilities first, default on; dialect forces one;
@@ -51,7 +52,7 @@ OPTIONS = {
               "max_num_seqs", "attention", "eager", "graph_runner", "verify_graph", "draft_graph", "triton", "gemv", "skinny", "selector_kernel", "decode_ahead", "gated_ahead",
               "whole_graphs", "defer_drafts", "decode_tensor_cores", "decode_attention", "padded_rows", "graph_logits", "graph_context", "gpu_memory_utilization", "invariants", "mix",
               "gate", "trim", "policy", "prefix_cache", "prefix_cache_pages", "capture_mb", "whole_prefill",
-              "spec_logprobs"),
+              "spec_logprobs", "tp_emulate"),
     "openai": ("model", "stream", "extras", "timeout", "retries", "api_key", "name", "tokenizer", "dialect", "probe",
                "ready_timeout", "dtype"),
     "hf": ("assistant", "lookup", "device", "dtype", "name"),
@@ -145,7 +146,8 @@ def parse_engine(raw: str) -> EngineSpec:
     if dev is not None and not (dev == "cpu" or dev == "cuda" or (dev.startswith("cuda:") and dev[5:].isdigit())):
         raise _fail(raw, f"device={dev!r} is invalid: expected cpu, cuda or cuda:<index>")
     for key, lo in (("k", 1), ("lookup", 1), ("retries", 0), ("num_pages", 1), ("max_model_len", 1),
-                    ("max_num_seqs", 1), ("ready_timeout", 0), ("gate", 0), ("trim", 0), ("whole_prefill", 0)):
+                    ("max_num_seqs", 1), ("ready_timeout", 0), ("gate", 0), ("trim", 0), ("whole_prefill", 0),
+                    ("tp_emulate", 1)):
         _check_int(raw, opts, key, lo)
     if opts.get("policy") is not None and opts["policy"] not in POLICIES:
         raise _fail(raw, f"policy={opts['policy']!r} is invalid: expected one of {', '.join(POLICIES)}")
@@ -342,6 +344,8 @@ def build_adapter(spec: EngineSpec | str, name: str | None = None) -> EngineAdap
             kw["padded_rows"] = o["padded_rows"]
         if "whole_prefill" in o:
             kw["whole_prefill"] = int(o["whole_prefill"])
+        if "tp_emulate" in o:  # EngineConfig.tp_emulate: emulated TP-N reduction order (docs/noise.md)
+            kw["tp_emulate"] = int(o["tp_emulate"])
         for key in SWITCHES:
             if key in o:
                 kw[key] = spec.opt_bool(key, False)

@@ -11,6 +11,11 @@ below; the runner sets a `kernels.ops.TritonOps` on CUDA: residual add + norm an
 cuBLAS GEMMs (optionally fused into a small-batch GEMV), and q/k norm + RoPE (+ the K/V store, when the
 backend `accepts_stored_kv`) in one kernel. Both compute the same function (docs/gpu.md).
 
+`emulate_tp(N)` (EngineConfig.tp_emulate, docs/noise.md) makes o_proj and down_proj, the projections a
+tensor-parallel engine all-reduces, N partial GEMMs over slices of their input dimension summed last slice
+first: the reduction order of a TP-N engine on one device. Every forward path (eager, piecewise, the padded
+and captured graph runners) goes through `post_attn`, so each runs the same split; N = 1 is the one-GEMM path.
+
 Tapped hidden states (for DFlash) are decoder-layer outputs, i.e. HF `hidden_states[i + 1]`; like HF,
 the last layer's entry is the final-normed hidden state.
 """
@@ -26,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention.base import AttentionBackend
-from ..config import ModelConfig
+from ..config import ConfigError, ModelConfig
 from ..loader import load_tensors, take
 from ..rope import RotaryCache
 from .layers import add_rms_norm, rms_norm, swiglu
@@ -51,6 +56,7 @@ class Qwen3Layer(nn.Module):
         self.k_norm = nn.Parameter(torch.empty(cfg.head_dim), requires_grad=False)
         self.in_norm = nn.Parameter(torch.empty(h), requires_grad=False)
         self.post_norm = nn.Parameter(torch.empty(h), requires_grad=False)
+        self.tp = 1  # the emulated TP degree of the row-parallel projections (Qwen3ForCausalLM.emulate_tp)
 
     def load_weights(self, t: dict[str, torch.Tensor], p: str, src: str) -> None:
         """Standard HF names under prefix `p`; q/k/v and gate/up are concatenated here (merged GEMMs)."""
@@ -91,6 +97,8 @@ class Qwen3Layer(nn.Module):
 
     def post_attn(self, attn_out: torch.Tensor, residual: torch.Tensor, ops: Any = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.tp > 1:
+            return self._post_attn_tp(attn_out, residual, ops)
         if ops is not None:
             x = ops.linear(attn_out.reshape(attn_out.shape[0], -1), self.o_w)
             act, residual = ops.add_norm_linear(x, residual, self.post_norm, self.gate_up_w, self.cfg.rms_norm_eps,
@@ -99,6 +107,30 @@ class Qwen3Layer(nn.Module):
         x = F.linear(attn_out.reshape(attn_out.shape[0], -1), self.o_w)
         x, residual = add_rms_norm(x, residual, self.post_norm, self.cfg.rms_norm_eps)
         return F.linear(swiglu(F.linear(x, self.gate_up_w)), self.down_w), residual
+
+    # ---- emulated tensor-parallel reductions (EngineConfig.tp_emulate) ------------------------------
+    def row_parallel(self, x: torch.Tensor, w: torch.Tensor, linear: Any) -> torch.Tensor:
+        """x @ w.T as a TP-`tp` engine computes a row-parallel projection: `tp` partial GEMMs over equal slices of
+        the input dimension, each in the model dtype (a rank's output), summed last slice first (the all-reduce)."""
+        n = w.shape[1] // self.tp
+        parts = [linear(x[:, i * n:(i + 1) * n], w[:, i * n:(i + 1) * n]) for i in range(self.tp)]
+        out = parts[-1]
+        for p in reversed(parts[:-1]):
+            out = out + p
+        return out
+
+    def _post_attn_tp(self, attn_out: torch.Tensor, residual: torch.Tensor, ops: Any = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """post_attn with o_proj and down_proj as row-parallel projections (`row_parallel`); the rest unchanged."""
+        a = attn_out.reshape(attn_out.shape[0], -1)
+        if ops is not None:
+            x = self.row_parallel(a, self.o_w, ops.linear)
+            act, residual = ops.add_norm_linear(x, residual, self.post_norm, self.gate_up_w, self.cfg.rms_norm_eps,
+                                                swiglu=True)
+            return self.row_parallel(act, self.down_w, ops.linear), residual
+        x, residual = add_rms_norm(self.row_parallel(a, self.o_w, F.linear), residual, self.post_norm,
+                                   self.cfg.rms_norm_eps)
+        return self.row_parallel(swiglu(F.linear(x, self.gate_up_w)), self.down_w, F.linear), residual
 
 
 class Qwen3ForCausalLM(nn.Module):
@@ -133,6 +165,21 @@ class Qwen3ForCausalLM(nn.Module):
         for i, layer in enumerate(model.layers):
             layer.load_weights(t, f"model.layers.{i}.", src)
         return model
+
+    def emulate_tp(self, degree: int) -> None:
+        """Emulate a TP-`degree` engine's reduction order in every layer's row-parallel projections (o_proj,
+        down_proj; Qwen3Layer.row_parallel); 1 restores the one-GEMM path. The slices follow TP's own split: o_proj
+        at head boundaries, down_proj in equal shares of intermediate_size, so both must divide by `degree`."""
+        cfg = self.cfg
+        if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
+            raise ConfigError(f"tp_emulate={degree!r} is invalid: expected an integer >= 1 (1 = off)")
+        for name, size in (("num_attention_heads", cfg.num_attention_heads),
+                           ("intermediate_size", cfg.intermediate_size)):
+            if size % degree:
+                raise ConfigError(f"tp_emulate={degree} is invalid for this model: config.{name}={size} does not "
+                                  f"divide by {degree} (a TP-{degree} engine splits it evenly across ranks)")
+        for layer in self.layers:
+            layer.tp = degree
 
     # ---- forward ---------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
