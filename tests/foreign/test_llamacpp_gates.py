@@ -181,9 +181,13 @@ def test_sweep_with_report_and_metrics_audit(cli, llamacpp_off, llamacpp_draft, 
     draft = next(a for a in audit["arms"] if a["arm"] == "draft")
     assert draft["verdict"] == "PASS" and draft["cross_checked"] > 0 and draft["drafts"] > 0
     assert any(s.startswith("per-request (timings)") for s in draft["sources"])
+    cells = {a["arm"]: a["cell_verdicts"] for a in audit["arms"]}
+    assert all(c["FAIL"] == 0 and c["CANNOT TEST"] == 0 and c["PASS"] == a["cells"]
+               for a, c in zip(audit["arms"], cells.values(), strict=True)), cells  # every cell judged, none FAILs
     llamacpp_notes.append(f"sweep audit (draft): {draft['drafts']} verify steps, {draft['draft_tokens']} draft "
                           f"tokens, {draft['accepted']} accepted; per-request sums = llamacpp: counters on "
-                          f"{draft['cross_checked']} cells")
+                          f"{draft['cross_checked']} cells; cells PASS per arm: "
+                          + ", ".join(f"{k} {v['PASS']}" for k, v in cells.items()))
 
 
 def test_dialect_record_regression(llamacpp_off, llamacpp_draft):
