@@ -82,16 +82,17 @@ def test_another_clients_request_in_a_cell_makes_that_cell_cannot_test(monkeypat
                                                                            "requests than the client sent")
 
 
-@pytest.mark.parametrize("lie, per_step, needle", [
-    ("drop_request", True, "request counter delta 3 != 4 requests"),
-    ("drop_request", False, "output-token counter delta 24 != 32"),
-    ("double_tokens", True, "output-token counter delta 64 != 32"),
-    ("double_tokens", False, "output-token counter delta"),
-    ("overstate", True, "the counters overstate acceptance"),
-    ("overstate", False, "the counters count tokens the client never received"),
+@pytest.mark.parametrize("lie, per_step, lag, needle", [
+    ("drop_request", True, 0, "request counter delta 3 != 4 requests"),
+    ("drop_request", False, 0, "output-token counter delta 24 != 32"),
+    ("drop_request", True, 3, "request counter delta 3 != 4 requests"),  # late and lying: still a FAIL
+    ("double_tokens", True, 0, "output-token counter delta 64 != 32"),
+    ("double_tokens", False, 3, "output-token counter delta"),
+    ("overstate", True, 0, "the counters overstate acceptance"),
+    ("overstate", False, 0, "the counters count tokens the client never received"),
 ])
-def test_a_lying_server_fails(monkeypatch, tmp_path, lie, per_step, needle) -> None:
-    audit = _sweep(monkeypatch, tmp_path, SpecFake("liar", lie=lie, per_step=per_step, step=2))
+def test_a_lying_server_fails(monkeypatch, tmp_path, lie, per_step, lag, needle) -> None:
+    audit = _sweep(monkeypatch, tmp_path, SpecFake("liar", lie=lie, per_step=per_step, step=2, lag=lag))
     a = _arm(audit)
     assert a["verdict"] == FAIL and audit["verdict"] == FAIL, a
     assert any(needle in p for p in a["problems"]), a["problems"]
