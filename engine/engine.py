@@ -61,6 +61,7 @@ from .spec.policy import SpanPolicy
 from .spec.propose import propose
 from .spec.proposer import Proposer
 from .spec.synthetic import SyntheticAcceptance
+from .stops import StopScan, stop_set
 from .teardown import KEEP_AT_CLOSE, EngineClosed, dismantle
 from .tokenizer import Tokenizer
 
@@ -258,6 +259,8 @@ class LLMEngine:
             if bad:  # a stop id the model cannot emit would never stop anything: refused, not ignored
                 raise ConfigError(f"{name}={bad[:5]} is out of range: expected token ids 0 <= id < "
                                   f"{self.mcfg.vocab_size}")
+        # the stop strings' automaton (engine/stops.py) built here, on the caller's thread, not inside a step
+        scan = StopScan(stop_set(params.stop)) if params.stop else None
         # the step lock free (no step in flight, no abort) or the inbox off: straight into the scheduler, after
         # any earlier arrivals
         direct = self._lock.acquire(blocking=not self.admit_inbox)
@@ -265,23 +268,24 @@ class LLMEngine:
             try:
                 with self._inbox_lock:
                     self._drain_inbox()
-                    req, gen = self._admission(ids, params, rid)
+                    req, gen = self._admission(ids, params, rid, scan)
                     self._enter(req, gen)
                 return req.rid
             finally:
                 self._lock.release()
         with self._inbox_lock:  # a step is in flight: leave it for the next one
-            req, gen = self._admission(ids, params, rid)
+            req, gen = self._admission(ids, params, rid, scan)
             self._inbox[req.rid] = (req, gen)
             return req.rid
 
-    def _admission(self, ids: list[int], params: SamplingParams, rid: str | None) -> tuple[Request, torch.Generator]:
+    def _admission(self, ids: list[int], params: SamplingParams, rid: str | None, scan: StopScan | None = None
+                   ) -> tuple[Request, torch.Generator]:
         """The request and its generator, or the refusal (a rid in use, a request that can never be served);
         with the inbox lock or the step lock held."""
         rid = rid if rid is not None else f"req-{next(self._ids)}"
         if rid in self.requests or rid in self._inbox:
             raise ConfigError(f"request id {rid!r} is already in use")
-        req = Request(rid, ids, params)
+        req = Request(rid, ids, params, stop_scan=scan)
         try:
             self.scheduler.check(req)
         except AdmissionError:

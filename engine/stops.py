@@ -5,7 +5,8 @@ Contract:
   of the strings with failure links), kept per distinct list (`CACHE_NODES` trie nodes across the lists kept, least
   recently used first out), so the many requests of a benchmark that share one list build it once. Building costs
   O(total characters of the list); the trie is stored in flat arrays, ~24 bytes a node.
-- `StopScan(stop_set)` is one request's position in it. `scan(text, extends)` feeds the characters the text added
+- `StopScan(stop_set)` is one request's position in it, made when the engine admits the request (on the caller's
+  thread: a long list's build never lands inside a step). `scan(text, extends)` feeds the characters the text added
   since the last call and returns (start, stop) of the stop that starts earliest among those ending in the new
   part (the first in the list on a tie), else None. `extends=True` says the text extends the last one (the
   engine's incremental text, engine/detok.py, always does): the cost is O(new characters), whatever the number or

@@ -110,3 +110,14 @@ def test_share_gpu_splits_local_cuda_engines_and_names_bad_utilization():
     assert share_gpu([cpu, parse_engine("local,spec=dflash")])[1].options.get("gpu_memory_utilization") is None
     with pytest.raises(EngineStringError, match="gpu_memory_utilization='1.5'"):
         parse_engine("local,device=cuda,gpu_memory_utilization=1.5")
+
+
+def test_ids_past_the_vocabulary_are_refused_at_admission(llm):
+    """A stop id the model can never emit would silently stop nothing (it was ignored): refused by name, as a
+    logit_bias id past the vocabulary is; the last id of the vocabulary is accepted."""
+    v = llm.engine.mcfg.vocab_size
+    for kw, field in (({"stop_token_ids": (v,)}, "stop_token_ids"), ({"logit_bias": {v: 1.0}}, "logit_bias")):
+        with pytest.raises(ConfigError, match=rf"^{field}=\[{v}\] is out of range: expected token ids 0 <= id < {v}"):
+            llm.engine.add_request([5, 6, 7], SamplingParams(max_tokens=2, **kw))
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, stop_token_ids=(v - 1,), logit_bias={v - 1: -1.0}))
+    assert len(out[0].output_ids) >= 1
