@@ -61,10 +61,13 @@ def lossless(
     batch_prompts: int | None = typer.Option(None, "--batch-prompts", min=1, help="Prompts (mixed lengths) of the batch-invariance gates. Default: the largest level."),
     rate_alpha: float = typer.Option(0.01, "--rate-alpha", help="Significance level of the divergence-rate tests."),
     rate_detect: float = typer.Option(5.0, "--rate-detect", help="Power rule: the rate (per 1,000 tokens, at least 2x the noise) the rate test must be able to see; below it CANNOT TEST."),
-    suite: str = typer.Option("greedy", "--suite", help="greedy: spec on vs spec off (this page). prefix: the warm-vs-cold prefix-cache gate on the candidate alone (docs/prefix-cache.md): repeats, a shared system prompt, two-turn conversations ending at block boundary -1/0/+1, one-block-short matches; --num-prompts conversations."),
+    suite: str = typer.Option("greedy", "--suite", help="greedy: spec on vs spec off (this page). prefix: the warm-vs-cold prefix-cache gate on the candidate alone (docs/prefix-cache.md): repeats, a shared system prompt, two-turn conversations ending at block boundary -1/0/+1, one-block-short matches; --num-prompts conversations. noise: the reduction-order noise between --noise-baseline and --baseline (both spec off) measured first, then spec on vs spec off judged against it: divergence rate and regret distribution, exact tests with stated power (docs/noise.md); with no engine given, the bundled pair at emulated TP 2 against TP 1."),
     block_sizes: str | None = typer.Option(None, "--block-sizes", help="--suite prefix: the block sizes to place the boundary cases at, comma-separated (default: the local engine's page size; for an endpoint 16, vLLM's default; SGLang matches per token)."),
     prefix_selftest: bool = typer.Option(False, "--selftest", help="--suite prefix: the gate's self-test instead: --repeat clean engines must PASS without fallbacks, register_before_forward must FAIL, no_publish_on_finish must show fallbacks (a local candidate)."),
     repeat: int = typer.Option(5, "--repeat", min=1, help="--suite prefix --selftest: clean runs."),
+    noise_baseline: str | None = typer.Option(None, "--noise-baseline", help="--suite noise: the engine string of the other speculation-off configuration the baseline should agree with up to reduction order (TP 1 where the baseline runs TP 2, another attention backend; a local one runs with speculation off). Default: a local baseline's TP-1 twin where it has tp_emulate=N (docs/noise.md)."),
+    noise_concurrency: int | None = typer.Option(None, "--noise-concurrency", min=1, help="--suite noise: requests in flight of the baseline in the noise phase (the reference runs one at a time); another value than --concurrency measures batch noise. Default: --concurrency."),
+    noise_max_regret: float = typer.Option(1.0, "--noise-max-regret", min=0.0, help="--suite noise: the largest regret (nat) a noise-phase flip may cost and still count as reduction-order noise; above it the two configurations differ by more than a near-tie and the noise phase FAILs."),
     endpoint_type: str = typer.Option("completions", "--endpoint-type", help="completions (default) or chat: send each prompt to both arms as the same chat request (one user message, /v1/chat/completions, the server's chat template) and judge the token ids the endpoints report; where they report too little (no prompt_token_ids for re-anchoring / re-scoring, no logprobs) CANNOT TEST names it. The greedy and concurrent gates only."),
 ) -> None:
     """Is speculation lossless? Greedy spec-on vs spec-off, every divergence judged by its regret.
@@ -93,10 +96,30 @@ def lossless(
         raise bad(f"--dataset {dataset!r} is invalid: expected one of {', '.join(DATASETS)} (spec-bench and other "
                   "spellings with '-' are accepted)")
     dataset = d
-    if suite not in ("greedy", "prefix"):
-        raise bad(f"--suite {suite!r} is invalid: expected greedy or prefix")
+    if suite not in ("greedy", "prefix", "noise"):
+        raise bad(f"--suite {suite!r} is invalid: expected greedy, prefix or noise")
     if endpoint_type not in ("completions", "chat"):
         raise bad(f"--endpoint-type {endpoint_type!r} is invalid: expected completions or chat")
+    if suite != "noise" and (noise_baseline is not None or noise_concurrency is not None):
+        raise bad("--noise-baseline and --noise-concurrency are options of --suite noise")
+    if suite == "noise":
+        if endpoint_type == "chat":
+            raise bad("--suite noise is not available with --endpoint-type chat: its phases send token-id prompts")
+        from specbench.suites.lossless.noise import NoiseConfig
+
+        try:
+            ncfg = NoiseConfig(dataset=dataset, num_prompts=num_prompts, max_tokens=max_tokens,
+                               max_divergences=max_divergences, rescore=rescore, concurrency=concurrency,
+                               noise_concurrency=noise_concurrency, margin_tol=margin_tol, strict=strict,
+                               strict_tol=STRICT_FP32_TOL if strict_tol is None else strict_tol, alpha=rate_alpha,
+                               detect_per_1k=rate_detect, max_noise_regret=noise_max_regret,
+                               min_accept_len=min_accept_len,
+                               assume_speculating=assume_speculating)
+        except ValueError as e:
+            raise bad(str(e)) from None
+        _noise(noise_baseline, baseline, candidate, tokenizer, ncfg, json_out, report, quiet, bad,
+               results if record else False)
+        return
     if suite == "prefix":
         if endpoint_type == "chat":
             raise bad("--suite prefix is not available with --endpoint-type chat: its conversations are token-id "
@@ -257,3 +280,68 @@ def _prefix(candidate, tokenizer, dataset, num_prompts, max_tokens, block_sizes,
     code = (0 if out.ok else 1) if selftest else exit_code(out.verdict)
     if code:
         raise typer.Exit(code)
+
+
+def _noise(noise_baseline, baseline, candidate, tokenizer, cfg, json_out, report, quiet, bad,
+           results: Path | None | bool = None) -> None:
+    """`--suite noise`: the noise phase (reference vs baseline, both spec off), then spec on vs spec off judged
+    against it (suites/lossless/noise.py). Records (unless --no-record): results/<run-id>/ with `noise` and `checks`
+    records per prompt, `gates` per phase, the outcome in run.json's summary (`specbench report RUN` renders it)."""
+    from dataclasses import asdict
+
+    from specbench.harness.adapters.dialect import with_tokenizer
+    from specbench.harness.engines import (
+        EngineStringError,
+        build_adapter,
+        fast_paths_on_cpu,
+        gate_specs,
+        noise_arms,
+        share_gpu,
+    )
+    from specbench.harness.results import open_run
+    from specbench.suites.lossless.noise import (
+        SUITE,
+        SUITE_VERSION,
+        render_console,
+        render_markdown,
+        run_noise,
+    )
+    from specbench.suites.lossless.suite import LosslessError
+
+    adapters = []
+    try:
+        specs = share_gpu(gate_specs(with_tokenizer(list(noise_arms(noise_baseline, baseline, candidate)), tokenizer)))
+        specs[2] = fast_paths_on_cpu(specs[2])
+        for spec, name in zip(specs, ("reference", "baseline", "candidate"), strict=True):
+            adapters.append(build_adapter(spec, name=name))
+    except (EngineStringError, LosslessError, ValueError, FileNotFoundError) as e:
+        raise bad(str(e)) from None
+    ref, base, cand = adapters
+    log = (lambda s: typer.echo(s, err=True)) if (json_out or quiet) else typer.echo
+
+    async def main(run):
+        try:
+            return await run_noise(ref, base, cand, cfg, run=run, log=log)
+        finally:
+            for a in adapters:
+                await a.aclose()
+
+    try:
+        if results is False:
+            out = asyncio.run(main(None))
+        else:
+            engines = {"reference": ref.describe(), "baseline": base.describe(), "candidate": cand.describe()}
+            with open_run(SUITE, SUITE_VERSION, engines=engines, results=results if isinstance(results, Path) else None,
+                          sampling={"temperature": 0.0, "max_tokens": cfg.max_tokens, "logprobs": cfg.top_k},
+                          dataset={"name": cfg.dataset, "num_prompts": cfg.num_prompts}, config=asdict(cfg)) as run:
+                out = asyncio.run(main(run))
+    except LosslessError as e:
+        raise bad(str(e)) from None
+    if report is not None:
+        report.parent.mkdir(parents=True, exist_ok=True)
+        report.write_text(render_markdown(out), encoding="utf-8")
+    typer.echo(json.dumps(out.to_dict(), default=str) if json_out else render_console(out))
+    if report is not None and not json_out:
+        typer.echo(f"report: {report}")
+    if out.exit_code:
+        raise typer.Exit(out.exit_code)

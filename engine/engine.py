@@ -196,7 +196,7 @@ class LLMEngine:
                 "prefix_cache_pages": self.pool.prefix.capacity if self.pool.prefix is not None else None,
                 "capture_blocks": self.pool.prefix.capture_blocks if self.pool.prefix is not None else None,
                 "gate": self.spec.gate, "trim": self.spec.trim, "policy": self.spec.policy,
-                "spec_logprobs": self.spec.logprobs,
+                "spec_logprobs": self.spec.logprobs, "tp_emulate": self.cfg.tp_emulate,
                 "levers": self.policy.describe() if self.spec.policy == "auto" else None,
                 "memory": self.memory.describe()}
 

@@ -255,6 +255,33 @@ def baseline_and_candidate(baseline: str | None, candidate: str | None) -> tuple
     return spec_off_twin(cand), cand
 
 
+def noise_arms(noise_baseline: str | None, baseline: str | None, candidate: str | None
+               ) -> tuple[EngineSpec, EngineSpec, EngineSpec]:
+    """The three arms of `lossless --suite noise` (docs/noise.md): (reference, baseline, candidate). The baseline
+    and candidate are `baseline_and_candidate`'s, except that with neither given the bundled candidate runs at
+    emulated TP 2 (`tp_emulate=2`) when no --noise-baseline is given either. The reference is --noise-baseline
+    with speculation off (a local one through `spec_off_twin`), else, for a local baseline with tp_emulate=N > 1,
+    the same engine at TP 1 (tp_emulate dropped); any other baseline needs --noise-baseline."""
+    if baseline is None and candidate is None and noise_baseline is None:
+        _, cand = baseline_and_candidate(None, None)
+        cand = EngineSpec(cand.kind, cand.target, {**cand.options, "tp_emulate": "2"}, cand.raw + ",tp_emulate=2")
+        base = spec_off_twin(cand)
+    else:
+        base, cand = baseline_and_candidate(baseline, candidate)
+    if noise_baseline is not None:
+        ref = parse_engine(noise_baseline)
+        ref = spec_off_twin(ref, name="reference") if ref.kind == "local" else ref
+        return ref, base, cand
+    if base.kind != "local" or int(base.options.get("tp_emulate", "1")) <= 1:
+        raise EngineStringError("--suite noise needs --noise-baseline ENGINE: the other speculation-off configuration "
+                                f"the baseline {base.raw!r} should agree with up to reduction order (TP 1 where it runs "
+                                "TP 2, another batch size, another attention backend); a local baseline with "
+                                "tp_emulate=N gets its TP-1 twin by default")
+    ref = spec_off_twin(EngineSpec("local", base.target, {k: v for k, v in base.options.items() if k != "tp_emulate"}),
+                        name="reference")
+    return ref, base, cand
+
+
 def gate_specs(specs: list[EngineSpec]) -> list[EngineSpec]:
     """The engines of a gate command (lossless, selftest, sampled): every local engine checks its run-time
     invariants after every step (`invariants=1`: pages per request, the pool's partition, the drafter's

@@ -66,6 +66,10 @@
 #                workload behind a PREFIX_TOKENS (1000) shared prefix, prefix cache on vs off): the bundled pair
 #                (its real drafter: acceptance on warm turns vs cold) and the Qwen3-4B-shaped pair at synthetic tau
 #                PREFIX_TAU (6.5: speed); $W/h200-prefix/*, copied to $OUT/h200-prefix/ (reports/h200-prefix/)
+#   noise        issue 50: `specbench lossless --suite noise` on the bundled pair on CUDA bf16 at emulated TP NOISE_TP (2)
+#                against TP 1: the clean engine, then each of NOISE_FAULTS (accept_tolerance kv_offset verify_pos_shift)
+#                under the same noise (each must FAIL); NOISE_PROMPTS (64) x NOISE_TOKENS (128); $OUT/h200-noise/
+#                noise-<arm>.{json,md,log} and the run records (docs/noise.md)
 #   script       python3 $PROBE after the setup (a one-off probe: PROBE="scratch/x.py args"; carry its folder)
 # Knobs: TEST_TIMEOUT, BENCH_TIMEOUT, BENCH_BUDGET (decode); SPEC_TIMEOUT, SPEC_BUDGET (steps), SWEEP_TIMEOUT
 # (the sweep is interrupted like Ctrl-C at it: records kept), SWEEP_LEVELS, SWEEP_TAUS, SWEEP_ROUNDS, SWEEP_PPL,
@@ -168,6 +172,21 @@ if [ "$what" = prefix ]; then  # issue 21 -> $OUT/h200-prefix/
     --report "$W/h200-prefix/prefix-4b.md" 2>&1 | tail -12 | tee "$W/h200-prefix/prefix-4b.log"
   r=${PIPESTATUS[0]}; [ "$r" = 0 ] || rc=$r; log "prefix benchmark (4b) rc=$r"
   cp "$W"/h200-prefix/* "$OUT/h200-prefix/" 2>/dev/null
+fi
+if [ "$what" = noise ]; then  # issue 50 -> $OUT/h200-noise/
+  mkdir -p "$W/h200-noise" "$OUT/h200-noise"
+  for arm in clean ${NOISE_FAULTS:-accept_tolerance kv_offset verify_pos_shift}; do
+    [ "$(left)" -lt 60 ] && { log "deadline: skipping noise $arm"; continue; }
+    c="local,spec=dflash,device=cuda,dtype=bfloat16,attention=torch,tp_emulate=${NOISE_TP:-2}"
+    [ "$arm" = clean ] || c="$c,faults=$arm"
+    log "noise suite, bundled pair, cuda bf16, emulated TP ${NOISE_TP:-2}: $arm"
+    timeout $(cap ${NOISE_TIMEOUT:-240}) python3 -m specbench lossless --suite noise --candidate "$c" \
+      --num-prompts ${NOISE_PROMPTS:-64} --max-tokens ${NOISE_TOKENS:-128} --results "$W/h200-noise/results" \
+      --report "$W/h200-noise/noise-$arm.md" --json > "$W/h200-noise/noise-$arm.json" 2> "$W/h200-noise/noise-$arm.log"
+    r=$?; log "noise $arm rc=$r (clean: 0 expected; a fault: 1)"
+    if [ "$arm" = clean ]; then [ "$r" = 0 ] || rc=$r; elif [ "$r" != 1 ]; then rc=${r/#0/1}; fi
+  done
+  cp -r "$W"/h200-noise/* "$OUT/h200-noise/" 2>/dev/null
 fi
 if [ "$what" = dflash2 ]; then
   pair "$SPEC_WORKDIR"

@@ -5,7 +5,9 @@ runner-up alt = (nxt + 1) % V sits `gap(len(ids))` nat lower (default 3.0: a cle
 small gaps at chosen lengths to make near-ties); a third token sits at -4.0 and every other at -9.0.
 A candidate `FakeAdapter` may be given `picks={len(ids): token}`: at those context lengths it emits that
 token instead of the greedy one, and then continues greedily from its own context, the way a real
-engine continues after a flip.
+engine continues after a flip. `swap={len(ids), ...}`: at those context lengths the engine's own greedy
+token and runner-up trade logprobs (its logits perturbed, as another reduction order perturbs them): it
+picks the runner-up and reports it as its top-1, a self-consistent engine that flips at a near-tie.
 """
 
 from __future__ import annotations
@@ -33,9 +35,10 @@ class FakeAdapter(EngineAdapter):
 
     def __init__(self, gaps: dict[int, float] | None = None, picks: dict[int, int] | None = None,
                  eos: int | None = None, stop_at: dict[int, int] | None = None, name: str = "fake",
-                 can_score: bool = True) -> None:
+                 can_score: bool = True, swap: set[int] | frozenset[int] = frozenset()) -> None:
         super().__init__(name)
         self.gaps = gaps or {}
+        self.swap = frozenset(swap)
         self.picks = picks or {}
         self.eos = eos
         self.stop_at = stop_at or {}  # prompt length -> number of tokens after which to stop (finish "stop")
@@ -55,7 +58,7 @@ class FakeAdapter(EngineAdapter):
             if total in self.stop_at:
                 finish = "stop"
                 break
-            d = dist(ids, self.gaps)
+            d = self.dist(ids)
             t = self.picks.get(total, max(d, key=lambda x: (d[x], -x)))
             out.append(t)
             ids.append(t)
@@ -67,6 +70,15 @@ class FakeAdapter(EngineAdapter):
                          spec={"num_drafts": 4, "num_draft_tokens": 12, "num_accepted_tokens": 6,
                                "accepted_per_pos": [3, 2, 1]})
 
+    def dist(self, ids: list[int]) -> dict[int, float]:
+        """This engine's distribution after `ids`: the model's, with top-1 and runner-up traded where `swap` says."""
+        d = dist(ids, self.gaps)
+        if len(ids) in self.swap:
+            nxt = (3 * ids[-1] + 1) % V
+            alt = (nxt + 1) % V
+            d[nxt], d[alt] = d[alt], d[nxt]
+        return d
+
     async def score(self, prompt_ids: list[int], continuation_ids: list[int], top_k: int = 1) -> ScoreResult | None:
         if not self.can_score:
             return None
@@ -74,7 +86,7 @@ class FakeAdapter(EngineAdapter):
         ids = list(prompt_ids)
         pos = []
         for t in continuation_ids:
-            d = dist(ids, self.gaps)
+            d = self.dist(ids)
             pos.append(PosLogprobs(t, d[t], top(d, top_k)))
             ids.append(t)
         return ScoreResult(pos)

@@ -169,8 +169,9 @@ class RateTest:
 
 
 def rate_test(test: RateSample, noise: RateSample, alpha: float = ALPHA,
-              detect_per_1k: float = DETECT_PER_1K) -> RateTest:
-    """PASS / FAIL / CANNOT TEST of `test` against `noise` (module docstring: the test and the power rule)."""
+              detect_per_1k: float = DETECT_PER_1K, noise_what: str = "the engine's own batch noise") -> RateTest:
+    """PASS / FAIL / CANNOT TEST of `test` against `noise` (module docstring: the test and the power rule);
+    `noise_what` names the noise in the FAIL's detail."""
     if not 0 < alpha < 1:
         raise ValueError(f"alpha={alpha!r} is invalid: expected 0 < alpha < 1")
     if not detect_per_1k > 0:
@@ -189,7 +190,7 @@ def rate_test(test: RateSample, noise: RateSample, alpha: float = ALPHA,
     out = RateTest(test, noise, alpha, detect, PASS, p, xc, expected)
     if p <= alpha:
         out.verdict = FAIL
-        out.detail = head + f" <= alpha {alpha:g}: more divergences than the engine's own batch noise"
+        out.detail = head + f" <= alpha {alpha:g}: more divergences than {noise_what}"
         return out
     if xc is None or expected < xc:
         need = "no count" if xc is None else f"{xc} divergences"

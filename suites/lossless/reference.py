@@ -60,6 +60,8 @@ def engine_identity(describe: dict) -> dict:
     if describe.get("kind") == "local":
         out.update({k: cfg.get(k) for k in LOCAL_KEYS if k in cfg})
         out.update({k: cfg[k] for k in LEVER_KEYS if cfg.get(k) not in (None, 0, "off")})
+        if cfg.get("tp_emulate", 1) != 1:  # another reduction order (docs/noise.md): its own reference
+            out["tp_emulate"] = cfg["tp_emulate"]
         out["model_sig"] = dir_signature(describe.get("model"))
         out["draft_sig"] = dir_signature(cfg.get("draft"))
         out["model"] = Path(str(describe.get("model"))).name if describe.get("model") else None

@@ -94,6 +94,11 @@ def merged_dist(top: Mapping[int, float] | None, token_id: int | None = None,
     return out
 
 
+def within_tol(regret: float, tol: float) -> bool:
+    """The rule's one comparison: a regret at most `tol` (plus 1e-9 nat of rounding slack) is a benign tie flip."""
+    return regret <= tol + _EPS
+
+
 def judge_pick(pick: int, dist: Mapping[int, float], margin_tol: float = MARGIN_TOL,
                exact_pick_logprob: float | None = None) -> PickJudgement:
     """Judge the candidate's `pick` under the baseline distribution `dist` (token -> logprob)."""
@@ -107,7 +112,7 @@ def judge_pick(pick: int, dist: Mapping[int, float], margin_tol: float = MARGIN_
     k = len(finite)
     if pick in finite:
         regret = max(0.0, lp1 - finite[pick])
-        ok = regret <= margin_tol + _EPS
+        ok = within_tol(regret, margin_tol)
         return PickJudgement(ok, BENIGN if ok else FAIL_REGRET, pick, top1, lp1, finite[pick], regret, None, k,
                              margin_tol)
     bound = max(0.0, lp1 - min(finite.values()))

@@ -42,6 +42,8 @@ def _engine_line(d: dict) -> str:
     for k in ("draft", "spec", "k", "dtype", "device", "attention_backend", "eager", "faults"):
         if cfg.get(k) not in (None, [], ""):
             bits.append(f"{k}={cfg[k]}")
+    if cfg.get("tp_emulate", 1) != 1:  # an emulated TP-N reduction order (docs/noise.md)
+        bits.append(f"tp_emulate={cfg['tp_emulate']}")
     return ", ".join(bits)
 
 

@@ -1,5 +1,5 @@
-"""`specbench report` for the run kinds other than sweep: lossless, sampled, selftest, evalparity (eval) and
-gaps, each rendered from what its run directory holds (run.json and the JSONL records), so a report is a
+"""`specbench report` for the run kinds other than sweep: lossless (and lossless-noise), sampled, selftest, evalparity
+(eval) and gaps, each rendered from what its run directory holds (run.json and the JSONL records), so a report is a
 pure function of the records like the sweep's.
 
 `render_stored_run(dir)` -> markdown for one run of any kind (sweep goes through summarize/markdown);
@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-KINDS = ("sweep", "lossless", "sampled", "selftest", "evalparity", "gaps")
+KINDS = ("sweep", "lossless", "lossless-noise", "sampled", "selftest", "evalparity", "gaps")
 
 
 class UnknownRunKind(ValueError):
@@ -158,8 +158,15 @@ def _gaps(run: Any) -> list[str]:
     return lines
 
 
+def _noise(run: Any) -> list[str]:
+    """`lossless --suite noise`: the summary's own rendering (suites/lossless/noise.py), headings under the run's."""
+    from specbench.suites.lossless.noise import summary_markdown
+
+    return [("##" + x if x.startswith("#") else x) for x in summary_markdown(run.meta.get("summary") or {})] + [""]
+
+
 RENDERERS: dict[str, Callable[[Any], list[str]]] = {
-    "lossless": _lossless, "sampled": _sampled, "selftest": _selftest, "evalparity": _evalparity, "gaps": _gaps}
+    "lossless": _lossless, "lossless-noise": _noise, "sampled": _sampled, "selftest": _selftest, "evalparity": _evalparity, "gaps": _gaps}
 
 
 def _headline(run: Any) -> list[Any]:
