@@ -234,8 +234,11 @@ class BoundedRenderer:
             while True:
                 if self.closed:
                     raise TemplateRefused("closed", "the server is shutting down")
-                if self._idle:
+                while self._idle:
                     w = self._idle.pop()
+                    if w.proc.poll() is not None:  # gone while idle (killed from outside): not handed a render
+                        w.kill()
+                        continue
                     self._busy.add(w)
                     return w
                 if len(self._busy) + self._starting < self.max_workers:

@@ -260,3 +260,18 @@ def test_a_worker_whose_parent_dies_exits(tmp_path):
         for w in pids:
             if _alive(w):
                 os.kill(w, signal.SIGKILL)
+
+
+def test_a_worker_killed_while_idle_is_replaced_not_handed_a_render():
+    """An idle worker killed from outside (the OOM killer, an operator) costs the next render nothing."""
+    r = BoundedRenderer(timeout=GUARD_S, max_workers=1)
+    msgs = [{"role": "user", "content": "hi"}]
+    try:
+        assert r.render("{{ messages[0]['content'] }}", msgs, True, "", 100) == "hi"
+        (pid,) = r.pids()
+        os.kill(pid, signal.SIGKILL)
+        assert _wait(lambda: not _alive(pid))
+        assert r.render("{{ messages[0]['content'] }}", msgs, True, "", 100) == "hi"
+        assert r.pids() and pid not in r.pids()
+    finally:
+        r.close()
