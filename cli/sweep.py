@@ -9,8 +9,9 @@ speedup over the baseline, TTFT / TPOT, acceptance), on stderr too. --quiet (-q,
 --no-progress) turns both off; stdout carries the same lines either way. --no-record runs the sweep in a
 scratch store deleted at the end (the summary and --report are computed from its records first).
 The acceptance / metrics audit (suites/sweep/audit.py) runs over the records of every complete sweep and
-is printed; with --audit it is a gate: exit 1 when it FAILs, 3 when it CANNOT TEST (an arm with neither
-spec counters nor per-request draft counts), 0 on PASS. Without --audit the sweep is a measurement and
+is printed (each arm's verdict and its cells by verdict; cells not judged are named on stderr); with --audit it
+is a gate: exit 1 when it FAILs, 3 when it CANNOT TEST (an arm with neither spec counters nor per-request draft
+counts, or cells whose counters could not be attributed to them), 0 on PASS. Without --audit the sweep is a measurement and
 exits 0 (2 bad usage, 130 interrupted).
 A sweep in which some measured request failed (after its retries) exits 4 and its run.json status is
 "complete_with_failures", unless --allow-failures is given (then 0); an --audit verdict other than PASS
