@@ -181,14 +181,16 @@ def test_nothing_compared_is_cannot_test():
 
     gaps = _gaps()
     out = asyncio.run(run_noise(FakeAdapter(gaps), Mute(gaps), FakeAdapter(gaps), NoiseConfig(num_prompts=2)))
-    assert out.verdict == CANNOT_TEST and out.missing and out.exit_code == 3
+    assert out.verdict == CANNOT_TEST and out.missing and out.exit_code == 3 and out.test is None
+    assert out.reasons[0].startswith("noise phase: CANNOT TEST") and "output token ids" in out.reasons[0]
 
 
 def test_reports_render_the_distribution_and_the_tests():
     out = _run(SIZE_FAULT)
     md = render_markdown(out)
     for part in ("# Noise baseline: FAIL", "## How often", "## How large (regret, nat)", "## At which margins",
-                 "Mann-Whitney", "| 0.2 |", "## noise: PASS", "## spec-on vs spec-off: PASS"):
+                 "Mann-Whitney", "| 0.2 |", "## noise: PASS", "## spec-on vs spec-off: PASS",
+                 "smallest effect these samples see: a spec-on rate of"):
         assert part in md, part
     assert summary_markdown(out.to_dict())[0] == "# Noise baseline: FAIL"
 

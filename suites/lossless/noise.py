@@ -310,6 +310,8 @@ def judge(out: NoiseOutcome, tol: float) -> None:
                            f"or a failed request; first: {first}): they are not equal up to reduction order, so they "
                            "are no noise baseline")
         elif nv.startswith(CANNOT_TEST):
+            reasons.append(f"noise phase: {nv} ({'; '.join(n.missing)}): no noise baseline, so nothing to judge "
+                           "speculation against")
             missing += [f"noise phase: {m}" for m in n.missing]
     t = out.test
     if t is not None:
@@ -486,6 +488,12 @@ def summary_markdown(d: dict) -> list[str]:
     for name, t in (("divergence rate (exact conditional binomial, one-sided)", d.get("rate")),
                     ("regret distribution (Mann-Whitney U, one-sided)", d.get("regret"))):
         lines.append(f"- {name}: **{t['verdict']}**: {t['detail']}" if t else f"- {name}: not run (no test phase)")
+    rt, gt, e = d.get("rate") or {}, d.get("regret") or {}, (d.get("test_rate") or {}).get("exposure")
+    if rt.get("x_crit") and e:
+        lines.append(f"- smallest effect these samples see: a spec-on rate of {1000.0 * rt['x_crit'] / e:.1f} per 1,000 "
+                     f"({rt['x_crit']} divergences in {e} tokens reject at alpha {rt.get('alpha')}: about even odds at "
+                     "that rate)" + (f"; P(spec-on regret > noise regret) = {min(gt['detectable'], 1.0):.2f} with "
+                                     f"power {gt.get('power')}" if gt.get("detectable") is not None else ""))
     return lines
 
 
