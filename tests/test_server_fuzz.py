@@ -301,28 +301,15 @@ HEALTH_BUDGET_S = 0.050  # no /health answer may take longer while any request i
 # A second client in a process of its own (this one's GIL is busy with hypothesis): GET /health on one kept-alive
 # connection every 10 ms until its stdin closes, then one JSON line. Each poll's time is also taken less the time
 # the poller's thread and the server's longest-queued thread sat runnable on a CPU queue during it
-# (/proc/.../schedstat run_delay; the longest, not the sum: threads queued at once are not counted twice): on the
+# (benchmarks/server_health.py `waited`, from /proc/.../schedstat run_delay): on the
 # shared 2-core box an idle server's polls took up to 252-904 ms with two busy loops beside it, none of it the
 # server's. What is left is the server working or waiting for its own locks (the GIL), which is what request work
 # on the event loop adds: the budget applies to that.
 POLLER = """
-import json, os, sys, threading, time
+import json, sys, threading, time
 import httpx
-server = sys.argv[1]
-
-def queued():
-    out = {"self": int(open("/proc/thread-self/schedstat").read().split()[1])}
-    for t in os.listdir(f"/proc/{server}/task"):
-        try:
-            out[t] = int(open(f"/proc/{server}/task/{t}/schedstat").read().split()[1])
-        except (OSError, IndexError):
-            pass
-    return out
-
-def waited(q0, q1):  # seconds the poller's thread and the server's longest-queued thread sat runnable
-    d = {k: v - q0.get(k, 0) for k, v in q1.items()}
-    return (d.pop("self") + max(d.values(), default=0)) / 1e9
-
+from specbench.benchmarks.server_health import queued, waited
+server = int(sys.argv[1])
 done = threading.Event()
 threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
 lat, own, codes = [], [], {}
@@ -330,12 +317,12 @@ with httpx.Client(base_url=sys.argv[2], timeout=60) as c:
     c.get("/health")
     print("ready", flush=True)
     while not done.is_set():
-        q0 = queued()
+        q0 = queued(server)
         t = time.perf_counter()
         r = c.get("/health")
         wall = time.perf_counter() - t
         lat.append(wall)
-        own.append(wall - waited(q0, queued()))
+        own.append(wall - waited(q0, queued(server)))
         codes[r.status_code] = codes.get(r.status_code, 0) + 1
         done.wait(0.01)
 print(json.dumps({"n": len(lat), "max": max(own), "wall_max": max(lat), "wall_p50": sorted(lat)[len(lat) // 2],
