@@ -79,7 +79,7 @@ def scratch_store(record: bool, results: str | Path | None) -> Iterator[str | No
 # by the command when it first writes. Either is refused in one line, exit 2, before anything runs when it cannot
 # be made (a file in the way, a folder where a file is wanted, no permission): never a traceback after the run.
 FILE_OPTIONS = ("--report", "--markdown", "--plot", "--merge-into", "--json")  # --json only where it takes a PATH
-FOLDER_OPTIONS = ("--results-dir", "--result-dir")
+FOLDER_OPTIONS = ("--results-dir", "--result-dir", "--workdir")
 OUT_IS_FILE = ("report", "bench-decode")  # their --out is a file; fixtures' and profile's a folder
 
 

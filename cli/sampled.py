@@ -169,6 +169,8 @@ def sampled(
                     with RunProgress(0, quiet=quiet or json_out) as progress:
                         res = run_gate(base, cands if len(cands) > 1 else cands[0], opts, cfgs,
                                        on_samples=rec.samples, progress=progress)
+                except SampledError as e:  # refused once the engines answered (as the self-test's are)
+                    raise bad(str(e)) from None
                 finally:
                     for c in cands:
                         c.close()

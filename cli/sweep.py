@@ -2,7 +2,8 @@
 
 Thin: parses and validates options (a bad value exits 2 with the option's name), builds a
 `SweepConfig`, calls `suites.sweep.run_sweep`, prints where the records are and optionally renders the
-report. Ctrl-C keeps every record already written (the run is marked incomplete) and exits 130.
+report. Ctrl-C keeps every record already written (the run is marked incomplete) and exits 130; SIGTERM
+the same, exit 143 (harness/interrupts.py).
 Progress (cli/progress.py) goes to stderr: one display over the whole sweep, requests done / total and the
 current cell, with the sweep's ETA; at the end a summary table (cli/summary.py: per level and arm tok/s, the
 speedup over the baseline, TTFT / TPOT, acceptance), on stderr too. --quiet (-q, or its older name
@@ -301,9 +302,14 @@ def _finish(outcome, *, record: bool, report: str | None, quiet: bool, audit: bo
         typer.echo("vLLM bench results: " + " and ".join(where + ([result_dir] if result_dir else [])))
     s = None
     if report or not quiet:
-        from specbench.suites.report import load_run_summary
+        from specbench.suites.report import ReportError, load_run_summary
 
-        s = load_run_summary(outcome.run_dir)  # from the stored records: the report is a function of them
+        try:
+            s = load_run_summary(outcome.run_dir)  # from the stored records: the report is a function of them
+        except ReportError:
+            if outcome.complete:
+                raise
+            s = None  # stopped before its first cell: nothing to summarise, the records line said so
     if report and s is not None:
         from specbench.suites.report import write_report
 

@@ -16,11 +16,15 @@ Faults (`Faults`), decided per request in arrival order, so a test knows exactly
   way, which lists its models to anyone and refuses the rest;
 - `echo_auth`: error bodies quote the request's Authorization header (a leaky server: what a client
   records from an error must still never hold the key);
+- `no_models`: GET /v1/models lists no model (an endpoint that must be told model=);
 - `empty`: every completion ends at once with no token (finish_reason "stop", usage 0 completion tokens): an
   endpoint that answers 200 and generates nothing;
 - `drop_idle`: close every connection right after its response without saying so (a server whose
   keep-alive timeout beat the client's next request: the client must reconnect, not fail).
 `FakeEndpoint.state.connections` counts the connections accepted.
+`hold_from=N`: a generation that asks for N tokens or more sends nothing until `release()` (probes and one-token
+requests, which ask fewer, pass); `held` (a threading.Event) is set when the first one arrives, so a test can
+signal a client in the middle of its work by waiting for that event, not for a clock.
 Every request's path and headers are kept in `FakeEndpoint.seen` (tests check what the client sent).
 `spec_k=K` makes it a speculating server as seen from outside: every streamed chunk of n tokens counts as
 one verify step of K drafts with n - 1 accepted, published as vLLM's `vllm:spec_decode_*` counters on
@@ -54,6 +58,7 @@ class Faults:
     echo_auth: bool = False
     drop_idle: bool = False
     empty: bool = False
+    no_models: bool = False
 
 
 @dataclass
@@ -72,6 +77,9 @@ class _State:
     accepted: int = 0
     per_pos: list[int] = field(default_factory=list)
     token_id: int | None = None  # report every output token as this id (with return_token_ids)
+    hold_from: int | None = None  # generations asking >= this many tokens wait for `release` (FakeEndpoint)
+    held: threading.Event = field(default_factory=threading.Event)
+    release: asyncio.Event | None = None  # made on the server's loop
 
     def metrics(self) -> str:
         m = f'model_name="{self.model}"'
@@ -140,8 +148,8 @@ class _Handler:
             w.write(_head(200, "text/plain; version=0.0.4", len(body)) + body)
             return
         if method == "GET" and path == "/v1/models":
-            w.write(_json_response(200, {"object": "list", "data": [{"id": st.model, "object": "model",
-                                                                      "owned_by": "fake"}]}))
+            models = [] if st.faults.no_models else [{"id": st.model, "object": "model", "owned_by": "fake"}]
+            w.write(_json_response(200, {"object": "list", "data": models}))
             return
         if method == "POST" and path in ("/v1/completions", "/v1/chat/completions"):
             try:
@@ -163,6 +171,10 @@ class _Handler:
             leak = f" (you sent Authorization: {headers.get('authorization')})" if f.echo_auth else ""
             w.write(_error(500, "injected failure (fail_marker)" + leak))
             return
+        if st.hold_from is not None and max_tokens >= st.hold_from:
+            st.held.set()
+            st.release = st.release or asyncio.Event()
+            await st.release.wait()
         if f.fail_first:
             seen = st.attempts.get(ptext, 0) + 1
             st.attempts[ptext] = seen
@@ -237,10 +249,10 @@ class FakeEndpoint:
 
     def __init__(self, tokens_per_chunk: int = 1, chunk_interval: float = 0.0, max_tokens: int = 16,
                  faults: Faults | None = None, model: str = "fake-model", port: int = 0, keep_seen: bool = True,
-                 spec_k: int = 0, token_id: int | None = None) -> None:
+                 spec_k: int = 0, token_id: int | None = None, hold_from: int | None = None) -> None:
         self.state = _State(model=model, tokens_per_chunk=tokens_per_chunk, chunk_interval=chunk_interval,
                             max_tokens=max_tokens, faults=faults or Faults(), keep_seen=keep_seen, spec_k=spec_k,
-                            token_id=token_id)
+                            token_id=token_id, hold_from=hold_from)
         self.port = port
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -254,6 +266,19 @@ class FakeEndpoint:
     @property
     def seen(self) -> list[dict]:
         return self.state.seen
+
+    @property
+    def held(self) -> threading.Event:
+        return self.state.held
+
+    def release(self) -> None:
+        """Let the held generations (hold_from) go on."""
+        def go() -> None:
+            self.state.release = self.state.release or asyncio.Event()
+            self.state.release.set()
+
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(go)
 
     def __enter__(self) -> FakeEndpoint:
         self._thread = threading.Thread(target=self._run, name="fake-endpoint", daemon=True)

@@ -100,7 +100,7 @@ def run_tune(cfg: Any, engines: list[str], labels: list[str], out_dir: str | Pat
              progress: Any = None) -> dict:
     """One sweep over every arm (suites/sweep), then `analyze`; raises ValueError on a refused arm."""
     from specbench.harness.engines import parse_engine, share_gpu  # noqa: PLC0415
-    from specbench.suites.report import load_run_summary  # noqa: PLC0415
+    from specbench.suites.report import ReportError, load_run_summary  # noqa: PLC0415
     from specbench.suites.sweep.session import run_sweep  # noqa: PLC0415
 
     out = Path(out_dir)
@@ -109,7 +109,12 @@ def run_tune(cfg: Any, engines: list[str], labels: list[str], out_dir: str | Pat
     outcome = run_sweep(cfg, engines, labels, out_dir=out, baseline=baseline, progress=progress, keep_records=True)
     if outcome.run_dir is None:
         raise KeyboardInterrupt
-    summary = load_run_summary(outcome.run_dir)
+    try:
+        summary = load_run_summary(outcome.run_dir)
+    except ReportError:
+        if outcome.complete:
+            raise
+        raise KeyboardInterrupt from None  # stopped before its first cell: nothing to analyse
     res = analyze(summary, outcome.records)
     res["run_dir"] = str(outcome.run_dir)
     res["complete"] = bool(outcome.complete)
