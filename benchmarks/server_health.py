@@ -162,7 +162,7 @@ def measure(url: str, case: str, timeout: float = 600.0, server_pid: int | None 
                 pass  # a timed-out poll counts at its full wait
             lat.append(time.perf_counter() - t)
             if q0 is not None and server_pid:
-                own.append(lat[-1] - waited(q0, queued(server_pid)))
+                own.append(max(0.0, lat[-1] - waited(q0, queued(server_pid))))
             time.sleep(0.005)
     if sider is not None:
         sider.join(timeout)
