@@ -255,6 +255,56 @@ def test_a_failed_check_exits_1() -> None:
     assert ok.exit_code == 0 and "VERDICT: PASS" in ok.stdout, ok.output
 
 
+# ---- the gates' own evidence (docs/lossless.md "Verdicts"; tests/test_verdict_evidence.py for every gate) ----------
+def _gate_commands(e: str) -> dict[str, list[str]]:
+    return {"lossless": ["lossless", "--baseline", e, "--candidate", e, "--num-prompts", "2", "--max-tokens", "6",
+                         "--no-record", "-q"],
+            "sampled": ["sampled", "--baseline", e, "--candidate", e, "--num-prompts", "1", "--positions", "3",
+                        "--samples", "48", "--configs", "t=1.0", "--permutations", "99", "--seed-repeat", "0",
+                        "--prompt-set", "gsm8k", "--no-record", "-q"]}
+
+
+def _verdict(r, which: str) -> str:
+    head = "VERDICT: " if which == "lossless" else "sampled gate: "
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith(head)]
+    assert lines, r.output
+    return lines[-1].removeprefix(head)
+
+
+@row("an endpoint that answers no token (lossless, sampled)")
+@pytest.mark.parametrize("which", ["lossless", "sampled"])
+def test_an_endpoint_that_answers_no_token_cannot_be_tested(which) -> None:
+    from dialect_fakes import FakeServer, serving
+
+    with serving(FakeServer("vllm", empty=True, metrics=False)) as url:  # ids and logprobs claimed, no token
+        r = cli(_gate_commands(f"openai:{url}")[which])
+    assert r.exit_code == code("an endpoint that answers no token (lossless, sampled)"), r.output
+    v = _verdict(r, which)
+    assert v.startswith("CANNOT TEST [missing: ") and "no token" in v, v
+
+
+@row("no evidence that the candidate speculated (lossless, sampled)")
+@pytest.mark.parametrize("which", ["lossless", "sampled"])
+def test_no_evidence_of_speculation_cannot_be_tested_unless_asserted(which) -> None:
+    from dialect_fakes import FakeServer, serving
+
+    with serving(FakeServer("vllm", metrics=False)) as url:  # the same tokens on both arms, nothing shows drafts
+        r = cli(_gate_commands(f"openai:{url}")[which])
+        told = cli([*_gate_commands(f"openai:{url}")[which], "--assume-speculating"])
+    assert r.exit_code == code("no evidence that the candidate speculated (lossless, sampled)"), r.output
+    assert _verdict(r, which).startswith("CANNOT TEST [missing: ") and "evidence that the candidate speculated" in \
+        _verdict(r, which)
+    assert told.exit_code == 0 and _verdict(told, which).startswith(
+        "PASS (speculation asserted by the user, not observed)"), told.output
+
+
+@row("`--margin-tol` with `--strict` (lossless)")
+def test_a_typed_margin_with_strict_is_refused() -> None:
+    r = cli(["lossless", "--margin-tol", "0.2", "--strict", "--quick", "--no-record", "-q"])
+    assert r.exit_code == code("`--margin-tol` with `--strict` (lossless)"), r.output
+    assert "--margin-tol 0.2 and --strict contradict each other" in failure_line(r, "lossless")
+
+
 # ---- output paths ------------------------------------------------------------------------------------------
 def _blocked(f: Path) -> dict[str, list[str]]:
     """Every output-path option, given a path under the regular file `f` (nothing can be made there)."""
