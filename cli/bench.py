@@ -12,6 +12,8 @@ from types import ModuleType
 
 import typer
 
+from specbench.harness.errors import usage_exit
+
 
 def load_benchmark(name: str = "decode") -> ModuleType:
     """The benchmark module `specbench.benchmarks.<name>` (benchmarks/<name>.py)."""
@@ -44,5 +46,4 @@ def bench_decode(
     try:
         mod.main(argv)
     except ValueError as e:
-        typer.echo(f"specbench bench-decode: {e}", err=True)
-        raise typer.Exit(2) from None
+        raise usage_exit("bench-decode", str(e)) from None

@@ -21,6 +21,7 @@ import typer
 
 from specbench.cli.flags import quiet_option, record_option, results_dir_option
 from specbench.harness.engines import EngineStringError, baseline_and_candidate
+from specbench.harness.errors import fail, usage_exit
 
 
 def eval_cmd(
@@ -53,8 +54,7 @@ def eval_cmd(
 
     hint = runner.check_lm_eval()
     if hint is not None:
-        typer.echo(f"specbench eval: {hint}", err=True)
-        raise typer.Exit(2)
+        raise usage_exit("eval", hint)
     tasks = tuple(t.strip() for t in task.split(",") if t.strip())
     try:
         known = available_tasks()
@@ -65,8 +65,7 @@ def eval_cmd(
             raise TaskError(f"--tokenizer-backend {tokenizer_backend!r}: expected one of {', '.join(runner.BACKENDS)}")
         base, cand = baseline_and_candidate(baseline, candidate)
     except (TaskError, EngineStringError) as e:
-        typer.echo(f"specbench eval: {e}", err=True)
-        raise typer.Exit(2) from None
+        raise usage_exit("eval", str(e)) from None
     from specbench.cli.flags import scratch_store
     from specbench.cli.progress import RunProgress
 
@@ -78,8 +77,7 @@ def eval_cmd(
             with RunProgress(0, quiet=quiet or json_out, unit="documents") as progress:
                 pr, path = runner.run_parity(cfg, progress=progress)
         except (runner.EvalError, EndpointError) as e:
-            typer.echo(f"specbench eval: {e}", err=True)
-            raise typer.Exit(1) from None
+            raise fail("eval", str(e), 1) from None
     if not record:
         pr.samples_path = None  # the scratch store is gone
     from specbench.suites.evalparity.report import render_markdown, to_json
@@ -102,5 +100,5 @@ def eval_cmd(
         raise typer.Exit(exit_code(pr.verdict) if pr.verdict.startswith("CANNOT") else 1)
     n_differ = sum(len(r.differ) for r in pr.rows)
     if strict and n_differ:
-        typer.echo(f"specbench eval: --strict: {n_differ} extracted answers differ between the arms", err=True)
-        raise typer.Exit(1)
+        raise fail("eval", f"--strict: {n_differ} extracted answers differ between the arms", 1,
+                   as_json=False)  # --json printed its document already

@@ -14,6 +14,7 @@ from pathlib import Path
 import typer
 
 from specbench.cli.flags import results_dir_option
+from specbench.harness.errors import usage_exit
 
 
 def gaps(
@@ -44,8 +45,7 @@ def gaps(
         classifier = g.Classifier.build(extra)
         tr = g.read_trace(trace, phases=phases, pick=pick, phase_filter=phase_filter)
     except g.GapsError as e:
-        typer.echo(f"specbench gaps: {e}", err=True)
-        raise typer.Exit(code=2) from None
+        raise usage_exit("gaps", str(e)) from None
     report = g.analyze(tr, classifier, phases=phases, phase_pick=pick, phase_filter=phase_filter)
     g.check_invariants(report)
     if record:

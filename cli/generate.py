@@ -34,13 +34,13 @@ def generate(
     """Generate from one engine and print the results (JSON with --json)."""
     from specbench.harness.adapters.base import GenRequest
     from specbench.harness.engines import EngineStringError, build_adapter, default_engines
+    from specbench.harness.errors import usage_exit
 
     try:
         spec = default_engines()[1] if engine is None else engine
         adapter = build_adapter(spec)
     except (EngineStringError, ValueError, FileNotFoundError) as e:
-        typer.echo(f"specbench generate: {e}", err=True)
-        raise typer.Exit(2) from None
+        raise usage_exit("generate", str(e)) from None
     reqs = [GenRequest(prompt=None if chat else p, messages=[{"role": "user", "content": p}] if chat else None,
                        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                        stop=tuple(stop), ignore_eos=ignore_eos, logprobs=logprobs, rid=f"prompt-{i}")

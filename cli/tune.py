@@ -116,8 +116,7 @@ def tune(
     except EngineStringError as e:
         raise typer.BadParameter(str(e), param_hint="--arms" if arms else "--base") from None
     except ValueError as e:
-        typer.echo(f"specbench tune: {e}", err=True)
-        raise typer.Exit(2) from None
+        raise fail("tune", str(e), 2) from None
     except KeyboardInterrupt:
         from specbench.harness.interrupts import how_stopped
 

@@ -400,12 +400,14 @@ def test_require_device_both_ways(monkeypatch) -> None:
 
 # ---- --json --------------------------------------------------------------------------------------------------
 @row("any of the failures above with `--json`")
-@pytest.mark.parametrize("case", ["usage", "refused key", "no CUDA"])
+@pytest.mark.parametrize("case", ["usage", "refused value", "unreadable trace", "refused key", "no CUDA"])
 def test_json_failures_are_json(case, tmp_path) -> None:
     if case == "no CUDA" and torch.cuda.is_available():
         pytest.skip("this machine has a CUDA GPU")
     with FakeEndpoint(faults=Faults(api_key=KEY)) as ep:
         args, want = {"usage": (["lossless", "--json", "--num-prompts", "0"], 2),
+                      "refused value": (["eval", "--json", "--task", "no-such-task"], 2),
+                      "unreadable trace": (["gaps", "--json", tmp_path / "none.json", "--no-record"], 2),
                       "refused key": (["generate", "--json", "-p", "hi", "-e", f"openai:{ep.url}"], 2),
                       "no CUDA": (["profile", "--json", "--device", "cuda", "--out", tmp_path], 3)}[case]
         r = cli(args)
