@@ -24,7 +24,7 @@ import functools
 import importlib
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import typer
@@ -85,13 +85,14 @@ class Group(TyperGroup):
     """typer's group, but every click usage error is one line (`specbench CMD: Invalid value for '--x': ...`,
     exit 2), and a command interrupted by SIGTERM exits 143 where Ctrl-C exits 130."""
 
-    def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,
-             standalone_mode: bool = True, **extra: Any) -> Any:
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,
+             complete_var: str | None = None, standalone_mode: bool = True, windows_expand_args: bool = True,
+             **extra: Any) -> Any:
         if not standalone_mode:
-            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            return super().main(args, prog_name, complete_var, False, windows_expand_args, **extra)
         argv = list(sys.argv[1:] if args is None else args)
         try:
-            rv = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
+            rv = super().main(argv, prog_name, complete_var, False, windows_expand_args, **extra)
         except NoArgsIsHelpError as e:
             e.show()
             sys.exit(e.exit_code)

@@ -86,13 +86,15 @@ def _probed(engine: str | None):
     """An endpoint under test is probed before the variants are measured, so a key it refuses or a URL where
     nothing answers stops the command at once (in one line, exit 2: cli/app.py), not after a minute of variants.
     Other engines are left as strings (run_variants builds them)."""
+    from specbench.harness.adapters.openai_api import OpenAIAdapter
     from specbench.harness.engines import build_adapter, parse_engine
     from specbench.harness.redact import redact_text
 
     if engine is None or parse_engine(engine).kind != "openai":
         return engine
     ad = build_adapter(engine, name=redact_text(engine))
-    ad.probe()
+    if isinstance(ad, OpenAIAdapter):
+        ad.probe()
     return ad
 
 
