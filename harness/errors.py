@@ -19,6 +19,7 @@ This module imports typer only inside `fail`, so adapters may raise its exceptio
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -83,8 +84,9 @@ def refusal_code(e: BaseException) -> int | None:
     """The exit code of an exception the CLI reports in one line, or None for any other exception."""
     if isinstance(e, Refusal):
         return e.exit_code
-    if type(e).__name__ == "DeviceUnavailable" and type(e).__module__.startswith("specbench.engine"):
-        return EXIT_CANNOT_TEST  # engine/config.py: no CUDA GPU where a configuration names one
+    engine = sys.modules.get("specbench.engine.config")  # raised by the engine only if it was loaded (no import)
+    if engine is not None and isinstance(e, engine.DeviceUnavailable):
+        return EXIT_CANNOT_TEST  # no CUDA GPU where a configuration names one
     return None
 
 
