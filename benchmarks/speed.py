@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from specbench.harness.benchdoc import emit_document, positive_ints
+from specbench.harness.verdicts import INCOMPLETE
 
 SECTIONS = ("steps", "levels", "growth")
 MUST = {"plain_c1_over_dense": 1.10, "plain_over_dense": 1.30, "verify_over_decode_b1": 1.20,
@@ -333,7 +334,7 @@ def _r(s: dict, fmt: str = "{:.3f}") -> str:
 def render(res: dict) -> str:
     env, st = res["environment"], res.get("settings", {})
     lines = ["# Engine speed against the dense floor (issue 19)", "",
-             f"Measured by `python -m specbench.benchmarks.speed` ({'complete' if res.get('complete') else 'INCOMPLETE'}"
+             f"Measured by `python -m specbench.benchmarks.speed` ({'complete' if res.get('complete') else INCOMPLETE}"
              f" run): {env.get('gpu', env['device'])}, torch {env['torch']}, commit `{env.get('commit')}`, "
              f"{env['date']}. Random Qwen3-4B-shaped pair, {st.get('dtype')}, prompts of {st.get('prompt_len')} "
              f"random tokens, {st.get('new_tokens')} new tokens, through `LLM.generate`. Figures: median "

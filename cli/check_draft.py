@@ -102,6 +102,7 @@ def _selftest(draft: str, target: str, num_prompts: int, max_tokens: int, say) -
     """Each broken variant must FAIL the check named for it; the clean drafter must PASS."""
     from specbench.harness.checkdraft import check_draft as run_checks
     from specbench.harness.draft_variants import run_variants
+    from specbench.harness.verdicts import FAIL, PASS
 
     rows: list[dict] = []
 
@@ -114,16 +115,16 @@ def _selftest(draft: str, target: str, num_prompts: int, max_tokens: int, say) -
                             ("causal draft layers", {"causal": True}, "causality")):
         r = run_checks(draft, target, **kw)
         if check is None:
-            row(case, "all", r.verdict, "PASS", "")
+            row(case, "all", r.verdict, PASS, "")
         else:
             c = next(x for x in r.checks if x.name == check)
-            row(case, check, c.verdict, "FAIL", c.detail)
+            row(case, check, c.verdict, FAIL, c.detail)
     known = None  # the variants are measured once and shared by the three engine cases
     for case, faults in (("clean engine", ()), ("selector_skipped", ("selector_skipped",)),
                          ("causal_draft", ("causal_draft",))):
         v = run_variants(target, draft, None, faults, num_prompts, max_tokens, known=known)
         known = v.variants
-        row(case, "acceptance", v.verdict, "PASS" if not faults else "FAIL", v.detail)
+        row(case, "acceptance", v.verdict, PASS if not faults else FAIL, v.detail)
     return rows
 
 

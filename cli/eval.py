@@ -22,6 +22,7 @@ import typer
 from specbench.cli.flags import quiet_option, record_option, results_dir_option
 from specbench.harness.engines import EngineStringError, baseline_and_candidate
 from specbench.harness.errors import fail, usage_exit
+from specbench.harness.verdicts import is_cannot_test
 
 
 def eval_cmd(
@@ -97,7 +98,7 @@ def eval_cmd(
     if pr.verdict != "PARITY":
         from specbench.harness.verdicts import exit_code
 
-        raise typer.Exit(exit_code(pr.verdict) if pr.verdict.startswith("CANNOT") else 1)
+        raise typer.Exit(exit_code(pr.verdict) if is_cannot_test(pr.verdict) else 1)
     n_differ = sum(len(r.differ) for r in pr.rows)
     if strict and n_differ:
         raise fail("eval", f"--strict: {n_differ} extracted answers differ between the arms", 1,

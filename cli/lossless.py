@@ -26,6 +26,7 @@ import typer
 
 from specbench.cli.flags import quiet_option, record_option, results_dir_option
 from specbench.harness.errors import usage_errors
+from specbench.harness.verdicts import PASS
 
 
 def lossless(
@@ -200,7 +201,7 @@ def lossless(
     show(lossless_summary(out, run_dir, report), quiet=quiet or json_out)
     if not out.ok:
         raise typer.Exit(out.exit_code)
-    if draft_verdict is not None and draft_verdict != "PASS":
+    if draft_verdict is not None and draft_verdict != PASS:
         typer.echo(f"check-draft: {draft_verdict} (see above): the drafter checkpoint is run wrong", err=True)
         raise typer.Exit(1)
 

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 
 from specbench.harness.errors import usage_errors
+from specbench.harness.verdicts import FAIL, PASS, is_pass
 
 if TYPE_CHECKING:
     from specbench.harness.results import Run
@@ -237,9 +238,9 @@ def _selftest(base, cands, opts, cfgs, rec, log, json_out: bool, report: Path | 
         report.write_text(text)
     ok = all(r["ok"] for r in rows)
     log(rep.render_selftest(rows, o))
-    log("self-test: " + ("PASS (every fault caught, clean engine passed)" if ok else "FAIL"))
+    log("self-test: " + (PASS.qualified("every fault caught, clean engine passed") if ok else FAIL))
     if json_out:
-        typer.echo(json.dumps({"selftest": "PASS" if ok else "FAIL", "rows": rows, "options": o}, default=_jsonable))
+        typer.echo(json.dumps({"selftest": PASS if ok else FAIL, "rows": rows, "options": o}, default=_jsonable))
     return 0 if ok else 1
 
 
@@ -274,7 +275,7 @@ def _line(s: dict) -> str:
         parts.append(f"BH within each candidate's cells at q {fam['q_per_candidate']:.3g}"
                      + (f" (q {fam['q']:g} / {fam['candidates']} candidates)" if fam.get("candidates", 1) > 1 else ""))
     seen = [f"{k + ': ' if k else ''}{v['describe']}" for k, v in (s.get("speculation") or {}).items()
-            if v.get("source") != "counters" and str(v.get("verdict", "")).startswith("PASS")]
+            if v.get("source") != "counters" and is_pass(v.get("verdict"))]
     if seen:  # a PASS without counters says what showed speculation (or that the user asserted it)
         parts.append("speculation check: " + "; ".join(seen))
     for name, c in s["comparisons"].items():

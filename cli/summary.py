@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from specbench.cli.progress import summary_table
+from specbench.harness.verdicts import FAIL, INCOMPLETE, PASS
 
 
 @dataclass
@@ -61,7 +62,7 @@ def sweep_summary(s: Any, run_dir: Any = None, report: Any = None) -> Summary:
                          "baseline" if a == s.baseline else speedup_cell(s.speedups.get((a, lv)), s.noise.get(lv)),
                          _ms(st.get("ttft")), _ms(st.get("tpot")), _num(acc.get("length"), "{:.2f}"),
                          f"{st.get('completed', 0)}/{st.get('requests', 0)}"])
-    state = "complete" if s.complete else "INCOMPLETE (interrupted)"
+    state = "complete" if s.complete else INCOMPLETE.qualified("interrupted")
     notes = [f"~ = within the noise floor (the baseline run twice, interleaved); warm-up waves excluded; {state}"]
     if run_dir is not None:
         notes.append(f"records: {run_dir}")
@@ -136,7 +137,7 @@ def selftest_summary(out: Any, run_dir: Any = None, report: Any = None) -> Summa
         notes.append(f"records: {run_dir} (full report: specbench report {run_dir})")
     if report:
         notes.append(f"full report: {report}")
-    return Summary(f"selftest: {'PASS' if out.ok else 'FAIL'} ({len(out.faults)} faults, {len(out.clean)} clean runs, "
+    return Summary(f"selftest: {PASS if out.ok else FAIL} ({len(out.faults)} faults, {len(out.clean)} clean runs, "
                    f"{out.wall_s:.1f} s)", ["engine", "faults", "caught by", "accept len", "wall s"], rows, notes)
 
 

@@ -32,6 +32,7 @@ import typer
 from specbench.cli.flags import dataset_name, quiet_option, record_option, results_dir_option, scratch_store
 from specbench.harness.datasets import BUNDLED, SYNTHETIC
 from specbench.harness.errors import fail, usage_exit
+from specbench.harness.verdicts import INCOMPLETE
 
 DATASETS = BUNDLED + SYNTHETIC  # = suites/sweep/workload.py DATASETS, without importing the sweep here
 
@@ -275,7 +276,7 @@ def _finish(outcome, *, record: bool, report: str | None, quiet: bool, audit: bo
         from specbench.harness.interrupts import how_stopped
 
         how = how_stopped()
-        status = f"INCOMPLETE ({how}; every finished record kept)" if record else f"INCOMPLETE ({how})"
+        status = INCOMPLETE.qualified(f"{how}; every finished record kept" if record else how)
     elif empty:
         status = f"complete, but NO OUTPUT TOKENS in {len(empty)} measured cell(s): CANNOT TEST"
     elif nfail:

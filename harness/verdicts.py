@@ -19,12 +19,61 @@ Contract:
 
 from __future__ import annotations
 
-PASS = "PASS"
-FAIL = "FAIL"
-CANNOT_TEST = "CANNOT TEST"
+from enum import StrEnum
 
-NOT_SPECULATING = "NOT SPECULATING"
-PASS_ASSERTED = "PASS (speculation asserted by the user, not observed)"
+
+class Verdict(StrEnum):
+    """The kinds of verdict. A member is its word (`Verdict.PASS == "PASS"`, so records and reports keep plain
+    strings); a verdict may carry a qualifier after its word (`Verdict.PASS.qualified("no rejection tested")`
+    -> "PASS (no rejection tested)"), and `Verdict.of` reads the kind back from any such string."""
+
+    PASS = "PASS"
+    CANNOT_TEST = "CANNOT TEST"
+    NOT_SPECULATING = "NOT SPECULATING"
+    NO_DRAFT_ACCEPTED = "NO DRAFT ACCEPTED"
+    INCOMPLETE = "INCOMPLETE"
+    ERROR = "ERROR"
+    FAIL = "FAIL"
+
+    @classmethod
+    def of(cls, verdict: str | None) -> Verdict:
+        """The kind of a verdict string, qualified or not ("PASS (no rejection tested)" -> PASS, "CANNOT TEST:
+        why" -> CANNOT_TEST). An empty or unknown string is ERROR: what nobody can read is no pass."""
+        v = str(verdict or "")
+        for k in cls:
+            if v == k.value or v.startswith((k.value + " (", k.value + ":")):
+                return k
+        return cls.ERROR
+
+    @property
+    def rank(self) -> int:
+        """Which kind wins when verdicts combine: FAIL over the other failures (NOT SPECULATING, NO DRAFT
+        ACCEPTED, INCOMPLETE, ERROR) over CANNOT TEST over PASS. Evidence of a bug is a finding even where
+        other parts could not be tested."""
+        return {Verdict.PASS: 0, Verdict.CANNOT_TEST: 1, Verdict.FAIL: 3}.get(self, 2)
+
+    @property
+    def exit_code(self) -> int:
+        return {Verdict.PASS: EXIT_OK, Verdict.CANNOT_TEST: EXIT_CANNOT_TEST}.get(self, EXIT_FAIL)
+
+    def qualified(self, why: str) -> str:
+        """This kind with a qualifier: `Verdict.CANNOT_TEST.qualified("no testable cell")` -> "CANNOT TEST (no
+        testable cell)"."""
+        return f"{self.value} ({why})"
+
+    def because(self, why: str) -> str:
+        """A reason line that opens with this kind: `Verdict.CANNOT_TEST.because("x")` -> "CANNOT TEST: x"."""
+        return f"{self.value}: {why}"
+
+
+PASS = Verdict.PASS
+FAIL = Verdict.FAIL
+CANNOT_TEST = Verdict.CANNOT_TEST
+NOT_SPECULATING = Verdict.NOT_SPECULATING
+NO_DRAFT_ACCEPTED = Verdict.NO_DRAFT_ACCEPTED
+INCOMPLETE = Verdict.INCOMPLETE
+ERROR = Verdict.ERROR
+PASS_ASSERTED = PASS.qualified("speculation asserted by the user, not observed")
 NO_SPEC_EVIDENCE = ("evidence that the candidate speculated (no spec counters, no per-request draft counts, no "
                     "streamed chunk of several tokens; --assume-speculating if you know it does)")
 
@@ -42,8 +91,13 @@ class CannotTest(Exception):
         super().__init__(f"{capability}: {detail}" if detail else capability)
 
 
+def is_pass(verdict: str | None) -> bool:
+    """Is this verdict (qualified or not) a pass? The one "is it ok" test."""
+    return Verdict.of(verdict) is PASS
+
+
 def is_cannot_test(verdict: str | None) -> bool:
-    return bool(verdict) and str(verdict).startswith(CANNOT_TEST)
+    return Verdict.of(verdict) is CANNOT_TEST
 
 
 def speculation_verdict(speculating: bool | None, assumed: bool = False) -> str:
@@ -57,22 +111,14 @@ def speculation_verdict(speculating: bool | None, assumed: bool = False) -> str:
 
 def exit_code(verdict: str | None) -> int:
     """The one exit-code map: 0 for PASS (and its qualified forms, e.g. PASS_ASSERTED), 3 for CANNOT TEST (and its
-    qualified forms), else 1 (FAIL, NOT SPECULATING, NO DRAFT ACCEPTED, INCOMPLETE, ERROR)."""
-    v = str(verdict or "")
-    if v.startswith(PASS):
-        return EXIT_OK
-    if v.startswith(CANNOT_TEST):
-        return EXIT_CANNOT_TEST
-    return EXIT_FAIL
+    qualified forms), else 1 (FAIL, NOT SPECULATING, NO DRAFT ACCEPTED, INCOMPLETE, ERROR, anything unreadable)."""
+    return Verdict.of(verdict).exit_code
 
 
 def combine(verdicts: list[str]) -> str:
-    """One verdict from several gates: FAIL-like beats CANNOT TEST beats PASS; empty -> CANNOT TEST."""
+    """One verdict from several gates: the highest `Verdict.rank` wins (the first such verdict, as given; a
+    CANNOT TEST as the plain word); empty -> CANNOT TEST."""
     if not verdicts:
         return CANNOT_TEST
-    bad = [v for v in verdicts if exit_code(v) == EXIT_FAIL]
-    if bad:
-        return FAIL if any(v == FAIL for v in bad) else bad[0]
-    if any(is_cannot_test(v) for v in verdicts):
-        return CANNOT_TEST
-    return verdicts[0]
+    top = max(verdicts, key=lambda v: Verdict.of(v).rank)
+    return CANNOT_TEST if is_cannot_test(top) else top

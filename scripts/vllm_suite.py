@@ -46,6 +46,7 @@ import time
 from pathlib import Path
 
 from specbench.harness.http_json import http
+from specbench.harness.verdicts import CANNOT_TEST, FAIL, PASS
 
 ROOT = Path(__file__).resolve().parent.parent
 FIX = ROOT / "harness" / "data" / "fixtures"
@@ -948,7 +949,7 @@ def audit_counts(a: dict | None) -> dict:
     over every arm and per arm, and the first problems and unjudged cells, so a run's false FAILs are counted."""
     if not a:
         return {"verdict": None, "cells": {}, "arms": {}}
-    arms, total = {}, {"PASS": 0, "FAIL": 0, "CANNOT TEST": 0}
+    arms, total = {}, {PASS: 0, FAIL: 0, CANNOT_TEST: 0}
     for x in a.get("arms") or []:
         cv = dict(x.get("cell_verdicts") or {})
         for v, n in cv.items():

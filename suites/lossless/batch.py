@@ -208,7 +208,7 @@ async def compare_outputs(adapter: EngineAdapter, prompt: Prompt, ref: GenResult
         pc.divergences.append(Divergence(i, "token", pick, ref_tok, 0, None, dist_source="none"))
         pc.status, pc.complete = "untestable", False
         pc.missing = "logprobs at the divergence (a one-token generation or teacher-forced scoring)"
-        pc.reason = f"CANNOT TEST at position {i} (c{level} {pick} vs c1 {ref_tok}): {note}"
+        pc.reason = f"{CANNOT_TEST} at position {i} (c{level} {pick} vs c1 {ref_tok}): {note}"
         return pc
     jo, jr = judge_pick(pick, dist, opts.tol), judge_pick(ref_tok, dist, opts.tol)
     worse = sorted((jo, jr), key=lambda j: (j.ok, -(j.regret_or_bound or 0.0)))[0]

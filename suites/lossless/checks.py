@@ -60,6 +60,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from specbench.harness.adapters.base import GenResult
+from specbench.harness.verdicts import NOT_SPECULATING
 
 MIN_ACCEPT_LEN = 1.05  # mean accepted length (incl. the bonus token) at or below this = not speculating
 ACCEPT_REL_TOL = 0.10  # the reference bound: 10% of the reference's mean accepted length excess over 1, either way
@@ -149,7 +150,7 @@ class AcceptanceEvidence:
         if self.source == "per-request draft tokens":
             s = (f"{self.num_draft_tokens} draft tokens, {self.num_accepted_tokens} accepted (per-request counts; no "
                  "verify-step counts, no spec counters)")
-            return s if self.speculating else f"NOT SPECULATING: {s}"
+            return s if self.speculating else f"{NOT_SPECULATING}: {s}"
         if self.source == "stream chunks":
             return (f"speculation seen in {self.multi_token_chunks} streamed chunks of several tokens (no spec "
                     "counters, no per-request draft counts)")
@@ -160,10 +161,10 @@ class AcceptanceEvidence:
             return ("no evidence that the candidate speculated: no spec counters, no per-request draft counts, no "
                     "streamed chunk of several tokens")
         if not self.num_drafts:
-            return "NOT SPECULATING: zero drafts"
+            return f"{NOT_SPECULATING}: zero drafts"
         m = self.mean_accept_len or 1.0
         s = f"{self.num_drafts} drafts, mean accepted length {m:.2f}"
-        return s if self.speculating else f"NOT SPECULATING: {s} (<= {self.min_accept_len:.2f})"
+        return s if self.speculating else f"{NOT_SPECULATING}: {s} (<= {self.min_accept_len:.2f})"
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -52,6 +52,7 @@ from specbench.harness.adapters.base import (
     GenResult,
     counters_delta,
 )
+from specbench.harness.verdicts import CANNOT_TEST
 
 from .checks import (
     AcceptanceEvidence,
@@ -376,7 +377,7 @@ async def stop_in_run(baseline: EngineAdapter, candidate: EngineAdapter, prompts
         if r.ok and b.ok and (r.output_ids is None or b.output_ids is None):
             side = "candidate" if r.output_ids is None else "baseline"
             pc.status, pc.missing = "untestable", f"output token ids ({side})"
-            pc.reason = f"CANNOT TEST: the {side} reports no output token ids"
+            pc.reason = f"{CANNOT_TEST}: the {side} reports no output token ids"
             continue
         if not r.ok or not b.ok:
             pc.status, pc.reason = "error", f"request failed: {r.error or b.error}"
@@ -500,7 +501,7 @@ async def _judge_stop(baseline: EngineAdapter, c: StopCase, r: GenResult, opts: 
         return pc
     if r.output_ids is None:
         pc.status, pc.missing = "untestable", "output token ids (candidate)"
-        pc.reason = "CANNOT TEST: the candidate reports no output token ids"
+        pc.reason = f"{CANNOT_TEST}: the candidate reports no output token ids"
         return pc
     cid, bid = list(r.output_ids), list(b.output_ids or [])
     pc.candidate_tokens = pc.tokens_compared = len(cid)
@@ -721,7 +722,7 @@ def judge_shaped(pid: str, p: Prompt, cand: GenResult, base: GenResult, max_toke
     dist = position_dist(base.logprobs, i)
     if not dist:
         pc.status, pc.missing = "untestable", "baseline logprobs at the divergence"
-        pc.reason = f"CANNOT TEST at position {i}: the baseline reported no logprobs there"
+        pc.reason = f"{CANNOT_TEST} at position {i}: the baseline reported no logprobs there"
         return pc
     j = judge_pick(c[i], score(dist, b[:i], i), opts.tol)
     pc.divergences.append(Divergence(i, "token", c[i], b[i], 0, judgement=j, dist_source=f"generation, {label}"))
@@ -733,7 +734,7 @@ def judge_shaped(pid: str, p: Prompt, cand: GenResult, base: GenResult, max_toke
 def untestable(pid: str, p: Prompt, cand: GenResult, max_tokens: int, missing: str) -> PromptCheck:
     """A case the gate cannot judge: its baseline shows no sign of honouring the option under test."""
     pc = PromptCheck(pid, len(p.ids), max_tokens, spec=cand.spec)
-    pc.status, pc.missing, pc.reason = "untestable", missing, f"CANNOT TEST: {missing}"
+    pc.status, pc.missing, pc.reason = "untestable", missing, f"{CANNOT_TEST}: {missing}"
     return pc
 
 

@@ -59,7 +59,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from specbench.harness.adapters.base import EngineAdapter, GenRequest, GenResult, PosLogprobs, counters_delta
-from specbench.harness.verdicts import CannotTest
+from specbench.harness.verdicts import CANNOT_TEST, CannotTest
 
 from .checks import (
     acceptance_evidence,
@@ -274,11 +274,11 @@ async def check_output(baseline: EngineAdapter, prompt: Prompt, cand: GenResult,
         return pc
     if cand.output_ids is None:
         pc.status, pc.complete, pc.missing = "untestable", False, "output token ids (candidate)"
-        pc.reason = "CANNOT TEST: the candidate reports no output token ids (re-tokenized text is no substitute)"
+        pc.reason = f"{CANNOT_TEST}: the candidate reports no output token ids (re-tokenized text is no substitute)"
         return pc
     if cand.text and not cand.output_ids:
         pc.status, pc.complete, pc.missing = "untestable", False, "output token ids (candidate)"
-        pc.reason = f"CANNOT TEST: the candidate returned text ({cand.text[:30]!r}) but an empty token list"
+        pc.reason = f"{CANNOT_TEST}: the candidate returned text ({cand.text[:30]!r}) but an empty token list"
         return pc
     out = list(cand.output_ids)
     pc.candidate_tokens = len(out)
@@ -287,7 +287,7 @@ async def check_output(baseline: EngineAdapter, prompt: Prompt, cand: GenResult,
 
     def needs_ids(pos: int, what: str) -> PromptCheck:
         pc.status, pc.complete, pc.missing = "untestable", False, NO_CHAT_IDS
-        pc.reason = (f"CANNOT TEST at position {pos}: {what} needs the rendered prompt's token ids, which the "
+        pc.reason = (f"{CANNOT_TEST} at position {pos}: {what} needs the rendered prompt's token ids, which the "
                      "chat endpoint did not report (vLLM's return_token_ids gives prompt_token_ids)")
         return pc
 
@@ -297,7 +297,7 @@ async def check_output(baseline: EngineAdapter, prompt: Prompt, cand: GenResult,
     while True:
         if base.ok and (base.output_ids is None or (base.text and not base.output_ids)):
             pc.status, pc.complete, pc.missing = "untestable", False, "output token ids (baseline)"
-            pc.reason = f"CANNOT TEST: the baseline reports no output token ids (anchor {anchor})"
+            pc.reason = f"{CANNOT_TEST}: the baseline reports no output token ids (anchor {anchor})"
             return pc
         if not base.ok:
             pc.status, pc.complete = "error", False
@@ -330,7 +330,7 @@ async def check_output(baseline: EngineAdapter, prompt: Prompt, cand: GenResult,
             pc.divergences.append(Divergence(pos, "token", pick, bt, anchor, None, dist_source="none"))
             pc.status, pc.complete = "untestable", False
             pc.missing = "baseline logprobs at the divergence (chat endpoint)"
-            pc.reason = (f"CANNOT TEST at position {pos} (pick {pick} vs baseline {bt}): the baseline's chat answer "
+            pc.reason = (f"{CANNOT_TEST} at position {pos} (pick {pick} vs baseline {bt}): the baseline's chat answer "
                          "has no logprobs there, and without the rendered prompt's token ids (prompt_token_ids) "
                          "they cannot be recovered by a token-id request")
             return pc
@@ -339,7 +339,7 @@ async def check_output(baseline: EngineAdapter, prompt: Prompt, cand: GenResult,
             if not dist:
                 pc.divergences.append(Divergence(pos, "token", pick, bt, anchor, None, dist_source="none"))
                 pc.status, pc.complete, pc.missing = "untestable", False, "baseline logprobs at the divergence"
-                pc.reason = f"CANNOT TEST at position {pos} (pick {pick} vs baseline {bt}): {note}"
+                pc.reason = f"{CANNOT_TEST} at position {pos} (pick {pick} vs baseline {bt}): {note}"
                 return pc
         j = judge_pick(pick, dist, opts.tol)
         if j.kind == "outside_topk" and not no_ids:
@@ -416,7 +416,7 @@ def cannot_compare(pc: PromptCheck, sides: Sequence[tuple[str, GenResult]]) -> b
             return True
         if _usable(r.output_ids, r.text) is None:
             pc.status, pc.complete, pc.missing = "untestable", False, f"output token ids ({side})"
-            pc.reason = f"CANNOT TEST: the {side} request reports no output token ids"
+            pc.reason = f"{CANNOT_TEST}: the {side} request reports no output token ids"
             return True
     return False
 
@@ -482,7 +482,7 @@ async def run_greedy(baseline: EngineAdapter, candidate: EngineAdapter, prompts:
                 p = replace(p, ids=ids or [])
                 if problem:
                     pc = PromptCheck(p.pid, 0, m, status="untestable", complete=False, spec=c.spec,
-                                     missing="the same rendered chat prompt on both arms", reason=f"CANNOT TEST: {problem}")
+                                     missing="the same rendered chat prompt on both arms", reason=f"{CANNOT_TEST}: {problem}")
                     if on_prompt is not None:
                         on_prompt(pc)
                     return pc

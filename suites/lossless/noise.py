@@ -47,7 +47,16 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from specbench.harness.adapters.base import EngineAdapter, refuse_synthetic
-from specbench.harness.verdicts import CANNOT_TEST, FAIL, PASS, CannotTest, combine, exit_code
+from specbench.harness.verdicts import (
+    CANNOT_TEST,
+    FAIL,
+    PASS,
+    CannotTest,
+    combine,
+    exit_code,
+    is_cannot_test,
+    is_pass,
+)
 
 from .greedy import (
     GateRun,
@@ -309,14 +318,14 @@ def judge(out: NoiseOutcome, tol: float) -> None:
                            "regret above --noise-max-regret, a pick outside the reference's top-k, a length mismatch "
                            f"or a failed request; first: {first}): they are not equal up to reduction order, so they "
                            "are no noise baseline")
-        elif nv.startswith(CANNOT_TEST):
+        elif is_cannot_test(nv):
             reasons.append(f"noise phase: {nv} ({'; '.join(n.missing)}): no noise baseline, so nothing to judge "
                            "speculation against")
             missing += [f"noise phase: {m}" for m in n.missing]
     t = out.test
     if t is not None:
         parts.append(t.verdict)
-        if t.verdict.startswith(CANNOT_TEST):
+        if is_cannot_test(t.verdict):
             reasons.append(f"spec-on vs spec-off: {t.verdict} ({'; '.join(t.missing)})")
             missing += [f"test phase: {m}" for m in t.missing]
         elif t.verdict != PASS:
@@ -336,18 +345,18 @@ def judge(out: NoiseOutcome, tol: float) -> None:
         what = (f"{len(leaning)} spec-on divergence(s) cost more than the gate's tolerance {tol:g} nat (up to "
                 f"{max(leaning):.3g}) and pass only by the noise bound {out.bound:.3g}; the "
                 f"{' and '.join(unpowered)} test(s) cannot back it: compare more tokens (--num-prompts, --max-tokens)")
-        reasons.append("CANNOT TEST: " + what)
+        reasons.append(f"{CANNOT_TEST}: " + what)
         missing.append("power for the noise comparison (" + ", ".join(unpowered) + ")")
     out.verdict = combine(parts) if parts else CANNOT_TEST
-    if out.verdict == PASS or out.verdict.startswith(PASS):
+    if is_pass(out.verdict):
         if leaning:
-            reasons.append(f"PASS: {len(leaning)} spec-on divergence(s) above the gate's tolerance are within the "
+            reasons.append(f"{PASS}: {len(leaning)} spec-on divergence(s) above the gate's tolerance are within the "
                            f"measured noise, and both tests found no excess with power")
         elif unpowered:
-            reasons.append(f"PASS by the regret rule at the gate's tolerance {tol:g} nat (every spec-on divergence "
+            reasons.append(f"{PASS} by the regret rule at the gate's tolerance {tol:g} nat (every spec-on divergence "
                            f"within it); the {' and '.join(unpowered)} test(s) had no power here and decided nothing")
         else:
-            reasons.append("PASS: every spec-on divergence within the gate's tolerance, and neither the rate nor the "
+            reasons.append(f"{PASS}: every spec-on divergence within the gate's tolerance, and neither the rate nor the "
                            "regret distribution exceeds the measured noise (both tests powered)")
 
 
@@ -377,7 +386,7 @@ async def run_noise(reference: EngineAdapter, baseline: EngineAdapter, candidate
         prompts, notes = await tokenize_prompts(reference, baseline, texts)
     except CannotTest as e:
         out.missing.append(f"{e.capability}: {e.detail}")
-        out.reasons.append(f"CANNOT TEST: {e}")
+        out.reasons.append(f"{CANNOT_TEST}: {e}")
         return finish()
     out.notes += notes
 

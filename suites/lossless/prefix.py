@@ -336,7 +336,7 @@ async def run_prefix_gate(adapter: EngineAdapter, conversations: Sequence[tuple[
         if c.ok and c.drift is not None and c.drift > out.tolerance:
             c.ok, c.reason = False, (f"first-token logprob drift {c.drift:.3g} nat > tolerance {out.tolerance:.3g} "
                                      f"(cold-vs-cold noise {out.noise:.3g})")
-        say(f"[prefix] {c.name}: {'ok' if c.ok else 'FAIL'} drift {_g(c.drift)} cached {c.cached_tokens} "
+        say(f"[prefix] {c.name}: {'ok' if c.ok else FAIL} drift {_g(c.drift)} cached {c.cached_tokens} "
             f"{c.drafted}{'' if c.ok else ' - ' + c.reason}")
     if out.failed:
         out.verdict = FAIL
@@ -417,7 +417,7 @@ async def run_prefix_selftest(adapter: EngineAdapter, conversations: Sequence[tu
 
 
 def render_selftest(st: PrefixSelftest) -> str:
-    lines = [f"# Prefix gate self-test: {'PASS' if st.ok else 'FAIL'}", "",
+    lines = [f"# Prefix gate self-test: {PASS if st.ok else FAIL}", "",
              "| engine | verdict | cases failed | fell back | worst drift | tolerance |", "|---|---|---|---|---|---|"]
     rows = [(f"clean #{i}", o) for i, o in enumerate(st.clean, 1)] + list(st.faults.items())
     for label, o in rows:
@@ -452,7 +452,7 @@ def render_markdown(out: PrefixOutcome) -> str:
             f"@{c.regret['position']}"
         acc = f"{_g(c.warm_accept)} / {_g(c.cold_accept)}"
         lines.append(f"| {c.name} | {c.cached_tokens if c.cached_tokens is not None else '?'} | {_g(c.drift)} | "
-                     f"{_g(c.noise)} | {reg} | {c.drafted} | {acc} | {'ok' if c.ok else 'FAIL: ' + c.reason} |")
+                     f"{_g(c.noise)} | {reg} | {c.drafted} | {acc} | {'ok' if c.ok else FAIL.because(c.reason)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -22,6 +22,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
+from specbench.harness.verdicts import FAIL
+
 MARGIN_TOL = 0.20  # nat; the seed engine's MARGIN_TOL (REFERENCE.md section 2); for bf16 / fp16 runs
 # Strict mode (both engines fp32): 10x the largest fp32 noise measured between correct code paths of one engine
 # (benchmarks/fp32_noise.py, reports/fp32-noise/: the change of any top-20 token's logprob gap to the argmax
@@ -67,7 +69,7 @@ class PickJudgement:
                 s += f" (exact {self.regret:.3f} by teacher-forced scoring)"
             return s
         rel = "<=" if self.ok else ">"
-        word = "benign tie flip" if self.ok else "FAIL"
+        word = "benign tie flip" if self.ok else FAIL
         reg = f"{self.regret:.3f}" if self.regret >= 0.01 or self.regret == 0 else f"{self.regret:.2e}"
         return f"{word}: pick {self.pick} vs top1 {self.top1}, regret {reg} {rel} {self.margin_tol:g} nat"
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from specbench.harness.verdicts import FAIL, NOT_SPECULATING, PASS, PASS_ASSERTED, is_cannot_test
+
 from .greedy import GateRun, PromptCheck
 from .regret import MARGIN_TOL
 
@@ -48,7 +50,7 @@ def _engine_line(d: dict) -> str:
 
 
 def _status(p: PromptCheck) -> str:
-    s = {"identical": "PASS (identical)", "flip": "PASS (benign flips)", "fail": "**FAIL**",
+    s = {"identical": f"{PASS} (identical)", "flip": f"{PASS} (benign flips)", "fail": "**FAIL**",
          "error": "**ERROR**", "untestable": "**CANNOT TEST**"}[p.status]
     return s + ("" if p.complete or not p.ok else " (partial)")
 
@@ -66,7 +68,7 @@ def gate_summary_rows(gates: list[GateRun]) -> list[str]:
             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for g in gates:
         ps = g.prompts
-        rows.append(f"| {g.name} | {'**' + g.verdict + '**' if g.verdict != 'PASS' else g.verdict} "
+        rows.append(f"| {g.name} | {'**' + g.verdict + '**' if g.verdict != PASS else g.verdict} "
                     f"| {_cell(rule_short(g.rule))} | {len(ps)} "
                     f"| {sum(p.status == 'identical' for p in ps)} | {sum(p.status == 'flip' for p in ps)} "
                     f"| {sum(not p.ok and not p.untestable for p in ps)} | {sum(p.untestable for p in ps)} "
@@ -254,9 +256,9 @@ def render_markdown(out: LosslessOutcome) -> str:
     lines += ["", "## Divergences", ""] + (div or ["None: every candidate token equals the baseline's."])
     lines += ["", "## Run checks", ""] + check_rows(out.gates)
     lines += ["", "Verdicts: PASS = every token identical or a benign tie flip, speculation observed; "
-              "PASS (speculation asserted by the user, not observed) = the same, but nothing the candidate reported "
+              f"{PASS_ASSERTED} = the same, but nothing the candidate reported "
               "showed speculation and --assume-speculating asserted it; "
-              "NOT SPECULATING = lossless but the engine never drafted (or accepted ~nothing), which proves "
+              f"{NOT_SPECULATING} = lossless but the engine never drafted (or accepted ~nothing), which proves "
               "nothing; FAIL = a pick above the tolerance, outside the baseline top-k, a length mismatch, a failed "
               "request or a failed run check; CANNOT TEST = the evidence a verdict needs could not be collected "
               "(a capability missing, nothing to compare, or no evidence that the candidate speculated), never a "
@@ -278,8 +280,8 @@ def render_console(out: LosslessOutcome) -> str:
     if out.rule:
         lines.append(f"tolerance: {rule_line(out.rule, out.config)}")
     s = out.summary()
-    why = f" [missing: {'; '.join(out.missing)}]" if out.missing and out.verdict.startswith("CANNOT") else ""
-    if out.not_tested and not out.verdict.startswith("CANNOT"):
+    why = f" [missing: {'; '.join(out.missing)}]" if out.missing and is_cannot_test(out.verdict) else ""
+    if out.not_tested and not is_cannot_test(out.verdict):
         why += f" [not tested here: {'; '.join(out.not_tested)}]"
     tol = f", tolerance {tolerance_summary(out.gates)}" if out.gates else ""
     lines.append(f"VERDICT: {out.verdict}{why}  ({s['prompts']} prompts, {s['failed_prompts']} failed, {s['flips']} benign "
@@ -289,7 +291,7 @@ def render_console(out: LosslessOutcome) -> str:
 
 def render_selftest(st: SelftestOutcome) -> str:
     gates = st.gate_names
-    lines = [f"# Self-test: {'PASS' if st.ok else 'FAIL'}", "",
+    lines = [f"# Self-test: {PASS if st.ok else FAIL}", "",
              f"- engine: {_engine_line(st.engine)}",
              f"- {len(st.faults)} faults x {len(gates)} gates, clean engine x {len(st.clean)} repetitions; "
              f"{st.num_prompts} prompts, max_tokens {st.max_tokens}, tolerance "

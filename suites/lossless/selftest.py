@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from specbench.harness.adapters.base import EngineAdapter, GenRequest, GenResult, ScoreResult
-from specbench.harness.verdicts import EXIT_FAIL, PASS, exit_code
+from specbench.harness.verdicts import ERROR, EXIT_FAIL, FAIL, NOT_SPECULATING, PASS, exit_code
 
 from ..sampled.selftest import FAULT_CASES
 from .checks import AcceptanceEvidence, check_acceptance
@@ -184,7 +184,7 @@ def _why(g: GateRun) -> str:
         return reason[:110] + n
     if g.failed_checks:
         return g.failed_checks[0].name
-    return "not speculating" if g.verdict == "NOT SPECULATING" else g.verdict
+    return "not speculating" if g.verdict == NOT_SPECULATING else g.verdict
 
 
 async def run_engine(label: str, faults: tuple[str, ...], description: str, baseline: EngineAdapter,
@@ -206,17 +206,17 @@ async def run_engine(label: str, faults: tuple[str, ...], description: str, base
         try:
             g = await fn(baseline, candidate, prompts, max_tokens, opts)
         except Exception as e:  # a gate that crashes on a faulty engine still reports, as ERROR
-            row.verdicts[name], row.reasons[name] = "ERROR", f"{type(e).__name__}: {e}"[:80]
+            row.verdicts[name], row.reasons[name] = ERROR, f"{type(e).__name__}: {e}"[:80]
             continue
         row.verdicts[name] = g.verdict
-        if g.verdict != "PASS":
+        if g.verdict != PASS:
             row.reasons[name] = _why(g)
         if name == "greedy":
             stats, row.accept_len = g.stats, g.stats.mean_accept_len
     ref = reference_accept if reference_accept is not None else row.accept_len
     acc = check_acceptance(stats, ref) if stats is not None and stats.num_drafts else None
     ok = acc is not None and acc.ok
-    row.verdicts["acceptance"] = "PASS" if ok else "FAIL"
+    row.verdicts["acceptance"] = PASS if ok else FAIL
     if not ok:
         row.reasons["acceptance"] = f"{row.accept_len or 1.0:.2f} vs {_num(ref)}"
     row.wall_s = time.perf_counter() - t0

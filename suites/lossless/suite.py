@@ -57,7 +57,18 @@ from pathlib import Path
 from typing import Any
 
 from specbench.harness.adapters.base import EngineAdapter, refuse_synthetic
-from specbench.harness.verdicts import CANNOT_TEST, FAIL, NOT_SPECULATING, CannotTest, exit_code
+from specbench.harness.verdicts import (
+    CANNOT_TEST,
+    ERROR,
+    FAIL,
+    NOT_SPECULATING,
+    PASS,
+    CannotTest,
+    Verdict,
+    combine,
+    exit_code,
+    is_pass,
+)
 
 from . import reference as accept_ref
 from .batch import BatchOptions, load_batch_prompts, run_batch_invariance, run_rate_gate
@@ -174,14 +185,19 @@ class LosslessOutcome:
 
     @property
     def verdict(self) -> str:
-        if any(g.verdict in (FAIL, "ERROR") for g in self.gates):
-            return FAIL
-        if self.gates and self.gates[0].verdict == NOT_SPECULATING:
-            return NOT_SPECULATING  # a FAIL variant: it wins over CANNOT TEST (harness/verdicts.combine)
-        if self.cannot_test or not self.gates or any(g.verdict == CANNOT_TEST and not self._advisory(g)
-                                                     for g in self.gates):
-            return CANNOT_TEST
-        return self.gates[0].verdict
+        """The gates' verdicts combined (harness/verdicts.combine: FAIL over the other failures over CANNOT TEST
+        over PASS), the main gate's first: a gate's ERROR counts as a FAIL; an advisory gate's CANNOT TEST is
+        reported beside the verdict (`not_tested`), not deciding it; only the main gate is judged on speculation
+        (NOT SPECULATING elsewhere does not decide); no gate at all, or `cannot_test`, is CANNOT TEST."""
+        deciding: list[str] = []
+        for i, g in enumerate(self.gates):
+            kind = Verdict.of(g.verdict)
+            if (kind is CANNOT_TEST and self._advisory(g)) or (kind is NOT_SPECULATING and i):
+                continue
+            deciding.append(FAIL if kind is ERROR else g.verdict)
+        if self.cannot_test:
+            deciding.append(CANNOT_TEST)
+        return combine(deciding)
 
     @property
     def not_tested(self) -> list[str]:
@@ -193,7 +209,7 @@ class LosslessOutcome:
     @property
     def ok(self) -> bool:
         """Exit status 0? Only a PASS (plain, or with speculation asserted by the user) is ok."""
-        return self.verdict.startswith("PASS")
+        return is_pass(self.verdict)
 
     @property
     def exit_code(self) -> int:
@@ -375,7 +391,7 @@ async def run_lossless(baseline: EngineAdapter, candidate: EngineAdapter, cfg: L
     if out.not_tested:
         out.notes.append(f"not tested here (on by default, not asked for): {'; '.join(out.not_tested)}")
     faults = (engines["candidate"].get("config") or {}).get("faults") if isinstance(engines["candidate"], dict) else None
-    if (run is not None and cfg.accept_reference and out.verdict == "PASS" and not faults and main.stats.known
+    if (run is not None and cfg.accept_reference and out.verdict == PASS and not faults and main.stats.known
             and main.stats.num_drafts and (stored is None or cfg.record_reference)):
         path = accept_ref.record(key, parts, main.stats, out.run_id, cfg.results)
         out.reference["recorded"] = str(path)

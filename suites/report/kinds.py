@@ -15,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from specbench.harness.verdicts import FAIL, PASS
+
 KINDS = ("sweep", "lossless", "lossless-noise", "sampled", "selftest", "evalparity", "gaps")
 
 
@@ -107,12 +109,12 @@ def _sampled(run: Any) -> list[str]:
 
 def _selftest(run: Any) -> list[str]:
     s = run.meta.get("summary") or {}
-    lines = [f"**{'PASS' if s.get('ok') else 'FAIL'}**: {len(s.get('faults') or [])} faults, "
+    lines = [f"**{PASS if s.get('ok') else FAIL}**: {len(s.get('faults') or [])} faults, "
              f"missed {', '.join(s.get('missed') or []) or 'none'}; false alarms "
              f"{'; '.join(s.get('false_alarms') or []) or 'none'}; {s.get('num_prompts')} prompts x "
              f"{s.get('max_tokens')} tokens, tolerance {_rule(s.get('rule'))}", ""]
     def row(r: dict, nobody: str) -> list[Any]:
-        not_pass = "; ".join(f"{g}: {v}" for g, v in (r.get("verdicts") or {}).items() if v not in ("PASS", "n/a"))
+        not_pass = "; ".join(f"{g}: {v}" for g, v in (r.get("verdicts") or {}).items() if v not in (PASS, "n/a"))
         return [r.get("label"), ", ".join(r.get("faults") or []) or "none", ", ".join(r.get("caught_by") or []) or nobody,
                 not_pass or "all PASS", r.get("accept_len")]
 
@@ -171,7 +173,7 @@ RENDERERS: dict[str, Callable[[Any], list[str]]] = {
 
 def _headline(run: Any) -> list[Any]:
     s = run.meta.get("summary") or {}
-    verdict = s.get("verdict") or ({True: "PASS", False: "FAIL"}.get(s.get("ok")) if "ok" in s else None)
+    verdict = s.get("verdict") or ({True: PASS, False: FAIL}.get(s.get("ok")) if "ok" in s else None)
     figure = s.get("mean_accept_len") or s.get("num_prompts") or s.get("prompts")
     return [f"`{run.run_id}`", run.meta.get("status"), verdict, figure, run.meta.get("started")]
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 
+from specbench.harness.verdicts import PASS
 from specbench.suites.sweep.metrics import broke_lockstep
 
 from .summarize import RunSummary
@@ -250,7 +251,7 @@ def audit_section(s: RunSummary) -> list[str]:
     a = s.audit
     if not a:
         return []
-    rows = [[f"`{x['arm']}`", x["verdict"] if x["verdict"] == "PASS" else f"**{x['verdict']}**",
+    rows = [[f"`{x['arm']}`", x["verdict"] if x["verdict"] == PASS else f"**{x['verdict']}**",
              ", ".join(x["sources"]) or "none", "; ".join(x["checks"]) or "none",
              "; ".join(x["problems"][:3]) or x.get("missing") or "-"] for x in a["arms"]]
     out = [f"### Acceptance / metrics audit: {a['verdict']}", "",

@@ -55,11 +55,15 @@ from specbench.harness.adapters.base import EngineAdapter, counters_delta, refus
 from specbench.harness.verdicts import (
     CANNOT_TEST,
     FAIL,
+    INCOMPLETE,
+    NO_DRAFT_ACCEPTED,
     NO_SPEC_EVIDENCE,
     NOT_SPECULATING,
     PASS,
     combine,
     exit_code,
+    is_cannot_test,
+    is_pass,
     speculation_verdict,
 )
 
@@ -491,7 +495,7 @@ class GateResult:
 
     @property
     def passed(self) -> bool:
-        return self.verdict.startswith("PASS")
+        return is_pass(self.verdict)
 
     @property
     def exit_code(self) -> int:
@@ -561,7 +565,7 @@ def configuration_verdict(testable: int, rejected: int, s: dict | None, speculat
         return f"{CANNOT_TEST} (no testable cell)"
     if s is None:
         if speculation == PASS:
-            return "PASS (bonus rows and rejections not counted)"
+            return f"{PASS} (bonus rows and rejections not counted)"
         if speculation == CANNOT_TEST:
             return f"{CANNOT_TEST} (no evidence that the candidate speculated)"
         return speculation
@@ -569,11 +573,11 @@ def configuration_verdict(testable: int, rejected: int, s: dict | None, speculat
     if not s["num_drafts"]:
         return f"{CANNOT_TEST} (no verify step: neither a bonus row nor a rejection tested)"
     if full is None:
-        return "PASS (bonus rows and rejections not counted)"
+        return f"{PASS} (bonus rows and rejections not counted)"
     if not full:
-        return "PASS (no bonus row tested)"
+        return f"{PASS} (no bonus row tested)"
     if not rej:
-        return "PASS (no rejection tested)"
+        return f"{PASS} (no rejection tested)"
     return PASS
 
 
@@ -625,7 +629,7 @@ def verdict_of(comparisons: Sequence[Comparison], spec: dict | None, failed: Seq
     per-request draft counts, streamed chunks of several tokens) by harness/verdicts.speculation_verdict: none
     at all is CANNOT TEST unless the user asserted speculation."""
     if failed:
-        return "INCOMPLETE"
+        return INCOMPLETE
     if any(c.rejected for c in comparisons):
         return FAIL
     if missing or not comparisons:
@@ -636,7 +640,7 @@ def verdict_of(comparisons: Sequence[Comparison], spec: dict | None, failed: Seq
     if spec["num_drafts"] == 0:
         return NOT_SPECULATING
     if spec["num_accepted_tokens"] == 0:
-        return "NO DRAFT ACCEPTED"
+        return NO_DRAFT_ACCEPTED
     return PASS
 
 
@@ -774,7 +778,7 @@ def run_gate(baseline: EngineAdapter, candidate: EngineAdapter | Sequence[Engine
         chk["enforced"] = opts.seed_repeat_gate
         who = f"seed repeat{' ' + lab if lab else ''}"
         c, b = chk["candidate"], chk["baseline"]
-        if chk["verdict"] == FAIL and opts.seed_repeat_gate and verdicts[lab] != "INCOMPLETE":
+        if chk["verdict"] == FAIL and opts.seed_repeat_gate and verdicts[lab] != INCOMPLETE:
             verdicts[lab] = FAIL
         elif chk["verdict"] == FAIL:
             notes.append(f"{who}: the candidate's seeded samples came back different {c['differ']} of {c['compared']} "
@@ -782,7 +786,7 @@ def run_gate(baseline: EngineAdapter, candidate: EngineAdapter | Sequence[Engine
                          f"{chk['p_value']:.1e}): advisory (--seed-repeat-gate makes it a FAIL). An engine whose "
                          "speculation adapts to load draws differently in another batch by design; otherwise its "
                          "speculative path ignores the request's seed or mixes up rows' sampling parameters")
-        elif chk["verdict"].startswith(CANNOT_TEST):
+        elif is_cannot_test(chk["verdict"]):
             notes.append(f"{who}: {chk['verdict']}")
     total = spec_summary(raw_total)
     engines = {"baseline": baseline.describe()}
@@ -798,10 +802,10 @@ def run_gate(baseline: EngineAdapter, candidate: EngineAdapter | Sequence[Engine
     # a configuration with no evidence is no pass: the run cannot vouch for that candidate
     confs = configurations(res)
     for lab in labels:
-        if not verdicts[lab].startswith(PASS):
+        if not is_pass(verdicts[lab]):
             continue
         blind = [f"configuration {config_key(r['candidate'], r['config'])}: {r['verdict'][len(CANNOT_TEST) + 1:]}"
-                 for r in confs if r["candidate"] == lab and r["verdict"].startswith(CANNOT_TEST)]
+                 for r in confs if r["candidate"] == lab and is_cannot_test(r["verdict"])]
         if blind:
             res.missing += blind
             verdicts[lab] = CANNOT_TEST
@@ -815,7 +819,7 @@ def _counter_verdict(spec: dict) -> str:
     """What a candidate's spec counters say of its speculation: drafts and accepted tokens, or which is zero."""
     if spec["num_drafts"] == 0:
         return NOT_SPECULATING
-    return "NO DRAFT ACCEPTED" if spec["num_accepted_tokens"] == 0 else PASS
+    return NO_DRAFT_ACCEPTED if spec["num_accepted_tokens"] == 0 else PASS
 
 
 def _describe_counters(spec: dict) -> str:

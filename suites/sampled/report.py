@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from specbench.harness.verdicts import PASS
+from specbench.harness.verdicts import is_pass
 
 from .gate import Cell, Comparison, GateResult, config_key, configurations, not_tested
 
@@ -185,7 +185,7 @@ def _not_run(r: GateResult) -> list[str]:
     if r.spec_by_config and any(s and s.get("full_accepts") is None for s in r.spec_by_config.values()):
         out.append("- bonus rows / rejections: the candidate does not count fully accepted verify steps")
     for lab, seen in r.speculation.items():
-        if seen.get("source") != "counters" and seen.get("verdict", "").startswith(PASS):
+        if seen.get("source") != "counters" and is_pass(seen.get("verdict")):
             out.append(f"- speculation check{' (' + lab + ')' if lab else ''}: no spec counters; {seen.get('describe')}")
     for arm, d in r.engines.items():
         caps = d.get("capabilities") if isinstance(d, dict) else None

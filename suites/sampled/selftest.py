@@ -20,6 +20,7 @@ from dataclasses import replace
 from typing import Any
 
 from specbench.harness.adapters.base import EngineAdapter
+from specbench.harness.verdicts import FAIL, PASS
 
 from .config import DEFAULT_CONFIGS_TEXT
 from .gate import (
@@ -54,13 +55,13 @@ SELFTEST_REPEAT = 5  # clean runs; each run is judged at q / SELFTEST_REPEAT
 
 def _row(case: str, res: GateResult, seconds: float, q_run: float) -> dict:
     fin = [c for comp in res.comparisons if comp.name == "spec" for c in comp.cells if c.testable]
-    expect = "PASS" if case.startswith("clean") else "FAIL"
-    ok = res.passed if case.startswith("clean") else res.verdict == "FAIL"
+    expect = PASS if case.startswith("clean") else FAIL
+    ok = res.passed if case.startswith("clean") else res.verdict == FAIL
     confs = configurations(res)
     caught = [{"configuration": config_key(x["candidate"], x["config"]), "rejected": x["rejected"],
                "min_p": x["min_p"]} for x in confs if x["rejected"]]
     caught += [{"configuration": f"seed repeat{' ' + lab if lab else ''}", "rejected": chk["candidate"]["differ"],
-                "min_p": chk["p_value"]} for lab, chk in res.seed_repeat.items() if chk["verdict"] == "FAIL"]
+                "min_p": chk["p_value"]} for lab, chk in res.seed_repeat.items() if chk["verdict"] == FAIL]
     known = [x for x in confs if x["bonus_rows"] is not None]
     return {"case": case, "expect": expect, "verdict": res.verdict, "ok": ok,
             "rejected": sum(len(c.rejected) for c in res.comparisons if c.name == "spec"),
