@@ -1,84 +1,46 @@
 """Load-aware speculation (issue 20): each step's verify span, chosen by the gate, the trim or the cost model.
 
-Speculation pays at one stream and loses under load: a verify step costs batch x span target rows where a
-plain decode costs batch rows. `SpanPolicy.choose(running, proposer, step)` decides, once per step, how
-many drafts every decode-phase request carries (the schedule phase's `draft_lens`) and why:
+Contract: `SpanPolicy.choose(running, proposer, step)` decides, once per step, how many drafts every
+decode-phase request carries (the schedule phase's `draft_lens`) and why. The measurements behind each rule
+below are in docs/levers.md ("Why the automatic policy's rules are what they are").
 - a request that cannot speculate (prompt logprobs, logprobs with SpecConfig.logprobs off, sampling without spec
   sampling, one token left) is `INELIGIBLE`; one whose proposer has no context for its committed length is
-  `NOT_READY` (plain decode);
-  every other one is draft-ready and gets the step's drafts (`SPEC`) or none (`GATED`);
+  `NOT_READY` (plain decode); every other one is draft-ready and gets the step's drafts (`SPEC`) or none
+  (`GATED`);
 - gate (`SpecPlan.gate` = N > 0): with more than N running requests the step is a one-token round, every
-  draft-ready request `GATED` (N = 1: every step of a batch is gated, a request alone speculates). A gated
-  span is a plain decode of [current token]: one token committed, and its tapped row enters the drafter's
-  context like any committed row (commit.py -> `Proposer.observe`), so the request stays draft-ready and
-  speculates again, without a prefill, as soon as N or fewer run;
-- otherwise, without the automatic policy: `SpecPlan.fixed_drafts` (trim k when set, else K), capped by what
-  the request has left (min(d, remaining - 1)), exactly `draft_lens` of spec/propose.py when no lever is set;
-- automatic policy (`SpecPlan.policy == "auto"`): over the span variants s (1 + drafts, SpecPlan.span_variants),
-  the expected committed tokens per second
+  draft-ready request `GATED`. A gated span is a plain decode of [current token] whose tapped row enters the
+  drafter's context like any committed row (commit.py -> `Proposer.observe`), so the request speculates again,
+  without a prefill, as soon as N or fewer run;
+- without the automatic policy: `SpecPlan.fixed_drafts` (trim k when set, else K), capped by what the request
+  has left (min(d, remaining - 1)): exactly `draft_lens` of spec/propose.py when no lever is set;
+- automatic policy (`SpecPlan.policy == "auto"`): over the span variants s = 1 + d (SpecPlan.span_variants),
+  the span with the most expected committed tokens per second wins (ties: the shorter span)
       tokens(d) / (C_verify(b, d + 1) + [d > 0] C_draft(r) + overhead)
   with b the decode-phase requests, r the draft-ready ones, tokens(d) = the non-ready requests' one token each
   plus, per ready request, 1 + sum_{j=1..d'} prod_{i<j} c_i (d' = min(d, remaining - 1)), c_i the running
   acceptance at draft position i given positions < i were accepted (`Acceptance`, decayed counts with a
   prior), C_* the start-up cost model (spec/costs.py) and `overhead` the median over the last `WINDOW`
-  unchained steps of the host time a step costs beyond the model (its wall time minus the model's figure; a
-  running mean of it kept a cold first step for hundreds of steps, H200 2026-12-04, benchmarks/load.py: one-token
-  rounds held at c16 and tau 3.5 where span 16 ran 1.30x faster). Online correction (off with
-  SPECBENCH_SPEC_ONLINE=0): once a (batch bucket, span) pair has run `MIN_OBS` steps, its measured step time
-  (the median of the wall times its recent steps added to the run, below) replaces the model's figure for it,
-  so a cost the model does not see (attention over long contexts, host work that grows with the span) still
-  decides. The best d wins (ties: the shorter span).
-- what a step costs is the wall time it adds to the run: from the previous step's commit (when the engine
-  was busy: requests left running; after an idle spell, from its own schedule phase) to after its own commit.
-  Only steps whose span the policy chose are timed (not `no_ready` ones), and none that carries a prefill
-  chunk: a chunk's cost is the same whatever the span, and timed under the span of the moment it made a wave
-  of arrivals look like the price of that span. In benchmarks/policy_sim.py (H200-fitted costs, c64, tau 3.5)
-  timing them made the policy leave one-token rounds during each wave, for 0.90x of plain decode instead of
-  ~1.0x; on the H200 (version c, reports/h200-levers/2026-12-04) the `no_ready` ones alone made it 0.49x.
-  Every step pays the loop's work between two steps (outputs, admission), so timing a speculative step from its
-  schedule phase but a chained gated round from the commit before it (as until 2026-12-04) made speculation
-  look cheaper than it is (H200, tau 2.0, c16: span 4 measured 6.7 ms, ran ~8 ms a step; the policy held it at
-  0.87x of plain decode, reports/h200-gated/);
-- a one-token round that runs chained (engine/ahead.py, `chain_ok`: gated rounds one step ahead) hides the
-  host work of the step before it, so it costs less than one timed alone (the first of a run, an exploration
-  between speculative steps). Its chained times are kept apart (`chain_walls` per batch bucket); the span-1
-  figure is the chained one weighted by the share of one-token rounds right after a timed one-token round that
-  ran chained (`chain_frac`; a round after a prefill-mixed step restarts a chain and does not count),
-  the unchained one for the rest; with no chained observation yet, the model's replay time of the decode
-  step (optimistic where unknown, corrected by use, as the acceptance estimate is);
-- in a chain of one-token rounds (the last decision span 1, rounds chaining), a speculative span's step time
-  carries 1 / `HOLD` of the unchained round that restarts the chain when the policy comes back: switching has
-  a price, so near a tie the policy holds (in benchmarks/policy_sim.py at c16 and tau 2.0, span 4 and chained
-  rounds within 2 % of each other, it flipped between them and lost 4 % to both); charged whole to every
-  speculative step it kept c1 at tau 2.0 gated where span 8 is 8 % faster;
+  unchained steps of a step's wall time beyond the model's figure;
+- online correction (off with SPECBENCH_SPEC_ONLINE=0): once a (batch bucket, span) pair has run `MIN_OBS`
+  steps, the median of its last `WINDOW` measured step times replaces the model's figure for it;
+- a step's measured time is the wall time it adds to the run: from the previous step's commit (when requests
+  were left running; after an idle spell, from its own schedule phase) to after its own commit. Only steps whose
+  span the policy chose are timed: not `no_ready` ones, and none that carries a prefill chunk;
+- a one-token round that ran chained (engine/ahead.py, `chain_ok`) is timed apart (`chain_walls` per batch
+  bucket); the span-1 figure weights the chained time by `chain_frac` (the share of one-token rounds right
+  after a timed one-token round that ran chained; a round after a prefill-mixed step restarts a chain) and the
+  unchained time by the rest; with no chained observation yet, the model's replay time of the decode step;
+- in a chain of one-token rounds, a speculative span's step time carries 1 / `HOLD` of the unchained round
+  that restarts the chain; a gated or no_ready round counts as a one-token round for this;
 - until `EVIDENCE` verify spans have been observed (the acceptance estimate's decayed count at position 0) the
-  policy speculates (its best span > 1): a one-token round observes no acceptance, so a policy that gated on
-  its prior (0.6 per position) learned nothing until an exploration; in benchmarks/policy_sim.py at c1 and tau 6.5
-  one seed held span 1 for 64 steps (0.73x of fixed span 16);
-- exploration: at most once per `EXPLORE` (8) decisions, another candidate runs instead (one never run at this
-  bucket first, else the runner-up; reason "explore"), so neither the acceptance estimate nor the measured times
-  freeze while the policy holds one span; but only from a budget (per batch bucket: what c1's cheap steps
-  saved is not spent at c64): every decision adds `EXPLORE_SHARE` of the best span's step time, and an
-  exploration spends its regret (its step time minus the time the best span takes for the same tokens; out
-  of a chain of one-token rounds also the round that restarts it, and a run of span 1 from a speculative best
-  starts with an unchained round). So
-  exploring costs about `EXPLORE_SHARE` (0.5 %) of the run whatever the batch, and near a tie (small regret) it
-  is frequent: a span-16 step at c64 costs ~4 one-token rounds, and explored every 64 decisions it took ~15 %
-  of the run (H200, tau 2.0: the automatic policy at 0.78x of plain with 97 % of its steps gated); exploring
-  the least observed span spent the budget on spans nobody would pick (span 2 at c1), so an unlucky acceptance
-  estimate stayed uncorrected. A span already run at the bucket is explored only when its expected rate is
-  within `EXPLORE_GAP` (25 %) of the best's: one far behind cannot take over without a change that large, and
-  an exploration has a cost the regret does not see: where a batch runs in step (requests of one length that
-  started together finish together, their successors' prefills share a few steps), one speculative step spreads
-  the finishes, and every successor's prefill then costs a mixed step of its own (H200, sweep at c64 and tau
-  3.5: six explorations among 385 one-token rounds, 46 steps of 12-30 ms instead of 4, 0.76x of plain decode
-  where gate 1 made 0.97x). Exploring span 1 where rounds chain runs `EXPLORE_RUN` rounds in a row, so its
-  chained cost gets measured; the run ends early at a bucket change, a gated or no_ready step, or a prefill
-  chunk. A gated or no_ready round counts as a one-token round for `HOLD` (the chain the engine is in);
-- a (bucket, span)'s measured time is the median of its last `WINDOW` steps: one stalled step (147 ms among
-  chained rounds of ~4 ms at c64 on the H200) in a running mean priced span 1 at 32 ms for the rest of the run,
-  and the policy speculated at 0.65x of plain decode where gating made 0.97x; clipped at 3x the mean it still
-  priced span 1 40 % high until the policy ran it again, which it then rarely did (benchmarks/policy_sim.py).
+  policy speculates (its best span > 1);
+- exploration: at most once per `EXPLORE` decisions another candidate runs instead (reason "explore": one never
+  run at this bucket first, else the runner-up), paid from a per-bucket budget: every decision adds
+  `EXPLORE_SHARE` of the best span's step time, an exploration spends its regret (its step time minus the
+  best span's time for the same tokens, plus a chain restart where it breaks one). A span already run at the
+  bucket is explored only within `EXPLORE_GAP` of the best's expected rate. Exploring span 1 where rounds
+  chain runs `EXPLORE_RUN` rounds in a row, ending early at a bucket change, a gated or no_ready step, or a
+  prefill chunk.
 Every step's choice is one `trace` entry (a bounded deque; SPECBENCH_STEP_TRACE entries, default 4096, 0 =
 off): step, running, ready, span, reason, and per request id its state, drafts and accepted drafts; and
 counted in the metrics (`EngineMetrics.record_span`: gated rounds, the span histogram).
