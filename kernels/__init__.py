@@ -24,6 +24,8 @@ import os
 
 import torch
 
+from specbench.env import env_flag
+
 
 @functools.cache
 def triton_importable() -> bool:
@@ -38,13 +40,6 @@ def triton_importable() -> bool:
 def interpreting() -> bool:
     """True under TRITON_INTERPRET=1 (the kernels then run on CPU tensors, for tests)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def env_flag(name: str, default: bool) -> bool:
-    v = os.environ.get(name)
-    if v is None or v == "":
-        return default
-    return v.strip().lower() not in ("0", "false", "off", "no")
 
 
 def triton_enabled(device: torch.device | str, allow: bool = True) -> bool:
