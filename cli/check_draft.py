@@ -131,9 +131,9 @@ def _selftest(draft: str, target: str, num_prompts: int, max_tokens: int, say) -
 def local_draft_verdict(spec, log) -> str | None:
     """The checkpoint checks for the drafter of a local engine string (`lossless` runs them on its candidate);
     None when the engine is not local or drafts without a DFlash checkpoint."""
+    from specbench.engine.config import spec_method
     from specbench.harness.checkdraft import check_draft as run_checks
     from specbench.harness.engines import bundled
-    from specbench.harness.spec_method import spec_method
 
     if spec.kind != "local":
         return None

@@ -126,15 +126,16 @@ def serve(
                                                     "$SPECBENCH_ENGINE_PROCESS=0|1, else on; docs/server.md)."),
 ) -> None:
     """Serve the reference engine with an OpenAI-compatible API (/v1/completions, /v1/chat/completions, ...)."""
+    from specbench.engine.config import FRONT_DOOR_METHODS, SPEC_CHOICES, engine_method, spec_method
     from specbench.harness.engines import EngineStringError, bundled
     from specbench.harness.server.lifecycle import BindError, bind
     from specbench.harness.server.options import ServerOptions, parse_origins
-    from specbench.harness.spec_method import SPEC_METHODS, engine_method, spec_method
 
     from .serve_checks import EXIT_BIND, EXIT_CONFIG, check_dirs
 
-    if spec is not None and spec not in SPEC_METHODS:
-        typer.echo(f"specbench serve: --spec={spec!r} is invalid: expected dflash, ngram or off", err=True)
+    if spec is not None and spec not in SPEC_CHOICES:
+        typer.echo(f"specbench serve: --spec={spec!r} is invalid: expected {', '.join(FRONT_DOOR_METHODS)} or off",
+                   err=True)
         raise typer.Exit(2)
     try:
         opts = ServerOptions.from_env(api_key, metrics_need_key=metrics_auth,

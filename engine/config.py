@@ -3,7 +3,17 @@
 Contract: every dataclass here is immutable and validated on construction; a bad value raises
 `ConfigError` naming the field, the value and what would be accepted. Derived values are properties.
 `ModelConfig.from_dir` is the only reader of a checkpoint's config.json, for fixtures and real
-checkpoints alike.
+checkpoints alike. This module imports no torch and no kernel (only `require_device` imports torch, when it
+is called), so the harness imports its vocabularies and the `spec_method` rule instead of copying them.
+
+The one spec-method rule: a front door (`LLM(spec=...)`, engine strings, `serve --spec`, the adapters) names the
+speculation as `spec`, resolved by `spec_method(spec, draft)`:
+- None or "auto" (not said): "dflash" when a drafter is given, else "off";
+- "on": "dflash" when a drafter is given, else "ngram" (the proposer that needs no drafter);
+- "off", or a method of `FRONT_DOOR_METHODS`: as given;
+- anything else: `ConfigError` naming `spec` and the accepted values.
+`engine_method` turns the resolved name into `SpecConfig.method` (None for off). A "dflash" without a drafter is
+returned as is: the engine (spec/plan.py `resolve_spec`) or the engine-string builder refuses it with the reason.
 """
 
 from __future__ import annotations
@@ -15,7 +25,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from specbench.kernels import env_flag
+from specbench.env import env_flag
 
 
 class ConfigError(ValueError):
@@ -46,6 +56,11 @@ def require_device(device: str, who: str | None = None) -> None:
 def _need(cond: bool, fieldname: str, value: Any, accepted: str) -> None:
     if not cond:
         raise ConfigError(f"{fieldname}={value!r} is invalid: expected {accepted}")
+
+
+def _either(names: tuple[str, ...]) -> str:
+    """"a, b or c": the accepted values of a vocabulary, for a message."""
+    return f"{', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else names[0]
 
 
 def _env_count(name: str) -> int:
@@ -333,7 +348,33 @@ def bias_pairs(v: Any) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(out.items()))
 
 
-SPEC_METHODS = ("dflash", "ngram", "oracle")
+SPEC_METHODS = ("dflash", "ngram", "oracle")  # SpecConfig.method (None = off)
+# Methods only the engine's own callers set (the oracle replays known continuations: a proposer handed to
+# LLMEngine, never a name a run asks for); every other method a front door may name.
+INTERNAL_SPEC_METHODS = ("oracle",)
+FRONT_DOOR_METHODS = tuple(m for m in SPEC_METHODS if m not in INTERNAL_SPEC_METHODS)
+SPEC_CHOICES = ("off", *FRONT_DOOR_METHODS)  # what `spec_method` resolves to; engine strings and `serve --spec`
+SPEC_SWITCHES = ("auto", "on")  # besides SPEC_CHOICES and None: the choice left to the drafter's presence
+
+
+def spec_method(spec: str | None, draft: str | None) -> str:
+    """The speculation a front door's `spec` asks for, given a drafter directory or None: one of SPEC_CHOICES
+    (the rule in the module docstring)."""
+    if spec is None or spec == "auto":
+        return "dflash" if draft else "off"
+    if spec == "on":
+        return "dflash" if draft else "ngram"
+    if spec not in SPEC_CHOICES:
+        raise ConfigError(f"spec={spec!r} is invalid: expected a spec method ({', '.join(SPEC_CHOICES)}), "
+                          f"{' or '.join(SPEC_SWITCHES)} (a drafter's presence decides), or null (= auto)")
+    return spec
+
+
+def engine_method(method: str) -> str | None:
+    """`SpecConfig.method` for a resolved method name: None for off."""
+    return None if method == "off" else method
+
+
 SPEC_POLICIES = ("off", "auto")  # SpecConfig.policy: fixed spans, or the cost-model span choice (spec/policy.py)
 # The load-aware levers (issue 20) from the environment when not given: unset, "" and 0 mean off.
 LEVER_ENV = {"gate": "SPECBENCH_SPEC_GATE", "trim": "SPECBENCH_SPEC_TRIM", "policy": "SPECBENCH_SPEC_POLICY"}
@@ -391,7 +432,7 @@ class SpecConfig:
             v = getattr(self, name)
             _need(isinstance(v, int) and not isinstance(v, bool) and v >= 0, f"spec.{name}", v,
                   "an integer >= 0 (0 = off)")
-        _need(self.policy in SPEC_POLICIES, "spec.policy", self.policy, "off or auto")
+        _need(self.policy in SPEC_POLICIES, "spec.policy", self.policy, _either(SPEC_POLICIES))
         _need(self.method is None or self.method in SPEC_METHODS, "spec.method", self.method,
               f"one of {', '.join(SPEC_METHODS)} or null")
         k = self.num_speculative_tokens
@@ -405,6 +446,13 @@ class SpecConfig:
     @property
     def enabled(self) -> bool:
         return self.method is not None
+
+
+# The vocabularies of EngineConfig's string fields (engine strings take them from here, harness/engines.py)
+DTYPES = ("float32", "bfloat16", "float16")  # EngineConfig.dtype
+ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")  # EngineConfig.attention_backend
+DECODE_ATTENTION = ("flashinfer", "triton")  # EngineConfig.decode_attention: FlashInfer's decode steps
+PADDED_ROWS = ("ladder", "bucket")  # EngineConfig.padded_rows: the padded runner's prefill-mixed row counts
 
 
 @dataclass(frozen=True)
@@ -531,8 +579,7 @@ class EngineConfig:
     spec_capture_cache_mb: float | None = None
 
     def __post_init__(self) -> None:
-        _need(self.dtype in ("float32", "bfloat16", "float16"), "dtype", self.dtype,
-              "one of float32, bfloat16, float16")
+        _need(self.dtype in DTYPES, "dtype", self.dtype, f"one of {', '.join(DTYPES)}")
         _need(self.page_size >= 1 and (self.page_size & (self.page_size - 1)) == 0, "page_size",
               self.page_size, "a power of two")
         _need(self.num_pages is None or self.num_pages >= 1, "num_pages", self.num_pages, "null or >= 1")
@@ -541,8 +588,8 @@ class EngineConfig:
               "an integer >= 16")
         _need(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", self.gpu_memory_utilization,
               "a number in (0, 1]")
-        _need(self.attention_backend in ("auto", "torch", "flashinfer"), "attention_backend",
-              self.attention_backend, "auto, torch or flashinfer")
+        _need(self.attention_backend in ATTENTION_BACKENDS, "attention_backend", self.attention_backend,
+              _either(ATTENTION_BACKENDS))
         _need(self.prefix_cache_pages is None or (isinstance(self.prefix_cache_pages, int)
                                                   and not isinstance(self.prefix_cache_pages, bool)
                                                   and self.prefix_cache_pages >= 1),
@@ -550,7 +597,7 @@ class EngineConfig:
         mb = self.spec_capture_cache_mb
         _need(mb is None or (isinstance(mb, int | float) and not isinstance(mb, bool) and math.isfinite(mb) and mb >= 0),
               "spec_capture_cache_mb", mb, "null or a number >= 0 (0 = off)")
-        _need(self.padded_rows in ("ladder", "bucket"), "padded_rows", self.padded_rows, "one of ladder, bucket")
+        _need(self.padded_rows in PADDED_ROWS, "padded_rows", self.padded_rows, f"one of {', '.join(PADDED_ROWS)}")
         _need(isinstance(self.whole_prefill, int) and not isinstance(self.whole_prefill, bool)
               and 0 <= self.whole_prefill <= self.max_num_batched_tokens, "whole_prefill", self.whole_prefill,
               f"an integer 0 (off) .. max_num_batched_tokens={self.max_num_batched_tokens}")
@@ -558,8 +605,8 @@ class EngineConfig:
               "null (CUDA only), true or false")
         _need(isinstance(self.tp_emulate, int) and not isinstance(self.tp_emulate, bool) and self.tp_emulate >= 1,
               "tp_emulate", self.tp_emulate, "an integer >= 1 (1 = off: one GEMM per projection)")
-        _need(self.decode_attention in ("flashinfer", "triton"), "decode_attention", self.decode_attention,
-              "flashinfer or triton")
+        _need(self.decode_attention in DECODE_ATTENTION, "decode_attention", self.decode_attention,
+              _either(DECODE_ATTENTION))
         if isinstance(self.faults, list):
             object.__setattr__(self, "faults", tuple(self.faults))
 

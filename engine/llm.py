@@ -1,16 +1,16 @@
 """The vLLM-style front door: `LLM(model, draft=None, device=..., dtype=...)` and `LLM.generate`.
 
-`spec` picks speculation: "dflash" (default when a drafter is given), "ngram", or None/"off"; `spec_gate`,
-`spec_trim`, `spec_policy` the load-aware levers (spec/policy.py).
+`spec` picks speculation by the one spec-method rule (config.py `spec_method`): "auto" or None (the default:
+dflash when a drafter is given, else off), "on" (dflash with a drafter, else ngram), "off", "dflash" or "ngram";
+`spec_gate`, `spec_trim`, `spec_policy` the load-aware levers (spec/policy.py).
 """
 
 from __future__ import annotations
 
 import sys
 
-from .config import EngineConfig, SamplingParams, SpecConfig, lever_kw
+from .config import EngineConfig, SamplingParams, SpecConfig, engine_method, lever_kw, spec_method
 from .engine import LLMEngine, RequestOutput
-from .spec.plan import spec_method
 from .spec.proposer import Proposer
 
 
@@ -40,7 +40,7 @@ class LLM:
         levers = lever_kw(spec_gate, spec_trim, spec_policy)
         if spec_logprobs is not None:
             levers["logprobs"] = spec_logprobs
-        spec_cfg = SpecConfig(method=spec_method(spec, draft), num_speculative_tokens=num_speculative_tokens,
+        spec_cfg = SpecConfig(method=engine_method(spec_method(spec, draft)), num_speculative_tokens=num_speculative_tokens,
                               batched_draft=batched_draft, synthetic_tau=synthetic_tau, sampling=spec_sampling,
                               **levers)
         return EngineConfig(model=str(model), draft=str(draft) if draft else None, device=device, dtype=dtype,

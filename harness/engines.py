@@ -26,8 +26,10 @@ With no engine string at all, `default_engines()` gives the bundled tiny pair: t
 speculation off and the candidate with speculation on (dflash; ngram while the drafter is absent).
 `spec_off_twin(spec)` is the one builder of a local engine's speculation-off twin (the reference a
 candidate is judged against); `baseline_and_candidate` is how every command turns its --baseline and
---candidate options into the two arms. Which method a local engine runs is `spec_method`
-(spec_method.py).
+--candidate options into the two arms. Which method a local engine runs is `spec_method`, the one
+spec-method rule (engine/config.py, re-exported here for the suites). The vocabularies an option accepts
+(spec, dtype, attention, decode_attention, padded_rows, policy) are engine/config.py's, and an option that
+sets an `EngineConfig` field is converted by that field's type (`ENGINE_FIELDS`, `engine_kw`).
 Contract: `parse_engine` never touches the network or loads weights; it checks the form, the option
 names and values, and that local directories exist, raising `EngineStringError` (a ValueError) whose
 message names the bad part and lists the accepted forms. The CLI turns it into exit code 2.
@@ -35,17 +37,31 @@ message names the bad part and lists the accepted forms. The CLI turns it into e
 
 from __future__ import annotations
 
+import functools
 import re
+import types
+import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from .spec_method import SPEC_METHODS, spec_method
+from specbench.engine.config import (
+    ATTENTION_BACKENDS,
+    DECODE_ATTENTION,
+    DTYPES,
+    PADDED_ROWS,
+    SPEC_CHOICES,
+    SPEC_POLICIES,
+    EngineConfig,
+    spec_method,
+)
+from specbench.env import OFF_WORDS
 
 if TYPE_CHECKING:
     from .adapters.base import EngineAdapter
 
-FORMS = ("local[:<model_dir>][,draft=<dir>][,spec=off|dflash|ngram][,k=N][,device=cpu|cuda][,dtype=...]",
+FORMS = (f"local[:<model_dir>][,draft=<dir>][,spec={'|'.join(SPEC_CHOICES)}][,k=N][,device=cpu|cuda][,dtype=...]",
          "openai:<base_url>[,model=M]", "hf:<model_dir>[,assistant=<dir>][,lookup=N]")
 OPTIONS = {
     "local": ("draft", "spec", "k", "device", "dtype", "num_pages", "faults", "name", "max_model_len", "tau",
@@ -57,16 +73,46 @@ OPTIONS = {
                "ready_timeout", "dtype"),
     "hf": ("assistant", "lookup", "device", "dtype", "name"),
 }
-SPECS = SPEC_METHODS
-ATTENTION = ("auto", "torch", "flashinfer")
-POLICIES = ("off", "auto")  # SpecConfig.policy
-LEVERS = {"gate": "spec_gate", "trim": "spec_trim", "policy": "spec_policy"}  # option -> LocalAdapter.from_dirs
-DECODE_ATTENTION = ("flashinfer", "triton")  # EngineConfig.decode_attention: FlashInfer's decode steps
-PADDED_ROWS = ("ladder", "bucket")  # EngineConfig.padded_rows: the padded runner's prefill-mixed row counts
-BOOLS = ("0", "1", "true", "false", "yes", "no", "on", "off")
-SWITCHES = ("eager", "graph_runner", "verify_graph", "draft_graph", "triton", "decode_tensor_cores", "gemv", "skinny", "graph_logits",
-            "graph_context", "selector_kernel", "decode_ahead", "gated_ahead", "whole_graphs", "defer_drafts")  # EngineConfig fields
-DTYPES = ("float32", "bfloat16", "float16")
+TRUE_WORDS = ("1", "true", "yes", "on")
+BOOLS = (*TRUE_WORDS, *OFF_WORDS)  # what a 0/1 option accepts
+
+
+def _truthy(v: str) -> bool:
+    return v in TRUE_WORDS
+
+
+# A local engine's options that are LocalAdapter.from_dirs's own arguments: the arm, its speculation and the
+# SpecConfig fields (option -> (from_dirs keyword, conversion)); draft / spec / k / device / dtype / name are
+# passed by name in build_adapter.
+SPEC_ARGS: dict[str, tuple[str, Callable[[str], Any]]] = {
+    "tau": ("synthetic_tau", float), "mix": ("ngram_mix", float), "spec_logprobs": ("spec_logprobs", _truthy),
+    "gate": ("spec_gate", int), "trim": ("spec_trim", int), "policy": ("spec_policy", str)}
+ARM_OPTIONS = ("draft", "spec", "k", "device", "dtype", "name", *SPEC_ARGS)
+# Options named otherwise than the EngineConfig field they set; every other local option is its field's name.
+RENAMED = {"attention": "attention_backend", "invariants": "check_invariants", "capture_mb": "spec_capture_cache_mb"}
+ENGINE_FIELDS = {o: RENAMED.get(o, o) for o in OPTIONS["local"] if o not in ARM_OPTIONS}  # option -> field
+
+
+@functools.cache
+def field_type(name: str) -> Any:
+    """The type an option gives EngineConfig field `name`: the field's annotation, X for X | None."""
+    t = typing.get_type_hints(EngineConfig)[name]
+    if isinstance(t, types.UnionType):
+        t = next(a for a in typing.get_args(t) if a is not type(None))
+    return t
+
+
+def field_value(name: str, raw: str) -> Any:
+    """An engine-string value as EngineConfig field `name` takes it, by the field's type: a switch (bool) from
+    0/1 words, an int, a float, a `+`-separated tuple (faults), else the string."""
+    t = field_type(name)
+    if t is bool:
+        return _truthy(raw)
+    if t in (int, float):
+        return t(raw)
+    if typing.get_origin(t) is tuple:
+        return tuple(p for p in raw.split("+") if p)
+    return raw
 
 
 class EngineStringError(ValueError):
@@ -84,7 +130,7 @@ class EngineSpec:
         return int(self.options[key]) if key in self.options else None
 
     def opt_bool(self, key: str, default: bool) -> bool:
-        return self.options[key] in ("1", "true", "yes", "on") if key in self.options else default
+        return _truthy(self.options[key]) if key in self.options else default
 
 
 def _fail(raw: str, what: str) -> EngineStringError:
@@ -138,8 +184,8 @@ def parse_engine(raw: str) -> EngineSpec:
             raise _fail(raw, f"dialect={opts['dialect']!r} is invalid: expected one of {', '.join(DIALECTS)}")
     if "probe" in opts and opts["probe"] not in BOOLS:
         raise _fail(raw, f"probe={opts['probe']!r} is invalid: expected 0 or 1")
-    if opts.get("spec") is not None and opts["spec"] not in SPECS:
-        raise _fail(raw, f"spec={opts['spec']!r} is invalid: expected one of {', '.join(SPECS)}")
+    if opts.get("spec") is not None and opts["spec"] not in SPEC_CHOICES:
+        raise _fail(raw, f"spec={opts['spec']!r} is invalid: expected one of {', '.join(SPEC_CHOICES)}")
     if opts.get("dtype") is not None and opts["dtype"] not in DTYPES:
         raise _fail(raw, f"dtype={opts['dtype']!r} is invalid: expected one of {', '.join(DTYPES)}")
     dev = opts.get("device")
@@ -149,10 +195,11 @@ def parse_engine(raw: str) -> EngineSpec:
                     ("max_num_seqs", 1), ("ready_timeout", 0), ("gate", 0), ("trim", 0), ("whole_prefill", 0),
                     ("tp_emulate", 1)):
         _check_int(raw, opts, key, lo)
-    if opts.get("policy") is not None and opts["policy"] not in POLICIES:
-        raise _fail(raw, f"policy={opts['policy']!r} is invalid: expected one of {', '.join(POLICIES)}")
-    if opts.get("attention") is not None and opts["attention"] not in ATTENTION:
-        raise _fail(raw, f"attention={opts['attention']!r} is invalid: expected one of {', '.join(ATTENTION)}")
+    if opts.get("policy") is not None and opts["policy"] not in SPEC_POLICIES:
+        raise _fail(raw, f"policy={opts['policy']!r} is invalid: expected one of {', '.join(SPEC_POLICIES)}")
+    if opts.get("attention") is not None and opts["attention"] not in ATTENTION_BACKENDS:
+        raise _fail(raw, f"attention={opts['attention']!r} is invalid: expected one of "
+                    f"{', '.join(ATTENTION_BACKENDS)}")
     if opts.get("decode_attention") is not None and opts["decode_attention"] not in DECODE_ATTENTION:
         raise _fail(raw, f"decode_attention={opts['decode_attention']!r} is invalid: expected one of "
                     f"{', '.join(DECODE_ATTENTION)}")
@@ -165,7 +212,7 @@ def parse_engine(raw: str) -> EngineSpec:
         except (ValueError, AssertionError):
             raise _fail(raw, f"capture_mb={opts['capture_mb']!r} is invalid: expected a number of MiB >= 0 "
                         "(0 = the drafter's capture cache off)") from None
-    for key in (*SWITCHES, "invariants", "prefix_cache", "spec_logprobs"):
+    for key in (*(o for o, f in ENGINE_FIELDS.items() if field_type(f) is bool), "spec_logprobs"):
         if key in opts and opts[key] not in BOOLS:
             raise _fail(raw, f"{key}={opts[key]!r} is invalid: expected 0 or 1")
     if "gpu_memory_utilization" in opts:
@@ -332,6 +379,15 @@ def share_gpu(specs: list[EngineSpec], utilization: float = 0.85) -> list[Engine
     return out
 
 
+def engine_kw(options: dict[str, str]) -> dict[str, Any]:
+    """LocalAdapter.from_dirs keywords for a local engine string's options past draft / spec / k / device / dtype /
+    name: each EngineConfig field an option sets (ENGINE_FIELDS), typed by the field, and the speculation
+    arguments (SPEC_ARGS)."""
+    kw = {f: field_value(f, options[o]) for o, f in ENGINE_FIELDS.items() if o in options}
+    kw.update({arg: conv(options[o]) for o, (arg, conv) in SPEC_ARGS.items() if o in options})
+    return kw
+
+
 def build_adapter(spec: EngineSpec | str, name: str | None = None) -> EngineAdapter:
     """Build the adapter an engine string names (loads weights for local/hf)."""
     spec = parse_engine(spec) if isinstance(spec, str) else spec
@@ -348,49 +404,9 @@ def build_adapter(spec: EngineSpec | str, name: str | None = None) -> EngineAdap
         if method == "dflash" and not draft:
             raise EngineStringError(f"engine string {spec.raw!r}: spec=dflash needs draft=<dir> "
                                     "(the bundled drafter is not built yet; use spec=ngram)")
-        kw: dict = {}
-        if "num_pages" in o:
-            kw["num_pages"] = int(o["num_pages"])
-        if "max_model_len" in o:
-            kw["max_model_len"] = int(o["max_model_len"])
-        if "faults" in o:
-            kw["faults"] = tuple(f for f in o["faults"].split("+") if f)
-        if "tau" in o:
-            kw["synthetic_tau"] = float(o["tau"])
-        if "mix" in o:
-            kw["ngram_mix"] = float(o["mix"])
-        if "max_num_seqs" in o:
-            kw["max_num_seqs"] = int(o["max_num_seqs"])
-        if "gpu_memory_utilization" in o:
-            kw["gpu_memory_utilization"] = float(o["gpu_memory_utilization"])
-        if "attention" in o:
-            kw["attention_backend"] = o["attention"]
-        if "decode_attention" in o:
-            kw["decode_attention"] = o["decode_attention"]
-        if "padded_rows" in o:
-            kw["padded_rows"] = o["padded_rows"]
-        if "whole_prefill" in o:
-            kw["whole_prefill"] = int(o["whole_prefill"])
-        if "tp_emulate" in o:  # EngineConfig.tp_emulate: emulated TP-N reduction order (docs/noise.md)
-            kw["tp_emulate"] = int(o["tp_emulate"])
-        for key in SWITCHES:
-            if key in o:
-                kw[key] = spec.opt_bool(key, False)
-        if "invariants" in o:
-            kw["check_invariants"] = spec.opt_bool("invariants", False)
-        if "prefix_cache" in o:  # docs/prefix-cache.md
-            kw["prefix_cache"] = spec.opt_bool("prefix_cache", True)
-        if "prefix_cache_pages" in o:
-            kw["prefix_cache_pages"] = int(o["prefix_cache_pages"])
-        if "capture_mb" in o:
-            kw["spec_capture_cache_mb"] = float(o["capture_mb"])
-        if "spec_logprobs" in o:  # logprobs requests speculate (SpecConfig.logprobs; default on)
-            kw["spec_logprobs"] = spec.opt_bool("spec_logprobs", True)
-        for key, arg in LEVERS.items():
-            if key in o:
-                kw[arg] = o[key] if key == "policy" else int(o[key])
         return LocalAdapter.from_dirs(target, draft=draft, spec=method, k=spec.opt_int("k"),
-                                      device=o.get("device", "cpu"), dtype=o.get("dtype", "float32"), name=name, **kw)
+                                      device=o.get("device", "cpu"), dtype=o.get("dtype", "float32"), name=name,
+                                      **engine_kw(o))
     if spec.kind == "openai":
         from .adapters.openai_api import OpenAIAdapter
 

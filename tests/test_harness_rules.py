@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from specbench.engine.config import engine_method, spec_method
 from specbench.harness.datasets import bundled_prompts, gsm8k_prompt
 from specbench.harness.engines import (
     EngineStringError,
@@ -14,11 +15,12 @@ from specbench.harness.engines import (
     parse_engine,
     spec_off_twin,
 )
-from specbench.harness.spec_method import engine_method, spec_method
 
 
 def test_spec_method() -> None:
+    """The one rule (engine/config.py; tests/test_spec_method_home.py holds every front door to it)."""
     assert spec_method(None, "/d") == "dflash" and spec_method(None, None) == "off"
+    assert spec_method("auto", "/d") == "dflash" and spec_method("auto", None) == "off"
     assert spec_method("on", "/d") == "dflash" and spec_method("on", None) == "ngram"
     assert spec_method("ngram", "/d") == "ngram" and spec_method("off", "/d") == "off"
     assert engine_method("off") is None and engine_method("dflash") == "dflash"

@@ -1,7 +1,6 @@
 """Which speculation a run uses, decided once at start-up: the method, K, the headroom, who may speculate.
 
-The one home of these rules on the engine side:
-- `spec_method(spec, draft)`: the front door's choice ("auto": dflash when a drafter is given, else off);
+The one home of these rules (the front door's `spec` argument is resolved before, by config.py `spec_method`):
 - `resolve_spec(cfg, draft_cfg, proposer)`: the run's `SpecPlan`; a given proposer wins over
   `SpecConfig.method` and brings its own K;
 - K: a given proposer's own; dflash: `num_speculative_tokens` or block_size - 1 (at most block_size - 1);
@@ -36,14 +35,6 @@ if TYPE_CHECKING:
 
 DEFAULT_K = 4  # drafts per step for a method without a block (n-gram)
 AUTO_SPANS = (2, 4, 8)  # verify spans the automatic policy may pick besides 1, trim + 1 and K + 1
-
-
-def spec_method(spec: str | None, draft: str | None) -> str | None:
-    """SpecConfig.method for a front-door `spec` argument: "auto" -> dflash with a drafter, else off;
-    None / "off" -> off; anything else as given (SpecConfig validates it)."""
-    if spec == "auto":
-        return "dflash" if draft else None
-    return None if spec in (None, "off") else spec
 
 
 @dataclass(frozen=True)

@@ -29,10 +29,9 @@ from dataclasses import replace
 from typing import Any
 
 from specbench.engine import ConfigError, EngineConfig, LLMEngine, SamplingParams, SpecConfig
-from specbench.engine.config import bias_pairs, lever_kw
+from specbench.engine.config import bias_pairs, engine_method, lever_kw, spec_method
 from specbench.engine.scheduler import AdmissionError
 
-from ..spec_method import engine_method, spec_method
 from .base import (
     DECODE_WINDOW,
     FAULTS,
@@ -97,7 +96,7 @@ class LocalAdapter(EngineAdapter):
                   synthetic_tau: float | None = None, ngram_mix: float = 0.0, spec_gate: int | None = None,
                   spec_trim: int | None = None, spec_policy: str | None = None, spec_logprobs: bool | None = None,
                   **engine_kw: Any) -> LocalAdapter:
-        """spec: resolved by `spec_method` (harness/spec_method.py). synthetic_tau: draw acceptance for
+        """spec: resolved by `spec_method` (engine/config.py, the one spec-method rule). synthetic_tau: draw acceptance for
         speed curves on random weights (labelled in describe(); never for lossless). spec_gate / spec_trim /
         spec_policy: the load-aware levers (SpecConfig.gate / trim / policy; None = from the environment);
         spec_logprobs: logprobs requests speculate (SpecConfig.logprobs; None = from the environment)."""

@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from specbench.harness.adapters.base import EngineAdapter
+from specbench.harness.engines import spec_method
 from specbench.harness.redact import redact_text
-from specbench.harness.spec_method import spec_method
 
 from ..metrics_audit import per_step_stream, settle
 from .audit import audit_records
