@@ -1,7 +1,8 @@
 """`LLMEngine`: add_request / step / abort / generate over the scheduler, runner and proposer.
 
 One step reads as its five phases, each a call into the module named for it:
-  schedule  scheduler.py + spec/propose.py `draft_lens`: the step plan, a flat batch of token spans
+  schedule  spec/policy.py `SpanPolicy.choose` (drafts per request) + scheduler.py: the step plan, a flat
+            batch of token spans
   propose   spec/propose.py: drafts for the verify spans (the proposer's draft pass)
   forward   forward.py: ONE target forward over all spans (runner.py; the faults' forward hook)
   accept    accept_step.py: every span's new tokens (greedy match, rejection sampling, picks)
@@ -80,7 +81,7 @@ class LLMEngine:
         if self.mcfg.is_dflash:
             raise ConfigError(f"model={cfg.model!r} is a DFlash drafter; pass it as draft= and a Qwen3 target as model=")
         self.tokenizer = Tokenizer(cfg.model)
-        self.eos_ids = eos_ids(self.mcfg, cfg.model, self.tokenizer)
+        self.eos_ids = eos_ids(cfg.model, self.tokenizer)
         self.model = Qwen3ForCausalLM.load(cfg.model, self.mcfg, self.dtype, cfg.device)
         self.model.emulate_tp(cfg.tp_emulate)  # TP-N reduction order in o_proj / down_proj (1: off)
         self.draft_cfg, self.draft_model = self._load_drafter()

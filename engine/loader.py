@@ -1,4 +1,5 @@
-"""Checkpoint reading: config.json + safetensors (single file or sharded index), HF tensor names.
+"""Checkpoint weights: safetensors (single file or sharded index) by HF tensor names (config.json is
+config.py's `ModelConfig.from_dir`).
 
 The same code loads the tiny fixtures, the Qwen3-4B-shaped random pair and real checkpoints. Errors name
 the file and the tensor.

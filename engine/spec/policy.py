@@ -1,7 +1,7 @@
 """Load-aware speculation (issue 20): each step's verify span, chosen by the gate, the trim or the cost model.
 
 Contract: `SpanPolicy.choose(running, proposer, step)` decides, once per step, how many drafts every
-decode-phase request carries (the schedule phase's `draft_lens`) and why. The measurements behind each rule
+decode-phase request carries (the schedule phase, before `Scheduler.schedule`) and why. The measurements behind each rule
 below are in docs/levers.md ("Why the automatic policy's rules are what they are").
 - a request that cannot speculate (prompt logprobs, logprobs with SpecConfig.logprobs off, sampling without spec
   sampling, one token left) is `INELIGIBLE`; one whose proposer has no context for its committed length is

@@ -4,7 +4,8 @@
 - greedy.py: the greedy gate with re-anchoring after benign flips.
 - outcomes.py: the gate's outcome records (`Prompt`, `Divergence`, `PromptCheck`); `GateRun` and its verdict.
 - concurrent.py: staggered max_tokens in one batch, each against its own sequential baseline.
-- engine_gates.py: short-then-long, headroom admission, mixed batch, stop inside an accepted run.
+- engine_gates.py: the engine gates (`GATES`: short-then-long, headroom, mixed, stop and EOS inside an accepted
+  run, abort in flight, penalties, logit bias, min_tokens, long contexts; docs/lossless.md describes each).
 - checks.py: counter invariants, nothing after EOS, speculation-silently-off alarm, KV leaks.
 - selftest.py: every named engine fault must be caught by some gate; the clean engine never alarms.
 - report.py: markdown and JSON renderings (pure functions of the runs).
