@@ -44,6 +44,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from specbench.harness.http_json import http
 from specbench.harness.verdicts import CANNOT_TEST, FAIL, PASS
@@ -229,6 +230,8 @@ def wait(names: list[str], timeout: float) -> dict[str, bool]:
 
 
 def tail(path: str | None, n: int) -> str:
+    if path is None:
+        return ""
     try:
         return "\n".join(Path(path).read_text(errors="replace").splitlines()[-n:])
     except (OSError, TypeError):
@@ -284,13 +287,13 @@ def describe_servers(names: list[str]) -> dict:
         q = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
                            capture_output=True, text=True, timeout=20).stdout
         for line in q.strip().splitlines():
-            pid, mib = (x.strip() for x in line.split(","))
-            mem_by_pid[int(pid)] = int(mib)
+            pid_s, mib_s = (x.strip() for x in line.split(","))
+            mem_by_pid[int(pid_s)] = int(mib_s)
     except Exception as e:  # noqa: BLE001
         log(f"nvidia-smi per-process memory unavailable: {e!r}")
     out = {}
     for n in names:
-        s = dict(st.get(n, {}))
+        s: dict[str, Any] = dict(st.get(n, {}))
         sess = s.get("pid")
         mib = 0
         for pid, m in mem_by_pid.items():
@@ -312,14 +315,9 @@ def describe_servers(names: list[str]) -> dict:
 
 def versions() -> dict:
     v = {}
-    code = ("import json, torch, transformers\n"
-            "d = {'torch': torch.__version__, 'transformers': transformers.__version__, "
-            "'cuda': torch.version.cuda, 'gpu': torch.cuda.get_device_name(0)}\n"
-            "try:\n import vllm; d['vllm'] = vllm.__version__\nexcept Exception as e: d['vllm'] = repr(e)\n"
-            "try:\n import flashinfer; d['flashinfer'] = flashinfer.__version__\nexcept Exception as e: d['flashinfer'] = repr(e)\n"
-            "print(json.dumps(d))")
     for kind in ("vllm", "sb"):
-        r = subprocess.run([sys.executable, "-c", code], env=env_for(kind), capture_output=True, text=True, timeout=120)
+        r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "stack_versions.py")], env=env_for(kind),
+                           capture_output=True, text=True, timeout=120)
         try:
             v[kind] = json.loads(r.stdout.strip().splitlines()[-1])
         except (ValueError, IndexError):
@@ -345,6 +343,7 @@ def sb_cli(args: list[str], out: Path, tag: str, timeout: float, json_last: bool
     cmd = [sys.executable, "-m", "specbench", *args]
     log(f"{tag}: specbench {shlex.join(args)} (timeout {timeout:.0f}s)")
     t = time.time()
+    rc: int | str
     try:
         r = subprocess.run(cmd, env=env_for("sb"), capture_output=True, text=True, timeout=timeout, cwd=str(ROOT))
         rc, so, se = r.returncode, r.stdout, r.stderr
@@ -510,57 +509,18 @@ def gates(out: Path, logs: Path, record: list) -> None:
 
 
 def triage_prefix_cache(out: Path, name: str, model: str) -> dict:
-    """The same greedy requests, four ways, through specbench's own adapter: cold with salt A, cold with salt B
-    (never shares blocks with A), then twice with no salt (the second hits the cache the first filled). A
-    divergence in the fourth but not the second is the prefix cache; its regret (baseline top-20 at the first
-    divergence) says whether it is a tie flip."""
+    """benchmarks/prefix_triage.py against one server: the same greedy requests cold with two salts, then a
+    cache fill and a cache hit; a divergence of the hit that the two cold arms do not show is the prefix
+    cache's, and its regret says whether it is a tie flip."""
     tag = f"prefix-cache-{name}"
     if left() < 40:
         return {"tag": tag, "skipped": "deadline"}
-    code = r'''
-import asyncio, json, sys
-from specbench.harness.adapters.base import GenRequest
-from specbench.harness.adapters.openai_api import OpenAIAdapter
-from specbench.suites.lossless.prompts import load_prompts
-url, model = sys.argv[1], sys.argv[2]
-prompts = [text for _pid, text in load_prompts("gsm8k", 16)]
-def run(salt):
-    ad = OpenAIAdapter(url, model=model, extra_body={"cache_salt": salt} if salt else None)
-    reqs = [GenRequest(prompt=p, max_tokens=64, temperature=0.0, logprobs=20, ignore_eos=True) for p in prompts]
-    res = ad.generate_sync(reqs, concurrency=1)
-    ad.close()
-    return res
-arms = {"cold_a": run("salt-a"), "cold_b": run("salt-b"), "fill": run(None), "hit": run(None)}
-def first_div(a, b):
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None
-rows = []
-for i in range(len(prompts)):
-    ids = {k: (v[i].output_ids or []) for k, v in arms.items()}
-    row = {"prompt": i, "ok": all(v[i].ok for v in arms.values()),
-           "cold_a_vs_cold_b": first_div(ids["cold_a"], ids["cold_b"]),
-           "fill_vs_hit": first_div(ids["fill"], ids["hit"]), "cold_a_vs_fill": first_div(ids["cold_a"], ids["fill"])}
-    d = row["fill_vs_hit"]
-    lp = arms["fill"][i].logprobs
-    if d is not None and lp and d < len(lp):
-        top = lp[d].top
-        pick = ids["hit"][d]
-        best = max(top.values()) if top else None
-        row["regret_hit_pick_under_fill"] = None if best is None or pick not in top else round(best - top[pick], 4)
-        row["fill_top2_margin"] = None if len(top) < 2 else round(sorted(top.values())[-1] - sorted(top.values())[-2], 4)
-    rows.append(row)
-n = len(rows)
-summ = {k: sum(r[k] is not None for r in rows) for k in ("cold_a_vs_cold_b", "fill_vs_hit", "cold_a_vs_fill")}
-regs = [r["regret_hit_pick_under_fill"] for r in rows if r.get("regret_hit_pick_under_fill") is not None]
-print(json.dumps({"prompts": n, "diverging": summ, "max_regret": max(regs) if regs else None,
-                  "regrets": regs, "rows": rows, "errors": [v[i].error for v in arms.values() for i in range(n) if not v[i].ok][:5]}))
-'''
     port = servers()[name]["port"]
     t = time.time()
+    rc: int | str
     try:
-        r = subprocess.run([sys.executable, "-c", code, f"http://127.0.0.1:{port}/v1", model], env=env_for("sb"),
+        r = subprocess.run([sys.executable, "-m", "specbench.benchmarks.prefix_triage", f"http://127.0.0.1:{port}/v1",
+                            model], env=env_for("sb"),
                            capture_output=True, text=True, timeout=max(10, min(120, left() - 15)), cwd=str(ROOT))
         so, se, rc = r.stdout, r.stderr, r.returncode
     except subprocess.TimeoutExpired:
@@ -616,6 +576,7 @@ def speed(out: Path, logs: Path, record: list) -> None:
             "--out", str(out / "sweep"), "--report", str(out / "sweep.md"), "--no-progress"]
     log(f"sweep: specbench {shlex.join(args)} (interrupted at {budget:.0f}s, records kept)")
     t = time.time()
+    rc: int | str
     with open(out / "sweep.stdout", "w") as fo, open(out / "sweep.stderr", "w") as fe:
         p = subprocess.Popen([sys.executable, "-m", "specbench", *args], env=env_for("sb"), stdout=fo, stderr=fe,
                              cwd=str(ROOT))
@@ -832,8 +793,8 @@ def client_job(job: dict, out: Path, reserve: float, flags: dict) -> dict:
     vfiles: list[Path] = []
     sfiles: list[Path] = []
     for lv in CLIENT_LEVELS:
-        for side in per.values():
-            side[lv] = []
+        for by_level in per.values():
+            by_level[lv] = []
         for rnd in range(CLIENT_ROUNDS):
             for side, f in (("vllm", vdir / f"vllm-bench-c{lv}-r{rnd}.json"),
                             ("specbench", sweep_files(d / "specbench" / f"r{rnd}").get(lv))):
@@ -921,7 +882,7 @@ def summarize_sweep(sweep_dir: Path, out: Path) -> dict:
     s = load_run_summary(runs[-1])
     rows = []
     for lv in s.levels:
-        row = {"level": lv, "noise": s.noise.get(lv)}
+        row: dict[str, Any] = {"level": lv, "noise": s.noise.get(lv)}
         for arm in [a["label"] for a in s.arms]:
             c = s.cells.get((arm, lv))
             if c is None:
