@@ -17,12 +17,11 @@ whatever the number and length of the stops.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from .config import ModelConfig
+from specbench.eos import eos_ids as model_eos_ids
+
 from .detok import IncrementalText
 from .metrics import EngineMetrics
 from .request import Request
@@ -51,23 +50,11 @@ class RequestOutput:
         return self.token_times[0] - self.arrival if self.token_times else None
 
 
-def eos_ids(mcfg: ModelConfig, model_dir: str, tokenizer: Tokenizer) -> set[int]:
-    """Every id that ends a generation: config.json's, generation_config.json's and the tokenizer's."""
-    ids = set(mcfg.eos_token_id) | _generation_eos(model_dir)
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
-
-
-def _generation_eos(model_dir: str) -> set[int]:
-    f = Path(model_dir) / "generation_config.json"
-    if not f.is_file():
-        return set()
-    try:
-        v = json.loads(f.read_text()).get("eos_token_id")
-    except json.JSONDecodeError:
-        return set()
-    return set(v) if isinstance(v, list) else ({v} if isinstance(v, int) else set())
+def eos_ids(model_dir: str, tokenizer: Tokenizer) -> set[int]:
+    """Every id that ends a generation: config.json's, generation_config.json's and the tokenizer's, by
+    specbench/eos.py's rule (the one the lossless suite checks against), the tokenizer's EOS looked up in the
+    tokenizer already loaded."""
+    return model_eos_ids(model_dir, tokenizer.token_to_id)
 
 
 class OutputWriter:

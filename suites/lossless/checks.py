@@ -54,11 +54,11 @@ Acceptance (docs/lossless.md, "The statistics of each rule"):
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from specbench.eos import eos_ids as model_eos_ids
 from specbench.harness.adapters.base import GenResult
 from specbench.harness.verdicts import NOT_SPECULATING
 
@@ -590,20 +590,7 @@ def _model_dir(describe: dict) -> Path | None:
 
 
 def eos_ids_of(describe: dict) -> set[int]:
-    """EOS ids from the engine's model directory (config.json + generation_config.json; `_model_dir`); empty
-    if unknown."""
+    """The EOS ids of the engine's model (`_model_dir`) by specbench/eos.py's rule, the set the engine itself stops
+    on (config.json, generation_config.json and the tokenizer's EOS); empty if the model directory is unknown."""
     model = _model_dir(describe)
-    out: set[int] = set()
-    if model is None:
-        return out
-    for fname in ("config.json", "generation_config.json"):
-        f = model / fname
-        try:
-            v = json.loads(f.read_text()).get("eos_token_id") if f.is_file() else None
-        except (json.JSONDecodeError, OSError):
-            v = None
-        if isinstance(v, int):
-            out.add(v)
-        elif isinstance(v, list):
-            out |= {int(x) for x in v if isinstance(x, int)}
-    return out
+    return set() if model is None else model_eos_ids(model)
