@@ -24,8 +24,8 @@ Contract:
   not run are named in `missing`.
 
 What the client sees: per request its output tokens (usage), prompt tokens, the tokens each streamed
-chunk carried (`chunk_tokens`, counted exactly where `token_count_method` is token_ids, logprobs or
-usage), the finish reason and, where the server reports them, per-request draft counts (`spec`).
+chunk carried (`chunk_tokens`, counted exactly where `token_count_method` says so: harness/adapters/base.py
+`counted_exactly`), the finish reason and, where the server reports them, per-request draft counts (`spec`).
 
 The checks (slack: what a correct server may differ by, documented in docs/sweep.md):
 - idle before: running and waiting gauges are 0 before the window; else the counter deltas include other
@@ -62,6 +62,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from specbench.harness.adapters.base import counted_exactly
 from specbench.harness.adapters.prom import parse_prometheus, spec_counters_from_metrics
 from specbench.harness.verdicts import CANNOT_TEST, FAIL, PASS
 
@@ -73,7 +74,6 @@ RUNNING = ("vllm:num_requests_running", "specbench:requests_in_flight", "llamacp
            "sglang:num_running_reqs")
 WAITING = ("vllm:num_requests_waiting", "llamacpp:requests_deferred", "sglang:num_queue_reqs")
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
-EXACT_COUNTS = ("token_ids", "logprobs", "usage", "engine")  # "engine": the local adapter, one chunk per step
 GAUGE_EPS = 1e-9
 
 
@@ -197,8 +197,7 @@ def client_view(requests: Sequence[Any]) -> dict:
     """What the client saw, summed: requests, output / prompt tokens, chunks and multi-token chunks."""
     vs = [_view(r) for r in requests]
     ok = [v for v in vs if v["ok"]]
-    exact = bool(ok) and all(v["method"] in EXACT_COUNTS or str(v["method"] or "").split("+")[0] in EXACT_COUNTS
-                             for v in ok)
+    exact = bool(ok) and all(counted_exactly(v["method"]) for v in ok)
     out = {"requests": len(vs), "ok": len(ok), "failed": len(vs) - len(ok),
            "output_tokens": sum(int(v["completion_tokens"] or 0) for v in ok),
            "prompt_tokens": sum(int(v["prompt_tokens"] or 0) for v in ok),

@@ -7,7 +7,11 @@ from __future__ import annotations
 import json
 import shutil
 
-from specbench.suites.lossless.checks import eos_ids_of
+import pytest
+
+from specbench.harness.adapters.base import GenResult, counted_exactly
+from specbench.suites.lossless.checks import count_problems, eos_ids_of
+from specbench.suites.metrics_audit import client_view
 
 
 # ---- EOS ids: the engine's set and the lossless suite's ----------------------------------------------------
@@ -50,3 +54,28 @@ def test_eos_ids_ignore_what_is_not_an_id(tiny_pair, tmp_path) -> None:
     d = _model_dir(tmp_path, target, [4092, "x", 1.5, True], None, None)
     (tmp_path / "m" / "generation_config.json").write_text("{not json")
     assert engine_eos(d) == eos_ids_of({"model": d}) == {4092}
+
+
+# ---- exact chunk counts: one rule for the run checks and the metrics audit --------------------------------
+@pytest.mark.parametrize("method, exact", [
+    ("engine", True), ("token_ids", True), ("logprobs", True), ("usage", True), ("logprobs+token_ids", True),
+    ("proportional", False), ("chunks", False), ("token_ids+chunks", False), (None, False), ("", False),
+])
+def test_counted_exactly_serves_both_users(method: str | None, exact: bool) -> None:
+    assert counted_exactly(method) is exact
+    r = GenResult(rid="r", ok=True, completion_tokens=3, chunk_tokens=[1, 2], token_count_method=method or "")
+    assert client_view([r])["exact_chunks"] is exact
+
+
+def test_streamed_chunks_that_disagree_with_the_ids_are_a_count_problem() -> None:
+    """A token-id stream whose chunks carried 4 tokens for 3 returned ids is flagged (the former copy of the rule
+    knew "engine" and a method no adapter reports, so remote streams were never checked); a healthy stream and an
+    estimate (proportional counts prove nothing) are not."""
+    def res(chunks: list[int], method: str) -> GenResult:
+        return GenResult(rid="r", ok=True, output_ids=[5, 6, 7], completion_tokens=3, chunk_tokens=chunks,
+                         token_count_method=method)
+
+    assert count_problems(res([1, 3], "token_ids")) == ["streamed chunks carried 4 tokens, 3 returned"]
+    assert count_problems(res([1, 3], "logprobs+token_ids")) == ["streamed chunks carried 4 tokens, 3 returned"]
+    assert count_problems(res([1, 2], "token_ids")) == []
+    assert count_problems(res([1, 3], "proportional")) == []

@@ -100,6 +100,18 @@ class PosLogprobs:
     top_text: dict[str, float] | None = None  # top-k keyed by token text, when ids are not reported
 
 
+# GenResult.token_count_method values (docs/adapters.md) whose chunk_tokens are exact counts: the engine's own
+# steps, and a stream's token_ids, logprobs entries or running usage; "proportional" and "chunks" are estimates.
+EXACT_CHUNK_METHODS = ("engine", "token_ids", "logprobs", "usage")
+
+
+def counted_exactly(method: str | None) -> bool:
+    """Whether a result's `chunk_tokens` are exact counts: its `token_count_method` (a '+'-joined set of methods
+    where several applied) names exact methods only."""
+    parts = [m for m in str(method or "").split("+") if m]
+    return bool(parts) and all(m in EXACT_CHUNK_METHODS for m in parts)
+
+
 @dataclass
 class GenResult:
     rid: str

@@ -59,7 +59,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from specbench.eos import eos_ids as model_eos_ids
-from specbench.harness.adapters.base import GenResult
+from specbench.harness.adapters.base import GenResult, counted_exactly
 from specbench.harness.verdicts import NOT_SPECULATING
 
 MIN_ACCEPT_LEN = 1.05  # mean accepted length (incl. the bonus token) at or below this = not speculating
@@ -81,14 +81,6 @@ class Check:
 
 
 COUNTED = ("per-request", "counters")  # sources that count verify steps (drafts): a mean accepted length
-EXACT_CHUNK_METHODS = ("engine", "token_ids", "logprobs", "usage")  # token_count_method: exact per-chunk counts
-
-
-def counted_exactly(method: str | None) -> bool:
-    """Whether a result's `chunk_tokens` are exact counts (adapters' `token_count_method`, a '+'-joined set of
-    methods where several applied); "proportional" and "chunks" are estimates."""
-    parts = [m for m in str(method or "").split("+") if m]
-    return bool(parts) and all(m in EXACT_CHUNK_METHODS for m in parts)
 
 
 def multi_token_chunks(r: GenResult) -> int:
@@ -262,9 +254,6 @@ def check_after_stop(results: Sequence[GenResult], eos_ids: set[int], ignore_eos
     return Check(name, not bad, "; ".join(bad[:5]) or f"no token after an EOS in {len(results)} outputs")
 
 
-EXACT_COUNTS = ("engine", "ids")  # GenResult.token_count_method values whose chunk_tokens are exact counts
-
-
 def count_problems(r: GenResult, max_tokens: int | None = None) -> list[str]:
     """What one result's own fields say against its returned ids (any engine, no baseline needed): usage's
     completion_tokens, the tokens the streamed chunks carried (where counted exactly), max_tokens, and a
@@ -275,7 +264,7 @@ def count_problems(r: GenResult, max_tokens: int | None = None) -> list[str]:
     bad = []
     if r.completion_tokens is not None and r.completion_tokens != n:
         bad.append(f"usage completion_tokens {r.completion_tokens} != {n} returned ids")
-    if r.chunk_tokens and r.token_count_method in EXACT_COUNTS and sum(r.chunk_tokens) != n:
+    if r.chunk_tokens and counted_exactly(r.token_count_method) and sum(r.chunk_tokens) != n:
         bad.append(f"streamed chunks carried {sum(r.chunk_tokens)} tokens, {n} returned")
     if max_tokens is not None and n > max_tokens:
         bad.append(f"{n} tokens returned for max_tokens={max_tokens}")
