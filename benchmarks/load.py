@@ -16,8 +16,8 @@ pair:
                   ladder vs the former bucket x span padding, docs/gpu.md), one engine per arm built once,
                   a warm-up wave per level excluded, then `engine.capture_graphs()`
   figures         output tok/s over the measured window, TTFT (arrival -> first token) and TPOT ((last - first)
-                  / (n - 1)) medians, and per forward path (decode-graph / padded / plain, from
-                  `ModelRunner.last_path`) the step count, mean ms, share of the wall and mean rows
+                  / (n - 1)) medians (both by harness/latency.py), and per forward path (decode-graph / padded /
+                  plain, from `ModelRunner.last_path`) the step count, mean ms, share of the wall and mean rows
   per arm, via    `"via": "process"` (the default): the loop above steps the engine itself. `"via": "http"`: the
                   arm's engine is served by the project's own server app (`make_app` + `ServerThread`: uvicorn in
                   a thread of this process, as the server tests run it; no warm-up plan, the benchmark's own
@@ -69,6 +69,7 @@ from pathlib import Path
 
 import torch
 
+from specbench.harness import latency
 from specbench.harness.benchdoc import emit_document, positive_ints
 
 NO_STEPS = "not available (the engine steps in its own process)"
@@ -181,10 +182,13 @@ def ids_digest(ids: dict[int, list[int]]) -> str:
 
 
 def figures(wall: float, arrive: dict, first: dict, last: dict, ntok: dict) -> dict:
-    """tok/s, TTFT (arrival -> first token) and TPOT ((last - first) / (n - 1)) medians: both arms' way."""
+    """tok/s, TTFT (arrival -> first token) and TPOT ((E2EL - TTFT) / (n - 1), E2EL = arrival -> last token)
+    medians in ms, by harness/latency.py's rules: both arms' way."""
     total = sum(ntok.values())
-    ttft = [(first[r] - arrive[r]) * 1e3 for r in first]
-    tpot = [(last[r] - first[r]) * 1e3 / (ntok[r] - 1) for r in first if ntok[r] > 1]
+    ttfts = {r: latency.since(arrive[r], first[r]) for r in first}
+    ttft = [t * 1e3 for t in ttfts.values() if t is not None]
+    tpot = [t * 1e3 for r in first if (t := latency.tpot(ttfts[r], latency.since(arrive[r], last[r]), ntok[r]))
+            is not None]
     return {"wall_s": wall, "tokens": total, "tok_s": total / wall,
             "ttft_ms": statistics.median(ttft) if ttft else float("nan"),
             "tpot_ms": statistics.median(tpot) if tpot else float("nan")}

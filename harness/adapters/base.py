@@ -50,6 +50,7 @@ from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .. import latency
 from ..errors import Refusal
 
 OnResult = Callable[["GenResult"], Awaitable[None] | None]
@@ -137,9 +138,11 @@ class GenResult:
     attempts: int = 1
     meta: dict = field(default_factory=dict)
 
+    # The metrics below are harness/latency.py's, fed this result's own times: TTFT from t_first, E2EL from t_end
+    # (the adapter's end of the response; a stored record's `derive` ends E2EL at the last counted chunk).
     @property
     def ttft(self) -> float | None:
-        return None if self.t_first is None else self.t_first - self.t_send
+        return latency.since(self.t_send, self.t_first)
 
     @property
     def drafted(self) -> int | None:
@@ -151,27 +154,26 @@ class GenResult:
 
     @property
     def e2el(self) -> float | None:
-        return None if self.t_end is None else self.t_end - self.t_send
+        return latency.since(self.t_send, self.t_end)
 
     @property
     def tpot(self) -> float | None:
-        """(E2EL - TTFT) / (output_tokens - 1), REFERENCE.md section 3."""
-        n = self.completion_tokens
-        if self.ttft is None or self.e2el is None or not n or n < 2:
-            return None
-        return (self.e2el - self.ttft) / (n - 1)
+        """(E2EL - TTFT) / (completion_tokens - 1), REFERENCE.md section 3 (`latency.tpot`)."""
+        return latency.tpot(self.ttft, self.e2el, self.completion_tokens)
+
+    def _counted_chunks(self) -> list[tuple[float, int]]:
+        """(offset from the send, tokens) of the chunks that carried counted tokens, as a stored record's."""
+        return latency.counted_chunks(latency.offsets(self.t_send, self.chunk_times), self.chunk_tokens,
+                                      self.completion_tokens)
 
     def token_itls(self) -> list[float]:
-        """Per-token inter-token latencies: each chunk gap spread evenly over that chunk's tokens."""
-        out: list[float] = []
-        for i in range(1, len(self.chunk_times)):
-            n = self.chunk_tokens[i] if i < len(self.chunk_tokens) else 1
-            if n > 0:
-                out += [(self.chunk_times[i] - self.chunk_times[i - 1]) / n] * n
-        return out
+        """Per-token inter-token latencies: each gap between chunks that carried counted tokens spread evenly
+        over the later chunk's tokens (`latency.token_itls`)."""
+        return latency.token_itls(self._counted_chunks())
 
     def chunk_gaps(self) -> list[float]:
-        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:], strict=False)]
+        """The raw gaps between chunks that carried counted tokens (`latency.chunk_gaps`)."""
+        return latency.chunk_gaps(self._counted_chunks())
 
     def to_dict(self) -> dict:
         d = asdict(self)

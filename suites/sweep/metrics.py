@@ -19,7 +19,9 @@ Definitions follow REFERENCE.md section 3:
   counts). Per-position rate i = accepted at position i / drafts (non-increasing in i).
 
 Everything here is a pure function of request record dicts (harness.results.RequestRecord as stored,
-or `request_record(GenResult)`), so a report recomputes it from the stored JSONL.
+or `request_record(GenResult)`), so a report recomputes it from the stored JSONL. Each per-request metric is
+computed by its one function in harness/latency.py (which a live GenResult calls too); `derive` feeds it a
+record's chunk offsets.
 """
 
 from __future__ import annotations
@@ -29,6 +31,11 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
+
+from specbench.harness.latency import chunk_gaps, counted_chunks, offsets, token_itls, tpot
+from specbench.harness.latency import (
+    reconcile_chunks as reconcile_chunks,  # vllm_format.py reads it from here
+)
 
 LATENCIES = ("ttft", "e2el", "tpot", "itl", "chunk_gap")
 PERCENTILES = (50, 90, 99)
@@ -40,7 +47,7 @@ def request_record(res: Any) -> dict:
     return {
         "rid": res.rid, "ok": bool(res.ok), "error": res.error, "finish_reason": res.finish_reason,
         "prompt_tokens": res.prompt_tokens, "completion_tokens": res.completion_tokens, "wall_send": res.wall_send,
-        "ttft": res.ttft, "e2el": res.e2el, "chunk_offsets": [t - res.t_send for t in res.chunk_times],
+        "ttft": res.ttft, "e2el": res.e2el, "chunk_offsets": offsets(res.t_send, res.chunk_times),
         "chunk_tokens": list(res.chunk_tokens), "token_count_method": res.token_count_method, "spec": res.spec,
         "attempts": res.attempts, "meta": dict(res.meta),
     }
@@ -54,21 +61,6 @@ def _spec_counts(spec: dict | None) -> dict | None:
     return out if "num_drafts" in out and "num_accepted_tokens" in out else None
 
 
-def reconcile_chunks(chunk_tokens: Sequence[int], n: int | None) -> list[int]:
-    """Per-chunk token counts made to sum to the usage count `n` (see the module docstring)."""
-    counts = [max(0, int(c)) for c in chunk_tokens]
-    if n is None or not counts:
-        return counts
-    out, left = [], n
-    for c in counts:
-        take = min(c, left)
-        out.append(take)
-        left -= take
-    if left > 0:
-        out[-1] += left
-    return out
-
-
 def derive(rec: dict) -> dict:
     """Per-request metrics of one request record: output_tokens, ttft, e2el, tpot, itls, chunk_gaps."""
     if not rec.get("ok"):
@@ -78,21 +70,15 @@ def derive(rec: dict) -> dict:
     n = rec.get("completion_tokens")
     if n is None:
         n = sum(rec.get("chunk_tokens") or [])
-    counts = reconcile_chunks(rec.get("chunk_tokens") or [1] * len(times), n)
-    kept = [(t, c) for t, c in zip(times, counts, strict=False) if c > 0]
+    kept = counted_chunks(times, rec.get("chunk_tokens"), n)
     if kept:
         ttft, e2el = kept[0][0], kept[-1][0]
     else:  # no streamed chunks: the whole response arrived at once
         ttft, e2el = rec.get("ttft"), rec.get("e2el")
         if ttft is None:
             ttft = e2el
-    itls: list[float] = []
-    for (ta, _), (tb, c) in zip(kept, kept[1:], strict=False):
-        itls += [(tb - ta) / c] * c
-    gaps = [tb - ta for (ta, _), (tb, _) in zip(kept, kept[1:], strict=False)]
-    tpot = (e2el - ttft) / (n - 1) if (n and n > 1 and ttft is not None and e2el is not None) else None
-    return {"ok": True, "output_tokens": int(n or 0), "ttft": ttft, "e2el": e2el, "tpot": tpot, "itls": itls,
-            "chunk_gaps": gaps}
+    return {"ok": True, "output_tokens": int(n or 0), "ttft": ttft, "e2el": e2el, "tpot": tpot(ttft, e2el, n),
+            "itls": token_itls(kept), "chunk_gaps": chunk_gaps(kept)}
 
 
 def summary(values: Iterable[float | None]) -> dict:
