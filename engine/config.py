@@ -16,18 +16,21 @@ speculation as `spec`, resolved by `spec_method(spec, draft)`:
 - anything else: `ConfigError` naming `spec` and the accepted values.
 `engine_method` turns the resolved name into `SpecConfig.method` (None for off). A "dflash" without a drafter is
 returned as is: the engine (spec/plan.py `resolve_spec`) or the engine-string builder refuses it with the reason.
+
+Defaults from the environment: a field that specbench/env.py's table names (its `field` column, docs/env.md) takes
+its default from that `SPECBENCH_*` variable when the config is built (`_env`); a value the table refuses is a
+ConfigError naming the variable.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from specbench.env import env_flag
+from specbench import env
 
 
 class ConfigError(ValueError):
@@ -65,25 +68,13 @@ def _either(names: tuple[str, ...]) -> str:
     return f"{', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else names[0]
 
 
-def _env_count(name: str) -> int:
-    """An environment integer >= 0 (unset: 0), refused by name when it is anything else."""
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return 0
-    _need(raw.isdigit(), name, raw, "an integer >= 0 (0 = off)")
-    return int(raw)
-
-
-def _env_tristate(name: str) -> bool | None:
-    """An environment switch that may be unset (None), on or off; anything else is refused by name."""
-    raw = os.environ.get(name, "").strip().lower()
-    if not raw:
-        return None
-    if raw in ("1", "true", "on", "yes"):
-        return True
-    if raw in ("0", "false", "off", "no"):
-        return False
-    raise ConfigError(f"{name}={raw!r} is invalid: expected 0 or 1 (unset: the default)")
+def _env(name: str) -> Any:
+    """A field's default from its `SPECBENCH_*` variable (specbench/env.py's table: unset or empty is the table's
+    default); a value the table refuses is a ConfigError naming the variable and what it accepts."""
+    try:
+        return env.get(name)
+    except env.EnvError as e:
+        raise ConfigError(str(e)) from None
 
 
 @dataclass(frozen=True)
@@ -387,21 +378,6 @@ def lever_kw(gate: int | None = None, trim: int | None = None, policy: str | Non
     return {k: v for k, v in (("gate", gate), ("trim", trim), ("policy", policy)) if v is not None}
 
 
-def _env_lever(name: str) -> Any:
-    """A lever's value from its environment variable (LEVER_ENV), refused with the variable's name when bad."""
-    env = LEVER_ENV[name]
-    raw = os.environ.get(env, "").strip()
-    if name == "policy":
-        if raw in ("", "0", "off"):
-            return "off"
-        _need(raw in ("1", "auto"), env, raw, "off, auto, 0 or 1")
-        return "auto"
-    if raw == "":
-        return 0
-    _need(raw.isdigit(), env, raw, "an integer >= 0 (0 = off)")
-    return int(raw)
-
-
 @dataclass(frozen=True)
 class SpecConfig:
     """Speculative decoding switches. method=None means speculation off."""
@@ -419,15 +395,15 @@ class SpecConfig:
     sampling: bool = True  # speculative (rejection) sampling for T > 0; False = sampled requests run span-1
     # requests that ask for logprobs speculate, their logprobs read from the verify rows of the tokens they commit
     # (False, or SPECBENCH_SPEC_LOGPROBS=0: they run span-1, as before)
-    logprobs: bool = field(default_factory=lambda: env_flag("SPECBENCH_SPEC_LOGPROBS", True))
+    logprobs: bool = field(default_factory=lambda: _env("SPECBENCH_SPEC_LOGPROBS"))
     # Load-aware levers (spec/policy.py; 0 / "off" = off; defaults from LEVER_ENV). gate=N: a step with more than N
     # running requests is a one-token verify round (no draft; the drafter's context still advances one row per
     # request, so speculation resumes without a prefill once N or fewer run); trim=k: only the first k drafts
     # enter the verify span (1 <= k <= K; the drafter still rolls its whole block); policy="auto": each step's
     # span from the start-up cost model and the running per-position acceptance.
-    gate: int = field(default_factory=lambda: _env_lever("gate"))
-    trim: int = field(default_factory=lambda: _env_lever("trim"))
-    policy: str = field(default_factory=lambda: _env_lever("policy"))
+    gate: int = field(default_factory=lambda: _env(LEVER_ENV["gate"]))
+    trim: int = field(default_factory=lambda: _env(LEVER_ENV["trim"]))
+    policy: str = field(default_factory=lambda: _env(LEVER_ENV["policy"]))
 
     def __post_init__(self) -> None:
         for name in ("gate", "trim"):
@@ -478,14 +454,14 @@ class EngineConfig:
     # rounds ahead, deferred drafts, the drafter's context written in the step). None: on CUDA only; True: on CPU
     # too, where the bodies the graphs capture run eagerly (how CI puts the fast paths through the gates); False:
     # the plain forward everywhere. Default from SPECBENCH_GRAPH_RUNNER (0 / 1), else None.
-    graph_runner: bool | None = field(default_factory=lambda: _env_tristate("SPECBENCH_GRAPH_RUNNER"))
+    graph_runner: bool | None = field(default_factory=lambda: _env("SPECBENCH_GRAPH_RUNNER"))
     verify_graph: bool = True  # CUDA: non-decode steps (verify, prefill) via the padded piecewise runner
     # Padded steps with no prefill chunk (verify spans, the DFlash drafts) as one CUDA graph per (rows, span),
     # attention included: the span attention kernel (kernels/decode_attention.span_attention: segments of <= span
     # rows, a per-row causal limit), metadata in fixed per-(rows, span) buffers (FlashInferAttention.plan_rows).
     # Needs decode_attention="triton". False: piecewise segments with FlashInfer's prefill eager between them (before).
     # Default from SPECBENCH_WHOLE_GRAPHS, else on.
-    whole_graphs: bool = field(default_factory=lambda: env_flag("SPECBENCH_WHOLE_GRAPHS", True))
+    whole_graphs: bool = field(default_factory=lambda: _env("SPECBENCH_WHOLE_GRAPHS"))
     # Prefill-mixed steps whole too (engine/graphs.py `VerifyGraphs.run`): a step of the row ladder whose prefill
     # chunks hold at most this many tokens runs as one graph per ladder row count, every span (the chunks, the
     # decode and verify spans beside them) as segments of <= 16 rows of the span attention kernel, instead of the
@@ -494,23 +470,23 @@ class EngineConfig:
     # rounds at c64). The span kernel re-reads a sequence's keys once per 16 rows, so long chunks stay piecewise.
     # 0 = off (every prefill-mixed step piecewise, as before); needs whole_graphs and decode_attention="triton";
     # default from SPECBENCH_WHOLE_PREFILL, else 0 (not yet measured on the GPU).
-    whole_prefill: int = field(default_factory=lambda: _env_count("SPECBENCH_WHOLE_PREFILL"))
+    whole_prefill: int = field(default_factory=lambda: _env("SPECBENCH_WHOLE_PREFILL"))
     # Greedy DFlash drafts stay on the device from the draft pass to the verify forward (engine/spec/pending.py):
     # the host lays out the verify step while the draft runs and the verify runner copies the drafts into its input
     # rows on the device; the host reads them (pinned copy + event) just before the accept. Off with a fault armed.
     # False: the drafts are read to the host before the verify step is built (before). Default from
     # SPECBENCH_DEFER_DRAFTS, else on.
-    defer_drafts: bool = field(default_factory=lambda: env_flag("SPECBENCH_DEFER_DRAFTS", True))
+    defer_drafts: bool = field(default_factory=lambda: _env("SPECBENCH_DEFER_DRAFTS"))
     # Rows a prefill-mixed step of the padded runner is padded to (engine/graphs.py): "ladder" = the smallest
     # row count of a fixed ladder (16-row steps to 128, 32 to 256, 64 to 512, 128 beyond, up to
     # max_num_batched_tokens) that holds the step; "bucket" = batch bucket x span (before: a 391-row step of 63
     # decodes + one prompt ran 1024 rows, and a prompt chunk past bucket x span the eager plain forward).
     # Default from SPECBENCH_PADDED_ROWS, else ladder.
-    padded_rows: str = field(default_factory=lambda: os.environ.get("SPECBENCH_PADDED_ROWS") or "ladder")
+    padded_rows: str = field(default_factory=lambda: _env("SPECBENCH_PADDED_ROWS"))
     # The padded runner's fp32 logits: False = computed after the replay for the rows the step reads only (a
     # prefill chunk's rows are never projected to the vocabulary); True = inside the captured tail for every
     # padded row (before). Default from SPECBENCH_GRAPH_LOGITS, else off.
-    graph_logits: bool = field(default_factory=lambda: env_flag("SPECBENCH_GRAPH_LOGITS", False))
+    graph_logits: bool = field(default_factory=lambda: _env("SPECBENCH_GRAPH_LOGITS"))
     draft_graph: bool = True  # CUDA: the DFlash draft through the padded piecewise runner (False: plain draft)
     # The DFlash drafter's context rows (fc + hidden_norm of the tapped features, each drafter layer's K/V at the
     # row's slot) written inside the target's captured step (decode graphs, padded verify runner) for every row,
@@ -519,43 +495,43 @@ class EngineConfig:
     # committed length hold context that is never read: the drafter attends to [0, committed) plus its own block,
     # and a position's row is rewritten by the step that commits it. Off while a self-test fault is armed.
     # Default from SPECBENCH_GRAPH_CONTEXT, else on.
-    graph_context: bool = field(default_factory=lambda: env_flag("SPECBENCH_GRAPH_CONTEXT", True))
+    graph_context: bool = field(default_factory=lambda: _env("SPECBENCH_GRAPH_CONTEXT"))
     triton: bool = True  # Triton kernels on CUDA (also off with SPECBENCH_TRITON=0); CPU keeps torch
     # FlashInfer decode through its tensor-core (FA2 prefill) kernels instead of the CUDA-core decode kernel
     decode_tensor_cores: bool = True
     # Triton GEMVs (kernels/gemv.py) for the projections of steps of at most gemv.MAX_ROWS rows (decode), with
     # the residual add + RMSNorm fused in, where they measured faster than cuBLAS; cuBLAS elsewhere (default from
     # SPECBENCH_GEMV, else on)
-    gemv: bool = field(default_factory=lambda: env_flag("SPECBENCH_GEMV", True))
+    gemv: bool = field(default_factory=lambda: _env("SPECBENCH_GEMV"))
     # Tensor-core skinny GEMMs (kernels/skinny.py) with the same fusions for steps of 2..skinny.MAX_ROWS rows (a
     # request's verify span, batched decode) on the shapes where they measured faster than cuBLAS; needs `gemv`
     # (default from SPECBENCH_SKINNY, else OFF: opt-in until an engine-level GPU A/B shows a win, docs/gpu.md)
-    skinny: bool = field(default_factory=lambda: env_flag("SPECBENCH_SKINNY", False))
+    skinny: bool = field(default_factory=lambda: _env("SPECBENCH_SKINNY"))
     # DFlash2's candidate-selector walk as one Triton launch per draft batch (kernels/selector_walk.py), in the
     # draft graph and the plain pass; False: the torch walk, a few ops per slot (default from
     # SPECBENCH_SELECTOR_KERNEL, else on; needs `triton` too)
-    selector_kernel: bool = field(default_factory=lambda: env_flag("SPECBENCH_SELECTOR_KERNEL", True))
+    selector_kernel: bool = field(default_factory=lambda: _env("SPECBENCH_SELECTOR_KERNEL"))
     # Decode-only steps of the FlashInfer backend: "flashinfer" (its decode wrapper) or "triton" (the split-K
     # kernel of kernels/decode_attention.py, CUDA graphs included); prefill / verify steps stay on FlashInfer
     # (default from SPECBENCH_DECODE_ATTENTION, else "triton": faster in 9 of 10 measured cells, docs/gpu.md)
-    decode_attention: str = field(default_factory=lambda: os.environ.get("SPECBENCH_DECODE_ATTENTION") or "triton")
+    decode_attention: str = field(default_factory=lambda: _env("SPECBENCH_DECODE_ATTENTION"))
     # Streamed text of unfinished requests in O(new tokens) per step (engine/detok.py); False decodes the whole
     # output every step (default from SPECBENCH_INCREMENTAL_DETOK, else on)
-    incremental_detok: bool = field(default_factory=lambda: env_flag("SPECBENCH_INCREMENTAL_DETOK", True))
+    incremental_detok: bool = field(default_factory=lambda: _env("SPECBENCH_INCREMENTAL_DETOK"))
     # add_request does not wait for a step in flight: the request is checked and left in an inbox the next step
     # takes in (engine.py; default from SPECBENCH_ADMIT_INBOX, else on; off: add_request takes the step lock)
-    admit_inbox: bool = field(default_factory=lambda: env_flag("SPECBENCH_ADMIT_INBOX", True))
+    admit_inbox: bool = field(default_factory=lambda: _env("SPECBENCH_ADMIT_INBOX"))
     # Plain decode one step ahead (engine/ahead.py): the next decode step is launched before the host reads the
     # tokens of the one on the device, so the host's commit / schedule / metadata work overlaps the GPU's step
     # (CUDA graphs, no speculation; default from SPECBENCH_DECODE_AHEAD, else on)
-    decode_ahead: bool = field(default_factory=lambda: env_flag("SPECBENCH_DECODE_AHEAD", True))
+    decode_ahead: bool = field(default_factory=lambda: _env("SPECBENCH_DECODE_AHEAD"))
     # Gated rounds one step ahead too (engine/ahead.py, issue 20): with speculation on, a step whose every
     # decode-phase request is held to one token (the gate or the automatic policy chose span 1; not-ready and
     # ineligible requests ride along) runs as a decode_ahead chain through the decode graphs that write the
     # drafter's context in the step (graph_context), so a gated round hides its host work as a plain decode
     # does. Needs decode_ahead and, for a drafter with tapped features, graph_context. Default from
     # SPECBENCH_GATED_AHEAD, else on.
-    gated_ahead: bool = field(default_factory=lambda: env_flag("SPECBENCH_GATED_AHEAD", True))
+    gated_ahead: bool = field(default_factory=lambda: _env("SPECBENCH_GATED_AHEAD"))
     # Reduction-order noise of a tensor-parallel engine, emulated on one device (docs/noise.md): with N > 1 each
     # row-parallel projection of the target (attention o_proj, MLP down_proj: the two a TP engine all-reduces) is N
     # partial GEMMs over N equal slices of its input dimension (o_proj at head boundaries), each rounded to the
@@ -569,14 +545,14 @@ class EngineConfig:
     # Run-time invariants after every step (engine/invariants.py: pages per request, the pool's partition,
     # the drafter's context vs the committed length); a violation raises InvariantError. Default from
     # SPECBENCH_INVARIANTS (the tests set it), else off; gate commands turn it on (engine string invariants=1).
-    check_invariants: bool = field(default_factory=lambda: env_flag("SPECBENCH_INVARIANTS", False))
+    check_invariants: bool = field(default_factory=lambda: _env("SPECBENCH_INVARIANTS"))
     trace_ranges: bool = False  # NVTX / record_function ranges around step phases (for profiling)
     # Prefix caching (engine/prefix_cache.py, docs/prefix-cache.md): full KV pages shared between requests with
     # the same token prefix, on by default (SPECBENCH_PREFIX_CACHE=0 turns the default off); prefix_cache_pages:
     # the most pages the cache indexes (None = the whole pool); spec_capture_cache_mb: the drafter's context rows
     # kept for cached blocks, in MiB (None = sized from the KV budget: every cached block; 0 = off: a warm request
     # decodes without drafts)
-    prefix_cache: bool = field(default_factory=lambda: env_flag("SPECBENCH_PREFIX_CACHE", True))
+    prefix_cache: bool = field(default_factory=lambda: _env("SPECBENCH_PREFIX_CACHE"))
     prefix_cache_pages: int | None = None
     spec_capture_cache_mb: float | None = None
 

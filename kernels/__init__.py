@@ -24,7 +24,7 @@ import os
 
 import torch
 
-from specbench.env import env_flag
+from specbench import env
 
 
 @functools.cache
@@ -45,6 +45,6 @@ def interpreting() -> bool:
 def triton_enabled(device: torch.device | str, allow: bool = True) -> bool:
     """Whether the engine should use the Triton kernels for tensors on `device`."""
     dev = torch.device(device)
-    if not allow or not env_flag("SPECBENCH_TRITON", True) or not triton_importable():
+    if not allow or not env.flag("SPECBENCH_TRITON") or not triton_importable():
         return False
     return dev.type == "cuda" or interpreting()

@@ -34,9 +34,9 @@ WAVES x the SM count (capped by MAX_SPLITS and by max_ctx / MIN_BLOCK); SPECBENC
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from specbench import env
 
 from . import triton_importable
 
@@ -49,9 +49,9 @@ DEFAULT_SMS = 132  # H200; used where no CUDA device answers (the interpreter)
 def num_splits(batch: int, kv_heads: int, max_ctx: int, sm_count: int = DEFAULT_SMS, waves: int = WAVES) -> int:
     """Splits per request for a launch of `batch` requests: B x kv_heads x splits ~ waves x sm_count, at least
     1, at most MAX_SPLITS and ceil(max_ctx / MIN_BLOCK). Depends on no sequence length (CUDA-graph buckets)."""
-    forced = os.environ.get("SPECBENCH_DECODE_SPLITS", "").strip()
-    if forced:
-        return max(1, int(forced))
+    forced = env.get("SPECBENCH_DECODE_SPLITS")
+    if forced is not None:
+        return max(1, forced)
     want = -(-waves * sm_count // max(1, batch * kv_heads))
     cap = max(1, -(-max_ctx // MIN_BLOCK))
     return max(1, min(want, cap, MAX_SPLITS))
@@ -70,7 +70,7 @@ def alloc_partials(batch: int, kv_heads: int, group: int, head_dim: int, splits:
 
 
 def fused_merge_default() -> bool:
-    return os.environ.get("SPECBENCH_DECODE_MERGE", "").strip().lower() in ("fused", "1", "on", "true")
+    return env.get("SPECBENCH_DECODE_MERGE") == "fused"
 
 
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,

@@ -28,10 +28,10 @@ bundle (kernels/ops.py) uses these kernels for at most `max_rows` rows on shapes
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
+
+from specbench import env
 
 from . import triton_importable
 from .activation import swiglu_ref
@@ -76,8 +76,8 @@ KINDS = ("plain", "norm", "swiglu")
 
 def enabled_kinds() -> tuple[str, ...]:
     """The kinds SPECBENCH_GEMV_KINDS allows (a comma list of plain / norm / swiglu; default all)."""
-    raw = os.environ.get("SPECBENCH_GEMV_KINDS", "").strip()
-    return tuple(x.strip() for x in raw.split(",") if x.strip() in KINDS) if raw else KINDS
+    raw = env.get("SPECBENCH_GEMV_KINDS")
+    return tuple(x for x in raw if x in KINDS) if raw is not None else KINDS
 
 
 def pick(n: int, k: int, kind: str) -> tuple[int, int, int] | None:
