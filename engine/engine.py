@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import threading
 from collections.abc import Sequence
 
 import torch
+
+from specbench import env
 
 from .accept_step import AcceptStep
 from .ahead import DecodeAhead
@@ -137,7 +138,7 @@ class LLMEngine:
         measure(self.memory, self.model, self.draft_model if dflash_cfg else None, self.runner, self.device)
         log.info("memory: %s", self.memory.summary())
         if self.spec.policy == "auto" and self.proposer is not None:  # the cost model, with the graphs it times
-            saved = os.environ.get(COSTS_ENV)
+            saved = env.get(COSTS_ENV)
             self.policy.costs = load_costs(saved) if saved else \
                 measure_costs(self.runner, self.proposer, self.spec.span_variants, cfg.max_num_seqs)
 

@@ -48,7 +48,6 @@ counted in the metrics (`EngineMetrics.record_span`: gated rounds, the span hist
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from collections import deque
@@ -56,6 +55,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING
+
+from specbench import env
 
 from ..request import Request
 from .plan import SpecPlan
@@ -176,8 +177,7 @@ class StepChoice:
 
 
 def trace_len() -> int:
-    raw = os.environ.get("SPECBENCH_STEP_TRACE", "").strip()
-    return int(raw) if raw.isdigit() else 4096
+    return int(env.get("SPECBENCH_STEP_TRACE"))
 
 
 _SPEC, _GATED, _NOT_READY, _INELIGIBLE = (DraftState.SPEC.value, DraftState.GATED.value, DraftState.NOT_READY.value,
@@ -193,7 +193,7 @@ class SpanPolicy:
         self.overhead = 0.0  # host seconds per step beyond the cost model: the median of the last WINDOW
         self._extras: deque[float] = deque(maxlen=WINDOW)
         self._decisions = 0  # policy decisions so far (for exploration)
-        self.online = os.environ.get(ONLINE_ENV, "1").strip() not in ("0", "off", "false")
+        self.online = env.flag(ONLINE_ENV)
         self.walls: dict[tuple[int, int], list[float]] = {}  # (batch bucket, span) -> [mean step seconds, steps]
         self._choice: StepChoice | None = None
         self._timed: StepChoice | None = None  # the step record() saw, timed by step_done() after its commit

@@ -23,11 +23,11 @@ The top-K over the vocabulary is torch.topk, or FlashInfer's radix kernel with S
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
 
+from specbench import env
 from specbench.kernels import triton_enabled
 
 TOPK_ENV = "SPECBENCH_FLASHINFER_TOPK"  # 1: FlashInfer's radix top-k on CUDA where it exists (off by default)
@@ -37,7 +37,7 @@ TOPK_ENV = "SPECBENCH_FLASHINFER_TOPK"  # 1: FlashInfer's radix top-k on CUDA wh
 def _flashinfer_topk():
     """flashinfer.top_k when switched on, importable and present (0.5.3 may lack it), else None. Off by
     default until tests/gpu/test_dflash2_gpu.py has shown it capture-safe and equal to torch.topk there."""
-    if os.environ.get(TOPK_ENV, "0").strip() not in ("1", "on"):
+    if not env.flag(TOPK_ENV):
         return None
     try:
         import flashinfer  # noqa: PLC0415
