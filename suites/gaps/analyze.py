@@ -142,16 +142,17 @@ def analyze_device(device: str, acts: list[Activity], classify: Callable[[str], 
                 phase_stats.setdefault(ph, PhaseStats()).busy_ns += new
         cur_end = max(cur_end, a.end)
     span_start, span_end = order[0].start, cur_end
-    hist = [[label, 0, 0] for label, _, _ in BUCKETS]
+    n_in = [0] * len(BUCKETS)  # gaps per bucket
+    ns_in = [0] * len(BUCKETS)  # idle ns per bucket
     for g in gaps:
-        b = hist[bucket_of(g.dur)]
-        b[1] += 1
-        b[2] += g.dur
+        i = bucket_of(g.dur)
+        n_in[i] += 1
+        ns_in[i] += g.dur
     return DeviceReport(
         device=device, span_start=span_start, span_end=span_end, busy_ns=busy,
         idle_ns=(span_end - span_start) - busy, n_activities=len(acts),
         n_streams=len({a.stream for a in acts}), gaps=gaps,
-        histogram=[(str(label), int(n), int(t)) for label, n, t in hist],
+        histogram=[(label, n_in[i], int(ns_in[i])) for i, (label, _, _) in enumerate(BUCKETS)],
         idle_by_class=_desc(idle_by_class), gaps_by_class=gaps_by_class, busy_by_class=_desc(busy_by_class),
         idle_by_kernel=sorted(by_kernel.values(), key=lambda k: -k.idle_ns),
         phases=dict(sorted(phase_stats.items(), key=lambda kv: (-kv[1].idle_ns, -kv[1].busy_ns, kv[0])))

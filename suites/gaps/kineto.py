@@ -43,8 +43,8 @@ def read_kineto(path: Path, raw: bytes, phases: bool = False, pick: str = "inner
                 name_filter: re.Pattern[str] | None = None) -> Trace:
     try:
         doc = json.loads(raw, parse_float=str)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise GapsError(f"{path}: not valid JSON ({e})") from e
+    except (ValueError, UnicodeDecodeError) as err:
+        raise GapsError(f"{path}: not valid JSON ({err})") from err
     events = doc.get("traceEvents") if isinstance(doc, dict) else doc
     if not isinstance(events, list):
         raise GapsError(f"{path}: JSON without a traceEvents list; expected a PyTorch profiler / Kineto trace")
@@ -69,7 +69,8 @@ def read_kineto(path: Path, raw: bytes, phases: bool = False, pick: str = "inner
             if kind is None:
                 continue
             raise GapsError(f"{path}: {cat} event {e.get('name')!r} has a bad ts/dur ({err})") from err
-        args = e.get("args") if isinstance(e.get("args"), dict) else {}
+        raw_args = e.get("args")
+        args = raw_args if isinstance(raw_args, dict) else {}
         if kind is not None:
             whole_us = whole_us and _is_whole_us(ts) and _is_whole_us(dur)
             acts.append(Activity(start, end, str(args.get("device", e.get("pid"))),

@@ -97,10 +97,12 @@ def read_nsys_csv(path: Path, text: str) -> Trace:
     fields = reader.fieldnames or []
     start_col = next(f for f in fields if f.startswith("Start ("))
     dur_col = next((f for f in fields if f.startswith("Duration (")), None)
-    if dur_col is None or not _HEADER_UNIT.match(start_col) or not _HEADER_UNIT.match(dur_col):
+    start_unit = _HEADER_UNIT.match(start_col)
+    dur_unit = _HEADER_UNIT.match(dur_col) if dur_col is not None else None
+    if dur_col is None or start_unit is None or dur_unit is None:
         raise GapsError(f"{path}: CSV header needs 'Start (<unit>)' and 'Duration (<unit>)' with unit ns/us/ms/s")
-    s_scale = _UNITS[_HEADER_UNIT.match(start_col).group(2)]
-    d_scale = _UNITS[_HEADER_UNIT.match(dur_col).group(2)]
+    s_scale = _UNITS[start_unit.group(2)]
+    d_scale = _UNITS[dur_unit.group(2)]
     strm_col = next((c for c in ("Strm", "Stream") if c in fields), None)
     acts: list[Activity] = []
     frac_digits = 0
