@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -87,13 +88,13 @@ def draft_times(target: str, draft: str, variants: dict[str, dict], batch: int, 
         if walk0 is not None:  # DFlash2: its graphs captured afresh for this variant's walk and top-k
             p.walk_kernel = bool(knobs.get("walk", walk0))
             p.graphs2 = None
-        topk_env = os.environ.get(sel.TOPK_ENV)
+        topk = mock.patch.dict(os.environ, {sel.TOPK_ENV: "1"})  # stop() puts the environment back as it was
         if knobs.get("fi_topk"):
-            os.environ[sel.TOPK_ENV] = "1"
+            topk.start()
             sel._flashinfer_topk.cache_clear()
             if sel._flashinfer_topk() is None:
                 print(f"{name}: skipped (no flashinfer.top_k here)", flush=True)
-                _restore_env(sel, topk_env)
+                _end_topk(sel, topk)
                 continue
         kw = {} if knobs.get("selector", True) else {"selector": False}
 
@@ -111,17 +112,14 @@ def draft_times(target: str, draft: str, variants: dict[str, dict], batch: int, 
             if walk0 is not None:
                 p.walk_kernel, p.graphs2 = walk0, None
             if knobs.get("fi_topk"):
-                _restore_env(sel, topk_env)
+                _end_topk(sel, topk)
     for r in rids:
         eng.abort(r)
     return out
 
 
-def _restore_env(sel, value: str | None) -> None:
-    if value is None:
-        os.environ.pop(sel.TOPK_ENV, None)
-    else:
-        os.environ[sel.TOPK_ENV] = value
+def _end_topk(sel, topk) -> None:
+    topk.stop()
     sel._flashinfer_topk.cache_clear()
 
 

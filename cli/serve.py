@@ -16,46 +16,28 @@ GIL with the HTTP side). Endpoints and errors: docs/server.md.
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Any
 
 import typer
 
+from specbench import env
+
 # The engine steps on its own thread beside the event loop; after each GPU wait it needs the GIL back, and a busy
 # event loop may keep it for up to the switch interval. Measured on the H200 (reports/h200-serve): 0.5 ms instead of
 # Python's 5 ms changed nothing beyond the noise at c1-c64, so the default stays Python's own; the knob is for
 # experiments on other machines.
-DEFAULT_GIL_SWITCH_MS = 5.0
+DEFAULT_GIL_SWITCH_MS = env.default("SPECBENCH_GIL_SWITCH_MS")  # 5.0: Python's own
 # The engine and its step loop in a process of their own (harness/server/engine_proc.py): measured on the H200, the
 # in-process server made 0.71x the engine's own tok/s at c64 (the step thread waits for the GIL behind the HTTP side).
 ENGINE_PROCESS_ENV = "SPECBENCH_ENGINE_PROCESS"
-DEFAULT_ENGINE_PROCESS = True
+DEFAULT_ENGINE_PROCESS = env.default(ENGINE_PROCESS_ENV)  # on
 
 
 def engine_process_choice(flag: bool | None) -> bool:
     """--engine-process/--no-engine-process, else $SPECBENCH_ENGINE_PROCESS (0 | 1), else the default; another
     value of the variable is a ValueError naming it and what it accepts."""
-    if flag is not None:
-        return flag
-    raw = os.environ.get(ENGINE_PROCESS_ENV, "").strip()
-    if raw == "":
-        return DEFAULT_ENGINE_PROCESS
-    if raw not in ("0", "1"):
-        raise ValueError(f"{ENGINE_PROCESS_ENV}={raw!r} is invalid: expected 0 (the engine in the server's process) "
-                         "or 1 (in a process of its own)")
-    return raw == "1"
-
-
-def _env_ms(name: str, default: float) -> float | None:
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        v = float(raw)
-    except ValueError:
-        return None
-    return v if 0.01 <= v <= 100.0 else None
+    return flag if flag is not None else env.flag(ENGINE_PROCESS_ENV)
 
 
 def serve(
@@ -145,11 +127,11 @@ def serve(
     except ValueError as e:
         typer.echo(f"specbench serve: {e}", err=True)
         raise typer.Exit(EXIT_CONFIG) from None
-    switch = gil_switch_ms if gil_switch_ms is not None else _env_ms("SPECBENCH_GIL_SWITCH_MS", DEFAULT_GIL_SWITCH_MS)
-    if switch is None:
-        typer.echo("specbench serve: SPECBENCH_GIL_SWITCH_MS is invalid: expected a number of ms in [0.01, 100]",
-                   err=True)
-        raise typer.Exit(EXIT_CONFIG)
+    try:
+        switch = gil_switch_ms if gil_switch_ms is not None else env.get("SPECBENCH_GIL_SWITCH_MS")
+    except env.EnvError as e:
+        typer.echo(f"specbench serve: {e}", err=True)
+        raise typer.Exit(EXIT_CONFIG) from None
     sys.setswitchinterval(switch / 1000.0)
     try:
         in_child = engine_process_choice(engine_process)

@@ -17,6 +17,7 @@ import json
 
 import typer
 
+from specbench import env
 from specbench.cli.flags import quiet_option, record_option, results_dir_option
 
 
@@ -72,8 +73,6 @@ def tune(
                                "are the same."),
 ) -> None:
     """Find the crossover concurrency and the best speculation setting per concurrency."""
-    import os
-
     from specbench.harness.engines import EngineStringError
     from specbench.harness.errors import fail
     from specbench.suites.sweep.runner import SweepConfig
@@ -109,7 +108,7 @@ def tune(
         from specbench.cli.progress import RunProgress
 
         with scratch_store(record, out) as store, RunProgress(0, quiet=quiet) as bar:
-            res = run_tune(cfg, engines, labels, store or os.environ.get("SPECBENCH_RESULTS") or "results",
+            res = run_tune(cfg, engines, labels, store or env.get("SPECBENCH_RESULTS") or "results",
                            baseline=base_label, progress=bar)
         if not record:
             res["run_dir"] = None  # the scratch store is gone

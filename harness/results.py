@@ -41,6 +41,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from specbench import env
+
 from .interrupts import sigterm_as_sigint, terminated
 from .provenance import provenance
 from .redact import redact_text, scrub
@@ -54,7 +56,7 @@ ENV = "SPECBENCH_RESULTS"
 
 
 def results_dir(override: str | Path | None = None) -> Path:
-    return Path(override or os.environ.get(ENV) or Path.cwd() / "results")
+    return Path(override or env.get(ENV) or Path.cwd() / "results")
 
 
 def _now() -> str:

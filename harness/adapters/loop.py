@@ -46,13 +46,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import os
 import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
+
+from specbench import env
 
 
 class Overloaded(RuntimeError):
@@ -183,8 +184,7 @@ class EngineLoop(ConsumerSurface):
         self.idle_wait = idle_wait
         # one thread-safe hand-over per event loop per step (False: one per delta, as before; the off switch
         # SPECBENCH_BATCH_DELIVERY=0); consumers see the same deltas in the same order either way
-        self.batch_delivery = os.environ.get("SPECBENCH_BATCH_DELIVERY", "1").strip().lower() not in (
-            "0", "false", "no", "off")
+        self.batch_delivery = env.flag("SPECBENCH_BATCH_DELIVERY")
         self._subs: dict[str, _Sub] = {}
         self._lock = threading.Lock()
         self._step_lock = threading.Lock()  # held by the loop thread around each step, or by `exclusive`

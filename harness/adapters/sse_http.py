@@ -25,6 +25,8 @@ import os
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
 
+from specbench import env
+
 READ = 65536
 ENV = "SPECBENCH_RAW_HTTP"  # the off switch: 0 = always httpx
 
@@ -38,7 +40,7 @@ class ReadFailed(ConnectionError):
 
 
 def usable(root: str) -> bool:
-    if os.environ.get(ENV, "1") == "0" or not root.startswith("http://"):
+    if not env.flag(ENV) or not root.startswith("http://"):
         return False
     return not any(os.environ.get(v) for v in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"))
 

@@ -23,6 +23,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from specbench import env
+
 from .source import PIN, Unavailable, _extract_vendor, _log, cache_root, fetch_sdist, sha12
 
 BINARIES = ("llama-server", "llama-quantize")
@@ -173,7 +175,7 @@ def ensure_build(root: Path | None = None, jobs: int | None = None) -> Build:
     why = toolchain_missing()
     if why:
         raise Unavailable(why)
-    jobs = jobs or int(os.environ.get("SPECBENCH_LLAMACPP_JOBS", "0")) or min(2, os.cpu_count() or 1)
+    jobs = jobs or env.get("SPECBENCH_LLAMACPP_JOBS") or min(2, os.cpu_count() or 1)
     with _locked(root):
         b = cached_build(root)
         if b:  # another process finished it while we waited for the lock

@@ -21,10 +21,11 @@ directory. Records are appended and flushed one line at a time, so a killed sess
 from __future__ import annotations
 
 import json
-import os
 import threading
 from pathlib import Path
 from typing import Any
+
+from specbench import env
 
 ENV = "SPECBENCH_LLAMACPP_RESULTS"
 FILE = "foreign.jsonl"
@@ -33,8 +34,8 @@ _lock = threading.Lock()
 
 
 def results_dir() -> Path | None:
-    env = os.environ.get(ENV)
-    return Path(env) if env else None
+    where = env.get(ENV)
+    return Path(where) if where else None
 
 
 def append(dir: str | Path, kind: str, record: dict[str, Any]) -> dict:

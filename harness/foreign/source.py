@@ -18,6 +18,8 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+from specbench import env
+
 PIN = {
     "package": "llama-cpp-python",
     "version": "0.3.36",
@@ -39,8 +41,7 @@ class Unavailable(RuntimeError):
 
 
 def cache_root() -> Path:
-    env = os.environ.get("SPECBENCH_LLAMACPP_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "specbench" / "llamacpp"
+    return Path(env.get("SPECBENCH_LLAMACPP_CACHE")).expanduser()
 
 
 def _sha256(path: Path) -> str:
@@ -61,7 +62,7 @@ def fetch_sdist(root: Path | None = None) -> Path:
     dest = root / "sdist"
     dest.mkdir(parents=True, exist_ok=True)
     path = dest / PIN["sdist"]
-    local = os.environ.get("SPECBENCH_LLAMACPP_SDIST")
+    local = env.get("SPECBENCH_LLAMACPP_SDIST")
     if not path.is_file() and local:
         if not Path(local).is_file():
             raise Unavailable(f"SPECBENCH_LLAMACPP_SDIST={local}: no such file")

@@ -22,7 +22,6 @@ Contract:
 from __future__ import annotations
 
 import contextlib
-import os
 import queue
 import signal
 import threading
@@ -31,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from specbench import env
 from specbench.engine.output import RequestOutput
 
 from ..adapters.loop import Cancelled, EngineFailure, EngineLoop, _Sub, num_waiting
@@ -240,7 +240,7 @@ def child_main(cfg: Any, warmup: Any, cmd: Any, out: Any, log_level: str, factor
     from . import setup_logging
 
     setup_logging(log_level)
-    send = _Sender(out, threaded=os.environ.get(SENDER_ENV, "1").strip().lower() not in ("0", "false", "no", "off"))
+    send = _Sender(out, threaded=env.flag(SENDER_ENV))
     try:
         from specbench.engine import LLMEngine
 

@@ -15,9 +15,10 @@ client sends, and bound the stop automaton a request builds, engine/stops.py); a
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import dataclass, field
+
+from specbench import env
 
 API_KEY_ENV = "SPECBENCH_API_KEY"
 COALESCE_ENV = "SPECBENCH_COALESCE"
@@ -37,8 +38,7 @@ class ServerOptions:
     chat_template_timeout: float = 5.0  # seconds one render may take
     # SPECBENCH_COALESCE=1: a stream's outputs queued while its consumer was busy go out as one event (serving.py
     # `deltas`); off by default: one event per engine step, so a stream's chunking does not depend on timing
-    coalesce: bool = field(default_factory=lambda: os.environ.get(COALESCE_ENV, "0").strip().lower()
-                           in ("1", "true", "yes", "on"))
+    coalesce: bool = field(default_factory=lambda: env.flag(COALESCE_ENV))
 
     def __post_init__(self) -> None:
         if self.api_key is not None and (not self.api_key.strip() or any(c.isspace() for c in self.api_key)):
@@ -64,7 +64,7 @@ class ServerOptions:
     @classmethod
     def from_env(cls, api_key: str | None = None, **kw: object) -> ServerOptions:
         """`api_key` or else `$SPECBENCH_API_KEY` (an empty variable counts as unset)."""
-        key = api_key if api_key is not None else (os.environ.get(API_KEY_ENV) or None)
+        key = api_key if api_key is not None else env.get(API_KEY_ENV)
         return cls(api_key=key, **kw)  # type: ignore[arg-type]
 
 

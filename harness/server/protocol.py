@@ -15,10 +15,10 @@ from __future__ import annotations
 import json
 import json.scanner
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from specbench import env
 from specbench.engine.config import ConfigError, bias_pairs
 
 from .errors import APIError
@@ -41,12 +41,10 @@ _COUNT_SLICE = 1 << 18
 
 
 def _max_json_values() -> int:
-    raw = os.environ.get("SPECBENCH_MAX_JSON_VALUES", "").strip()
-    if not raw:
-        return 262_144
-    if not raw.isdigit():
-        raise SystemExit(f"SPECBENCH_MAX_JSON_VALUES={raw!r} is invalid: expected an integer >= 0 (0 = no bound)")
-    return int(raw)
+    try:
+        return int(env.get("SPECBENCH_MAX_JSON_VALUES"))
+    except env.EnvError as e:
+        raise SystemExit(str(e)) from None
 
 
 MAX_JSON_VALUES = _max_json_values()
