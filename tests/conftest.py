@@ -7,6 +7,8 @@ import os
 import pytest
 import torch
 
+from specbench import env
+
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 GPU_SKIP = "needs a CUDA GPU (run on the device: scripts/gpu.sh)"
 # Every engine a test builds checks its run-time invariants after every step (engine/invariants.py), unless
@@ -27,8 +29,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def tiny_pair():
-    if os.environ.get("SPECBENCH_TEST_PAIR"):  # developer override: "target_dir,draft_dir"
-        target, draft = os.environ["SPECBENCH_TEST_PAIR"].split(",")
+    pair = env.get("SPECBENCH_TEST_PAIR")  # developer override: "target_dir,draft_dir"
+    if pair:
+        target, draft = pair.split(",")
         return target, draft
     from specbench.harness.fixtures import bundled_pair
 

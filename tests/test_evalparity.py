@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from specbench import env
 from specbench.harness.engines import parse_engine
 from specbench.suites.evalparity import parity, report, tasks
 from specbench.suites.evalparity.endpoint import EndpointError, normalize_root, serve_argv
@@ -198,7 +199,7 @@ def _closed(root: str) -> bool:
 @pytest.mark.slow
 @pytest.mark.skipif(not HAVE_LM_EVAL, reason="lm-eval not installed")
 def test_eval_gsm8k_limit10_end_to_end(tmp_path: Path, tiny_target: str, tiny_draft: str) -> None:
-    shots = os.environ.get("SPECBENCH_TEST_EVAL_SHOTS", "5")  # 0 for a 512-context dev pair
+    shots = str(env.get("SPECBENCH_TEST_EVAL_SHOTS"))  # 0 for a 512-context dev pair
     r = _cli("eval", "--task", "gsm8k", "--limit", "10", "--num-fewshot", shots, "--concurrency", "4",
              "--baseline", f"local:{tiny_target},spec=off",
              "--candidate", f"local:{tiny_target},draft={tiny_draft},spec=dflash",

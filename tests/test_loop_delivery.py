@@ -108,15 +108,16 @@ def test_off_switch_from_the_environment(monkeypatch):
         el.close()
 
 
-def test_gil_switch_env_is_checked():
-    from specbench.cli.serve import DEFAULT_GIL_SWITCH_MS, _env_ms
+def test_gil_switch_env_is_checked(monkeypatch):
+    from specbench import env
+    from specbench.cli.serve import DEFAULT_GIL_SWITCH_MS
 
-    assert _env_ms("SPECBENCH_TEST_UNSET_MS", DEFAULT_GIL_SWITCH_MS) == DEFAULT_GIL_SWITCH_MS
+    monkeypatch.delenv("SPECBENCH_GIL_SWITCH_MS", raising=False)
+    assert env.get("SPECBENCH_GIL_SWITCH_MS") == DEFAULT_GIL_SWITCH_MS == 5.0
+    monkeypatch.setenv("SPECBENCH_GIL_SWITCH_MS", "0.5")
+    assert env.get("SPECBENCH_GIL_SWITCH_MS") == 0.5
     for bad in ("fast", "0", "1000"):
-        import os
-
-        os.environ["SPECBENCH_TEST_MS"] = bad
-        try:
-            assert _env_ms("SPECBENCH_TEST_MS", 0.5) is None
-        finally:
-            del os.environ["SPECBENCH_TEST_MS"]
+        monkeypatch.setenv("SPECBENCH_GIL_SWITCH_MS", bad)
+        with pytest.raises(env.EnvError, match=rf"^SPECBENCH_GIL_SWITCH_MS='{bad}' is invalid: expected a number "
+                                               r"of ms in \[0.01, 100\]$"):
+            env.get("SPECBENCH_GIL_SWITCH_MS")

@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
 import random
 import re
 import signal
@@ -44,14 +43,15 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from specbench import env  # noqa: E402
 from specbench.benchmarks.server_health import TRAPS, template_model  # noqa: E402
 from specbench.engine import EngineConfig, LLMEngine, SpecConfig  # noqa: E402
 from specbench.harness.server import ServerThread, make_app  # noqa: E402
 
 MODEL = "tiny"
 VOCAB = 4096  # the bundled tiny target's vocabulary (checked by the fixtures)
-EXAMPLES = int(os.environ.get("SPECBENCH_FUZZ_EXAMPLES", "1000"))
-STREAMS = int(os.environ.get("SPECBENCH_SOAK_STREAMS", "256"))
+EXAMPLES = int(env.get("SPECBENCH_FUZZ_EXAMPLES"))
+STREAMS = int(env.get("SPECBENCH_SOAK_STREAMS"))
 
 
 @pytest.fixture(scope="module")

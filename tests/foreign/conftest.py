@@ -30,18 +30,18 @@ timeout, because the first one to ask for a server pays for the build on a cold 
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
 import pytest
 
+from specbench import env
 from specbench.harness.foreign import llamacpp as lc
 from specbench.harness.foreign import records
 
 FOREIGN_DIR = Path(__file__).resolve().parent
-BUILD_TIMEOUT_S = int(os.environ.get("SPECBENCH_LLAMACPP_TEST_TIMEOUT", "1800"))
-SERVER_LIFETIME_S = float(os.environ.get("SPECBENCH_LLAMACPP_LIFETIME", "3600"))
+BUILD_TIMEOUT_S = int(env.get("SPECBENCH_LLAMACPP_TEST_TIMEOUT"))
+SERVER_LIFETIME_S = float(env.get("SPECBENCH_LLAMACPP_LIFETIME"))
 
 # what the fixtures cost in this session, printed in the terminal summary
 TIMINGS: dict[str, float] = {}
@@ -122,13 +122,13 @@ def llamacpp_label():
 
 
 def _mode() -> str:
-    return os.environ.get("SPECBENCH_LLAMACPP", "1").strip().lower()
+    return str(env.get("SPECBENCH_LLAMACPP"))
 
 
 @pytest.fixture(scope="session")
 def llamacpp_build(llamacpp_record) -> lc.Build:
     mode = _mode()
-    if mode in ("0", "off", "no", "false"):
+    if mode == "0":  # 0, off, false or no (specbench/env.py)
         pytest.skip("llama.cpp tests disabled (SPECBENCH_LLAMACPP=0)")
     t0 = time.monotonic()
     cached = lc.cached_build()
