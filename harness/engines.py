@@ -56,7 +56,7 @@ from specbench.engine.config import (
     EngineConfig,
     spec_method,
 )
-from specbench.env import OFF_WORDS
+from specbench.env import OFF_WORDS, TRUE_WORDS
 
 if TYPE_CHECKING:
     from .adapters.base import EngineAdapter
@@ -73,7 +73,6 @@ OPTIONS = {
                "ready_timeout", "dtype"),
     "hf": ("assistant", "lookup", "device", "dtype", "name"),
 }
-TRUE_WORDS = ("1", "true", "yes", "on")
 BOOLS = (*TRUE_WORDS, *OFF_WORDS)  # what a 0/1 option accepts
 
 
