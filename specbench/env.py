@@ -268,7 +268,8 @@ def flag(name: str) -> bool:
     """An on/off switch whose default is on or off (not unset)."""
     var = row(name)
     if var.kind != "flag" or var.default is None:
-        raise TypeError(f"{name} is a {var.kind} with default {var.default!r}, not an on/off flag: use env.get")
+        raise TypeError(f"{name} is no on/off flag with an on or off default (kind {var.kind}, default "
+                        f"{var.default!r}): read it with env.get")
     return bool(var.parse(os.environ.get(name)))
 
 
