@@ -153,7 +153,9 @@ async def settle(adapter: Any, before: dict | None = None, requests: Sequence[An
     last SETTLE_STABLE scrapes, so what they say is what the server says (judged); a window whose counters were
     still moving is not judged (`audit_window`: CANNOT TEST, named)."""
     n = scrapes or SETTLE_SCRAPES
-    judge = before is not None and requests is not None and not busy_gauges(before, kv=False)
+    # the window to judge each scrape against: only with both ends known and an idle server before it
+    idle_before = before is not None and requests is not None and not busy_gauges(before, kv=False)
+    judged = requests if idle_before else None
     seen: list[dict] = []
     pause = SETTLE_FIRST_S
     for i in range(n):
@@ -164,8 +166,8 @@ async def settle(adapter: Any, before: dict | None = None, requests: Sequence[An
         if s is None:
             continue
         seen.append(s)
-        if judge:
-            w = audit_window(before, s, requests, k=k, per_step=per_step)
+        if judged is not None:
+            w = audit_window(before, s, judged, k=k, per_step=per_step)
             agreed = not w["problems"] and not w.get("unattributed")
         else:
             agreed = not busy_gauges(s)
@@ -233,6 +235,7 @@ def audit_window(before: dict | None, after: dict | None, requests: Sequence[Any
     busy_before = {n: v for n, v in busy_gauges(before, kv=False).items()}
     n_ok, n_fail, t_out = cv["ok"], cv["failed"], cv["output_tokens"]
     how = after.get("settle") or {}
+    why: str | None
     if busy_before:
         why = ("the server was busy before the window (" + ", ".join(f"{n} {v:g}" for n, v in busy_before.items())
                + "): its counter deltas would include other traffic")

@@ -63,7 +63,7 @@ def audit_records(records: Sequence[dict]) -> dict:
     for r in records:
         if r.get("kind") == "request":
             reqs[_cell_key(r)].append(r)
-    arms: dict[str, dict] = {}
+    arms: dict[str | None, dict] = {}  # by arm name (None: a cell record that names none)
     for c in cells:
         key = (c.get("arm"), c.get("level"), c.get("round"), bool(c.get("warmup")))
         a = arms.setdefault(key[0], {"arm": key[0], "cells": 0, "counter_cells": 0, "request_cells": 0,
@@ -73,13 +73,13 @@ def audit_records(records: Sequence[dict]) -> dict:
                                      "cell_verdicts": {PASS: 0, FAIL: 0, CANNOT_TEST: 0}})
         a["cells"] += 1
         n_problems = len(a["problems"])
-        delta = c.get("counters")
-        have_counters = bool(delta) and delta.get("num_drafts") is not None
+        delta: dict = c.get("counters") or {}
+        have_counters = delta.get("num_drafts") is not None
         rs = reqs.get(key, [])
         ok = [r for r in rs if r.get("ok")]
-        per = [r.get("spec") for r in ok]
-        have_per = bool(ok) and len(ok) == len(rs) and all(isinstance(p, dict) and p.get("num_draft_tokens") is not None
-                                                           for p in per)
+        per = [p for p in (r.get("spec") for r in ok) if isinstance(p, dict)]
+        # every request of the cell succeeded and carries its per-request draft counts
+        have_per = bool(ok) and len(per) == len(rs) and all(p.get("num_draft_tokens") is not None for p in per)
         sm = c.get("server_metrics")
         why, windowed = None, False
         if isinstance(sm, dict):

@@ -141,7 +141,7 @@ def compare_metric(vllm: Sequence[float | None], specbench: Sequence[float | Non
     """One figure, one level: both spreads, the paired ratios specbench / vllm, the noise floor, a verdict."""
     sv, ss = spread(vllm), spread(specbench)
     ratios = paired_ratios(dict(enumerate(vllm)), dict(enumerate(specbench)))
-    ratio = None if not ratios else {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
+    ratio: dict | None = None if not ratios else {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
                                      "per_round": ratios}
     noise = None
     if sv is None and ss is None:

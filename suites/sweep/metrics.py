@@ -71,6 +71,8 @@ def derive(rec: dict) -> dict:
     if n is None:
         n = sum(rec.get("chunk_tokens") or [])
     kept = counted_chunks(times, rec.get("chunk_tokens"), n)
+    ttft: float | None
+    e2el: float | None
     if kept:
         ttft, e2el = kept[0][0], kept[-1][0]
     else:  # no streamed chunks: the whole response arrived at once

@@ -252,7 +252,8 @@ class SweepRunner:
             if tracker is not None:
                 tracker.advance(work=wave)
 
-        scrape_s, c1 = 0.0, {}
+        scrape_s = 0.0
+        c1: dict = {}  # the per-request counter attribution at c1 (_one_by_one), recorded on the cell
         if cfg.mode == "closed" and conc == 1 and before is not None and cfg.c1_counters:
             results, scrape_s, c1 = await _one_by_one(ad, reqs, before, before_m, record, k, per_step)
         else:

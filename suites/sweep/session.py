@@ -282,8 +282,9 @@ async def _main(cfg: SweepConfig, arms: list[Arm], adapters: dict[str, EngineAda
     from specbench.harness.results import open_run
 
     for label, ad in adapters.items():
-        if callable(getattr(ad, "probe", None)):  # an endpoint's dialect, before its first request
-            await asyncio.to_thread(ad.probe)
+        probe_dialect = getattr(ad, "probe", None)
+        if callable(probe_dialect):  # an endpoint's dialect, before its first request
+            await asyncio.to_thread(probe_dialect)
         await workload.tokenize(label, ad)
     for a in arms:
         if a.copy_of:
@@ -303,7 +304,7 @@ async def _main(cfg: SweepConfig, arms: list[Arm], adapters: dict[str, EngineAda
             "arms": [{"label": a.label, "engine": a.engine, "copy_of": a.copy_of,
                       "description": described[a.copy_of or a.label]} for a in arms],
             "workload": wl}
-    sampling = {"temperature": cfg.temperature, "max_tokens": cfg.max_tokens, "ignore_eos": cfg.ignore_eos}
+    sampling: dict = {"temperature": cfg.temperature, "max_tokens": cfg.max_tokens, "ignore_eos": cfg.ignore_eos}
     if cfg.max_tokens_spread:
         sampling["max_tokens_range"] = list(output_len_range(cfg.max_tokens, cfg.max_tokens_spread))
     models = {label: (described[label] or {}).get("model") for label in adapters}

@@ -87,13 +87,13 @@ def import_vllm_bench(files: Sequence[str | Path], out_dir: str | Path | None = 
                   dataset={"source": "vllm-bench", "files": meta["files"]}) as run:
         run.write("sweep", meta)
         for c in cells:
-            key = {"arm": c["label"], "level": c["level"], "level_kind": kind, "round": c["round"], "warmup": False,
-                   "copy_of": None}
+            cell = {"arm": c["label"], "level": c["level"], "level_kind": kind, "round": c["round"], "warmup": False,
+                    "copy_of": None}
             for i, r in enumerate(c["requests"]):
                 run.write("requests", {"run_id": run.run_id, "arm": c["label"], "idx": i, "round": c["round"],
-                                       "item_id": str(i), **r, "meta": dict(key)})
+                                       "item_id": str(i), **r, "meta": dict(cell)})
             st = c["stats"]
-            run.write("cells", {**key, "wall_start": None, "duration": st["duration"], "requests": st["requests"],
+            run.write("cells", {**cell, "wall_start": None, "duration": st["duration"], "requests": st["requests"],
                                 "completed": st["completed"], "counters": c["counters"], "stats": st,
                                 "concurrency": int(c["level"]) if kind == "concurrency" and not math.isinf(c["level"])
                                 else None, "offsets": kind == "rate", "server_metrics": None,

@@ -194,7 +194,7 @@ class Workload:
         before = len(self.kept)
         lens = {a: self.lengths(a) for a in max_len}
         self.kept = [i for i in self.kept
-                     if all(m is None or lens[a][i] is None or lens[a][i] <= m for a, m in max_len.items())]
+                     if all(m is None or (n := lens[a][i]) is None or n <= m for a, m in max_len.items())]
         return before - len(self.kept)
 
     def requests(self, arm: str, positions: list[int], max_tokens: int, ignore_eos: bool,
