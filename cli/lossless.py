@@ -85,8 +85,8 @@ def lossless(
     )
     from specbench.harness.results import open_run
     from specbench.suites.lossless.batch import parse_levels
-    from specbench.suites.lossless.engine_gates import GATES
     from specbench.suites.lossless.prompts import DATASETS
+    from specbench.suites.lossless.registry import GATES
     from specbench.suites.lossless.regret import STRICT_FP32_TOL
     from specbench.suites.lossless.report import render_console, render_markdown
     from specbench.suites.lossless.suite import SUITE_VERSION, LosslessConfig, LosslessError, run_lossless

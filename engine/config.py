@@ -4,7 +4,7 @@ Contract: every dataclass here is immutable and validated on construction; a bad
 `ConfigError` naming the field, the value and what would be accepted. Derived values are properties.
 `ModelConfig.from_dir` parses a checkpoint's config.json (fixtures and real checkpoints alike) and
 `ModelConfig.from_dict` validates one already read; three other places read one for a single field or a
-drafter: engine/models/dflash2.py `load_draft_config` (into `from_dict`), suites/lossless/engine_gates.py
+drafter: engine/models/dflash2.py `load_draft_config` (into `from_dict`), suites/lossless/gates/common.py
 `geometry` (max_position_embeddings) and suites/lossless/checks.py `eos_ids_of` (eos_token_id). This module imports no torch and no kernel (only `require_device` imports torch, when it
 is called), so the harness imports its vocabularies and the `spec_method` rule instead of copying them.
 

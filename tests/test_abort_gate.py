@@ -11,8 +11,8 @@ import asyncio
 import pytest
 
 from specbench.harness.adapters.local import LocalAdapter
-from specbench.suites.lossless.engine_gates import GATES
 from specbench.suites.lossless.greedy import GreedyGateOptions, Prompt
+from specbench.suites.lossless.registry import GATES
 
 
 @pytest.fixture(scope="module")

@@ -120,8 +120,8 @@ def test_a_bias_past_the_vocabulary_is_refused_at_admission(engines):
 
 def _gate(name, tiny_target, tiny_draft, gsm8k_prompts, faults=(), baseline_kw=None):
     from specbench.harness.adapters.local import LocalAdapter
-    from specbench.suites.lossless.engine_gates import GATES
     from specbench.suites.lossless.greedy import GreedyGateOptions, Prompt
+    from specbench.suites.lossless.registry import GATES
 
     base = LocalAdapter.from_dirs(tiny_target, spec="off", num_pages=512, name="baseline", **(baseline_kw or {}))
     cand = LocalAdapter.from_dirs(tiny_target, draft=tiny_draft, spec="dflash", num_pages=512, name="cand",
@@ -171,8 +171,8 @@ class _Ignoring:
 def test_a_baseline_that_ignores_the_option_leaves_the_gate_cannot_test(name, field, tiny_target, tiny_draft,
                                                                         gsm8k_prompts):
     from specbench.harness.adapters.local import LocalAdapter
-    from specbench.suites.lossless.engine_gates import GATES
     from specbench.suites.lossless.greedy import GreedyGateOptions, Prompt
+    from specbench.suites.lossless.registry import GATES
 
     base = LocalAdapter.from_dirs(tiny_target, spec="off", num_pages=512, name="baseline")
     cand = LocalAdapter.from_dirs(tiny_target, draft=tiny_draft, spec="dflash", num_pages=512, name="cand")

@@ -160,8 +160,8 @@ def test_the_switch_off_runs_logprobs_requests_unspeculated(tiny_target, tiny_dr
 
 def _mixed(tiny_target, tiny_draft, gsm8k_prompts, faults: tuple[str, ...]):
     from specbench.harness.adapters.local import LocalAdapter
-    from specbench.suites.lossless.engine_gates import GATES
     from specbench.suites.lossless.greedy import GreedyGateOptions, Prompt
+    from specbench.suites.lossless.registry import GATES
 
     base = LocalAdapter.from_dirs(tiny_target, spec="off", num_pages=256, name="baseline")
     cand = LocalAdapter.from_dirs(tiny_target, draft=tiny_draft, spec="dflash", num_pages=256, name="cand",

@@ -187,7 +187,7 @@ def test_quick_with_a_named_gate(tiny_pair):
 
 
 def test_long_prompt_is_whole_pieces_then_the_tail():
-    from specbench.suites.lossless.engine_gates import long_prompt
+    from specbench.suites.lossless.gates.long_context import long_prompt
     pieces, tail = [[1] * 100, [2] * 150], [9] * 40
     ids = long_prompt(pieces, tail, 700)
     assert ids[-40:] == tail and len(ids) <= 700 and len(ids) > 700 - 150 - 40

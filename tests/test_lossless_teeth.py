@@ -24,7 +24,8 @@ from specbench.suites.lossless.checks import (
     fisher_p,
 )
 from specbench.suites.lossless.concurrent import run_concurrent
-from specbench.suites.lossless.engine_gates import eos_in_run, pick_stop_ids, stop_inside_run
+from specbench.suites.lossless.gates.common import stop_inside_run
+from specbench.suites.lossless.gates.eos_in_run import eos_in_run, pick_stop_ids
 from specbench.suites.lossless.greedy import GreedyGateOptions, Prompt, check_output, resolve_rule
 from specbench.suites.lossless.regret import STRICT_FP32_TOL
 from specbench.suites.lossless.suite import LosslessConfig, run_lossless

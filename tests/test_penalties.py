@@ -92,8 +92,8 @@ def test_a_verify_row_counts_the_drafts_before_it():
 
 def _gate(tiny_target, tiny_draft, gsm8k_prompts, faults, n=2):
     from specbench.harness.adapters.local import LocalAdapter
-    from specbench.suites.lossless.engine_gates import GATES
     from specbench.suites.lossless.greedy import GreedyGateOptions, Prompt
+    from specbench.suites.lossless.registry import GATES
 
     base = LocalAdapter.from_dirs(tiny_target, spec="off", num_pages=512, name="baseline")
     cand = LocalAdapter.from_dirs(tiny_target, draft=tiny_draft, spec="dflash", num_pages=512, name="cand",
@@ -109,7 +109,7 @@ def _gate(tiny_target, tiny_draft, gsm8k_prompts, faults, n=2):
 def test_penalties_gate_passes_the_clean_engine(tiny_target, tiny_draft, gsm8k_prompts):
     run = _gate(tiny_target, tiny_draft, gsm8k_prompts, ())
     assert run.verdict == "PASS", [(p.pid, p.status, p.reason) for p in run.prompts]
-    from specbench.suites.lossless.engine_gates import PEN_SETTINGS
+    from specbench.suites.lossless.gates.penalties import PEN_SETTINGS
     assert len(run.prompts) == 2 * 2 * len(PEN_SETTINGS) and run.stats.num_drafts > 0  # (prompt, echo) x setting
 
 
@@ -168,7 +168,7 @@ def test_sampled_gate_with_a_penalty_config(tiny_target, tiny_draft):
 def test_penalties_judge_needs_token_ids_on_both_sides():
     """Text with an empty token list is no output to compare: CANNOT TEST, never identical (cannot_compare)."""
     from specbench.harness.adapters.base import GenResult
-    from specbench.suites.lossless.engine_gates import judge_penalized
+    from specbench.suites.lossless.gates.penalties import judge_penalized
     from specbench.suites.lossless.greedy import GreedyGateOptions, Prompt
 
     p, opts = Prompt("p", [1, 2]), GreedyGateOptions()

@@ -41,7 +41,10 @@ from specbench.harness.verdicts import (
     speculation_verdict,
 )
 from specbench.suites.lossless.checks import AcceptanceEvidence, acceptance_evidence, counted_exactly
-from specbench.suites.lossless.engine_gates import headroom, min_tokens, mixed, stop_in_run
+from specbench.suites.lossless.gates.headroom import headroom
+from specbench.suites.lossless.gates.min_tokens import min_tokens
+from specbench.suites.lossless.gates.mixed import mixed
+from specbench.suites.lossless.gates.stop_in_run import stop_in_run
 from specbench.suites.lossless.greedy import (
     GreedyGateOptions,
     LosslessError,

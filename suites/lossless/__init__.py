@@ -4,8 +4,10 @@
 - greedy.py: the greedy gate with re-anchoring after benign flips.
 - outcomes.py: the gate's outcome records (`Prompt`, `Divergence`, `PromptCheck`); `GateRun` and its verdict.
 - concurrent.py: staggered max_tokens in one batch, each against its own sequential baseline.
-- engine_gates.py: the engine gates (`GATES`: short-then-long, headroom, mixed, stop and EOS inside an accepted
-  run, abort in flight, penalties, logit bias, min_tokens, long contexts; docs/lossless.md describes each).
+- gates/: the engine gates, one module each (short-then-long, mixed, stop and EOS inside an accepted run, abort
+  in flight, penalties, logit bias, min_tokens, long contexts, headroom; docs/lossless.md describes each).
+- registry.py: every gate's record (name, function, needs, when it runs, the faults it is meant to catch);
+  `GATES`, the self-test's gates and the docs follow it.
 - checks.py: counter invariants, nothing after EOS, speculation-silently-off alarm, KV leaks.
 - selftest.py: every named engine fault must be caught by some gate; the clean engine never alarms.
 - report.py: markdown and JSON renderings (pure functions of the runs).

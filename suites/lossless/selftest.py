@@ -3,9 +3,9 @@
 Contract:
 - Every greedy fault the candidate's engine names (its "faults" capability, `armable_faults()`, minus the
   speculative-sampling faults, which belong to the sampled-equivalence gate's self-test) is armed on a
-  fresh engine like the candidate (`with_faults`), and every gate runs against it: short-then-long (first,
-  on the fresh engine), greedy, concurrent, mixed, stop-in-run, eos-in-run, abort-in-flight, penalties, logit-bias,
-  min-tokens, headroom, and an
+  fresh engine like the candidate (`with_faults`), and every gate of registry.SELFTEST_GATES runs against it,
+  in its order (`GATE_NAMES`): short-then-long (first, on the fresh engine), greedy, concurrent, mixed,
+  stop-in-run, eos-in-run, abort-in-flight, penalties, logit-bias, min-tokens, long-context, headroom, and an
   acceptance-regression gate (mean accepted length on the greedy gate's prompts vs the clean engine's,
   two-sided: a fall or a rise beyond 10% of the excess over 1; `draft_ctx_misaligned` leaves the tokens
   lossless, because verify corrects them, and only acceptance shows it). Every gate applies the tolerance
@@ -33,17 +33,15 @@ from specbench.harness.verdicts import ERROR, EXIT_FAIL, FAIL, NOT_SPECULATING, 
 
 from ..sampled.selftest import FAULT_CASES
 from .checks import AcceptanceEvidence, check_acceptance
-from .concurrent import run_concurrent
-from .engine_gates import GATES
-from .greedy import GateRun, GreedyGateOptions, Prompt, resolve_rule, run_greedy, tokenize_prompts
+from .greedy import GateRun, GreedyGateOptions, Prompt, resolve_rule, tokenize_prompts
 from .prefix import PREFIX_FAULTS
 from .prompts import load_prompts
+from .registry import SELFTEST_GATES
 
 SAMPLING_FAULTS = frozenset(FAULT_CASES)  # caught by the sampled gate's self-test, not by greedy gates
 # The greedy gates' requests are salted off the prefix cache: its faults belong to the prefix gate's self-test.
 NOT_GREEDY = SAMPLING_FAULTS | frozenset(PREFIX_FAULTS)
-GATE_NAMES = ("short-then-long", "greedy", "concurrent", "mixed", "stop-in-run", "eos-in-run", "abort-in-flight",
-              "penalties", "logit-bias", "min-tokens", "long-context", "headroom", "acceptance")
+GATE_NAMES = tuple(s.name for s in SELFTEST_GATES)  # the self-test's gates (its columns), registry.py's order
 
 
 def greedy_faults(candidate: EngineAdapter) -> dict[str, str]:
@@ -194,14 +192,9 @@ async def run_engine(label: str, faults: tuple[str, ...], description: str, base
     t0 = time.perf_counter()
     row = EngineRow(label, faults, description)
     stats: AcceptanceEvidence | None = None
-    runs: dict[str, Callable] = {
-        "short-then-long": GATES["short-then-long"],
-        "greedy": lambda b, c, p, m, o: run_greedy(b, c, p, m, o, concurrency=1),
-        "concurrent": run_concurrent,
-        "mixed": GATES["mixed"], "stop-in-run": GATES["stop-in-run"], "eos-in-run": GATES["eos-in-run"],
-        "abort-in-flight": GATES["abort-in-flight"], "penalties": GATES["penalties"],
-        "logit-bias": GATES["logit-bias"], "min-tokens": GATES["min-tokens"], "long-context": GATES["long-context"],
-        "headroom": GATES["headroom"]}
+    # every gate as (baseline, candidate, prompts, max_tokens, opts): greedy at its default, one request at a time;
+    # the acceptance check (kind "check") is judged after them, on the greedy gate's evidence
+    runs: dict[str, Callable] = {s.name: s.run for s in SELFTEST_GATES if s.kind != "check"}
     for name, fn in runs.items():
         try:
             g = await fn(baseline, candidate, prompts, max_tokens, opts)

@@ -3,8 +3,8 @@
 Contract:
 - `run_lossless(baseline, candidate, cfg, run=None, log=print)` tokenizes the prompt set once (the
   baseline's tokenizer), runs the greedy gate (`cfg.concurrency` candidate requests at a time), then the
-  concurrent heterogeneous gate (`cfg.concurrent`) and the engine gates (`cfg.engine_gates`;
-  short-then-long first, while the engine is fresh), and returns a `LosslessOutcome`.
+  concurrent heterogeneous gate (`cfg.concurrent`) and the engine gates (`cfg.engine_gates`; registry.py's
+  order, short-then-long first, while the engine is fresh), and returns a `LosslessOutcome`.
 - With a results `Run`, every per-prompt check is written as it completes ("checks" records), every
   candidate request at the end of its gate ("requests", arm "candidate"), and one "gates" record per gate;
   the run record's summary gets the verdict. Reports are pure functions of the outcome (report.py).
@@ -74,7 +74,6 @@ from . import reference as accept_ref
 from .batch import BatchOptions, load_batch_prompts, run_batch_invariance, run_rate_gate
 from .checks import check_acceptance
 from .concurrent import run_concurrent
-from .engine_gates import GATES
 from .greedy import (
     GateRun,
     GreedyGateOptions,
@@ -86,6 +85,7 @@ from .greedy import (
     tokenize_prompts,
 )
 from .prompts import load_prompts
+from .registry import ENGINE_GATES, GATES
 from .regret import MARGIN_TOL, STRICT_FP32_TOL
 
 SUITE_VERSION = "1"
@@ -344,8 +344,10 @@ async def run_lossless(baseline: EngineAdapter, candidate: EngineAdapter, cfg: L
 
     first: list[GateRun] = []
     if cfg.engine_gates:  # on a fresh engine, before anything else has captured a shape
-        first.append(await gate("short-then-long", GATES["short-then-long"](baseline, candidate, prompts,
-                                                                           cfg.max_tokens, opts)))
+        for spec in ENGINE_GATES:
+            if spec.fresh:
+                first.append(await gate(spec.name, GATES[spec.name](baseline, candidate, prompts, cfg.max_tokens,
+                                                                    opts)))
     main = await gate("greedy", run_greedy(baseline, candidate, prompts, cfg.max_tokens, opts,
                                            concurrency=cfg.concurrency, on_prompt=on_prompt("greedy")))
     key, parts = accept_ref.fingerprint(engines["candidate"], [p.messages if p.chat else p.ids for p in prompts],
@@ -367,10 +369,10 @@ async def run_lossless(baseline: EngineAdapter, candidate: EngineAdapter, cfg: L
     if cfg.concurrent:
         await gate("concurrent", run_concurrent(baseline, candidate, prompts, cfg.max_tokens, opts,
                                                 on_prompt=lambda _pc: tick()))
-    if cfg.engine_gates:
-        for name in ("mixed", "stop-in-run", "eos-in-run", "abort-in-flight", "penalties", "logit-bias", "min-tokens",
-                     "long-context", "headroom"):
-            await gate(name, GATES[name](baseline, candidate, prompts, cfg.max_tokens, opts))
+    if cfg.engine_gates:  # the rest, in the registry's order
+        for spec in ENGINE_GATES:
+            if not spec.fresh:
+                await gate(spec.name, GATES[spec.name](baseline, candidate, prompts, cfg.max_tokens, opts))
     if cfg.rate_test:  # the spec-on divergences of greedy (+ concurrent) against the baseline's batch noise
         await gate("divergence-rate", run_rate_gate(baseline, prompts, cfg.max_tokens, opts, cfg.batch_options,
                                                     [g for g in out.gates if g.name in ("greedy", "concurrent")]))

@@ -223,8 +223,8 @@ def test_mixed_gate_logprobs_parity(llamacpp_off, llamacpp_draft, llamacpp_notes
     only the positions it did report are compared, and the missing ones are counted."""
     import asyncio
 
-    from specbench.suites.lossless.engine_gates import GATES
     from specbench.suites.lossless.greedy import GreedyGateOptions, Prompt
+    from specbench.suites.lossless.registry import GATES
 
     off = OpenAIAdapter(llamacpp_off.base_url, probe=True)
     on = OpenAIAdapter(llamacpp_draft.base_url, probe=True)
@@ -245,8 +245,8 @@ def test_abort_in_flight_gate(llamacpp_off, llamacpp_draft, llamacpp_notes):
     two survivors decode; the survivors and a request sent afterwards stay lossless."""
     import asyncio
 
-    from specbench.suites.lossless.engine_gates import GATES
     from specbench.suites.lossless.greedy import GreedyGateOptions, Prompt
+    from specbench.suites.lossless.registry import GATES
 
     off = OpenAIAdapter(llamacpp_off.base_url, probe=True)
     on = OpenAIAdapter(llamacpp_draft.base_url, probe=True)
@@ -265,8 +265,8 @@ def test_penalties_gate(llamacpp_off, llamacpp_draft, llamacpp_notes):
     honoured (the output moves), and the penalties gate passes draft-model speculation against spec off."""
     import asyncio
 
-    from specbench.suites.lossless.engine_gates import GATES
     from specbench.suites.lossless.greedy import GreedyGateOptions, Prompt
+    from specbench.suites.lossless.registry import GATES
 
     off = OpenAIAdapter(llamacpp_off.base_url, probe=True)
     on = OpenAIAdapter(llamacpp_draft.base_url, probe=True)
@@ -288,8 +288,8 @@ def test_logit_bias_and_min_tokens_gates(llamacpp_off, llamacpp_draft, llamacpp_
     so the min-tokens gate finds a baseline that ignores it and says CANNOT TEST rather than PASS."""
     import asyncio
 
-    from specbench.suites.lossless.engine_gates import GATES
     from specbench.suites.lossless.greedy import GreedyGateOptions, Prompt
+    from specbench.suites.lossless.registry import GATES
 
     off = OpenAIAdapter(llamacpp_off.base_url, probe=True)
     on = OpenAIAdapter(llamacpp_draft.base_url, probe=True)
