@@ -17,8 +17,12 @@ With no fault armed it is `NO_FAULTS`, whose hooks are the plain calls and const
 nothing when off. The components take generic knobs and never see a fault name; kernels/ know nothing of
 faults. `specbench selftest` arms each fault and proves that some gate fails.
 
-Registry: one `Fault` subclass per name, each overriding the hooks of the phase it breaks; `FAULTS` (name
--> description) is read by the self-test suites. A new fault is one subclass added to `_REGISTRY`.
+Registry: one `Fault` subclass per name, each overriding the hooks of the phase it breaks and naming its
+`family` (FAMILIES: which self-test proves it caught) and `expect` (EXPECTS: what that self-test expects with
+it armed); a word outside them is refused when the class is defined. `FAULT_TYPES` (name -> class) and `FAULTS`
+(name -> description) derive from `_REGISTRY`; the suites read all three facts through the adapter's "faults"
+capability (harness/adapters/local.py `fault_catalogue`), never by importing this module. A new fault is one
+subclass added to `_REGISTRY`.
 """
 
 from __future__ import annotations
@@ -95,11 +99,36 @@ class CommitKnobs:
 NO_COMMIT_KNOBS = CommitKnobs()
 
 
+# Which self-test proves a fault caught (its family), and what that self-test expects with it armed.
+FAMILIES = {
+    "greedy": "the lossless gates' self-test (`specbench selftest`): some greedy gate must fail",
+    "sampling": "the sampled-equivalence gate's self-test (`specbench sampled --selftest`)",
+    "prefix": "the prefix gate's self-test (`specbench lossless --suite prefix --selftest`): every other gate's "
+              "requests are salted off the prefix cache",
+    "draft_variant": "lossless, only a drafter's acceptance moves: no gate can catch it, so no gate's self-test "
+                     "arms it; check-draft's acceptance sanity test does (harness/draft_variants.py)",
+}
+EXPECTS = {
+    "fail": "the verdict is FAIL",
+    "fallback": "the tokens stay lossless and some warm turn falls back (no drafts where the clean run drafts)",
+    "acceptance": "the tokens stay lossless and only the mean accepted length moves",
+}
+
+
 class Fault:
     """One named fault: the hooks of the phases it breaks (each default leaves its phase alone)."""
 
     name: ClassVar[str]
     description: ClassVar[str]
+    family: ClassVar[str] = "greedy"  # FAMILIES
+    expect: ClassVar[str] = "fail"  # EXPECTS
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        for attr, known in (("family", FAMILIES), ("expect", EXPECTS)):
+            if getattr(cls, attr) not in known:
+                raise TypeError(f"fault {cls.__name__}: {attr} {getattr(cls, attr)!r} is invalid: expected one of "
+                                f"{', '.join(known)}")
 
     def draft(self, spans: list[Span], knobs: DraftKnobs) -> DraftKnobs:
         return knobs
@@ -277,6 +306,7 @@ class BatchedDraftPos(Fault):
 
 
 class SelectorSkipped(Fault):
+    family, expect = "draft_variant", "acceptance"
     name = "selector_skipped"
     description = "a DFlash2 drafter drafts its logits' argmax: the candidate selector is skipped (lossless; " \
                   "only acceptance moves, caught by check-draft's acceptance sanity test)"
@@ -286,6 +316,7 @@ class SelectorSkipped(Fault):
 
 
 class CausalDraft(Fault):
+    family, expect = "draft_variant", "acceptance"
     name = "causal_draft"
     description = "the draft layers run causal inside the block (causality taken from layer_types, not " \
                   "is_causal: lossless; only acceptance moves, caught by check-draft)"
@@ -303,6 +334,7 @@ class AcceptTolerance(Fault):
 
 
 class RegisterBeforeForward(Fault):
+    family = "prefix"
     name = "register_before_forward"
     description = "prefix cache: a block is registered once its last token is known, before that token is " \
                   "forwarded (a verify's bonus completes a block whose last row holds a rejected draft's KV or none)"
@@ -312,6 +344,7 @@ class RegisterBeforeForward(Fault):
 
 
 class NoPublishOnFinish(Fault):
+    family, expect = "prefix", "fallback"
     name = "no_publish_on_finish"
     description = "prefix cache: the blocks a request seals in its last step reach the cache without the " \
                   "drafter's capture (a later hit on them decodes without drafts)"
@@ -386,30 +419,35 @@ class _RuleFlag(Fault):
 
 
 class BiasedAccept(_RuleFlag):
+    family = "sampling"
     name = "biased_accept"
     description = "sampled drafts are accepted with min(1, q/p) instead of min(1, p/q)"
     flag = "q_over_p"
 
 
 class ResampleFromP(_RuleFlag):
+    family = "sampling"
     name = "resample_from_p"
     description = "after a rejection the token is resampled from p instead of the residual"
     flag = "draw_from_p"
 
 
 class ReusedUniform(_RuleFlag):
+    family = "sampling"
     name = "reused_uniform"
     description = "one uniform random number is reused across draft positions"
     flag = "one_uniform"
 
 
 class QNextRow(_RuleFlag):
+    family = "sampling"
     name = "q_next_row"
     description = "a sampled draft's q(d_i) and residual read the draft distribution of the next position (row i + 1)"
     flag = "q_next_row"
 
 
 class BonusResidual(_RuleFlag):
+    family = "sampling"
     name = "bonus_residual"
     description = "after a fully accepted sampled run the bonus is drawn from the residual (p_k - q_{k-1})^+ " \
                   "instead of p_k"
@@ -417,6 +455,7 @@ class BonusResidual(_RuleFlag):
 
 
 class UnseededAccept(_RuleFlag):
+    family = "sampling"
     name = "unseeded_accept"
     description = "the verify's rejection-sampling uniforms come from the process's generator, not the request's " \
                   "(seeds ignored; the distribution stays exact)"
@@ -424,6 +463,7 @@ class UnseededAccept(_RuleFlag):
 
 
 class RowParamsFirst(_RuleFlag):
+    family = "sampling"
     name = "row_params_first"
     description = "every sampled verify row of a step is transformed with the first sampled request's temperature " \
                   "/ top-k / top-p (right whenever one sampling config fills the batch)"
@@ -467,13 +507,11 @@ _REGISTRY: tuple[type[Fault], ...] = (KVOffset, SkipRollback, WrongBonus, Accept
                                       VerifyIgnoresPenalties, VerifyIgnoresLogitBias, MinTokensAtSpanStart,
                                       StopStringAtRunEnd, DecodeRowShift, VerifyPenaltyHistoryStale,
                                       LongContextPosShift, IgnoreEosInRun)
-# Faults that leave the output lossless and move only a drafter's acceptance: no greedy or sampled gate can
-# catch them; `specbench check-draft` does (harness/checkdraft.py), so the gates' self-tests skip them.
-DRAFT_VARIANT_FAULTS = frozenset({"selector_skipped", "causal_draft"})
-# Prefix-cache faults: every gate request but the prefix gate's is salted off the cache, so the prefix gate's
-# self-test (suites/lossless/prefix.py) proves them caught, not the greedy gates'.
-PREFIX_FAULTS = frozenset({"register_before_forward", "no_publish_on_finish"})
+FAULT_TYPES: dict[str, type[Fault]] = {f.name: f for f in _REGISTRY}
 FAULTS: dict[str, str] = {f.name: f.description for f in _REGISTRY}
+# The families' members (FAMILIES says why each is apart from the greedy gates' self-test).
+DRAFT_VARIANT_FAULTS = frozenset(f.name for f in _REGISTRY if f.family == "draft_variant")
+PREFIX_FAULTS = frozenset(f.name for f in _REGISTRY if f.family == "prefix")
 # The order armed faults' hooks run in where two touch the same values: one more accepted draft first, then
 # the bonus taken late (as the engine always applied them).
 _HOOK_ORDER = ("accept_off_by_one", "wrong_bonus")
@@ -485,8 +523,7 @@ class Faults:
     def __init__(self, names: frozenset[str]) -> None:
         self.names = names
         order = [n for n in _HOOK_ORDER if n in names] + [n for n in FAULTS if n in names and n not in _HOOK_ORDER]
-        by_name = {f.name: f for f in _REGISTRY}
-        self._armed = [by_name[n]() for n in order]
+        self._armed = [FAULT_TYPES[n]() for n in order]
         rule = LOSSLESS
         for f in self._armed:
             rule = f.rule(rule)

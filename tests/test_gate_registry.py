@@ -86,3 +86,30 @@ def test_a_record_of_known_words_is_taken() -> None:
     s = GateSpec("x", lambda: None, "a gate", "engine", "asked", ("token_ids", "logprobs"), ("geometry",))
     assert not s.advisory and s.needs == ("token_ids", "logprobs")
 
+
+# ---- the faults each gate is meant to catch -------------------------------------------------------------------
+def _claims(specs, faults: dict[str, str]) -> list[str]:
+    """Problems: a claimed fault the engine does not name as greedy, or a greedy fault no gate claims."""
+    claimed = {f for s in specs for f in s.catches}
+    return ([f"{f}: not a greedy fault" for f in sorted(claimed - set(faults))]
+            + [f"{f}: no gate claims it" for f in faults if f not in claimed])
+
+
+def _greedy_faults() -> dict[str, str]:
+    from specbench.engine.faults import FAULT_TYPES
+
+    return {n: f.description for n, f in FAULT_TYPES.items() if f.family == "greedy"}
+
+
+def test_every_greedy_fault_is_claimed_by_a_gate() -> None:
+    assert _claims(REGISTRY, _greedy_faults()) == []
+
+
+def test_claims_check_sees_an_unclaimed_and_an_unknown_fault() -> None:
+    from dataclasses import replace
+
+    faults = _greedy_faults()
+    dropped = [replace(s, catches=tuple(f for f in s.catches if f != "stale_shape")) for s in REGISTRY]
+    assert _claims(dropped, faults) == ["stale_shape: no gate claims it"]
+    extra = [replace(REGISTRY[0], catches=(*REGISTRY[0].catches, "biased_accept")), *REGISTRY[1:]]
+    assert _claims(extra, faults) == ["biased_accept: not a greedy fault"]  # a sampling fault: not a greedy gate's

@@ -27,9 +27,11 @@ Contract:
 
 Capabilities (what only some engines can do; `capabilities` lists the ones an adapter offers, and every
 other one raises `UnsupportedCapability` naming the capability and the adapter):
-- "faults": `armable_faults()` is the engine's catalogue of named faults (name -> what it breaks);
-  `with_faults(faults)` builds a fresh engine like this one with those faults armed (none: a fresh
-  clean engine). The self-tests prove the gates catch each fault.
+- "faults": `fault_catalogue()` is the engine's catalogue of named faults (name -> `FaultInfo`: what it
+  breaks, its family, what its self-test expects; the words are engine/faults.py's); `armable_faults()` the
+  ones a gate's self-test arms (name -> what it breaks: every family but "draft_variant", which no gate can
+  catch); `with_faults(faults)` builds a fresh engine like this one with those faults armed (none: a fresh
+  clean engine). The self-tests prove the gates catch each fault: each takes the faults of its family.
 - "decode_window": `decode_window(prompts, max_tokens, warmup)` hands out a `DecodeWindow`, exclusive
   synchronous stepping of an in-process engine whose requests are all past prefill, so a profiler can be
   wrapped around a known number of decode steps.
@@ -208,6 +210,15 @@ ORACLE_DRAFTS = "oracle_drafts"
 CAPABILITIES = (FAULTS, DECODE_WINDOW, ORACLE_DRAFTS)
 
 
+@dataclass(frozen=True)
+class FaultInfo:
+    """One named fault as the engine describes it (engine/faults.py FAMILIES and EXPECTS hold the words)."""
+
+    description: str  # what it breaks
+    family: str  # which self-test proves it caught: greedy, sampling, prefix, draft_variant
+    expect: str = "fail"  # what that self-test expects with it armed: fail, fallback (prefix), acceptance
+
+
 class UnsupportedCapability(NotImplementedError):
     """An adapter declined a capability. The message names the capability, the adapter and who offers it."""
 
@@ -337,9 +348,14 @@ class EngineAdapter(ABC):
         return asyncio.run(_main())
 
     # ---- capabilities (module docstring); the defaults decline -------------------------------------
-    def armable_faults(self) -> dict[str, str]:
-        """The engine's named faults: name -> what it breaks."""
+    def fault_catalogue(self) -> dict[str, FaultInfo]:
+        """Every named fault of the engine: name -> what it breaks, its family, what its self-test expects."""
         raise UnsupportedCapability(self, FAULTS)
+
+    def armable_faults(self) -> dict[str, str]:
+        """The faults a gate's self-test arms: name -> what it breaks, every family but the drafter variants
+        (lossless by construction, so no gate can catch them; check-draft arms those through `with_faults`)."""
+        return {k: f.description for k, f in self.fault_catalogue().items() if f.family != "draft_variant"}
 
     def with_faults(self, faults: Sequence[str], name: str | None = None) -> EngineAdapter:
         """A fresh engine like this one with `faults` armed (empty: clean); named `name`, else

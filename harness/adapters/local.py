@@ -38,6 +38,7 @@ from .base import (
     ORACLE_DRAFTS,
     DecodeWindow,
     EngineAdapter,
+    FaultInfo,
     GenRequest,
     GenResult,
     PosLogprobs,
@@ -232,13 +233,11 @@ class LocalAdapter(EngineAdapter):
     def cold_requests(self) -> bool:
         return True
 
-    def armable_faults(self) -> dict[str, str]:
-        """The faults a gate's self-test arms: all but the drafter variants (lossless by construction, so no
-        gate can catch them; check-draft's acceptance sanity test arms those through `with_faults`)."""
-        from specbench.engine.faults import DRAFT_VARIANT_FAULTS
-        from specbench.engine.faults import FAULTS as CATALOGUE
+    def fault_catalogue(self) -> dict[str, FaultInfo]:
+        """engine/faults.py's faults, each with its family and expected outcome (`armable_faults` is the base's)."""
+        from specbench.engine.faults import FAULT_TYPES
 
-        return {k: v for k, v in CATALOGUE.items() if k not in DRAFT_VARIANT_FAULTS}
+        return {k: FaultInfo(f.description, f.family, f.expect) for k, f in FAULT_TYPES.items()}
 
     def with_faults(self, faults: Sequence[str], name: str | None = None) -> LocalAdapter:
         faults = tuple(faults)

@@ -49,9 +49,6 @@ SYSTEM_PROMPT = ("You are a careful assistant. Read the question, reason step by
                  "Keep the explanation short and never skip a step.\n\n")
 FOLLOW_UP = "\nQuestion: And what is that amount divided by two?\nAnswer:"
 BOUNDARIES = (-1, 0, 1)
-# The prefix-cache faults an engine may name and what the gate's self-test expects of each: "fail" (the
-# verdict is FAIL) or "fallback" (the tokens stay lossless; some warm turn falls back where the clean run drafts).
-PREFIX_FAULTS = {"register_before_forward": "fail", "no_publish_on_finish": "fallback"}
 
 
 @dataclass(frozen=True)
@@ -362,6 +359,10 @@ async def run_prefix_gate(adapter: EngineAdapter, conversations: Sequence[tuple[
 class PrefixSelftest:
     clean: list[PrefixOutcome]
     faults: dict[str, PrefixOutcome]
+    # per fault, what the engine says the self-test expects of it (its "faults" capability, `fault_catalogue`):
+    # "fail" (the verdict is FAIL) or "fallback" (the tokens stay lossless; some warm turn falls back where the
+    # clean run drafts)
+    expect: dict[str, str] = field(default_factory=dict)
 
     def problems(self) -> list[str]:
         out = []
@@ -369,7 +370,7 @@ class PrefixSelftest:
             if not c.ok or c.fallbacks:
                 out.append(f"clean #{i}: {c.verdict}, {len(c.fallbacks)} fell back ({c.reason[:120]})")
         for name, o in self.faults.items():
-            want = PREFIX_FAULTS.get(name, "fail")
+            want = self.expect.get(name, "fail")
             if want == "fail" and o.verdict != FAIL:
                 out.append(f"{name}: {o.verdict}, expected FAIL")
             if want == "fallback" and not o.fallbacks:
@@ -389,11 +390,13 @@ async def run_prefix_selftest(adapter: EngineAdapter, conversations: Sequence[tu
                               opts: PrefixGateOptions | None = None, repeat: int = 5,
                               log: Callable[[str], None] | None = None) -> PrefixSelftest:
     """The gate on `repeat` fresh clean engines (each must PASS with no fallback) and on each prefix fault the
-    engine names (its "faults" capability): register_before_forward must FAIL, no_publish_on_finish must show
-    fallbacks. `adapter` is clean run 1; the caller closes it."""
+    engine names (its "faults" capability, family "prefix"), held to what the engine says its self-test expects
+    (the local engine: register_before_forward must FAIL, no_publish_on_finish must show fallbacks). `adapter` is
+    clean run 1; the caller closes it."""
     say = log or (lambda s: None)
-    names = [f for f in PREFIX_FAULTS if f in adapter.armable_faults()]
-    out = PrefixSelftest([], {})
+    expect = {k: f.expect for k, f in adapter.fault_catalogue().items() if f.family == "prefix"}
+    names = list(expect)
+    out = PrefixSelftest([], {}, expect)
     for i in range(1, repeat + 1):
         ad = adapter if i == 1 else adapter.with_faults(())
         try:
@@ -462,5 +465,5 @@ def worst_drift(out: PrefixOutcome) -> float:
 
 
 __all__ = ["PrefixGateOptions", "PrefixOutcome", "Case", "run_prefix_gate", "render_markdown", "build_cases",
-           "first_turn_tokens", "drift_of", "STRICT_FP32_TOL", "MARGIN_TOL", "worst_drift", "PREFIX_FAULTS",
-           "PrefixSelftest", "run_prefix_selftest", "render_selftest"]
+           "first_turn_tokens", "drift_of", "STRICT_FP32_TOL", "MARGIN_TOL", "worst_drift", "PrefixSelftest",
+           "run_prefix_selftest", "render_selftest"]

@@ -1,8 +1,9 @@
 """`specbench selftest`: proof that the lossless gates have teeth, and no false alarms.
 
 Contract:
-- Every greedy fault the candidate's engine names (its "faults" capability, `armable_faults()`, minus the
-  speculative-sampling faults, which belong to the sampled-equivalence gate's self-test) is armed on a
+- Every greedy fault the candidate's engine names (its "faults" capability, `fault_catalogue()`, family
+  "greedy": the speculative-sampling faults belong to the sampled-equivalence gate's self-test, the prefix-cache
+  faults to the prefix gate's, the drafter variants to check-draft) is armed on a
   fresh engine like the candidate (`with_faults`), and every gate of registry.SELFTEST_GATES runs against it,
   in its order (`GATE_NAMES`): short-then-long (first, on the fresh engine), greedy, concurrent, mixed,
   stop-in-run, eos-in-run, abort-in-flight, penalties, logit-bias, min-tokens, long-context, headroom, and an
@@ -31,22 +32,19 @@ from typing import Any
 from specbench.harness.adapters.base import EngineAdapter, GenRequest, GenResult, ScoreResult
 from specbench.harness.verdicts import ERROR, EXIT_FAIL, FAIL, NOT_SPECULATING, PASS, exit_code
 
-from ..sampled.selftest import FAULT_CASES
 from .checks import AcceptanceEvidence, check_acceptance
 from .greedy import GateRun, GreedyGateOptions, Prompt, resolve_rule, tokenize_prompts
-from .prefix import PREFIX_FAULTS
 from .prompts import load_prompts
 from .registry import SELFTEST_GATES
 
-SAMPLING_FAULTS = frozenset(FAULT_CASES)  # caught by the sampled gate's self-test, not by greedy gates
-# The greedy gates' requests are salted off the prefix cache: its faults belong to the prefix gate's self-test.
-NOT_GREEDY = SAMPLING_FAULTS | frozenset(PREFIX_FAULTS)
 GATE_NAMES = tuple(s.name for s in SELFTEST_GATES)  # the self-test's gates (its columns), registry.py's order
 
 
 def greedy_faults(candidate: EngineAdapter) -> dict[str, str]:
-    """The candidate engine's armable faults that a greedy gate must catch: name -> what it breaks."""
-    return {k: v for k, v in candidate.armable_faults().items() if k not in NOT_GREEDY}
+    """The candidate engine's faults of the greedy family, which a greedy gate must catch: name -> what it breaks
+    (the sampling faults belong to the sampled gate's self-test, the prefix faults to the prefix gate's: every
+    greedy gate's request is salted off the prefix cache)."""
+    return {k: f.description for k, f in candidate.fault_catalogue().items() if f.family == "greedy"}
 
 
 class CachedAdapter(EngineAdapter):
@@ -160,19 +158,19 @@ class SelftestOutcome:
 def _why(g: GateRun) -> str:
     """The strongest evidence a gate found: the largest regret (or its bound), else the failed check."""
     bad = [p for p in g.prompts if not p.ok]
-    judged = [(d.judgement.regret_or_bound or 0.0, d) for p in bad for d in p.divergences[-1:] if d.judgement]
+    judged = [(j.regret_or_bound or 0.0, d, j) for p in bad for d in p.divergences[-1:] if (j := d.judgement)]
     n = f", {len(bad)} requests" if len(bad) > 1 else ""
     if judged:
-        r, d = max(judged, key=lambda x: x[0])
-        kind = "outside top-k" if d.judgement.kind == "outside_topk" else "regret"
+        r, d, j = max(judged, key=lambda x: x[0])
+        kind = "outside top-k" if j.kind == "outside_topk" else "regret"
         if d.rescore_fail:
             kind = "rescore disagrees, regret"
         val = f"{r:.2f}" if r >= 0.01 or r == 0 else f"{r:.1e}"
-        return f"{kind} {'>= ' if d.judgement.regret is None else ''}{val} @{d.position}{n}"
+        return f"{kind} {'>= ' if j.regret is None else ''}{val} @{d.position}{n}"
     if bad:
-        d = bad[0].divergences[-1] if bad[0].divergences else None
-        if d is not None:
-            return d.kind + n
+        last = bad[0].divergences[-1] if bad[0].divergences else None
+        if last is not None:
+            return last.kind + n
         reason = bad[0].reason
         if "failed: " in reason:  # "candidate request failed: EngineFailure: engine step failed: IndexError: ..."
             err = reason.rsplit("failed: ", 1)[-1]

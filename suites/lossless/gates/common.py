@@ -34,7 +34,8 @@ from ..regret import first_divergence, judge_pick
 def geometry(adapter: EngineAdapter) -> tuple[int, int] | None:
     """(max_position_embeddings, usable context) of a local engine, else None."""
     d = adapter.describe() or {}
-    cfg = d.get("config") if isinstance(d.get("config"), dict) else {}
+    raw = d.get("config")
+    cfg = raw if isinstance(raw, dict) else {}
     model, usable = d.get("model"), cfg.get("max_model_len")
     try:
         max_pos = json.loads((Path(str(model)) / "config.json").read_text())["max_position_embeddings"]

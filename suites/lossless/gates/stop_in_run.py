@@ -81,7 +81,7 @@ async def stop_in_run(baseline: EngineAdapter, candidate: EngineAdapter, prompts
             pc.status, pc.reason = "error", f"request failed: {r.error or b.error}"
             continue
         inside += _inside_run(r)
-        cid, bid = list(r.output_ids), list(b.output_ids)
+        cid, bid = list(r.output_ids or []), list(b.output_ids or [])  # (neither is None here)
         pc.candidate_tokens = pc.tokens_compared = len(cid)
         i = first_divergence(cid, bid)
         if i is None:
