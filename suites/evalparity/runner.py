@@ -126,6 +126,7 @@ def run_worker(spec: LmEvalSpec, workdir: Path, role: str,
         proc = subprocess.Popen([sys.executable, "-m", WORKER, str(spec_path),
                                  str(out_path)], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env=env, preexec_fn=die_with_parent)
+        rc: int | None
         try:
             if on_progress is None:
                 rc = proc.wait()
@@ -195,13 +196,13 @@ def run_parity(cfg: EvalConfig, progress: Any = None) -> tuple[ParityRun, Path]:
                 before = spec_counters(ep)
                 out = run_worker(ls, run.path, role, on_progress, api_key=ep.api_key)
                 done_before[0] = progress.done if progress is not None else 0
-                spec = spec_delta(before, spec_counters(ep))
+                counters = spec_delta(before, spec_counters(ep))
             for rec in _sample_records(role, name, out["tasks"]):
                 run.write("samples", rec)
             results[role] = out
             infos.append(ArmInfo(role, name, ep.engine, ep.model, ep.root, backend, ls.max_length, out["wall_s"],
                                  out["lm_eval_version"], out["model_args"],
-                                 {"spec": spec, "endpoint_info": ep.info, "n_shot": {t: v.get("n_shot") for t, v in out["tasks"].items()},
+                                 {"spec": counters, "endpoint_info": ep.info, "n_shot": {t: v.get("n_shot") for t, v in out["tasks"].items()},
                                   "task_versions": {t: v.get("version") for t, v in out["tasks"].items()}}))
             run.update(engines={**run.record.engines, role: {**engines[role], "model": ep.model,
                                                               "endpoint": ep.root, **ep.info}})

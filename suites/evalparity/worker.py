@@ -187,7 +187,7 @@ def count_requests(path: Path) -> _Tally:
 
     entry("generate_until")
     entry("loglikelihood")
-    TemplateAPI.model_call, TemplateAPI.amodel_call = model_call, amodel_call  # type: ignore[method-assign]
+    TemplateAPI.model_call, TemplateAPI.amodel_call = model_call, amodel_call
     return tally
 
 

@@ -569,8 +569,9 @@ def _model_dir(describe: dict) -> Path | None:
     """The engine's model directory on this machine: a local / hf engine's `model`; for an endpoint, the `root`
     its /v1/models reports (vLLM and `specbench serve` give the model path there) or the local tokenizer
     directory the adapter was given, when that path exists here (the server runs on this host)."""
-    server = describe.get("server") if isinstance(describe.get("server"), dict) else {}
-    config = describe.get("config") if isinstance(describe.get("config"), dict) else {}
+    server, config = describe.get("server"), describe.get("config")
+    server = server if isinstance(server, dict) else {}
+    config = config if isinstance(config, dict) else {}
     roots = [m.get("root") for m in (server.get("models") or []) if isinstance(m, dict)]
     for cand in (describe.get("model"), *roots, config.get("tokenizer")):
         if cand and Path(str(cand)).is_dir() and (Path(str(cand)) / "config.json").is_file():

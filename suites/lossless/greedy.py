@@ -108,7 +108,8 @@ class GreedyGateOptions:
 def engine_dtype(adapter: EngineAdapter) -> str | None:
     """The dtype an engine declares (describe()["config"]["dtype"]), else None."""
     d = adapter.describe() or {}
-    cfg = d.get("config") if isinstance(d.get("config"), dict) else {}
+    config = d.get("config")
+    cfg = config if isinstance(config, dict) else {}
     v = cfg.get("dtype")
     return str(v) if v else None
 
@@ -295,13 +296,13 @@ async def check_output(baseline: EngineAdapter, prompt: Prompt, cand: GenResult,
         raise LosslessError("check_output: a chat prompt needs its first baseline (the same chat request)")
     base = first_base or await baseline_for(baseline, prompt.ids, [], max_tokens, opts.top_k)
     while True:
-        if base.ok and (base.output_ids is None or (base.text and not base.output_ids)):
-            pc.status, pc.complete, pc.missing = "untestable", False, "output token ids (baseline)"
-            pc.reason = f"{CANNOT_TEST}: the baseline reports no output token ids (anchor {anchor})"
-            return pc
         if not base.ok:
             pc.status, pc.complete = "error", False
             pc.reason = f"baseline request failed (anchor {anchor}): {base.error}"
+            return pc
+        if base.output_ids is None or (base.text and not base.output_ids):
+            pc.status, pc.complete, pc.missing = "untestable", False, "output token ids (baseline)"
+            pc.reason = f"{CANNOT_TEST}: the baseline reports no output token ids (anchor {anchor})"
             return pc
         rest, bids = out[anchor:], list(base.output_ids)
         i = first_divergence(rest, bids)

@@ -418,9 +418,10 @@ async def run_noise(reference: EngineAdapter, baseline: EngineAdapter, candidate
     # a passed noise phase has no pick outside the top-k: every regret is exact
     out.bound = max(tol, out.noise_regrets.largest or 0.0)
     raised = out.bound > tol
-    topts = replace(opts, **({"strict_tol": out.bound} if opts.rule == "strict" else {"margin_tol": out.bound}),
-                    rule_reason=opts.rule_reason + (f"; raised to {out.bound:.3g} nat, the noise baseline's largest "
-                                                    "regret" if raised else ""))
+    reason = opts.rule_reason + (f"; raised to {out.bound:.3g} nat, the noise baseline's largest regret"
+                                 if raised else "")
+    topts = (replace(opts, strict_tol=out.bound, rule_reason=reason) if opts.rule == "strict"
+             else replace(opts, margin_tol=out.bound, rule_reason=reason))
     say(f"[noise] test phase: baseline vs candidate (spec on), bound {out.bound:.3g} nat"
         + (f" (the gate's {tol:g} raised by the noise)" if raised else ""))
     out.test = await run_greedy(baseline, candidate, prompts, cfg.max_tokens, topts, concurrency=cfg.concurrency,

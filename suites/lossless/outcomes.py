@@ -108,8 +108,7 @@ class PromptCheck:
 
     @property
     def max_regret(self) -> float | None:
-        vals = [d.judgement.regret_or_bound for d in self.divergences if d.judgement]
-        vals = [v for v in vals if v is not None]
+        vals = [v for d in self.divergences if d.judgement and (v := d.judgement.regret_or_bound) is not None]
         return max(vals) if vals else None
 
     def to_dict(self) -> dict:

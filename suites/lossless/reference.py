@@ -55,7 +55,8 @@ def dir_signature(path: object) -> str | None:
 
 
 def engine_identity(describe: dict) -> dict:
-    cfg = describe.get("config") if isinstance(describe.get("config"), dict) else {}
+    config = describe.get("config")
+    cfg = config if isinstance(config, dict) else {}
     out: dict = {"kind": describe.get("kind"), "model": describe.get("model")}
     if describe.get("kind") == "local":
         out.update({k: cfg.get(k) for k in LOCAL_KEYS if k in cfg})

@@ -68,6 +68,7 @@ class PickJudgement:
             if self.regret is not None:
                 s += f" (exact {self.regret:.3f} by teacher-forced scoring)"
             return s
+        assert self.regret is not None  # a pick inside the top-k (BENIGN, FAIL_REGRET) has its exact regret
         rel = "<=" if self.ok else ">"
         word = "benign tie flip" if self.ok else FAIL
         reg = f"{self.regret:.3f}" if self.regret >= 0.01 or self.regret == 0 else f"{self.regret:.2e}"

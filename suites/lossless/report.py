@@ -39,7 +39,8 @@ def _cell(s: object) -> str:
 
 
 def _engine_line(d: dict) -> str:
-    cfg = d.get("config") if isinstance(d.get("config"), dict) else {}
+    config = d.get("config")
+    cfg = config if isinstance(config, dict) else {}
     bits = [f"`{d.get('name')}` ({d.get('kind')})", f"model `{d.get('model')}`"]
     for k in ("draft", "spec", "k", "dtype", "device", "attention_backend", "eager", "faults"):
         if cfg.get(k) not in (None, [], ""):

@@ -173,7 +173,8 @@ RENDERERS: dict[str, Callable[[Any], list[str]]] = {
 
 def _headline(run: Any) -> list[Any]:
     s = run.meta.get("summary") or {}
-    verdict = s.get("verdict") or ({True: PASS, False: FAIL}.get(s.get("ok")) if "ok" in s else None)
+    of_ok: dict[object, str] = {True: PASS, False: FAIL}
+    verdict = s.get("verdict") or (of_ok.get(s.get("ok")) if "ok" in s else None)
     figure = s.get("mean_accept_len") or s.get("num_prompts") or s.get("prompts")
     return [f"`{run.run_id}`", run.meta.get("status"), verdict, figure, run.meta.get("started")]
 

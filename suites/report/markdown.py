@@ -92,7 +92,8 @@ def run_header(s: RunSummary) -> list[str]:
 def _desc(d: dict | None) -> str:
     if not d:
         return "—"
-    c = d.get("config") if isinstance(d.get("config"), dict) else {}
+    config = d.get("config")
+    c = config if isinstance(config, dict) else {}
     bits = [str(d.get("model") or "")]
     for k in ("spec", "k", "dtype", "device"):
         if c.get(k) not in (None, "", 0):
@@ -268,8 +269,8 @@ def audit_section(s: RunSummary) -> list[str]:
 
 def capability_section(s: RunSummary) -> list[str]:
     """The endpoint capability records of the arms that have one (openai engines, adapters/dialect.py)."""
-    caps = [(a["label"], (a.get("description") or {}).get("capabilities")) for a in s.arms if not a.get("copy_of")]
-    caps = [(label, c) for label, c in caps if isinstance(c, dict)]
+    found = [(a["label"], (a.get("description") or {}).get("capabilities")) for a in s.arms if not a.get("copy_of")]
+    caps = [(label, c) for label, c in found if isinstance(c, dict)]
     if not caps:
         return []
     keys = ("dialect", "tokenize", "generate_route", "output_ids", "logprobs", "top_logprobs", "prompt_logprobs",

@@ -106,7 +106,7 @@ def plot_speedup(runs: list[RunSummary], path: Path) -> Path:
     for s in runs:
         band = [(lv, nf["noise"]) for lv in s.levels if (nf := s.noise.get(lv))]
         if band:
-            xs, ns = zip(*band, strict=True)
+            xs, ns = [lv for lv, _ in band], [n for _, n in band]
             ax.fill_between(xs, [1 - n for n in ns], [1 + n for n in ns], alpha=0.2,
                             label=f"noise floor{'' if len(runs) == 1 else ' ' + s.run_id}")
         for a in s.compared_arms:

@@ -81,16 +81,17 @@ class RunSummary:
 
 
 def _sum_counters(items: list[dict | None]) -> dict | None:
-    items = [c for c in items if c and c.get("num_drafts") is not None]
-    if not items:
+    counted = [c for c in items if c and c.get("num_drafts") is not None]
+    if not counted:
         return None
-    width = max(len(c.get("accepted_per_pos") or []) for c in items)
-    out = {"source": items[0].get("source"), "accepted_per_pos": [0] * width}
+    width = max(len(c.get("accepted_per_pos") or []) for c in counted)
+    per_pos = [0] * width
+    out: dict = {"source": counted[0].get("source"), "accepted_per_pos": per_pos}
     for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
-        out[k] = sum(int(c.get(k) or 0) for c in items)
-    for c in items:
+        out[k] = sum(int(c.get(k) or 0) for c in counted)
+    for c in counted:
         for i, v in enumerate(c.get("accepted_per_pos") or []):
-            out["accepted_per_pos"][i] += int(v)
+            per_pos[i] += int(v)
     return out
 
 
@@ -190,8 +191,8 @@ def summarize(records: list[dict], run_id: str = "run", run_meta: dict | None = 
                 s.speedups[(a, lv)] = speedup(base.tok_s, cur.tok_s)
         cp = s.get(s.noise_arm, lv) if s.noise_arm else None
         s.noise[lv] = noise_floor(base.tok_s, cp.tok_s) if base and cp else None
-    rounds = int(cfg.get("rounds") or 0)
-    expected = len(planned) * len(arms) * rounds if planned and rounds else None
+    n_rounds = int(cfg.get("rounds") or 0)
+    expected = len(planned) * len(arms) * n_rounds if planned and n_rounds else None
     s.complete = bool(meta) and expected is not None and len(cells) >= expected and \
         not (run_meta or {}).get("incomplete", False)
     return s

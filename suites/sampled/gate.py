@@ -117,6 +117,17 @@ class Samples:
     evidence: AcceptanceEvidence = field(default_factory=lambda: AcceptanceEvidence("none"))
 
 
+@dataclass
+class _Own:
+    """One candidate's own evidence: its failed requests, unreadable samples, arms (its spec-on samples, and
+    the null run's) and the speculation seen in its results."""
+
+    failed: list[str]
+    untestable: list[str]
+    arms: list[Samples]
+    evidence: AcceptanceEvidence
+
+
 def _rendered_key(res: Any) -> tuple | None:
     if res.prompt_ids is not None:
         return ("ids", *res.prompt_ids)
@@ -152,6 +163,7 @@ def collect(adapter: EngineAdapter, prompts: Sequence[tuple[str, str]], configs:
     # One generation per sampling config, the counters read around each: the report states per config how
     # many verify steps ended on a rejection and how many were fully accepted (a bonus row drawn).
     results, keys, by_config, sent = [], [], {}, []
+    rids: list[str] = []  # the request id of each request sent, in order
     chat = opts.endpoint_type == "chat"
     seconds = 0.0
     spec: dict | None = None
@@ -160,10 +172,12 @@ def collect(adapter: EngineAdapter, prompts: Sequence[tuple[str, str]], configs:
         for pi, (pid, text) in enumerate(prompts):
             for si in range(opts.samples):
                 s = seed_of(opts.seed, arm_index, pi * len(configs) + ci, si, cells, opts.samples)
+                rid = f"{arm}-{pid}-{c.name}-{si}"
                 reqs.append(request(text, chat, max_tokens=opts.positions, temperature=c.temperature,
                                     top_p=c.top_p, top_k=c.top_k, seed=s, ignore_eos=True,
-                                    rid=f"{arm}-{pid}-{c.name}-{si}", prompt_cache=False, **c.penalties()))
+                                    rid=rid, prompt_cache=False, **c.penalties()))
                 keys.append((pi, ci))
+                rids.append(rid)
         sent += reqs
         before = adapter.spec_counters_sync()
         t0 = time.perf_counter()
@@ -179,7 +193,7 @@ def collect(adapter: EngineAdapter, prompts: Sequence[tuple[str, str]], configs:
     rendered: dict[int, set[tuple]] = {}
     outputs: dict[str, list[int]] = {}
     drafted: set[str] = set()
-    for key, req, res in zip(keys, sent, results, strict=True):
+    for key, rid, res in zip(keys, rids, results, strict=True):
         if not res.ok:
             failed.append(f"{res.rid}: {res.error}")
             continue
@@ -190,13 +204,13 @@ def collect(adapter: EngineAdapter, prompts: Sequence[tuple[str, str]], configs:
             untestable.append(f"{res.rid}: {why}")
             continue
         ids = list(out[:opts.positions])
-        outputs[req.rid] = ids
+        outputs[rid] = ids
         if res.drafted:
-            drafted.add(req.rid)
+            drafted.add(rid)
         rows.setdefault(key, []).append(ids + [END] * (opts.positions - len(ids)))
     tokens = {k: np.asarray(v, dtype=np.int64) for k, v in rows.items()}
     return Samples(arm, tokens, failed, seconds, spec, untestable, by_config, rendered,
-                   {r.rid: r for r in sent}, outputs, drafted,
+                   dict(zip(rids, sent, strict=True)), outputs, drafted,
                    acceptance_evidence(results, None, assumed=opts.assume_speculating))
 
 
@@ -289,10 +303,10 @@ def seed_repeat(adapter: EngineAdapter, samples: Samples, n: int,
             want[g.rid] = ref
             out.neighbours += 1
     for rid, first_ids in want.items():
-        r = res.get(rid)
-        if r is None or not r.ok:
+        got = res.get(rid)
+        if got is None or not got.ok:
             continue
-        ids, _ = _read_ids(adapter, r, retok, len(first_ids))
+        ids, _ = _read_ids(adapter, got, retok, len(first_ids))
         if ids is None:
             continue
         again = ids[:len(first_ids)]
@@ -321,7 +335,7 @@ def seed_check(base: SeedRepeat, cand: SeedRepeat) -> dict:
     (seeds not honoured by the engine: nothing to hold the candidate to)."""
     from scipy.stats import fisher_exact  # noqa: PLC0415  (only where the check runs)
 
-    out = {"baseline": asdict(base), "candidate": asdict(cand), "p_value": None}
+    out: dict = {"baseline": asdict(base), "candidate": asdict(cand), "p_value": None}
     if not base.compared or not cand.compared:
         out["verdict"] = f"{CANNOT_TEST} (no repeat to compare)"
         return out
@@ -698,7 +712,7 @@ def run_gate(baseline: EngineAdapter, candidate: EngineAdapter | Sequence[Engine
     by_cand: dict[str, dict | None] = {}
     raw_total: dict | None = None
     by_config: dict[str, dict | None] = {}
-    own: dict[str, dict] = {}  # per candidate: its own failed requests, unreadable samples, arms and evidence
+    own: dict[str, _Own] = {}  # per candidate
     for adapter, lab in zip(cands, labels, strict=True):
         tag = f"[{lab}]" if lab else ""
         say(f"candidate{' ' + lab if lab else ''}: {n} generations of {opts.positions} tokens")
@@ -712,8 +726,7 @@ def run_gate(baseline: EngineAdapter, candidate: EngineAdapter | Sequence[Engine
             phase(f"seed repeat{' ' + lab if lab else ''} (spec on)", reps + 2 * neighbours(reps))
             seeds[lab] = seed_check(base_rep, seed_repeat(adapter, cand, reps, tick))
         spec_comps.append(compare("spec", baseline_samples, cand, prompts, configs, opts, lab, family=False))
-        mine = {"failed": list(cand.failed), "untestable": list(cand.untestable), "arms": [cand],
-                "evidence": cand.evidence}
+        mine = _Own(list(cand.failed), list(cand.untestable), [cand], cand.evidence)
         failed += cand.failed
         untestable += cand.untestable
         arms.append(cand)
@@ -729,9 +742,9 @@ def run_gate(baseline: EngineAdapter, candidate: EngineAdapter | Sequence[Engine
             null_comps.append(compare("null", cand, cand2, prompts, configs, opts, lab, family=False))
             failed += cand2.failed
             untestable += cand2.untestable
-            mine["failed"] += cand2.failed
-            mine["untestable"] += cand2.untestable
-            mine["arms"].append(cand2)
+            mine.failed += cand2.failed
+            mine.untestable += cand2.untestable
+            mine.arms.append(cand2)
             arms.append(cand2)
             spec = _add_counters(spec, cand2.spec)
             cfg_counts = {c.name: _add_counters(cand.spec_by_config.get(c.name), cand2.spec_by_config.get(c.name))
@@ -742,8 +755,8 @@ def run_gate(baseline: EngineAdapter, candidate: EngineAdapter | Sequence[Engine
         for c in configs:
             by_config[config_key(lab, c.name)] = spec_summary(cfg_counts.get(c.name))
     adjust_per_candidate(spec_comps + null_comps, opts)
-    comps = [x for pair in zip(spec_comps, null_comps or [None] * len(spec_comps), strict=True) for x in pair
-             if x is not None]
+    no_null: list[Comparison | None] = [None] * len(spec_comps)
+    comps = [x for pair in zip(spec_comps, null_comps or no_null, strict=True) for x in pair if x is not None]
     secs["stats"] = sum(c.seconds for c in comps)
     notes = []
     if opts.endpoint_type == "chat":
@@ -762,18 +775,19 @@ def run_gate(baseline: EngineAdapter, candidate: EngineAdapter | Sequence[Engine
     for lab in labels:
         mine = own[lab]
         cc = [c for c in comps if c.candidate == lab]
-        miss = missing_of(cc, list(baseline_samples.untestable) + mine["untestable"])
+        miss = missing_of(cc, list(baseline_samples.untestable) + mine.untestable)
         if opts.endpoint_type == "chat":
-            miss += rendering_problems(prompts, baseline_samples, *mine["arms"])
-        ev: AcceptanceEvidence = mine["evidence"]
-        if by_cand[lab] is None and ev.speculating is None and not ev.assumed:
+            miss += rendering_problems(prompts, baseline_samples, *mine.arms)
+        ev = mine.evidence
+        counted = by_cand[lab]
+        if counted is None and ev.speculating is None and not ev.assumed:
             miss.append(NO_SPEC_EVIDENCE)
-        spec_v = (speculation_verdict(ev.speculating, ev.assumed) if by_cand[lab] is None
-                  else _counter_verdict(by_cand[lab]))
-        speculation[lab] = {"verdict": spec_v, "source": "counters" if by_cand[lab] is not None else ev.source,
-                            "describe": _describe_counters(by_cand[lab]) if by_cand[lab] is not None else ev.describe()}
+        spec_v = (speculation_verdict(ev.speculating, ev.assumed) if counted is None
+                  else _counter_verdict(counted))
+        speculation[lab] = {"verdict": spec_v, "source": "counters" if counted is not None else ev.source,
+                            "describe": _describe_counters(counted) if counted is not None else ev.describe()}
         missing_by[lab] = miss
-        verdicts[lab] = verdict_of(cc, by_cand[lab], list(baseline_samples.failed) + mine["failed"], miss, ev)
+        verdicts[lab] = verdict_of(cc, counted, list(baseline_samples.failed) + mine.failed, miss, ev)
     for lab, chk in seeds.items():  # a candidate that does not reproduce its seeded samples (enforced: fails)
         chk["enforced"] = opts.seed_repeat_gate
         who = f"seed repeat{' ' + lab if lab else ''}"
