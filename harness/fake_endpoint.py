@@ -187,8 +187,8 @@ class _Handler:
         cont = bool(opts.get("continuous_usage_stats"))
         if not req.get("stream"):
             text = "t " * max_tokens
-            choice = {"index": 0, "finish_reason": "stop" if f.empty else "length",
-                      **({"message": {"role": "assistant", "content": text}} if chat else {"text": text})}
+            said = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+            choice: dict[str, Any] = {"index": 0, "finish_reason": "stop" if f.empty else "length", **said}
             if ids:
                 choice["token_ids"] = [st.token_id] * max_tokens
             w.write(_json_response(200, {"id": "fake-1", "object": obj.replace(".chunk", ""), "model": st.model,
@@ -207,7 +207,7 @@ class _Handler:
                 for i in range(acc):
                     st.per_pos[i] += 1
             text = "t " * k
-            choice: dict[str, Any] = {"index": 0, "finish_reason": "length" if done == max_tokens else None}
+            choice = {"index": 0, "finish_reason": "length" if done == max_tokens else None}
             if chat:
                 choice["delta"] = {"content": text} if done > k else {"role": "assistant", "content": text}
             else:

@@ -137,8 +137,8 @@ def ensure_models(build: Build, target_dir: Path | None = None, draft_dir: Path 
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         t0 = time.monotonic()
-        with open(tmp / "convert.log", "w") as log, tempfile.TemporaryDirectory() as hf:
-            hf = Path(hf)
+        with open(tmp / "convert.log", "w") as log, tempfile.TemporaryDirectory() as hf_dir:
+            hf = Path(hf_dir)
             convert(build, target_dir, tmp / names["target_f32"], log)
             quantize(build, tmp / names["target_f32"], tmp / names["target_q8_0"], "Q8_0", log)
             quantize(build, tmp / names["target_f32"], tmp / names["target_q4_0"], "Q4_0", log)

@@ -21,6 +21,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NotRequired, TextIO, TypedDict
 
 from .build import Build
 from .gguf import Models
@@ -30,7 +31,17 @@ from .source import Unavailable
 # `--draft-max/--draft-min` are removed and refuse to start; `--spec-draft-n-max/-n-min` replace them;
 # n-gram sizes are per type). DFlash drafts at most block_size - 1 = 7 (it clamps larger values).
 DRAFT_N = ["--spec-draft-n-max", "8", "--spec-draft-n-min", "0"]
-KINDS = {
+
+
+class ServerKind(TypedDict):
+    """One kind of server: its model and drafter (names of `Models` fields) and its speculation arguments."""
+
+    model: str
+    draft: NotRequired[str]
+    spec: list[str]
+
+
+KINDS: dict[str, ServerKind] = {
     "off": {"model": "target_f32", "spec": []},
     "draft": {"model": "target_f32", "draft": "perturbed", "spec": ["--spec-type", "draft-simple", *DRAFT_N]},
     "ngram": {"model": "target_f32",
@@ -115,7 +126,7 @@ class LlamaServer:
         self.args += [*spec, *extra]
         self.proc: subprocess.Popen | None = None
         self._timer: threading.Timer | None = None
-        self._log_fh = None
+        self._log_fh: TextIO | None = None
         self.returncode: int | None = None
         self.started_s: float | None = None
 
@@ -143,8 +154,9 @@ class LlamaServer:
 
     def _spawn(self) -> LlamaServer:
         cmd = list(self.args)
-        if shutil.which("timeout"):  # the hard bound survives this Python process dying
-            cmd = [shutil.which("timeout"), "-k", "10", f"{int(self.lifetime_s)}", *cmd]
+        timeout = shutil.which("timeout")
+        if timeout:  # the hard bound survives this Python process dying
+            cmd = [timeout, "-k", "10", f"{int(self.lifetime_s)}", *cmd]
         env = dict(os.environ, OMP_WAIT_POLICY="passive")  # no idle spinning on shared cores
         self.log_path = self.log_path.with_name(f"llama-server-{self.name}-{self.port}.log")
         self._log_fh = open(self.log_path, "w")
