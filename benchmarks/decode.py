@@ -40,12 +40,17 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from specbench.engine.config import DeviceUnavailable, require_device
 from specbench.harness.benchdoc import emit_document, positive_ints
+
+if TYPE_CHECKING:
+    from specbench.engine.graphs import DecodeGraphs
+    from specbench.kernels.ops import TritonOps
 
 VARIANTS = {  # name: (attention backend, capture graphs, ops: "engine" | "triton" | "gemv" | "torch", max batch)
     "fi-graph": ("flashinfer", True, "engine", None),
@@ -152,12 +157,13 @@ class Bench:
         r = self.engine.runner
         self.backends = {r.backend.name: r.backend}
         self.backends.setdefault("torch", make_backend("torch", r.device))
-        self.ops = {"torch": None}
+        self.ops: dict[str, TritonOps | None] = {"torch": None}
         if cuda:
+            from specbench.engine.attention.flashinfer import FlashInferAttention
             from specbench.kernels.ops import TritonOps
 
-            assert r.backend.name == "flashinfer", "flashinfer did not load"
             fb = r.backend
+            assert isinstance(fb, FlashInferAttention), "flashinfer did not load"
             self.backends["flashinfer-cc"] = make_backend("flashinfer", r.device, self.engine.mcfg, fb.dtype, fb.max_pages,
                                                           r.model.ops, decode_tensor_cores=False,
                                                           decode_attention="flashinfer")
@@ -173,7 +179,7 @@ class Bench:
         self.ops["engine"] = r.model.ops  # the engine's own choice (EngineConfig defaults)
         self.fill_variant = "fi-graph" if cuda else "torch-eager"
         self.batches = batches
-        self.graphs: dict[str, object] = {}
+        self.graphs: dict[str, DecodeGraphs] = {}
         self.max_batch = max_batch
 
     def use(self, variant: str) -> None:
@@ -222,9 +228,10 @@ class Bench:
             ts.append((time.perf_counter() - t) * 1e3)
         out = {"wall_ms": statistics.median(ts), "ctx": (ctx0 + self.context(rids)) / 2}
         graphs = self.engine.runner.graphs
-        b = graphs.bucket(len(rids))
-        if graphs.capture and graphs.full and b == len(rids):
-            out["gpu_ms"] = _events_ms(graphs._graphs[b][0].replay, reps=20)
+        assert graphs is not None, "the steps ran without a decode runner"  # use() installed one
+        n = len(rids)
+        if graphs.capture and graphs.full and graphs.bucket(n) == n:
+            out["gpu_ms"] = _events_ms(graphs._graphs[n][0].replay, reps=20)
         return out
 
     def abort(self, rids: list[str]) -> None:
@@ -238,7 +245,9 @@ class Bench:
         self.use(variant)
         self.engine.step()
         graphs = self.engine.runner.graphs
-        g = graphs._graphs[graphs.bucket(len(rids))][0]
+        b = graphs.bucket(len(rids)) if graphs is not None else None
+        assert graphs is not None and b is not None, f"no decode graph for {len(rids)} rows"
+        g = graphs._graphs[b][0]
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(10):
@@ -294,8 +303,9 @@ def run(model: str | None = None, batches: tuple[int, ...] = (1, 8, 16, 32, 64),
     wbytes = sum(w.numel() * w.element_size() for w in step_weights(m))
     dense = {b: dense_floor_ms(m, b) for b in batches}
     print("dense floor (ms): " + ", ".join(f"B={b} {v:.3f}" for b, v in dense.items()), flush=True)
-    rows, prof = [], None
-    res = {"bench": "decode", "version": specbench.__version__, "gpu": torch.cuda.get_device_name(),
+    rows: list[dict] = []
+    prof: dict | None = None
+    res: dict = {"bench": "decode", "version": specbench.__version__, "gpu": torch.cuda.get_device_name(),
            "torch": torch.__version__, "model": str(model_dir), "copy_bw_tb_s": bw / 1e12, "weight_bytes": wbytes,
            "dense_floor_ms": dense, "rows": rows, "hf_peer": None, "profile_b1": {}, "complete": False}
     over = lambda: budget_s is not None and time.time() - t_start > budget_s  # noqa: E731
@@ -306,7 +316,7 @@ def run(model: str | None = None, batches: tuple[int, ...] = (1, 8, 16, 32, 64),
                 continue
             t0 = time.time()
             rids = bench.fill(b, ctx, seed=b * 7919 + ctx)
-            row = {"batch": b, "context": ctx, "dense_ms": dense[b], "variants": {}}
+            row: dict = {"batch": b, "context": ctx, "dense_ms": dense[b], "variants": {}}
             for v in variants:
                 cap = VARIANTS[v][3]
                 if cap is not None and b > cap:

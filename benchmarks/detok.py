@@ -51,7 +51,7 @@ def run(model: str | None, lengths: tuple[int, ...], repeats: int) -> dict:
         for _ in range(repeats):  # interleaved A/B
             for inc in (True, False):
                 got[inc].append(one_run(OutputWriter(tok, set(), EngineMetrics(), incremental=inc), tok, ids))
-        row = {"length": n}
+        row: dict[str, float] = {"length": n}
         for inc, name in ((True, "incremental"), (False, "full")):
             row[f"{name}_us_at_length"] = statistics.median(x[0] for x in got[inc])
             row[f"{name}_us_mean"] = statistics.median(x[1] for x in got[inc])

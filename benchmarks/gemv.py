@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -83,39 +84,37 @@ def bench_shape(name: str, rows: list[int], reps: int, search: bool, gen: torch.
     for m in rows:
         x = torch.randn(m, k, device=dev, generator=gen).to(dt)
         r = torch.randn(m, k, device=dev, generator=gen).to(dt)
-        if kind == "plain":
-            def ref(w, x=x):
+        sw = kind == "swiglu"
+
+        def ref(w, x=x, r=r, sw=sw):
+            if kind == "plain":
                 return torch.nn.functional.linear(x, w)
+            h, _ = norm.add_rms_norm(x, r, gw, 1e-6)
+            y = torch.nn.functional.linear(h, w)
+            return activation.swiglu(y) if sw else y
 
-            def fast(w, cfg, x=x):
+        def fast(w, cfg, x=x, r=r, sw=sw):
+            if kind == "plain":
                 return mod.linear(x, w, cfg)
-        else:
-            sw = kind == "swiglu"
-
-            def ref(w, x=x, r=r, sw=sw):
-                h, _ = norm.add_rms_norm(x, r, gw, 1e-6)
-                y = torch.nn.functional.linear(h, w)
-                return activation.swiglu(y) if sw else y
-
-            def fast(w, cfg, x=x, r=r, sw=sw):
-                return mod.add_norm_linear(x, r, gw, w, 1e-6, sw, cfg)[0]
+            return mod.add_norm_linear(x, r, gw, w, 1e-6, sw, cfg)[0]
         # correctness against the cuBLAS chain before timing (relative error of the outputs)
         y0, y1 = ref(ws[0]).float(), fast(ws[0], pick(n, k, kind, m)).float()
         err = ((y0 - y1).norm() / y0.norm()).item()
         assert err < 2e-2, (name, m, err)
         out["cublas_us"][m] = 1e3 * graph_ms(lambda: [ref(w) for w in ws], reps) / copies
+        cands: Sequence[tuple[int, ...] | None]
         if kernel == "skinny":  # every row count is its own search (its own row tile)
             cands = skinny.CONFIGS if search else [pick(n, k, kind, m)]
             out.pop("best", None)
         else:
             cands = gemv.CONFIGS if (search and m == rows[0]) else [out.get("best") or pick(n, k, kind, m)]
-        times = {}
+        times: dict[tuple[int, ...] | None, float] = {}
         for cfg in cands:
             try:
                 times[cfg] = 1e3 * graph_ms(lambda cfg=cfg: [fast(w, cfg) for w in ws], reps) / copies
             except Exception as e:  # a config the compiler refuses (registers, shared memory)
                 print(f"  {name} {cfg}: {type(e).__name__}: {str(e)[:120]}")
-        best = min(times, key=times.get)
+        best = min(times, key=times.__getitem__)
         out.setdefault("best", best)
         out["gemv_us"][m] = times[out["best"]]
         if kernel == "skinny":

@@ -49,12 +49,12 @@ def measure(pages: int, n: int, max_tokens: int, reps: int, device: str) -> dict
     spent: list[float] = []
     plain = checker.check
 
-    def timed(step: int) -> None:
+    def timed(step: int, ahead: dict[str, int] | None = None) -> None:  # InvariantChecker.check's signature
         t0 = time.perf_counter()
-        plain(step)
+        plain(step, ahead)
         spent.append(time.perf_counter() - t0)
 
-    checker.check = timed  # type: ignore[method-assign]
+    checker.check = timed  # type: ignore[method-assign]  # the timing wrapper replaces the bound method
     t0 = time.perf_counter()
     llm.generate(prompts, sp)
     wall = time.perf_counter() - t0

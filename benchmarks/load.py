@@ -66,11 +66,16 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from specbench.harness import latency
 from specbench.harness.benchdoc import emit_document, positive_ints
+
+if TYPE_CHECKING:
+    from specbench.harness.adapters.loop import EngineLoop
+    from specbench.harness.server.engine_proc import ProcEngineLoop
 
 NO_STEPS = "not available (the engine steps in its own process)"
 VIAS = ("process", "http", "http-proc")
@@ -408,6 +413,7 @@ class HttpArm:
         if client not in ("process", "inline"):
             raise SystemExit(f"arm {name}: client must be 'process' or 'inline', got {client!r}")
         self.engine = llm.engine
+        self.loop: EngineLoop | ProcEngineLoop  # the engine in this process, or in its own (ProcHttpArm)
         self.app, self.loop = make_app(llm.engine, served_name=name, max_pending=max_pending, warmup=False)
         self.srv = ServerThread(self.app).start()
         self.url = self.srv.url
@@ -446,6 +452,8 @@ class ProcHttpArm(HttpArm):
     """An arm's engine in a process of its own behind the project's server (`make_proc_app`, as `specbench serve`
     runs by default): the same closed loop as `HttpArm`. Its steps are taken in the child, so the step counts,
     forward paths and `--phases` are not available for it (reported as such, not as zeros)."""
+
+    loop: ProcEngineLoop
 
     def __init__(self, cfg, name: str, client: str = "process", max_pending: int | None = None) -> None:
         from specbench.harness.server import ServerThread, make_proc_app
@@ -604,8 +612,8 @@ def run(target: str, draft: str | None, device: str, levels: tuple[int, ...], ar
         print(render_level(c, lvl, arms), flush=True)
         keep(res)
     res["complete"] = True
-    for srv in servers.values():
-        srv.close()
+    for served in servers.values():
+        served.close()
     for llm in llms.values():
         llm.close()
     gc.collect()

@@ -34,7 +34,7 @@ import json
 import math
 import random
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..engine.config import SamplingParams
 from ..engine.spec import policy as pm
@@ -96,12 +96,12 @@ class _Proposer:
 
 
 def _plan(arm: str) -> SpecPlan:
-    kw = {"enabled": arm != "plain", "method": "dflash", "k": K, "headroom": K + 1, "drafter": True, "sampling": True}
+    plan = SpecPlan(enabled=arm != "plain", method="dflash", k=K, headroom=K + 1, drafter=True, sampling=True)
     if arm == "gate1":
-        kw["gate"] = 1
+        plan = replace(plan, gate=1)
     if arm == "auto":
-        kw["policy"] = "auto"
-    return SpecPlan(**kw)
+        plan = replace(plan, policy="auto")
+    return plan
 
 
 def simulate(arm: str, tau: float, c: int, ppl: int = 3, max_tokens: int = 128, costs: SimCosts | None = None,

@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
             o += len(d) + 1
         return orig(drafts, qs, p, gens, rule, kernel)
 
-    accept_step.accept_sampled_batch = probe  # type: ignore[assignment]
+    accept_step.accept_sampled_batch = probe
     print(f"candidate {a.candidate}; prompts {a.prompt_set} x {a.num_prompts}; {a.samples} samples; P = {a.positions}")
     print("| prompt set | config | verify steps | E[full accept] | bonus_residual shift / step | "
           "reused_uniform Delta | overlap(p_k, q_k-1) | max p_k |")
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
                       f"{current['bonus'] / n:.4f} | {current['reuse'] / max(current['k2'], 1):.4f} | "
                       f"{current['overlap'] / f:.3f} | {current['pmax'] / f:.3f} |", flush=True)
     finally:
-        accept_step.accept_sampled_batch = orig  # type: ignore[assignment]
+        accept_step.accept_sampled_batch = orig
         cand.close()
     print(f"{time.perf_counter() - t0:.1f} s")
 

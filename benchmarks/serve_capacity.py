@@ -186,8 +186,9 @@ def run(levels: tuple[int, ...], step_ms: float, max_tokens: int, waves: int, re
             if a == "direct":
                 made[a] = PacedEngine(LLMEngine(cfg), step_s)
             elif a.startswith("http-proc"):
-                app, loop = make_proc_app(cfg, served_name="paced", max_pending=None, factory=PacedFactory(step_s))
-                made[a] = (ServerThread(app).start(timeout=600), loop, loop.pid)
+                proc_app, proc_loop = make_proc_app(cfg, served_name="paced", max_pending=None,
+                                                    factory=PacedFactory(step_s))
+                made[a] = (ServerThread(proc_app).start(timeout=600), proc_loop, proc_loop.pid)
             else:
                 app, loop = make_app(PacedEngine(LLMEngine(cfg), step_s), served_name="paced", max_pending=None,
                                      warmup=False)

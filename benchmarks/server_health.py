@@ -147,8 +147,13 @@ def measure(url: str, case: str, timeout: float = 600.0, server_pid: int | None 
     if body is not None:
         threading.Thread(target=send, daemon=True).start()
         time.sleep(0.005)  # the request is on its way (polls start while it is received and prepared)
+
+        def side_late() -> None:
+            status["side_during"] = not done.is_set()
+            side()
+
         # the small completion goes 0.5 s later, when a slow request is well into its work
-        sider = threading.Timer(0.5, lambda: (status.__setitem__("side_during", not done.is_set()), side()))
+        sider = threading.Timer(0.5, side_late)
         sider.daemon = True
         sider.start()
     # a fresh connection per case, its first answer timed too (accepting it needs the event loop as well)

@@ -91,6 +91,7 @@ class StepBench:
     def __init__(self, target: str, draft: str, max_batch: int, device: str = "cuda") -> None:
         from specbench.engine import EngineConfig, LLMEngine, SpecConfig
         from specbench.engine.graphs import VerifyGraphs
+        from specbench.engine.spec.dflash import DFlashProposer
         from specbench.engine.spec.dflash_graphs import DraftGraphs
 
         cuda = device.startswith("cuda")
@@ -100,6 +101,9 @@ class StepBench:
             spec=SpecConfig(method="dflash")))
         eng = self.engine
         r, p = eng.runner, eng.proposer
+        if not isinstance(p, DFlashProposer):  # what SpecConfig(method="dflash") builds: its draft is timed here
+            raise TypeError(f"expected the DFlash proposer, the engine built {type(p).__name__}")
+        self.proposer = p
         self.k, self.tap = eng.k, p.tap_layers
         if not cuda:  # CPU (tests): drive the padded runners eagerly, as the GPU would with capture
             r.use_graph_runner = True
@@ -121,7 +125,7 @@ class StepBench:
         while any(self.engine.requests[rid].in_prefill for rid in rids):
             self.engine.step()
         reqs = [self.engine.requests[rid] for rid in rids]
-        assert all(self.engine.proposer.ready(r) for r in reqs), "requests not draft-ready after prefill"
+        assert all(self.proposer.ready(r) for r in reqs), "requests not draft-ready after prefill"
         return reqs
 
     def spans(self, reqs: list, kind: str) -> list:
@@ -133,7 +137,7 @@ class StepBench:
             n = self.k + 1 if kind == "verify" else 1
             toks = [r.all_ids[r.num_computed]] + torch.randint(2, 1000, (n - 1,), generator=g).tolist()
             out.append(Span(r, toks, r.num_computed, kind))
-            self.engine.pool.ensure(r.rid, r.num_computed + max(n, self.engine.proposer.block))
+            self.engine.pool.ensure(r.rid, r.num_computed + max(n, self.proposer.block))
         return out
 
     def time_verify(self, variant: str, spans: list, reps: int) -> float:
@@ -169,7 +173,7 @@ class StepBench:
         return timed(fn, reps=reps)
 
     def time_draft(self, variant: str, spans: list, reps: int) -> float:
-        p = self.engine.proposer
+        p = self.proposer
         ks = [self.k] * len(spans)
         graph = {"draft-graph": self.draft["draft-graph"], "draft-eager": self.draft["draft-eager"],
                  "draft-serial-graph": self.draft["draft-graph"]}.get(variant)
@@ -188,7 +192,7 @@ class StepBench:
         """Device time by kernel kind over 5 speculative steps (draft graph + verify graph) vs their wall."""
         from torch.profiler import ProfilerActivity, profile
 
-        p, vg = self.engine.proposer, self.verify["verify-graph"]
+        p, vg = self.proposer, self.verify["verify-graph"]
         rows = list(range(sum(len(s.tokens) for s in vspans)))
 
         def step() -> None:
