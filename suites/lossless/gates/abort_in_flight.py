@@ -20,16 +20,8 @@ from dataclasses import replace
 from specbench.harness.adapters.base import EngineAdapter, GenRequest, GenResult, counters_delta
 
 from ..checks import Check
-from ..greedy import (
-    GateRun,
-    GreedyGateOptions,
-    Prompt,
-    check_output,
-    engine_k,
-    finish_run,
-    prompt_request,
-    resolve_rule,
-)
+from ..greedy import GreedyGateOptions, check_output, engine_k, finish_run, prompt_request, resolve_rule
+from ..outcomes import GateRun, Prompt
 
 ABORT_VICTIMS = 3  # requests the abort-in-flight gate cancels mid-generation
 ABORT_LONG = 4  # ... each asked for this many times the gate's max_tokens (ignore_eos), so it is still running

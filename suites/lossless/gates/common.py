@@ -19,15 +19,8 @@ from pathlib import Path
 from specbench.harness.adapters.base import EngineAdapter, GenResult
 from specbench.harness.verdicts import CANNOT_TEST
 
-from ..greedy import (
-    Divergence,
-    GreedyGateOptions,
-    Prompt,
-    PromptCheck,
-    cannot_compare,
-    position_dist,
-    recover_dist,
-)
+from ..greedy import GreedyGateOptions, cannot_compare, position_dist, recover_dist
+from ..outcomes import Divergence, Prompt, PromptCheck
 from ..regret import first_divergence, judge_pick
 
 

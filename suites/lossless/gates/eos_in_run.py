@@ -32,17 +32,8 @@ from specbench.harness.adapters.base import (
 from specbench.harness.verdicts import CANNOT_TEST
 
 from ..checks import Check, check_after_stop, check_kv_idle, count_problems, eos_ids_of
-from ..greedy import (
-    GateRun,
-    GreedyGateOptions,
-    Prompt,
-    PromptCheck,
-    baseline_for,
-    engine_k,
-    finish_run,
-    health,
-    resolve_rule,
-)
+from ..greedy import GreedyGateOptions, baseline_for, engine_k, finish_run, health, resolve_rule
+from ..outcomes import GateRun, Prompt, PromptCheck
 from ..regret import first_divergence
 from .common import judge_shaped, judge_stop_divergence, stop_inside_run
 

@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from specbench.harness.adapters.base import EngineAdapter, GenRequest, GenResult, counters_delta
 
 from ..checks import AcceptanceEvidence, Check
-from ..greedy import GateRun, GreedyGateOptions, Prompt, check_output, engine_k, finish_run, resolve_rule
+from ..greedy import GreedyGateOptions, check_output, engine_k, finish_run, resolve_rule
+from ..outcomes import GateRun, Prompt
 from .common import geometry
 
 

@@ -21,16 +21,8 @@ from collections.abc import Callable, Sequence
 from specbench.harness.adapters.base import EngineAdapter, GenRequest, counters_delta
 
 from ..checks import Check, eos_ids_of
-from ..greedy import (
-    GateRun,
-    GreedyGateOptions,
-    Prompt,
-    baseline_for,
-    check_output,
-    engine_k,
-    finish_run,
-    resolve_rule,
-)
+from ..greedy import GreedyGateOptions, baseline_for, check_output, engine_k, finish_run, resolve_rule
+from ..outcomes import GateRun, Prompt
 from .common import echo_prompts, judge_shaped, untestable
 
 BIAS_BAN = -100.0  # the logit-bias gate's bias on the tokens it bans (OpenAI's bound)

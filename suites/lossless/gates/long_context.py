@@ -20,17 +20,8 @@ from collections.abc import Sequence
 from specbench.harness.adapters.base import EngineAdapter, GenRequest, counters_delta
 
 from ..checks import AcceptanceEvidence, Check
-from ..greedy import (
-    GateRun,
-    GreedyGateOptions,
-    Prompt,
-    PromptCheck,
-    baseline_for,
-    check_output,
-    engine_k,
-    finish_run,
-    resolve_rule,
-)
+from ..greedy import GreedyGateOptions, baseline_for, check_output, engine_k, finish_run, resolve_rule
+from ..outcomes import GateRun, Prompt, PromptCheck
 from .common import echo_prompts, geometry, untestable
 
 LONG_LENGTHS = (768, 1536)  # the long-context gate's prompt lengths (tokens), each cut to what the engine serves

@@ -20,7 +20,8 @@ from collections.abc import Callable, Sequence
 from specbench.harness.adapters.base import EngineAdapter, GenRequest, GenResult, counters_delta
 
 from ..checks import AcceptanceEvidence, Check, eos_ids_of
-from ..greedy import GateRun, GreedyGateOptions, Prompt, baseline_for, engine_k, finish_run, resolve_rule
+from ..greedy import GreedyGateOptions, baseline_for, engine_k, finish_run, resolve_rule
+from ..outcomes import GateRun, Prompt
 from .common import MASKED, echo_prompts, judge_shaped, stop_inside_run, untestable
 
 MIN_TOKENS_AT = (3, 6, 10, 15)  # the min-tokens gate's min_tokens values (each its own request)

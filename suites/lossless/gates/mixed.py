@@ -18,16 +18,8 @@ from collections.abc import Sequence
 from specbench.harness.adapters.base import EngineAdapter, GenRequest, GenResult, counters_delta
 
 from ..checks import Check, check_logprob_parity, logprob_parity
-from ..greedy import (
-    GateRun,
-    GreedyGateOptions,
-    Prompt,
-    baseline_for,
-    check_output,
-    engine_k,
-    finish_run,
-    resolve_rule,
-)
+from ..greedy import GreedyGateOptions, baseline_for, check_output, engine_k, finish_run, resolve_rule
+from ..outcomes import GateRun, Prompt
 
 MIXED_LOGPROBS = 5  # top-k logprobs the mixed gate's logprobs requests ask for
 MIXED_TOP_K = 20  # ... and its baselines (at least the gate's top_k): every candidate top-k entry finds its value

@@ -22,16 +22,8 @@ from collections.abc import Sequence
 
 from specbench.harness.adapters.base import EngineAdapter, GenRequest, GenResult, counters_delta
 
-from ..greedy import (
-    GateRun,
-    GreedyGateOptions,
-    Prompt,
-    PromptCheck,
-    baseline_for,
-    engine_k,
-    finish_run,
-    resolve_rule,
-)
+from ..greedy import GreedyGateOptions, baseline_for, engine_k, finish_run, resolve_rule
+from ..outcomes import GateRun, Prompt, PromptCheck
 from .common import echo_prompts, judge_shaped
 
 # The penalties gate's (frequency, presence) settings, each on every prompt: presence and frequency together,

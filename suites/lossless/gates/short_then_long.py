@@ -13,7 +13,8 @@ from collections.abc import Sequence
 
 from specbench.harness.adapters.base import EngineAdapter
 
-from ..greedy import GateRun, GreedyGateOptions, Prompt, run_greedy
+from ..greedy import GreedyGateOptions, run_greedy
+from ..outcomes import GateRun, Prompt
 
 
 async def short_then_long(baseline: EngineAdapter, candidate: EngineAdapter, prompts: Sequence[Prompt],

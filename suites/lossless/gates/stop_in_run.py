@@ -15,16 +15,8 @@ from collections.abc import Sequence
 from specbench.harness.adapters.base import EngineAdapter, GenRequest, GenResult, counters_delta
 from specbench.harness.verdicts import CANNOT_TEST
 
-from ..greedy import (
-    GateRun,
-    GreedyGateOptions,
-    Prompt,
-    PromptCheck,
-    baseline_for,
-    engine_k,
-    finish_run,
-    resolve_rule,
-)
+from ..greedy import GreedyGateOptions, baseline_for, engine_k, finish_run, resolve_rule
+from ..outcomes import GateRun, Prompt, PromptCheck
 from ..regret import first_divergence
 from .common import judge_stop_divergence
 
