@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 import torch
@@ -14,6 +15,13 @@ GPU_SKIP = "needs a CUDA GPU (run on the device: scripts/gpu.sh)"
 # Every engine a test builds checks its run-time invariants after every step (engine/invariants.py), unless
 # the test says otherwise (EngineConfig.check_invariants=False, or the engine string invariants=0).
 os.environ.setdefault("SPECBENCH_INVARIANTS", "1")
+# A suite started where SIGINT is ignored (a script's `cmd &`: the shell ignores SIGINT for it) would hand that
+# disposition to every subprocess a test starts, and the tests that press Ctrl-C on a command would find it
+# ignored there (130 expected, the command never stops). Run the tests as a terminal runs them: Python's own
+# Ctrl-C handler here, so children start with the default. A test that wants SIGINT ignored in its subprocess
+# says so itself (preexec_fn), as test_cli_errors' ignored-SIGINT tests do.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config, items):
