@@ -305,7 +305,8 @@ async def run_prefix_gate(adapter: EngineAdapter, conversations: Sequence[tuple[
     if not conversations:
         out.verdict, out.reason = f"{CANNOT_TEST} (prompts)", "no conversations to run"
         return out
-    blocks = opts.block_sizes or ((engine_block(adapter),) if engine_block(adapter) else (16,))
+    eb = engine_block(adapter)
+    blocks = opts.block_sizes or ((eb,) if eb else (16,))
     sys_ids = await adapter.tokenize(SYSTEM_PROMPT)
     follow = await adapter.tokenize(FOLLOW_UP)
     if not sys_ids or not follow:

@@ -261,7 +261,8 @@ class LosslessOutcome:
 
 def recorded_acceptance(describe: dict) -> float | None:
     """The mean accepted length a fixture build recorded beside its drafter (BUILD.json), if any."""
-    cfg = describe.get("config") if isinstance(describe.get("config"), dict) else {}
+    given = describe.get("config")
+    cfg = given if isinstance(given, dict) else {}
     draft = cfg.get("draft")
     if not draft:
         return None
@@ -350,7 +351,7 @@ async def run_lossless(baseline: EngineAdapter, candidate: EngineAdapter, cfg: L
                                                                     opts)))
     main = await gate("greedy", run_greedy(baseline, candidate, prompts, cfg.max_tokens, opts,
                                            concurrency=cfg.concurrency, on_prompt=on_prompt("greedy")))
-    key, parts = accept_ref.fingerprint(engines["candidate"], [p.messages if p.chat else p.ids for p in prompts],
+    key, parts = accept_ref.fingerprint(engines["candidate"], [(p.messages if p.chat else p.ids) or [] for p in prompts],
                                         cfg.max_tokens, cfg.concurrency)
     stored = accept_ref.load(key, cfg.results) if cfg.accept_reference else None
     out.reference = {"key": key, "used": None, "source": None, "recorded": None}
