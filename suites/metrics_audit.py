@@ -62,7 +62,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from specbench.harness.adapters.base import counted_exactly
+from specbench.harness.adapters.base import EngineAdapter, counted_exactly
 from specbench.harness.adapters.prom import parse_prometheus, spec_counters_from_metrics
 from specbench.harness.verdicts import CANNOT_TEST, FAIL, PASS
 
@@ -153,6 +153,8 @@ async def settle(adapter: Any, before: dict | None = None, requests: Sequence[An
     last SETTLE_STABLE scrapes, so what they say is what the server says (judged); a window whose counters were
     still moving is not judged (`audit_window`: CANNOT TEST, named)."""
     n = scrapes or SETTLE_SCRAPES
+    if type(adapter).metrics_text is EngineAdapter.metrics_text:  # publishes no /metrics at all: nothing to wait for
+        return None
     # the window to judge each scrape against: only with both ends known and an idle server before it
     idle_before = before is not None and requests is not None and not busy_gauges(before, kv=False)
     judged = requests if idle_before else None
