@@ -17,7 +17,10 @@ Python internals, but bounds neither its time nor its memory: `{{ 'x' * 10**9 }}
   `raise_exception`), `too_large` (more than `max_chars` characters, counted as they are produced), `memory` (past
   `memory_mb` MiB: the worker's address space is capped with RLIMIT_AS, and it exits after a MemoryError),
   `timeout` (not done within `timeout` seconds: the worker is killed, SIGKILL, and replaced at the next render),
-  `died` (the worker ended without an answer), `closed` (`close()` was called: every worker is killed at once,
+  `died` (the worker ended without an answer; a worker that had been idle and ends without answering is
+  taken to have died before the render reached it, e.g. killed from outside between renders, whose exit the pool's
+  liveness check can miss while the process's other thread is still exiting, so the render is retried once, on
+  another worker), `closed` (`close()` was called: every worker is killed at once,
   and a render waiting on one returns). The caller's thread only waits on a pipe, so a template that never ends
   costs one process for `timeout` seconds, never the caller's GIL. A worker whose parent is gone exits within a
   second; workers still running when this interpreter exits are killed.
@@ -229,7 +232,8 @@ class BoundedRenderer:
         with self._cv:
             return [w.proc.pid for w in [*self._idle, *self._busy]]
 
-    def _take(self) -> _Worker:
+    def _take(self) -> tuple[_Worker, bool]:
+        """A worker for one render, and whether it had served renders before (an idle one reused)."""
         with self._cv:
             while True:
                 if self.closed:
@@ -240,7 +244,7 @@ class BoundedRenderer:
                         w.kill()
                         continue
                     self._busy.add(w)
-                    return w
+                    return w, True
                 if len(self._busy) + self._starting < self.max_workers:
                     self._starting += 1
                     break
@@ -256,7 +260,7 @@ class BoundedRenderer:
                 w.kill()
                 raise TemplateRefused("closed", "the server is shutting down")
             self._busy.add(w)
-        return w
+        return w, False
 
     def _give_back(self, w: _Worker, reuse: bool) -> None:
         with self._cv:
@@ -270,35 +274,41 @@ class BoundedRenderer:
 
     def render(self, src: str, messages: list[dict], add_generation_prompt: bool, eos_token: str,
                max_chars: int) -> str:
-        w = self._take()
-        reuse = False
-        try:
+        retried = False
+        while True:
+            w, reused = self._take()
+            reuse = False
             try:
-                w.cmd.send((src, messages, add_generation_prompt, eos_token, max_chars))
-                with self._cv:
-                    self._rendering += 1
                 try:
-                    done = w.out.poll(self.timeout)
-                finally:
+                    w.cmd.send((src, messages, add_generation_prompt, eos_token, max_chars))
                     with self._cv:
-                        self._rendering -= 1
-                if not done:
-                    raise TemplateRefused("timeout", f"it did not finish within {self.timeout:g} s "
-                                                     "(--chat-template-timeout)")
-                reply = w.out.recv()
-            except (EOFError, OSError):
-                if self.closed:
-                    raise TemplateRefused("closed", "the server is shutting down") from None
-                w.proc.wait(5)
-                raise TemplateRefused("died", f"its renderer process ended without an answer ({w._how()})") from None
-            kind = reply[0]
-            if kind == "ok":
-                reuse = True
-                return str(reply[1])
-            reuse = kind != "memory"
-            raise TemplateRefused(kind, reply[1])
-        finally:
-            self._give_back(w, reuse)
+                        self._rendering += 1
+                    try:
+                        done = w.out.poll(self.timeout)
+                    finally:
+                        with self._cv:
+                            self._rendering -= 1
+                    if not done:
+                        raise TemplateRefused("timeout", f"it did not finish within {self.timeout:g} s "
+                                                         "(--chat-template-timeout)")
+                    reply = w.out.recv()
+                except (EOFError, OSError):
+                    if self.closed:
+                        raise TemplateRefused("closed", "the server is shutting down") from None
+                    w.proc.wait(5)
+                    if reused and not retried:  # died between renders, before this render reached it: once more
+                        retried = True
+                        continue
+                    raise TemplateRefused("died",
+                                          f"its renderer process ended without an answer ({w._how()})") from None
+                kind = reply[0]
+                if kind == "ok":
+                    reuse = True
+                    return str(reply[1])
+                reuse = kind != "memory"
+                raise TemplateRefused(kind, reply[1])
+            finally:
+                self._give_back(w, reuse)
 
     def close(self) -> None:
         """Kill every worker now (a render waiting on one raises `TemplateRefused("closed")`)."""

@@ -285,3 +285,55 @@ def test_a_worker_killed_while_idle_is_replaced_not_handed_a_render():
         assert r.pids() and pid not in r.pids()
     finally:
         r.close()
+
+
+def test_a_worker_killed_just_before_its_next_render_costs_that_render_nothing():
+    """No wait between the kill and the render: the pool's liveness check may still see the worker running (its
+    second thread still exiting), so the render reaches a dead worker; it is retried on a fresh one."""
+    r = BoundedRenderer(timeout=GUARD_S, max_workers=2)
+    msgs = [{"role": "user", "content": "hi"}]
+    try:
+        for _ in range(5):
+            assert r.render("{{ messages[0]['content'] }}", msgs, True, "", 100) == "hi"
+            for pid in r.pids():
+                os.kill(pid, signal.SIGKILL)
+            assert r.render("{{ messages[0]['content'] }}", msgs, True, "", 100) == "hi"
+    finally:
+        r.close()
+
+
+def _render_in_thread(r, out: dict) -> threading.Thread:
+    def go():
+        try:
+            out["text"] = r.render(TEMPLATES["trap"], [{"role": "user", "content": "spin"}], True, "", 1 << 20)
+        except TemplateRefused as e:
+            out["kind"] = e.kind
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    return t
+
+
+def _kill_the_rendering_worker(r, not_pids=()) -> int:
+    pids: list[int] = []
+    assert _wait(lambda: r.rendering == 1 and bool(pids.extend(p for p in r.pids() if p not in not_pids) or pids))
+    os.kill(pids[0], signal.SIGKILL)
+    return pids[0]
+
+
+@pytest.mark.parametrize("reused", [False, True])
+def test_a_worker_killed_during_a_render_is_retried_at_most_once(reused):
+    """A fresh worker killed mid-render: refused as `died`. A reused one: the render cannot tell that from a death
+    between renders, so it goes once more to a fresh worker, and that one killed too is `died` (no second retry)."""
+    r = BoundedRenderer(timeout=GUARD_S, max_workers=1)
+    out: dict = {}
+    try:
+        if reused:
+            assert r.render("{{ messages[0]['content'] }}", [{"role": "user", "content": "hi"}], True, "", 9) == "hi"
+        t = _render_in_thread(r, out)
+        first = _kill_the_rendering_worker(r)
+        if reused:
+            _kill_the_rendering_worker(r, not_pids=(first,))
+        t.join(GUARD_S)
+        assert not t.is_alive() and out == {"kind": "died"}, out
+    finally:
+        r.close()
