@@ -115,7 +115,7 @@ def _selftest(monkeypatch, catalogue: dict[str, FaultInfo], behaviour: dict[str,
 
 
 def test_prefix_selftest_takes_the_prefix_family_and_its_expectations(monkeypatch) -> None:
-    st, armed = _selftest(monkeypatch, CATALOGUE, {"stuck": (FAIL, False), "slow": (PASS, True)})
+    st, armed = _selftest(monkeypatch, CATALOGUE, {"stuck": (FAIL, False), "slow": (FAIL, True)})
     assert armed == [(), ("stuck",), ("slow",)]  # one more clean engine, then the prefix faults alone
     assert list(st.faults) == ["stuck", "slow"] and st.expect == {"stuck": "fail", "slow": "fallback"}
     assert st.ok and st.problems() == []
@@ -124,8 +124,9 @@ def test_prefix_selftest_takes_the_prefix_family_and_its_expectations(monkeypatc
 def test_prefix_selftest_fails_a_fault_that_misses_its_expectation(monkeypatch) -> None:
     # "slow" is expected to fall back and does not; "stuck" is expected to FAIL and passes
     st, _ = _selftest(monkeypatch, CATALOGUE, {"stuck": (PASS, False), "slow": (PASS, False)})
-    assert not st.ok and st.problems() == ["stuck: PASS, expected FAIL", "slow: no warm turn fell back (PASS)"]
+    assert not st.ok and st.problems() == ["stuck: PASS, expected FAIL",
+                                           "slow: 0 warm turns fell back, PASS (expected fallbacks, FAIL)"]
     # the same outcomes judged by the fault's own word: an engine that says "stuck" only falls back
     swapped = dict(CATALOGUE, stuck=FaultInfo("s", "prefix", "fallback"), slow=FaultInfo("l", "prefix", "fail"))
-    st, _ = _selftest(monkeypatch, swapped, {"stuck": (PASS, True), "slow": (FAIL, False)})
+    st, _ = _selftest(monkeypatch, swapped, {"stuck": (FAIL, True), "slow": (FAIL, False)})
     assert st.ok and st.expect == {"stuck": "fallback", "slow": "fail"}

@@ -185,7 +185,9 @@ def test_prefix_gate_passes_clean_and_catches_register_before_forward(tiny_pair)
     bad = _gate(LocalAdapter.from_dirs(t, d, spec="dflash", check_invariants=False,
                                        faults=("register_before_forward",)))
     assert bad.verdict == "FAIL" and bad.failed, bad.reason
-    assert all(c.kind == "turn" and c.boundary == 0 for c in bad.failed)
+    wrong = [c for c in bad.failed if "fell back" not in c.reason]  # drift or a divergence: wrong tokens
+    assert wrong and all(c.kind == "turn" and c.boundary == 0 for c in wrong)
+    assert all(c.kind == "turn" for c in bad.failed)  # the rest fell back: blocks sealed ahead lack a capture
     assert "/ turn / block 16 / boundary +0" in bad.reason and "drift" in bad.reason
     # With them (every gate command's engines): the registration itself is refused.
     inv = _gate(LocalAdapter.from_dirs(t, d, spec="dflash", check_invariants=True,
@@ -193,15 +195,45 @@ def test_prefix_gate_passes_clean_and_catches_register_before_forward(tiny_pair)
     assert inv.verdict == "FAIL" and "had not been forwarded" in inv.reason
 
 
-def test_prefix_gate_reports_the_fallback_of_no_publish_on_finish(tiny_pair):
+def test_prefix_gate_fails_the_fallback_of_no_publish_on_finish(tiny_pair):
+    """Lossless tokens, but warm turns that never drafted: speculation silently off fails its case."""
     from specbench.harness.adapters.local import LocalAdapter
     from specbench.suites.lossless.prefix import render_markdown
 
     t, d = tiny_pair
     out = _gate(LocalAdapter.from_dirs(t, d, spec="dflash", faults=("no_publish_on_finish",)))
-    assert out.verdict == "PASS" and out.fallbacks  # lossless tokens, but warm turns that never drafted
+    assert out.verdict == "FAIL" and out.fallbacks and not out.fallback_by_config
     assert all(c.kind == "turn" and c.warm_accept is None and c.cold_accept for c in out.fallbacks)
+    assert out.failed == out.fallbacks and all("speculation silently off" in c.reason for c in out.failed)
+    assert all(c.regret is None and c.compared for c in out.fallbacks)  # the tokens themselves were lossless
     assert "fell back" in render_markdown(out)
+
+
+def test_prefix_gate_counts_but_passes_fallbacks_the_configuration_asks_for(tiny_pair):
+    """spec_capture_cache_mb=0 turns capture reuse off: every warm hit falls back by design, named, not failed."""
+    from specbench.harness.adapters.local import LocalAdapter
+
+    t, d = tiny_pair
+    out = _gate(LocalAdapter.from_dirs(t, d, spec="dflash", spec_capture_cache_mb=0))
+    assert out.fallback_by_config and out.fallbacks and out.verdict == "PASS", out.reason
+    assert "capture reuse off by the engine's configuration" in out.reason
+
+
+def test_acceptance_sign_test_rejects_warm_turns_that_accept_less_and_not_noise():
+    from specbench.suites.lossless.prefix import Case, acceptance_sign_test
+
+    def cases(pairs):
+        return [Case("c", "repeat", 16, None, [1], 1, warm_accept=w, cold_accept=k) for w, k in pairs]
+
+    same = acceptance_sign_test(cases([(2.5, 2.5)] * 12), 0.01)
+    assert same["ok"] and same["compared"] == 12 and same["fewer"] == same["more"] == 0 and same["p"] == 1.0
+    noise = acceptance_sign_test(cases([(2.4, 2.5), (2.6, 2.5)] * 4 + [(2.5, 2.5)] * 4), 0.01)
+    assert noise["ok"] and (noise["fewer"], noise["more"]) == (4, 4)
+    lower = acceptance_sign_test(cases([(2.0, 2.5)] * 8 + [(2.5, 2.5)] * 4), 0.01)
+    assert not lower["ok"] and lower["fewer"] == 8 and lower["p"] < 0.01
+    one_off = acceptance_sign_test(cases([(2.0, 2.5)] * 6 + [(2.6, 2.5)]), 0.01)  # 6 of 7 one way: p 0.125
+    assert one_off["ok"]
+    assert acceptance_sign_test(cases([(None, 2.5)] * 3), 0.01)["compared"] == 0
 
 
 def test_prefix_gate_cannot_test_without_a_cold_path():

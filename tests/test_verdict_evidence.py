@@ -91,6 +91,7 @@ EMPTY_REASONS = {
     "min-tokens": "a stop token: the baseline's output was empty or all EOS",
     "headroom": "the model geometry (max_position_embeddings and the usable context), which only a local engine "
                 "gives: no request was sent",
+    "prefix-cache": NO_OUTPUT,
 }
 
 

@@ -22,11 +22,18 @@ A case fails naming its conversation and its boundary case. Cases (per conversat
   short         two prompts sharing all but the last token of a block: the match must stop one block short.
 The block size is the engine's (the local engine says it); for an endpoint `block_sizes` is a sweep of
 candidates (vLLM's default 16; SGLang's radix cache matches per token, so any size exercises it).
-Per case the report says whether the warm continuation drafted (acceptance > 0) or fell back (no drafts
-where the cold run drafted: a prefix hit whose drafter context was not restored, e.g. the
-no_publish_on_finish fault), from per-request spec stats, else from the engine's counter deltas.
-Verdict: FAIL when any case fails (or a request fails); CANNOT TEST without a cold path, token ids or
-logprobs; PASS otherwise. Fallbacks do not fail the gate (the tokens are lossless); they are counted.
+Per case the report says whether the warm continuation drafted, or fell back: no drafts (or the engine's own
+`capture_fallback` flag) where the cold run of the same request drafted: a prefix hit whose drafter context
+was not restored, e.g. the no_publish_on_finish fault; from per-request spec stats, else from the engine's
+counter deltas. Speculation silently off is a defect: a fallback fails its case ("warm turn fell back"),
+unless the engine's configuration turns capture reuse off (describe()'s `capture_blocks` 0, the local
+engine's `spec_capture_cache_mb=0`: every warm turn falls back by design; counted and named, not failed). Warm and cold must also speculate alike where both draft:
+over the cases whose warm and cold mean accepted lengths differ, a two-sided exact sign test
+(`scipy.stats.binomtest`, p 0.5) at `accept_alpha` fails the gate when the warm turns accept less (or
+more) than their cold twins in too many of them (`acceptance` in the outcome: cases compared, fewer, more, p);
+an fp32 engine whose warm and cold runs are the same computation differs in none.
+Verdict: FAIL when any case fails (or a request fails) or the sign test rejects; CANNOT TEST without a cold
+path, token ids or logprobs; PASS otherwise.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from specbench.harness.adapters.prom import parse_prometheus
 from specbench.harness.verdicts import CANNOT_TEST, EXIT_OK, FAIL, PASS, CannotTest, exit_code
 
 from .greedy import GreedyGateOptions, engine_dtype, resolve_rule
+from .outcomes import NO_OUTPUT
 from .regret import MARGIN_TOL, STRICT_FP32_TOL, first_divergence, judge_pick, merged_dist
 
 FP32_DRIFT_FLOOR = 1e-3  # nat: 25x the largest fp32 noise between correct paths (regret.py STRICT_FP32_TOL / 10)
@@ -58,6 +66,7 @@ class PrefixGateOptions:
     max_tokens: int = 16  # warm / cold continuation tokens (the regret rule's span)
     first_turn_tokens: int = 24  # at least this many tokens in a first turn
     noise_factor: float = 4.0
+    accept_alpha: float = 0.01  # the warm-vs-cold acceptance sign test's level
     drift_floor: float | None = None  # None: by dtype (FP32_DRIFT_FLOOR or HALF_DRIFT_FLOOR)
     greedy: GreedyGateOptions = field(default_factory=GreedyGateOptions)
 
@@ -79,6 +88,10 @@ class Case:
     drafted: str = "?"  # drafted | fell back | no drafts (cold neither) | ?
     warm_accept: float | None = None
     cold_accept: float | None = None
+    compared: int = 0  # warm and cold continuation tokens compared (the shorter's length)
+    warm_drafts: int | None = None  # the warm continuation's verify steps with drafts, and their accepted tokens
+    warm_accepted: int | None = None
+    accept_source: str | None = None  # where they came from: "per-request" | "counters" | None (not reported)
     ok: bool = True
     reason: str = ""
 
@@ -104,6 +117,8 @@ class PrefixOutcome:
     cases: list[Case]
     verdict: str = PASS
     reason: str = ""
+    acceptance: dict = field(default_factory=dict)  # the warm-vs-cold sign test (module docstring)
+    fallback_by_config: bool = False  # the engine's configuration turns capture reuse off
 
     @property
     def failed(self) -> list[Case]:
@@ -121,13 +136,34 @@ class PrefixOutcome:
         return {"suite": "lossless-prefix", "verdict": self.verdict, "reason": self.reason, "engine": self.engine,
                 "cold_method": self.cold_method, "tolerance": self.tolerance, "noise": self.noise,
                 "floor": self.floor, "rule": self.rule, "failed": [c.name for c in self.failed],
-                "fallbacks": [c.name for c in self.fallbacks], "cases": [c.to_dict() for c in self.cases]}
+                "fallbacks": [c.name for c in self.fallbacks], "fallback_by_config": self.fallback_by_config,
+                "acceptance": self.acceptance, "cases": [c.to_dict() for c in self.cases]}
 
 
 def engine_block(adapter: EngineAdapter) -> int | None:
     cfg = (adapter.describe() or {}).get("config")
     v = cfg.get("page_size") if isinstance(cfg, dict) else None
     return int(v) if isinstance(v, int) and v > 0 else None
+
+
+def capture_reuse_off(adapter: EngineAdapter) -> bool:
+    """The engine's configuration turns the drafter's capture reuse off (every warm hit falls back by design)."""
+    cfg = (adapter.describe() or {}).get("config")
+    return isinstance(cfg, dict) and cfg.get("capture_blocks") == 0
+
+
+def acceptance_sign_test(cases: Sequence[Case], alpha: float) -> dict:
+    """Warm against cold mean accepted length over the cases where both drafted: a two-sided exact sign test
+    over those that differ (ties carry no sign). `ok` False when it rejects at `alpha`."""
+    pairs = [(c.warm_accept, c.cold_accept) for c in cases if c.warm_accept is not None and c.cold_accept is not None]
+    fewer = sum(1 for w, k in pairs if w < k)
+    more = sum(1 for w, k in pairs if w > k)
+    p = 1.0
+    if fewer + more:
+        from scipy.stats import binomtest
+
+        p = float(binomtest(fewer, fewer + more, 0.5, alternative="two-sided").pvalue)
+    return {"compared": len(pairs), "fewer": fewer, "more": more, "p": p, "alpha": alpha, "ok": p > alpha}
 
 
 def first_turn_tokens(prompt_len: int, block: int, boundary: int, at_least: int) -> int:
@@ -196,14 +232,15 @@ def prefix_hits(text: str | None) -> float | None:
     return sum(vals) if vals else None
 
 
-def _accept(res: GenResult, delta: dict | None) -> tuple[int | None, int | None]:
-    """(drafts, accepted) of one request: its own spec stats, else the counters' delta around it."""
+def _accept(res: GenResult, delta: dict | None) -> tuple[int | None, int | None, str | None]:
+    """(drafts, accepted, source) of one request: its own spec stats ("per-request"), else the counters' delta
+    around it ("counters")."""
     s = res.spec or {}
     if s.get("num_drafts") is not None:
-        return int(s["num_drafts"]), int(s.get("num_accepted_tokens") or 0)
+        return int(s["num_drafts"]), int(s.get("num_accepted_tokens") or 0), "per-request"
     if delta is not None and delta.get("num_drafts") is not None:
-        return int(delta["num_drafts"]), int(delta.get("num_accepted_tokens") or 0)
-    return None, None
+        return int(delta["num_drafts"]), int(delta.get("num_accepted_tokens") or 0), "counters"
+    return None, None, None
 
 
 class _Gate:
@@ -223,11 +260,10 @@ class _Gate:
             raise CannotTest("prefix_reset", "the engine refused to flush its prefix cache between cold runs")
         return await _one(self.ad, self.req(ids, max_tokens, cold=True, logprobs=logprobs))
 
-    async def spec_run(self, ids: list[int], cold: bool) -> tuple[GenResult, int | None, int | None]:
+    async def spec_run(self, ids: list[int], cold: bool) -> tuple[GenResult, int | None, int | None, str | None]:
         before = await self.ad.spec_counters()
         res = await (self.cold(ids, self.opts.max_tokens) if cold else _one(self.ad, self.req(ids, self.opts.max_tokens)))
-        drafts, acc = _accept(res, counters_delta(before, await self.ad.spec_counters()))
-        return res, drafts, acc
+        return (res, *_accept(res, counters_delta(before, await self.ad.spec_counters())))
 
     async def run_case(self, c: Case) -> None:
         o = self.opts
@@ -236,13 +272,15 @@ class _Gate:
         first = await _one(self.ad, self.req(c.warmup, c.warmup_tokens))
         if first.output_ids is None:
             raise CannotTest("output_ids", "the engine reports no output token ids; the gate builds turns from them")
+        if not first.output_ids and not first.text:
+            raise CannotTest("output", NO_OUTPUT)  # an engine that yields nothing: the one true reason
         if c.kind == "turn":
             total = len(c.warmup) + len(first.output_ids)
             c.boundary = total - round(total / c.block) * c.block  # as it ended (an early EOS moves it)
             c.warm = c.warmup + list(first.output_ids) + self.follow_up
         assert c.warm is not None
         h0 = prefix_hits(await self.ad.metrics_text())
-        warm, wd, wa = await self.spec_run(c.warm, cold=False)
+        warm, wd, wa, c.accept_source = await self.spec_run(c.warm, cold=False)
         h1 = prefix_hits(await self.ad.metrics_text())
         wlp = await _one(self.ad, self.req(c.warm, 1, logprobs=o.top_k))
         c.cached_tokens = (warm.spec or {}).get("cached_tokens")
@@ -250,22 +288,26 @@ class _Gate:
             c.cached_tokens = int(h1 - h0)  # the counters' delta around the warm request (other traffic adds)
         cold1 = await self.cold(c.warm, 1, logprobs=o.top_k)
         cold2 = await self.cold(c.warm, 1, logprobs=o.top_k)
-        cold, cd, ca = await self.spec_run(c.warm, cold=True)
+        cold, cd, ca, _ = await self.spec_run(c.warm, cold=True)
+        c.warm_drafts, c.warm_accepted = wd, wa
         dw, d1, d2 = _first_dist(wlp), _first_dist(cold1), _first_dist(cold2)
         if not dw or not d1 or not d2:
             raise CannotTest("logprobs", "the engine returned no first-token logprobs")
         c.drift, c.noise = drift_of(dw, d1), drift_of(d1, d2)
         c.warm_accept = None if not wd else 1.0 + (wa or 0) / wd
         c.cold_accept = None if not cd else 1.0 + (ca or 0) / cd
-        if wd is None:
+        if (warm.spec or {}).get("capture_fallback") is True and cd:
+            c.drafted = "fell back"  # the engine says so: its prefix hit came without the drafter's context
+        elif wd is None:
             c.drafted = "?"
-        elif wd and (wa or 0) > 0:
+        elif wd:
             c.drafted = "drafted"
         elif cd:
             c.drafted = "fell back"
         else:
             c.drafted = "no drafts"
         wi, ci = list(warm.output_ids or []), list(cold.output_ids or [])
+        c.compared = min(len(wi), len(ci))
         pos = first_divergence(wi, ci)
         if pos is not None and pos < min(len(wi), len(ci)):
             ref = await self.cold(c.warm + ci[:pos], 1, logprobs=max(o.top_k, 20))
@@ -330,16 +372,28 @@ async def run_prefix_gate(adapter: EngineAdapter, conversations: Sequence[tuple[
     noises = [c.noise for c in out.cases if c.noise is not None]
     out.noise = max(noises) if noises else 0.0
     out.tolerance = max(opts.noise_factor * out.noise, floor)
+    out.fallback_by_config = capture_reuse_off(adapter)
     for c in out.cases:
         if c.ok and c.drift is not None and c.drift > out.tolerance:
             c.ok, c.reason = False, (f"first-token logprob drift {c.drift:.3g} nat > tolerance {out.tolerance:.3g} "
                                      f"(cold-vs-cold noise {out.noise:.3g})")
+        if c.ok and c.drafted == "fell back" and not out.fallback_by_config:
+            c.ok, c.reason = False, (f"warm turn fell back: no drafts after its prefix hit ({c.cached_tokens} cached "
+                                     f"tokens) where the same request cold drafted (accept {_g(c.cold_accept)}): "
+                                     "speculation silently off")
         say(f"[prefix] {c.name}: {'ok' if c.ok else FAIL} drift {_g(c.drift)} cached {c.cached_tokens} "
             f"{c.drafted}{'' if c.ok else ' - ' + c.reason}")
+    out.acceptance = acceptance_sign_test(out.cases, opts.accept_alpha)
+    acc = out.acceptance
     if out.failed:
         out.verdict = FAIL
         out.reason = f"{len(out.failed)} of {len(out.cases)} cases failed: " + "; ".join(
             f"{c.name}: {c.reason}" for c in out.failed[:3])
+    elif not acc["ok"]:
+        out.verdict = FAIL
+        out.reason = (f"warm turns speculate unlike their cold twins: of {acc['compared']} cases where both drafted, "
+                      f"warm accepted less in {acc['fewer']} and more in {acc['more']} (exact sign test p "
+                      f"{acc['p']:.2g} <= {acc['alpha']:g}); the tokens themselves were lossless")
     elif not any(c.drift is not None for c in out.cases):
         out.verdict, out.reason = f"{CANNOT_TEST} (logprobs)", "no case had first-token logprobs in common"
     elif any(c.cached_tokens is not None for c in out.cases) and not any(c.cached_tokens for c in out.cases):
@@ -352,7 +406,9 @@ async def run_prefix_gate(adapter: EngineAdapter, conversations: Sequence[tuple[
                       "cached-token counts (per request or vllm:prefix_cache_hits): a warm hit is not shown")
     else:
         out.verdict = PASS
-        out.reason = f"{len(out.cases)} cases, drift within {out.tolerance:.3g} nat; {len(out.fallbacks)} fell back"
+        out.reason = f"{len(out.cases)} cases, drift within {out.tolerance:.3g} nat; " + (
+            f"{len(out.fallbacks)} fell back (capture reuse off by the engine's configuration)"
+            if out.fallback_by_config else "no warm turn fell back")
     return out
 
 
@@ -362,7 +418,7 @@ class PrefixSelftest:
     faults: dict[str, PrefixOutcome]
     # per fault, what the engine says the self-test expects of it (its "faults" capability, `fault_catalogue`):
     # "fail" (the verdict is FAIL) or "fallback" (the tokens stay lossless; some warm turn falls back where the
-    # clean run drafts)
+    # clean run drafts, which fails the gate too)
     expect: dict[str, str] = field(default_factory=dict)
 
     def problems(self) -> list[str]:
@@ -374,8 +430,8 @@ class PrefixSelftest:
             want = self.expect.get(name, "fail")
             if want == "fail" and o.verdict != FAIL:
                 out.append(f"{name}: {o.verdict}, expected FAIL")
-            if want == "fallback" and not o.fallbacks:
-                out.append(f"{name}: no warm turn fell back ({o.verdict})")
+            if want == "fallback" and (not o.fallbacks or o.verdict != FAIL):
+                out.append(f"{name}: {len(o.fallbacks)} warm turns fell back, {o.verdict} (expected fallbacks, FAIL)")
         return out
 
     @property
@@ -447,7 +503,11 @@ def render_markdown(out: PrefixOutcome) -> str:
              f"- engine: {out.engine.get('name')} ({out.engine.get('kind')}); cold runs by {out.cold_method}",
              f"- first-token drift tolerance {out.tolerance:.3g} nat = max({out.noise:.3g} cold-vs-cold noise x "
              f"factor, floor {out.floor:g}); regret rule {out.rule.get('rule')} ({out.rule.get('tol'):g} nat)",
-             f"- fell back (warm turn without drafts where cold drafted): {len(out.fallbacks)} of {len(out.cases)}",
+             f"- fell back (warm turn without drafts where cold drafted): {len(out.fallbacks)} of {len(out.cases)}"
+             + (" (capture reuse off by the engine's configuration)" if out.fallback_by_config else ""),
+             f"- warm vs cold acceptance (exact sign test over the cases where both drafted): "
+             f"{out.acceptance.get('compared', 0)} compared, warm fewer in {out.acceptance.get('fewer', 0)}, more in "
+             f"{out.acceptance.get('more', 0)}, p {out.acceptance.get('p', 1.0):.2g}",
              "", "| case | cached | drift | noise | regret | warm turn | accept warm / cold | verdict |",
              "|---|---|---|---|---|---|---|---|"]
     for c in out.cases:

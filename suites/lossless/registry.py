@@ -9,7 +9,8 @@ Contract:
   on an engine nothing has captured a shape on yet (short-then-long), the others after the concurrent gate.
   Every engine gate is `async (baseline, candidate, prompts, max_tokens, opts) -> GateRun` (gates/).
 - `SELFTEST_GATES`: the self-test's gates (its columns), in order: every registered gate but the rate and
-  batch gates, which run only when asked for.
+  batch gates, which run only when asked for, and the gates with a self-test of their own (`selftest=False`:
+  prefix-cache, whose faults are the prefix family's, armed by `lossless --suite prefix --selftest`).
 - A record with a word outside its vocabulary is refused at import (ValueError naming the field, the value
   and what is accepted).
 The CLI's --engine-gates help text names the engine gates without importing this module (the CLI imports no
@@ -35,6 +36,7 @@ from .gates.long_context import long_context
 from .gates.min_tokens import min_tokens
 from .gates.mixed import mixed
 from .gates.penalties import penalties
+from .gates.prefix_cache import prefix_cache
 from .gates.short_then_long import short_then_long
 from .gates.stop_in_run import stop_in_run
 from .greedy import GateRun, GreedyGateOptions, Prompt, run_greedy
@@ -58,6 +60,7 @@ NEEDS = {
     "cancel": "a request cancelled mid-generation (the local engine aborts it; an endpoint sees its connection close)",
     "geometry": "the model geometry (max_position_embeddings, usable context): local engines",
     "oracle_drafts": "the adapter capability \"oracle_drafts\" (local engines)",
+    "cold_path": "a request served cold beside a warm one: a prefix-cache reset route or a per-request cache salt",
 }
 # When a gate runs: "always" (every lossless run; never advisory), "default" (unless --quick: on by default, so
 # advisory when not asked for: its CANNOT TEST is reported beside the verdict), "asked" (only when named).
@@ -76,6 +79,7 @@ class GateSpec:
     uses: tuple[str, ...] = ()  # NEEDS words, used where offered
     catches: tuple[str, ...] = ()  # fault names (engine/faults.py) it is meant to catch
     fresh: bool = False  # runs first, on a fresh engine
+    selftest: bool = True  # a column of `specbench selftest` (False: the gate has a self-test of its own)
 
     def __post_init__(self) -> None:
         for field_, words, known in (("needs", self.needs, NEEDS), ("uses", self.uses, NEEDS),
@@ -128,6 +132,10 @@ REGISTRY: tuple[GateSpec, ...] = (
              "engine", "default", _JUDGED, uses=("geometry",), catches=("long_context_pos_shift",)),
     GateSpec("headroom", headroom, "prompt + max_tokens at the usable context served, past it refused cleanly",
              "engine", "default", (*_JUDGED, "geometry")),
+    GateSpec("prefix-cache", prefix_cache, "warm requests (prefix-cache hits: repeats, a shared system prompt, "
+             "turns ending at block boundaries) against the same requests cold; a warm turn that stops "
+             "speculating fails", "engine", "default", (*_JUDGED, "cold_path"), uses=("spec_counters",),
+             selftest=False),
     GateSpec("acceptance", check_acceptance, "the greedy gate's mean accepted length against the reference, "
              "two-sided", "check", "always", ("spec_counters",), catches=("draft_ctx_misaligned",)),
     GateSpec("divergence-rate", run_rate_gate, "greedy + concurrent divergences per token against the baseline's "
@@ -139,5 +147,5 @@ REGISTRY: tuple[GateSpec, ...] = (
 
 GATES: dict[str, Gate] = {s.name: cast(Gate, s.run) for s in REGISTRY if s.kind == "engine"}
 ENGINE_GATES: tuple[GateSpec, ...] = tuple(s for s in REGISTRY if s.kind == "engine")
-SELFTEST_GATES: tuple[GateSpec, ...] = tuple(s for s in REGISTRY if s.kind not in ("rate", "batch"))
+SELFTEST_GATES: tuple[GateSpec, ...] = tuple(s for s in REGISTRY if s.kind not in ("rate", "batch") and s.selftest)
 

@@ -1,0 +1,59 @@
+"""Gate power (issue 47): engine bugs of our own, planted the way a real PR would write them (one line, at sites
+the named faults of engine/faults.py do not touch), must fail the default `lossless` set; the clean engine
+passes the same command.
+
+Each plant is a monkeypatch of the bundled engine, run through the CLI in-process (`specbench lossless
+--no-record` with the gate set at its defaults; two prompts and 32 tokens to keep CI's time down: the
+prefix-cache gate uses the first two prompts whatever the count)."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from specbench.cli import app as cli
+from specbench.engine import kv_cache
+from specbench.engine.spec import dflash
+
+cli._register()
+runner = CliRunner()
+ARGS = ["lossless", "--no-record", "--num-prompts", "2", "--max-tokens", "32"]
+
+
+def _capture_cut_at_block_end(monkeypatch) -> None:
+    """A capture that ends exactly at a block's end does not count as covering that block (`>` for `>=`)."""
+    seal = kv_cache.PagePool.seal
+    monkeypatch.setattr(kv_cache.PagePool, "seal", lambda self, rid, tokens, upto, cap:
+                        seal(self, rid, tokens, upto, None if cap is None else cap - 1))
+
+
+def _restore_one_row_short(monkeypatch) -> None:
+    """A prefix hit restores the drafter's context one row short of the hit."""
+    restore = dflash.DFlashProposer.restore
+    monkeypatch.setattr(dflash.DFlashProposer, "restore", lambda self, req, n, captured:
+                        restore(self, req, n - 1 if captured and n else n, captured))
+
+
+def _lossless(*extra: str):
+    r = runner.invoke(cli.app, [*ARGS, *extra])
+    return r.exit_code, r.output
+
+
+def test_the_clean_engine_passes_the_default_set():
+    code, out = _lossless()
+    assert code == 0, out[-3000:]
+    assert "[lossless] prefix-cache: PASS" in out
+
+
+@pytest.mark.parametrize("plant, candidate", [
+    (_capture_cut_at_block_end, None),
+    (_restore_one_row_short, None),  # the run-time invariants refuse the step
+    (_restore_one_row_short, "local,spec=dflash,invariants=0"),  # an engine we cannot look inside
+])
+def test_a_planted_prefix_bug_fails_the_default_set(monkeypatch, plant, candidate):
+    plant(monkeypatch)
+    code, out = _lossless(*(["--candidate", candidate] if candidate else []))
+    assert code == 1 and "VERDICT: FAIL" in out, out[-3000:]
+    assert "[lossless] prefix-cache: FAIL" in out
+    if candidate:  # without invariants: lossless tokens, caught by speculation silently off
+        assert "speculation silently off" in out
