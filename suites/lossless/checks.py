@@ -59,7 +59,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from specbench.eos import eos_ids as model_eos_ids
-from specbench.harness.adapters.base import GenResult, counted_exactly
+from specbench.harness.adapters.base import EngineAdapter, GenResult, counted_exactly
 from specbench.harness.verdicts import NOT_SPECULATING
 
 MIN_ACCEPT_LEN = 1.05  # mean accepted length (incl. the bonus token) at or below this = not speculating
@@ -584,3 +584,8 @@ def eos_ids_of(describe: dict) -> set[int]:
     on (config.json, generation_config.json and the tokenizer's EOS); empty if the model directory is unknown."""
     model = _model_dir(describe)
     return set() if model is None else model_eos_ids(model)
+
+
+def gate_eos(baseline: EngineAdapter, candidate: EngineAdapter) -> set[int]:
+    """The EOS ids a gate judges stops by: the candidate's model's, else the baseline's (`eos_ids_of`)."""
+    return eos_ids_of(candidate.describe()) or eos_ids_of(baseline.describe())

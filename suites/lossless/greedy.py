@@ -67,7 +67,7 @@ from .checks import (
     check_counters,
     check_counts,
     check_kv_idle,
-    eos_ids_of,
+    gate_eos,
     same_tokens_differ,
 )
 from .outcomes import Divergence, GateRun, Prompt, PromptCheck
@@ -441,7 +441,7 @@ async def finish_run(name: str, candidate: EngineAdapter, baseline: EngineAdapte
     """Spec statistics and the run checks (counters, after-EOS, output counts, KV idle) around one gate's
     requests (`max_tokens`: each result's, in order, where known)."""
     stats = acceptance_evidence(results, delta, opts.min_accept_len, assumed=opts.assume_speculating)
-    eos = eos_ids_of(candidate.describe()) or eos_ids_of(baseline.describe())
+    eos = gate_eos(baseline, candidate)
     checks = [check_counters(stats, k), check_after_stop(results, eos), check_counts(results, max_tokens),
               check_kv_idle(await health(candidate))]
     return GateRun(name, prompts, stats, checks, time.perf_counter() - t0, results=list(results),

@@ -31,7 +31,7 @@ from specbench.harness.adapters.base import (
 )
 from specbench.harness.verdicts import CANNOT_TEST
 
-from ..checks import Check, check_after_stop, check_kv_idle, count_problems, eos_ids_of
+from ..checks import Check, check_after_stop, check_kv_idle, count_problems, gate_eos
 from ..greedy import GreedyGateOptions, baseline_for, engine_k, finish_run, health, resolve_rule
 from ..outcomes import GateRun, Prompt, PromptCheck
 from ..regret import first_divergence
@@ -136,7 +136,7 @@ async def eos_in_run(baseline: EngineAdapter, candidate: EngineAdapter, prompts:
                      max_tokens: int, opts: GreedyGateOptions) -> GateRun:
     t0 = time.perf_counter()
     opts = resolve_rule(opts, baseline, candidate)
-    eos = eos_ids_of(candidate.describe()) or eos_ids_of(baseline.describe())
+    eos = gate_eos(baseline, candidate)
     cases, conts, ignored = await _stop_cases(baseline, prompts, max_tokens, opts, eos, engine_k(candidate))
     engines: list[tuple[str, EngineAdapter]] = [("drafter", candidate)]
     oracle: EngineAdapter | None = None

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 from specbench.harness.adapters.base import EngineAdapter, GenRequest, counters_delta
 
-from ..checks import Check, eos_ids_of
+from ..checks import Check, gate_eos
 from ..greedy import GreedyGateOptions, baseline_for, check_output, engine_k, finish_run, resolve_rule
 from ..outcomes import GateRun, Prompt
 from .common import echo_prompts, judge_shaped, untestable
@@ -45,7 +45,7 @@ async def logit_bias(baseline: EngineAdapter, candidate: EngineAdapter, prompts:
     """The gate (module docstring)."""
     t0 = time.perf_counter()
     opts = resolve_rule(opts, baseline, candidate)
-    eos = eos_ids_of(candidate.describe()) or eos_ids_of(baseline.describe())
+    eos = gate_eos(baseline, candidate)
     ps = list(prompts[:2])
     firsts = await asyncio.gather(*(baseline_for(baseline, p.ids, [], max_tokens, opts.top_k) for p in ps))
     echoes = echo_prompts(ps, firsts)

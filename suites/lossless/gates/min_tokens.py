@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 from specbench.harness.adapters.base import EngineAdapter, GenRequest, GenResult, counters_delta
 
-from ..checks import AcceptanceEvidence, Check, eos_ids_of
+from ..checks import AcceptanceEvidence, Check, gate_eos
 from ..greedy import GreedyGateOptions, baseline_for, engine_k, finish_run, resolve_rule
 from ..outcomes import GateRun, Prompt
 from .common import MASKED, echo_prompts, judge_shaped, stop_inside_run, untestable
@@ -33,7 +33,7 @@ async def min_tokens(baseline: EngineAdapter, candidate: EngineAdapter, prompts:
     """The gate (module docstring)."""
     t0 = time.perf_counter()
     opts = resolve_rule(opts, baseline, candidate)
-    eos = eos_ids_of(candidate.describe()) or eos_ids_of(baseline.describe())
+    eos = gate_eos(baseline, candidate)
     ms = [m for m in MIN_TOKENS_AT if m < max_tokens - 1] or [max(1, max_tokens - 2)]
     p0 = list(prompts[:1])
     first = await baseline_for(baseline, p0[0].ids, [], max_tokens, opts.top_k)
