@@ -25,7 +25,7 @@ import specbench.engine.accept_step as accept_step
 from specbench.engine.spec.sampling import LOSSLESS
 from specbench.harness.adapters.local import LocalAdapter
 from specbench.harness.fixtures import bundled_pair
-from specbench.suites.sampled.config import SOFT_Q_MIX
+from specbench.suites.sampled.config import DEFAULT_CONFIGS_TEXT, SOFT_Q_MIX
 from specbench.suites.sampled.gate import SampledGateOptions, collect, make_prompts, parse_configs
 
 CANDIDATES = {"ngram-soft": ("ngram", float(SOFT_Q_MIX)), "ngram": ("ngram", 0.0), "dflash": ("dflash", 0.0)}
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--candidate", choices=sorted(CANDIDATES), default="ngram-soft")
     ap.add_argument("--prompt-set", default="echo,repeat")
-    ap.add_argument("--configs", default="t=0.6,p=0.95;t=1.0,k=20;t=1.3,k=3")
+    ap.add_argument("--configs", default=DEFAULT_CONFIGS_TEXT)
     ap.add_argument("--num-prompts", type=int, default=1)
     ap.add_argument("--samples", type=int, default=128)
     ap.add_argument("--positions", type=int, default=4)

@@ -42,7 +42,7 @@ def sampled(
     num_prompts: int | None = typer.Option(None, "--num-prompts", min=1, help="Prompts of each prompt set "
                                            "(default 2; --selftest: 1)."),
     configs: str | None = typer.Option(None, "--configs", help="Sampling configs 't=1.0;t=0.7,p=0.9;t=1,k=20' "
-                                       "(keys t, p, k). Default: t=0.6,p=0.95; t=1.0,k=20; t=1.3,k=3."),
+                                       "(keys t, p, k). Default: t=0.6,p=0.95; t=0.7; t=1.3,k=3."),
     positions: int | None = typer.Option(None, "--positions", min=1, help="Output positions P tested "
                                          "(max_tokens = P) (default 8; --selftest: 4)."),
     samples: int | None = typer.Option(None, "--samples", min=2, help="Samples per arm per (prompt, config) "

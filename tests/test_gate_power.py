@@ -1,10 +1,12 @@
 """Gate power (issue 47): engine bugs of our own, planted the way a real PR would write them (one line, at sites
-the named faults of engine/faults.py do not touch), must fail the default `lossless` set; the clean engine
-passes the same command.
+the named faults of engine/faults.py do not touch), must fail the default gate set; the clean engine passes the
+same command.
 
-Each plant is a monkeypatch of the bundled engine, run through the CLI in-process (`specbench lossless
---no-record` with the gate set at its defaults; two prompts and 32 tokens to keep CI's time down: the
-prefix-cache gate uses the first two prompts whatever the count)."""
+Each plant is a monkeypatch of the bundled engine, run through the CLI in-process: `specbench lossless
+--no-record` with the gate set at its defaults (two prompts and 32 tokens to keep CI's time down: the
+prefix-cache gate uses the first two prompts whatever the count), and `specbench sampled` at the default
+configuration that reaches the plant (one prompt of each default set, 128 samples: the full default run is
+docs/sampled.md's measurement)."""
 
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ import pytest
 from typer.testing import CliRunner
 
 from specbench.cli import app as cli
-from specbench.engine import kv_cache
+from specbench.engine import accept_step, kv_cache
 from specbench.engine.spec import dflash
+from specbench.suites.sampled.config import DEFAULT_CONFIGS
 
 cli._register()
 runner = CliRunner()
@@ -57,3 +60,26 @@ def test_a_planted_prefix_bug_fails_the_default_set(monkeypatch, plant, candidat
     assert "[lossless] prefix-cache: FAIL" in out
     if candidate:  # without invariants: lossless tokens, caught by speculation silently off
         assert "speculation silently off" in out
+
+
+# ---- the sampled gate: a verify path that drops the temperature when nothing truncates --------------------------
+def _verify_drops_bare_temperature(monkeypatch) -> None:
+    """A verify "fast path": rows with no top-k / top-p / min-p skip the transform, so the temperature is lost."""
+    from dataclasses import replace
+
+    rows = accept_step.sampling_probs_rows
+    monkeypatch.setattr(accept_step, "sampling_probs_rows", lambda logits, params: rows(logits, [
+        replace(q, temperature=1.0) if q.top_k <= 0 and q.top_p == 1.0 and q.min_p == 0 else q for q in params]))
+
+
+@pytest.mark.parametrize("planted", [False, True])
+def test_the_default_sampled_set_reaches_a_bare_temperature(monkeypatch, planted):
+    bare = [c for c in DEFAULT_CONFIGS if c.top_p == 1.0 and not c.top_k]
+    assert [c.name for c in bare] == ["t0.7"]  # the default set holds a temperature with no truncation
+    if planted:
+        _verify_drops_bare_temperature(monkeypatch)
+    r = runner.invoke(cli.app, ["sampled", "--no-record", "--configs", "t=0.7", "--num-prompts", "1", "--samples",
+                                "128", "--permutations", "199", "--seed-repeat", "0"])
+    want = (1, "sampled gate: FAIL; candidates: ngram-soft FAIL, dflash FAIL") if planted else \
+        (0, "sampled gate: PASS; candidates: ngram-soft PASS, dflash PASS")
+    assert r.exit_code == want[0] and want[1] in r.output, r.output[-3000:]

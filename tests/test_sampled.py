@@ -8,6 +8,7 @@ local engine passes, each sampling fault is caught (a CI-sized configuration; th
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 
@@ -18,7 +19,7 @@ from specbench.harness.adapters.base import EngineAdapter, GenResult
 from specbench.harness.verdicts import NO_SPEC_EVIDENCE, PASS_ASSERTED
 from specbench.suites.lossless.checks import AcceptanceEvidence
 from specbench.suites.sampled import stats
-from specbench.suites.sampled.config import SOFT_Q_MIX
+from specbench.suites.sampled.config import DEFAULT_CONFIGS_TEXT, SOFT_Q_MIX
 from specbench.suites.sampled.gate import (
     DEFAULT_CONFIGS,
     END,
@@ -104,9 +105,14 @@ def test_parse_configs_and_options():
     cs = parse_configs("t=1.0; t=0.7,p=0.9 ;temperature=1,top_k=20")
     assert [c.name for c in cs] == ["t1", "t0.7-p0.9", "t1-k20"]
     assert cs[2] == SamplingConfig("t1-k20", 1.0, 1.0, 20)
-    # the default set: T 0.6 / 1.0 / 1.3, each with a top-p or a top-k (docs/sampled.md)
-    assert sorted(c.temperature for c in DEFAULT_CONFIGS) == [0.6, 1.0, 1.3]
-    assert all(c.top_p < 1 or c.top_k > 0 for c in DEFAULT_CONFIGS)
+    # the default set: T 0.6 with top-p, T 0.7 alone (no truncation), T 1.3 with top-k (docs/sampled.md)
+    assert sorted(c.temperature for c in DEFAULT_CONFIGS) == [0.6, 0.7, 1.3]
+    assert [c.name for c in DEFAULT_CONFIGS if c.top_p == 1 and not c.top_k] == ["t0.7"]
+    assert any(c.top_p < 1 for c in DEFAULT_CONFIGS) and any(c.top_k for c in DEFAULT_CONFIGS)
+    from specbench.cli.sampled import sampled as sampled_cli  # the CLI's help names the same set
+
+    assert "t=0.6,p=0.95; t=0.7; t=1.3,k=3" in str(inspect.signature(sampled_cli).parameters["configs"].default.help)
+    assert DEFAULT_CONFIGS_TEXT.replace(";", "; ") == "t=0.6,p=0.95; t=0.7; t=1.3,k=3"
     assert SampledGateOptions().prompt_sets == ("echo", "repeat")
     assert SampledGateOptions(prompt_set="gsm8k, repeat").prompt_sets == ("gsm8k", "repeat")
     for bad in ("nope", "echo,echo", "", ","):

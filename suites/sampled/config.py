@@ -73,9 +73,11 @@ def parse_configs(text: str) -> list[SamplingConfig]:
     return out
 
 
-# The default sampling configs: T 0.6 / 1.0 / 1.3, each with a top-p or top-k (docs/sampled.md "The default
-# configuration set": on the echo and repeat prompts every config reaches both accept-path branches).
-DEFAULT_CONFIGS_TEXT = "t=0.6,p=0.95;t=1.0,k=20;t=1.3,k=3"
+# The default sampling configs: T 0.6 with top-p, T 0.7 alone (a temperature with no truncation: a verify path
+# that skips the transform when no top-k / top-p / min-p is set is reached by no other), T 1.3 with top-k
+# (docs/sampled.md "The default configuration set": on the echo and repeat prompts every config reaches both
+# accept-path branches).
+DEFAULT_CONFIGS_TEXT = "t=0.6,p=0.95;t=0.7;t=1.3,k=3"
 DEFAULT_CONFIGS = tuple(parse_configs(DEFAULT_CONFIGS_TEXT))
 # The default candidates on the bundled target (label, local engine-string options): the n-gram proposer with
 # a soft q (q not one-hot, rows differing per position: the accept reads q rows and residuals), and the
