@@ -37,6 +37,14 @@ def _restore_one_row_short(monkeypatch) -> None:
                         restore(self, req, n - 1 if captured and n else n, captured))
 
 
+def _gated_round_skips_drafter_context(monkeypatch) -> None:
+    """A one-token round (the gate, the policy) leaves the drafter's context behind: decode spans not observed."""
+    observe = dflash.DFlashProposer.observe
+    monkeypatch.setattr(dflash.DFlashProposer, "observe", lambda self, spans, committed, taps, eligible, ctx_shift=0:
+                        observe(self, spans, committed, taps,
+                                [ok and s.kind != "decode" for s, ok in zip(spans, eligible, strict=True)], ctx_shift))
+
+
 def _lossless(*extra: str):
     r = runner.invoke(cli.app, [*ARGS, *extra])
     return r.exit_code, r.output
@@ -45,7 +53,7 @@ def _lossless(*extra: str):
 def test_the_clean_engine_passes_the_default_set():
     code, out = _lossless()
     assert code == 0, out[-3000:]
-    assert "[lossless] prefix-cache: PASS" in out
+    assert "[lossless] prefix-cache: PASS" in out and "[lossless] levers: PASS" in out
 
 
 @pytest.mark.parametrize("plant, candidate", [
@@ -60,6 +68,16 @@ def test_a_planted_prefix_bug_fails_the_default_set(monkeypatch, plant, candidat
     assert "[lossless] prefix-cache: FAIL" in out
     if candidate:  # without invariants: lossless tokens, caught by speculation silently off
         assert "speculation silently off" in out
+
+
+def test_a_planted_lever_bug_fails_the_default_set(monkeypatch):
+    """Only a lever takes this path (levers are off by default): the levers gate runs gate 1, and the run-time
+    invariants of the gate command's engines refuse the step. Without them the tokens stay lossless and only
+    acceptance falls: no default gate sees that yet (issue 47 item 1, the acceptance trace)."""
+    _gated_round_skips_drafter_context(monkeypatch)
+    code, out = _lossless()
+    assert code == 1 and "[lossless] levers: FAIL" in out, out[-3000:]
+    assert "drafter context" in out
 
 
 # ---- the sampled gate: a verify path that drops the temperature when nothing truncates --------------------------

@@ -92,6 +92,8 @@ EMPTY_REASONS = {
     "headroom": "the model geometry (max_position_embeddings and the usable context), which only a local engine "
                 "gives: no request was sent",
     "prefix-cache": NO_OUTPUT,
+    "levers": "the engine's load-aware levers (the adapter capability \"levers\": gate, trim, policy), which only a "
+              "local engine sets: no request was sent",
 }
 
 

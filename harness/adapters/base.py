@@ -38,7 +38,10 @@ other one raises `UnsupportedCapability` naming the capability and the adapter):
 - "oracle_drafts": `with_oracle_drafts(continuations)` builds a fresh engine like this one (its faults
   armed) whose drafts replay known greedy continuations (prompt ids -> the target's output), every draft
   correct, so a gate can put a stop (EOS, a stop token id) inside an accepted run at will.
-The local adapter offers all three; remote (openai) and transformers (hf) adapters decline.
+- "levers": `with_levers(gate, trim, policy)` builds a fresh engine like this one (its faults armed) with the
+  load-aware levers set (engine/config.py SpecConfig gate / trim / policy; None: as this engine has it), so a
+  gate can run the paths a lever takes (a gated one-token round, a trimmed draft, the automatic policy).
+The local adapter offers all four; remote (openai) and transformers (hf) adapters decline.
 """
 
 from __future__ import annotations
@@ -207,7 +210,8 @@ def failed(req: GenRequest, rid: str, error: str, t_send: float, attempts: int =
 FAULTS = "faults"
 DECODE_WINDOW = "decode_window"
 ORACLE_DRAFTS = "oracle_drafts"
-CAPABILITIES = (FAULTS, DECODE_WINDOW, ORACLE_DRAFTS)
+LEVERS = "levers"
+CAPABILITIES = (FAULTS, DECODE_WINDOW, ORACLE_DRAFTS, LEVERS)
 
 
 @dataclass(frozen=True)
@@ -369,6 +373,12 @@ class EngineAdapter(ABC):
         next token until the known continuation ends (then filler, rejected), so every verify step accepts
         all K drafts. Requests for other prompts get filler drafts. The caller closes it."""
         raise UnsupportedCapability(self, ORACLE_DRAFTS)
+
+    def with_levers(self, gate: int | None = None, trim: int | None = None, policy: str | None = None,
+                    name: str | None = None) -> EngineAdapter:
+        """A fresh engine like this one (the same config, its faults armed) with the load-aware levers given
+        (None: as this engine has it); named `name`, else `<this name>[<lever>=<value>...]`. The caller closes it."""
+        raise UnsupportedCapability(self, LEVERS)
 
     def decode_window(self, prompts: Sequence[str], max_tokens: int,
                       warmup: int = 0) -> AbstractContextManager[DecodeWindow]:

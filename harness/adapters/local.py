@@ -35,6 +35,7 @@ from specbench.engine.scheduler import AdmissionError
 from .base import (
     DECODE_WINDOW,
     FAULTS,
+    LEVERS,
     ORACLE_DRAFTS,
     DecodeWindow,
     EngineAdapter,
@@ -43,6 +44,7 @@ from .base import (
     GenResult,
     PosLogprobs,
     ScoreResult,
+    UnsupportedCapability,
     failed,
 )
 from .loop import EngineFailure, EngineLoop
@@ -81,7 +83,7 @@ class _LocalDecodeWindow(DecodeWindow):
 
 class LocalAdapter(EngineAdapter):
     kind = "local"
-    capabilities = frozenset({FAULTS, DECODE_WINDOW, ORACLE_DRAFTS})
+    capabilities = frozenset({FAULTS, DECODE_WINDOW, ORACLE_DRAFTS, LEVERS})
 
     def __init__(self, engine: LLMEngine, name: str | None = None, max_pending: int | None = None) -> None:
         super().__init__(name or ("local-spec" if engine.spec_on else "local"))
@@ -243,6 +245,16 @@ class LocalAdapter(EngineAdapter):
         faults = tuple(faults)
         label = name or (f"{self.name}[{'+'.join(faults)}]" if faults else self.name)
         return LocalAdapter(LLMEngine(self.engine.cfg.with_(faults=faults)), name=label,
+                            max_pending=self.loop.max_pending)
+
+    def with_levers(self, gate: int | None = None, trim: int | None = None, policy: str | None = None,
+                    name: str | None = None) -> LocalAdapter:
+        cfg = self.engine.cfg
+        if not self.engine.spec_on:
+            raise UnsupportedCapability(self, LEVERS, "this engine does not speculate: it has no levers to set")
+        levers = lever_kw(gate, trim, policy)
+        label = name or f"{self.name}[{','.join(f'{k}={v}' for k, v in levers.items())}]"
+        return LocalAdapter(LLMEngine(cfg.with_(spec=replace(cfg.spec, **levers))), name=label,
                             max_pending=self.loop.max_pending)
 
     def with_oracle_drafts(self, continuations: Mapping[tuple[int, ...], Sequence[int]],

@@ -9,7 +9,8 @@ Contract:
   on an engine nothing has captured a shape on yet (short-then-long), the others after the concurrent gate.
   Every engine gate is `async (baseline, candidate, prompts, max_tokens, opts) -> GateRun` (gates/).
 - `SELFTEST_GATES`: the self-test's gates (its columns), in order: every registered gate but the rate and
-  batch gates, which run only when asked for, and the gates with a self-test of their own (`selftest=False`:
+  batch gates, which run only when asked for, and the gates whose faults the self-test does not arm
+  (`selftest=False`: levers, whose paths the self-test's engines never take with their levers off, and
   prefix-cache, whose faults are the prefix family's, armed by `lossless --suite prefix --selftest`).
 - A record with a word outside its vocabulary is refused at import (ValueError naming the field, the value
   and what is accepted).
@@ -31,6 +32,7 @@ from .concurrent import run_concurrent
 from .gates.abort_in_flight import abort_in_flight
 from .gates.eos_in_run import eos_in_run
 from .gates.headroom import headroom
+from .gates.levers import levers
 from .gates.logit_bias import logit_bias
 from .gates.long_context import long_context
 from .gates.min_tokens import min_tokens
@@ -60,6 +62,7 @@ NEEDS = {
     "cancel": "a request cancelled mid-generation (the local engine aborts it; an endpoint sees its connection close)",
     "geometry": "the model geometry (max_position_embeddings, usable context): local engines",
     "oracle_drafts": "the adapter capability \"oracle_drafts\" (local engines)",
+    "levers": "the adapter capability \"levers\": a fresh engine with a load-aware lever set (local engines)",
     "cold_path": "a request served cold beside a warm one: a prefix-cache reset route or a per-request cache salt",
 }
 # When a gate runs: "always" (every lossless run; never advisory), "default" (unless --quick: on by default, so
@@ -132,6 +135,9 @@ REGISTRY: tuple[GateSpec, ...] = (
              "engine", "default", _JUDGED, uses=("geometry",), catches=("long_context_pos_shift",)),
     GateSpec("headroom", headroom, "prompt + max_tokens at the usable context served, past it refused cleanly",
              "engine", "default", (*_JUDGED, "geometry")),
+    GateSpec("levers", levers, "every prompt at once on fresh engines with a load-aware lever on (gate 1, trim 2, "
+             "the automatic policy), each lever shown to act", "engine", "default", (*_JUDGED, "levers"),
+             uses=("spec_counters",), selftest=False),
     GateSpec("prefix-cache", prefix_cache, "warm requests (prefix-cache hits: repeats, a shared system prompt, "
              "turns ending at block boundaries) against the same requests cold; a warm turn that stops "
              "speculating fails", "engine", "default", (*_JUDGED, "cold_path"), uses=("spec_counters",),

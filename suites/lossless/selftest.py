@@ -29,9 +29,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from specbench.harness.adapters.base import EngineAdapter, GenRequest, GenResult, ScoreResult
+from specbench.harness.adapters.base import EngineAdapter
 from specbench.harness.verdicts import ERROR, EXIT_FAIL, FAIL, NOT_SPECULATING, PASS, exit_code
 
+from .cached import CachedAdapter
 from .checks import AcceptanceEvidence, check_acceptance
 from .greedy import GateRun, GreedyGateOptions, Prompt, resolve_rule, tokenize_prompts
 from .prompts import load_prompts
@@ -45,47 +46,6 @@ def greedy_faults(candidate: EngineAdapter) -> dict[str, str]:
     (the sampling faults belong to the sampled gate's self-test, the prefix faults to the prefix gate's: every
     greedy gate's request is salted off the prefix cache)."""
     return {k: f.description for k, f in candidate.fault_catalogue().items() if f.family == "greedy"}
-
-
-class CachedAdapter(EngineAdapter):
-    """A deterministic baseline's generations, memoised by request (scores and the rest pass through)."""
-
-    kind = "cached"
-
-    def __init__(self, inner: EngineAdapter) -> None:
-        super().__init__(inner.name)
-        self.inner = inner
-        self.cache: dict[tuple, GenResult] = {}
-        self.hits = 0
-
-    async def generate_one(self, req: GenRequest) -> GenResult:
-        key = (tuple(req.prompt) if isinstance(req.prompt, list) else req.prompt, req.max_tokens, req.logprobs,
-               tuple(req.stop), tuple(req.stop_token_ids), req.temperature, req.ignore_eos, req.repetition_penalty,
-               req.presence_penalty, req.frequency_penalty, tuple(sorted((req.logit_bias or {}).items())),
-               req.min_tokens)
-        hit = self.cache.get(key)
-        if hit is not None:
-            self.hits += 1
-            return hit
-        res = (await self.inner.generate([req], concurrency=1))[0]
-        if res.ok:
-            self.cache[key] = res
-        return res
-
-    async def score(self, prompt_ids: list[int], continuation_ids: list[int], top_k: int = 1) -> ScoreResult | None:
-        return await self.inner.score(prompt_ids, continuation_ids, top_k)
-
-    async def tokenize(self, text: str) -> list[int] | None:
-        return await self.inner.tokenize(text)
-
-    async def spec_counters(self) -> dict | None:
-        return await self.inner.spec_counters()
-
-    def describe(self) -> dict:
-        return self.inner.describe()
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
 
 
 @dataclass

@@ -1,0 +1,95 @@
+"""The levers gate: the load-aware levers' paths (a gated one-token round, a trimmed draft, the automatic policy)
+held to the same rule as plain speculation.
+
+Contract: the levers are off by default, so no other gate ever runs the paths they take. For each of
+`VARIANTS` (gate 1: with more than one request running, every draft-ready request verifies one token; trim 2:
+drafts cut to 2 tokens; the automatic span policy) the gate builds a fresh engine like the candidate with that
+lever set (the adapter capability "levers", `with_levers`: local engines, their faults and run-time invariants
+as the candidate has them), sends every prompt at once with the concurrent gate's staggered max_tokens, and judges
+each output against the baseline by the regret rule (the baseline's generations are memoised: the same request
+runs once). No acceptance comparison: a lever changes acceptance by design. Each variant must show that its
+lever acted, from the engine's counters (`specbench:spec_gated_rounds_total`; `specbench:spec_step_span_total`
+at span trim + 1); one that did not is CANNOT TEST for that variant ("the lever never acted"), never a PASS on
+nothing. The policy acts by choosing every step's span, so it is held to having chosen spans. An engine without
+the capability is CANNOT TEST (advisory by default). Not a `specbench selftest` column: the self-test's faults
+are armed with the levers off; tests/test_gate_power.py plants lever bugs of its own.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from specbench.harness.adapters.base import LEVERS, EngineAdapter
+from specbench.harness.adapters.prom import parse_prometheus
+
+from ..cached import CachedAdapter
+from ..checks import AcceptanceEvidence, Check
+from ..concurrent import staggered
+from ..greedy import GreedyGateOptions, resolve_rule, run_greedy
+from ..outcomes import GateRun, Prompt
+
+VARIANTS: tuple[tuple[str, dict], ...] = (("gate=1", {"gate": 1}), ("trim=2", {"trim": 2}),
+                                          ("policy=auto", {"policy": "auto"}))
+
+
+def _lever_counts(text: str | None) -> tuple[int, dict[int, int]]:
+    """(gated rounds, steps per chosen span) from the engine's Prometheus text."""
+    gated, spans = 0, dict[int, int]()
+    for name, labels, v in parse_prometheus(text or ""):
+        if name == "specbench:spec_gated_rounds_total":
+            gated += int(v)
+        elif name == "specbench:spec_step_span_total" and labels.get("span", "").isdigit():
+            spans[int(labels["span"])] = spans.get(int(labels["span"]), 0) + int(v)
+    return gated, spans
+
+
+def _acted(kw: dict, gated: int, spans: dict[int, int]) -> str | None:
+    """What shows the lever acted, or None when nothing does."""
+    if "gate" in kw:
+        return f"{gated} gated one-token rounds" if gated else None
+    if "trim" in kw:
+        n = spans.get(kw["trim"] + 1, 0)
+        return f"{n} steps at span {kw['trim'] + 1}" if n else None
+    return f"spans chosen {dict(sorted(spans.items()))}" if sum(spans.values()) else None
+
+
+async def levers(baseline: EngineAdapter, candidate: EngineAdapter, prompts: Sequence[Prompt],
+                 max_tokens: int, opts: GreedyGateOptions) -> GateRun:
+    t0 = time.perf_counter()
+    opts = resolve_rule(opts, baseline, candidate)
+    if LEVERS not in candidate.capabilities:
+        why = ("the engine's load-aware levers (the adapter capability \"levers\": gate, trim, policy), which only "
+               "a local engine sets: no request was sent")
+        return GateRun("levers", [], AcceptanceEvidence.not_measured(), [Check("levers", True, why, skipped=True)],
+                       time.perf_counter() - t0, require_spec=False, rule=opts.rule_dict(), cannot_test=[why])
+    mts = staggered(max_tokens, len(prompts))
+    base = CachedAdapter(baseline)  # not closed here: the baseline is the suite's
+    out = GateRun("levers", [], AcceptanceEvidence.not_measured(), require_spec=False, rule=opts.rule_dict())
+    drafts = accepted = 0
+    source = "none"
+    for label, kw in VARIANTS:
+        ad = candidate.with_levers(**kw, name=f"{candidate.name}[{label}]")
+        try:
+            ps = [Prompt(f"{label}: {p.pid}", p.ids, p.text) for p in prompts]
+            run = await run_greedy(base, ad, ps, max_tokens, opts, concurrency=None, name=f"levers-{label}",
+                                   max_tokens_each=mts, baseline_concurrency=1)
+            gated, spans = _lever_counts(await ad.metrics_text())
+        finally:
+            await ad.aclose()
+        out.prompts += run.prompts
+        out.results += run.results
+        out.checks += [Check(f"{label}: {c.name}", c.ok, c.detail, c.skipped) for c in run.checks]
+        acted = _acted(kw, gated, spans)
+        if acted is None:
+            out.cannot_test.append(f"{label}: the lever acting: it never acted on {len(ps)} requests at once "
+                                   f"(gated rounds {gated}, spans {dict(sorted(spans.items()))})")
+        out.notes.append(f"{label}: {len(ps)} requests at once, max_tokens {mts}; {acted or 'the lever never acted'}")
+        if run.stats.known:
+            source = run.stats.source
+            drafts += run.stats.num_drafts
+            accepted += run.stats.num_accepted_tokens
+    out.stats = AcceptanceEvidence(source, num_drafts=drafts, num_accepted_tokens=accepted,
+                                   min_accept_len=opts.min_accept_len)
+    out.wall_s = time.perf_counter() - t0
+    return out
