@@ -101,3 +101,35 @@ def test_the_default_sampled_set_reaches_a_bare_temperature(monkeypatch, planted
     want = (1, "sampled gate: FAIL; candidates: ngram-soft FAIL, dflash FAIL") if planted else \
         (0, "sampled gate: PASS; candidates: ngram-soft PASS, dflash PASS")
     assert r.exit_code == want[0] and want[1] in r.output, r.output[-3000:]
+
+
+# ---- the levers gate's evidence rules ---------------------------------------------------------------------------
+def _levers_gate(candidate, baseline, n: int = 2):
+    import asyncio
+
+    from specbench.suites.lossless.gates.levers import levers
+    from specbench.suites.lossless.greedy import GreedyGateOptions, tokenize_prompts
+    from specbench.suites.lossless.prompts import load_prompts
+
+    async def go():
+        try:
+            prompts, _ = await tokenize_prompts(baseline, candidate, load_prompts("gsm8k", n))
+            return await levers(baseline, candidate, prompts, 16, GreedyGateOptions())
+        finally:
+            await candidate.aclose()
+            await baseline.aclose()
+    return asyncio.run(go())
+
+
+def test_levers_gate_is_cannot_test_without_levers_and_names_what_never_acted(tiny_pair):
+    from specbench.harness.adapters.local import LocalAdapter
+
+    t, d = tiny_pair
+    off = _levers_gate(LocalAdapter.from_dirs(t, spec="off"), LocalAdapter.from_dirs(t, spec="off"))
+    assert off.verdict == "CANNOT TEST" and "does not speculate" in off.missing[0] and not off.results
+    # K = 1: trim 2 is refused by the engine (that variant only); one request at a time: gate 1 never acts
+    one = _levers_gate(LocalAdapter.from_dirs(t, d, spec="dflash", k=1), LocalAdapter.from_dirs(t, spec="off"), n=1)
+    assert one.verdict == "CANNOT TEST" and one.results, one.missing
+    assert any(m.startswith("trim=2: an engine with the lever set: refused") for m in one.missing)
+    assert any(m.startswith("gate=1: the lever acting: it never acted") for m in one.missing)
+    assert not any(m.startswith("policy=auto") for m in one.missing)  # the policy chose every step's span

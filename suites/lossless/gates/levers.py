@@ -10,8 +10,9 @@ each output against the baseline by the regret rule (the baseline's generations 
 runs once). No acceptance comparison: a lever changes acceptance by design. Each variant must show that its
 lever acted, from the engine's counters (`specbench:spec_gated_rounds_total`; `specbench:spec_step_span_total`
 at span trim + 1); one that did not is CANNOT TEST for that variant ("the lever never acted"), never a PASS on
-nothing. The policy acts by choosing every step's span, so it is held to having chosen spans. An engine without
-the capability is CANNOT TEST (advisory by default). Not a `specbench selftest` column: the self-test's faults
+nothing. The policy acts by choosing every step's span, so it is held to having chosen spans. A variant the
+engine refuses to build (trim 2 past a K of 1) is CANNOT TEST for that variant. An engine without the capability,
+or one that does not speculate, is CANNOT TEST (advisory by default). Not a `specbench selftest` column: the self-test's faults
 are armed with the levers off; tests/test_gate_power.py plants lever bugs of its own.
 """
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from specbench.harness.adapters.base import LEVERS, EngineAdapter
+from specbench.harness.adapters.base import LEVERS, EngineAdapter, UnsupportedCapability
 from specbench.harness.adapters.prom import parse_prometheus
 
 from ..cached import CachedAdapter
@@ -54,22 +55,33 @@ def _acted(kw: dict, gated: int, spans: dict[int, int]) -> str | None:
     return f"spans chosen {dict(sorted(spans.items()))}" if sum(spans.values()) else None
 
 
+def _cannot(why: str, opts: GreedyGateOptions, t0: float) -> GateRun:
+    return GateRun("levers", [], AcceptanceEvidence.not_measured(), [Check("levers", True, why, skipped=True)],
+                   time.perf_counter() - t0, require_spec=False, rule=opts.rule_dict(), cannot_test=[why])
+
+
 async def levers(baseline: EngineAdapter, candidate: EngineAdapter, prompts: Sequence[Prompt],
                  max_tokens: int, opts: GreedyGateOptions) -> GateRun:
     t0 = time.perf_counter()
     opts = resolve_rule(opts, baseline, candidate)
+    why = ("the engine's load-aware levers (the adapter capability \"levers\": gate, trim, policy), which only "
+           "a local engine sets: no request was sent")
     if LEVERS not in candidate.capabilities:
-        why = ("the engine's load-aware levers (the adapter capability \"levers\": gate, trim, policy), which only "
-               "a local engine sets: no request was sent")
-        return GateRun("levers", [], AcceptanceEvidence.not_measured(), [Check("levers", True, why, skipped=True)],
-                       time.perf_counter() - t0, require_spec=False, rule=opts.rule_dict(), cannot_test=[why])
+        return _cannot(why, opts, t0)
     mts = staggered(max_tokens, len(prompts))
     base = CachedAdapter(baseline)  # not closed here: the baseline is the suite's
     out = GateRun("levers", [], AcceptanceEvidence.not_measured(), require_spec=False, rule=opts.rule_dict())
     drafts = accepted = 0
     source = "none"
     for label, kw in VARIANTS:
-        ad = candidate.with_levers(**kw, name=f"{candidate.name}[{label}]")
+        try:
+            ad = candidate.with_levers(**kw, name=f"{candidate.name}[{label}]")
+        except UnsupportedCapability as e:  # e.g. an engine that does not speculate has no levers
+            return _cannot(f"the engine's load-aware levers: {e}; no request was sent", opts, t0)
+        except ValueError as e:  # the engine refuses this lever's setting (trim past its K): that variant only
+            out.cannot_test.append(f"{label}: an engine with the lever set: refused: {e}")
+            out.notes.append(f"{label}: refused by the engine: {e}")
+            continue
         try:
             ps = [Prompt(f"{label}: {p.pid}", p.ids, p.text) for p in prompts]
             run = await run_greedy(base, ad, ps, max_tokens, opts, concurrency=None, name=f"levers-{label}",
