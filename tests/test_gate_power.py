@@ -133,3 +133,19 @@ def test_levers_gate_is_cannot_test_without_levers_and_names_what_never_acted(ti
     assert any(m.startswith("trim=2: an engine with the lever set: refused") for m in one.missing)
     assert any(m.startswith("gate=1: the lever acting: it never acted") for m in one.missing)
     assert not any(m.startswith("policy=auto") for m in one.missing)  # the policy chose every step's span
+
+
+def test_a_lever_path_that_silently_stops_speculating_fails(monkeypatch, tiny_pair):
+    """A trim that proposes nothing (engine/spec/plan.py `fixed_drafts`: 0 instead of trim): the tokens stay lossless
+    (plain decode), but speculation is silently off with the lever on: the levers gate fails it."""
+    from specbench.engine.spec import plan
+    from specbench.harness.adapters.local import LocalAdapter
+
+    t, d = tiny_pair
+    clean = _levers_gate(LocalAdapter.from_dirs(t, d, spec="dflash"), LocalAdapter.from_dirs(t, spec="off"))
+    assert clean.verdict == "PASS", (clean.missing, [c for c in clean.checks if not c.ok])
+    monkeypatch.setattr(plan.SpecPlan, "fixed_drafts", property(lambda self: 0 if self.trim else self.k))
+    bad = _levers_gate(LocalAdapter.from_dirs(t, d, spec="dflash"), LocalAdapter.from_dirs(t, spec="off"))
+    assert bad.verdict == "FAIL" and all(p.ok for p in bad.prompts)  # lossless tokens
+    assert [c.name for c in bad.failed_checks] == ["trim=2: speculating"]
+    assert "speculation silently off" in bad.failed_checks[0].detail
