@@ -50,6 +50,16 @@ def test_lossless_run_renders(cli, tmp_path) -> None:
     assert (tmp_path / "reports" / f"{run.name}.md").read_text() == md
 
 
+def test_prefix_run_renders_as_the_run_printed_it(cli, tmp_path) -> None:
+    """`lossless --suite prefix`: the report is the gate's own rendering, rebuilt from the records."""
+    res = cli.invoke(app, ["lossless", "--suite", "prefix", "--num-prompts", "1", "--results", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    printed = [line for line in res.output.splitlines() if line.startswith("|")]
+    md = _report(cli, str(_only_run(tmp_path, "lossless-prefix")))
+    assert "### Prefix gate: PASS" in md and "no warm turn fell back" in md
+    assert [line for line in md.splitlines() if line.startswith("|")] == printed and len(printed) == 8  # 6 cases
+
+
 def test_gaps_run_renders(cli, tmp_path) -> None:
     trace = ROOT / "tests" / "data" / "traces" / "hta_critical_path_alexnet_a100.json.gz"
     res = cli.invoke(app, ["gaps", str(trace), "--json", "--results", str(tmp_path)])

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 from specbench.harness.adapters.base import EngineAdapter, GenRequest, GenResult, counters_delta
 from specbench.harness.adapters.prom import parse_prometheus
@@ -131,6 +131,19 @@ class PrefixOutcome:
     @property
     def ok(self) -> bool:
         return exit_code(self.verdict) == EXIT_OK
+
+    @classmethod
+    def from_records(cls, summary: dict, cases: Sequence[dict]) -> PrefixOutcome:
+        """The outcome again from what a results run holds (run.json's summary: `to_dict` less the cases; one
+        `cases` record per case), so `specbench report` renders it with `render_markdown` like the run did."""
+        known = {f.name for f in fields(Case)}
+        out = cls(summary.get("engine") or {}, summary.get("cold_method") or "", float(summary.get("tolerance") or 0),
+                  float(summary.get("noise") or 0), float(summary.get("floor") or 0), summary.get("rule") or {},
+                  [Case(**{k: v for k, v in c.items() if k in known}) for c in cases],
+                  verdict=summary.get("verdict") or "", reason=summary.get("reason") or "",
+                  acceptance=summary.get("acceptance") or {},
+                  fallback_by_config=bool(summary.get("fallback_by_config")))
+        return out
 
     def to_dict(self) -> dict:
         return {"suite": "lossless-prefix", "verdict": self.verdict, "reason": self.reason, "engine": self.engine,

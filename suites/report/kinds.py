@@ -1,4 +1,4 @@
-"""`specbench report` for the run kinds other than sweep: lossless (and lossless-noise), sampled, selftest, evalparity
+"""`specbench report` for the run kinds other than sweep: lossless (and lossless-noise, lossless-prefix), sampled, selftest, evalparity
 (eval) and gaps, each rendered from what its run directory holds (run.json and the JSONL records), so a report is a
 pure function of the records like the sweep's.
 
@@ -17,7 +17,7 @@ from typing import Any
 
 from specbench.harness.verdicts import FAIL, PASS
 
-KINDS = ("sweep", "lossless", "lossless-noise", "sampled", "selftest", "evalparity", "gaps")
+KINDS = ("sweep", "lossless", "lossless-noise", "lossless-prefix", "sampled", "selftest", "evalparity", "gaps")
 
 
 class UnknownRunKind(ValueError):
@@ -167,8 +167,17 @@ def _noise(run: Any) -> list[str]:
     return [("##" + x if x.startswith("#") else x) for x in summary_markdown(run.meta.get("summary") or {})] + [""]
 
 
+def _prefix(run: Any) -> list[str]:
+    """`lossless --suite prefix`: the gate's own rendering (suites/lossless/prefix.py `render_markdown`), rebuilt
+    from run.json's summary and the `cases` records, so it is the report the run printed; headings under the run's."""
+    from specbench.suites.lossless.prefix import PrefixOutcome, render_markdown
+
+    out = PrefixOutcome.from_records(run.meta.get("summary") or {}, run.records("cases"))
+    return [("##" + x if x.startswith("#") else x) for x in render_markdown(out).splitlines()] + [""]
+
+
 RENDERERS: dict[str, Callable[[Any], list[str]]] = {
-    "lossless": _lossless, "lossless-noise": _noise, "sampled": _sampled, "selftest": _selftest, "evalparity": _evalparity, "gaps": _gaps}
+    "lossless": _lossless, "lossless-noise": _noise, "lossless-prefix": _prefix, "sampled": _sampled, "selftest": _selftest, "evalparity": _evalparity, "gaps": _gaps}
 
 
 def _headline(run: Any) -> list[Any]:
