@@ -10,9 +10,10 @@ each output against the baseline by the regret rule (the baseline's generations 
 runs once). No acceptance comparison: a lever changes acceptance by design. Each variant must show that its
 lever acted, from the engine's counters (`specbench:spec_gated_rounds_total`; `specbench:spec_step_span_total`
 at span trim + 1); one that did not is CANNOT TEST for that variant ("the lever never acted"), never a PASS on
-nothing. A gate-1 or trim-2 engine that drafted nothing at all (counted: zero drafts) fails: with staggered
-max_tokens the longest request runs alone at the end, where gate 1 lets it draft, and trim 2 drafts every step;
-speculation silently off is a defect. The policy acts by choosing every step's span, so it is held to having chosen spans. A variant the
+nothing. A trim-2 engine that drafted nothing at all (counted: zero drafts) fails: trim 2 drafts every step of
+a request with tokens to go, and speculation silently off is a defect. Gate 1 is not held to drafting (it drafts
+only while a request runs alone, which an early EOS can leave to none: 0 drafts in the demo's 8 requests, the
+longest ending at EOS before the next), nor is the policy (it may hold every span to one token by design). The policy acts by choosing every step's span, so it is held to having chosen spans. A variant the
 engine refuses to build (trim 2 past a K of 1) is CANNOT TEST for that variant. An engine without the capability,
 or one that does not speculate, is CANNOT TEST (advisory by default). Not a `specbench selftest` column: the self-test's faults
 are armed with the levers off; tests/test_gate_power.py plants lever bugs of its own.
@@ -95,9 +96,10 @@ async def levers(baseline: EngineAdapter, candidate: EngineAdapter, prompts: Seq
         out.results += run.results
         out.checks += [Check(f"{label}: {c.name}", c.ok, c.detail, c.skipped) for c in run.checks]
         acted = _acted(kw, gated, spans)
-        if "policy" not in kw and run.stats.known and not run.stats.num_drafts and len(set(mts)) > 1:
-            # gate 1 still drafts for the longest request once it runs alone; trim 2 drafts 2 tokens a step. (The
-            # policy may hold every span to one token by design: not held to drafting.)
+        if "trim" in kw and run.stats.known and not run.stats.num_drafts and max(mts) > kw["trim"]:
+            # trim 2 drafts 2 tokens every step of a request with tokens to go. (Gate 1 drafts only while a request
+            # runs alone, which an early EOS can leave to none; the policy may hold every span to one token by
+            # design: neither is held to drafting.)
             out.checks.append(Check(f"{label}: speculating", False,
                                     f"no draft in {len(ps)} requests with the lever on, where the engine speculates "
                                     "without it: speculation silently off"))
