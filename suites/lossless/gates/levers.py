@@ -2,7 +2,7 @@
 held to the same rule as plain speculation.
 
 Contract: the levers are off by default, so no other gate ever runs the paths they take. For each of
-`VARIANTS` (gate 1: with more than one request running, every draft-ready request verifies one token; trim 2:
+`VARIANTS` (one lever on, the other two off, whatever the candidate runs itself; gate 1: with more than one request running, every draft-ready request verifies one token; trim 2:
 drafts cut to 2 tokens; the automatic span policy) the gate builds a fresh engine like the candidate with that
 lever set (the adapter capability "levers", `with_levers`: local engines, their faults and run-time invariants
 as the candidate has them), sends every prompt at once with the concurrent gate's staggered max_tokens, and judges
@@ -33,8 +33,10 @@ from ..concurrent import staggered
 from ..greedy import GreedyGateOptions, resolve_rule, run_greedy
 from ..outcomes import GateRun, Prompt
 
-VARIANTS: tuple[tuple[str, dict], ...] = (("gate=1", {"gate": 1}), ("trim=2", {"trim": 2}),
-                                          ("policy=auto", {"policy": "auto"}))
+# One lever on each, the others off: a candidate that runs a lever itself (policy=auto) must not hide another's path.
+OFF = {"gate": 0, "trim": 0, "policy": "off"}
+VARIANTS: tuple[tuple[str, dict], ...] = (("gate=1", {**OFF, "gate": 1}), ("trim=2", {**OFF, "trim": 2}),
+                                          ("policy=auto", {**OFF, "policy": "auto"}))
 
 
 def _lever_counts(text: str | None) -> tuple[int, dict[int, int]]:
@@ -49,10 +51,10 @@ def _lever_counts(text: str | None) -> tuple[int, dict[int, int]]:
 
 
 def _acted(kw: dict, gated: int, spans: dict[int, int]) -> str | None:
-    """What shows the lever acted, or None when nothing does."""
-    if "gate" in kw:
+    """What shows the lever acted (the one `kw` turns on), or None when nothing does."""
+    if kw["gate"]:
         return f"{gated} gated one-token rounds" if gated else None
-    if "trim" in kw:
+    if kw["trim"]:
         n = spans.get(kw["trim"] + 1, 0)
         return f"{n} steps at span {kw['trim'] + 1}" if n else None
     return f"spans chosen {dict(sorted(spans.items()))}" if sum(spans.values()) else None
@@ -96,7 +98,7 @@ async def levers(baseline: EngineAdapter, candidate: EngineAdapter, prompts: Seq
         out.results += run.results
         out.checks += [Check(f"{label}: {c.name}", c.ok, c.detail, c.skipped) for c in run.checks]
         acted = _acted(kw, gated, spans)
-        if "trim" in kw and run.stats.known and not run.stats.num_drafts and max(mts) > kw["trim"]:
+        if kw["trim"] and run.stats.known and not run.stats.num_drafts and max(mts) > kw["trim"]:
             # trim 2 drafts 2 tokens every step of a request with tokens to go. (Gate 1 drafts only while a request
             # runs alone, which an early EOS can leave to none; the policy may hold every span to one token by
             # design: neither is held to drafting.)
