@@ -71,7 +71,7 @@ class CommitStep:
         req = s.req
         if r.accepted is not None:
             self.metrics.record_verify(r.drafts, r.accepted)
-            req.spec.record(r.drafts, r.accepted)
+            req.spec.record(r.drafts, r.accepted, at=len(req.output_ids))
         req.num_computed = s.start + r.committed
         self.pool.commit(req.rid, req.num_computed, leak=knobs.leak(i), keep_extra=knobs.kept(i), ahead=ahead)
         if s.kind == "prefill":

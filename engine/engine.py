@@ -178,6 +178,8 @@ class LLMEngine:
     def describe(self) -> dict:
         return {"name": "specbench-local", "model": self.cfg.model, "draft": self.cfg.draft,
                 "spec": self.proposer.name if self.proposer else None, "k": self.spec.draft_tokens,
+                "ngram": ([self.cfg.spec.ngram_min, self.cfg.spec.ngram_max]
+                          if self.proposer is not None and self.proposer.name == "ngram" else None),
                 "dtype": self.cfg.dtype, "device": self.cfg.device, "num_pages": self.pool.num_pages,
                 "page_size": self.pool.page_size, "max_model_len": self.max_model_len,
                 "attention_backend": self.cfg.attention_backend, "eager": self.cfg.eager,

@@ -29,12 +29,17 @@ class SpecStats:
     accepted_tokens: int = 0
     accepted_runs: list[int] = field(default_factory=list)  # accepted drafts per verify step
     accepted_per_pos: list[int] = field(default_factory=list)
+    step_at: list[int] = field(default_factory=list)  # per verify step: output tokens committed before it
+    step_drafts: list[int] = field(default_factory=list)  # per verify step: drafts it verified
 
-    def record(self, k: int, accepted: int) -> None:
+    def record(self, k: int, accepted: int, at: int | None = None) -> None:
         self.drafts += 1
         self.draft_tokens += k
         self.accepted_tokens += accepted
         self.accepted_runs.append(accepted)
+        if at is not None:
+            self.step_at.append(at)
+            self.step_drafts.append(k)
         if len(self.accepted_per_pos) < k:
             self.accepted_per_pos.extend([0] * (k - len(self.accepted_per_pos)))
         for i in range(accepted):
@@ -47,6 +52,7 @@ class SpecStats:
     def as_dict(self) -> dict:
         return {"num_drafts": self.drafts, "num_draft_tokens": self.draft_tokens,
                 "num_accepted_tokens": self.accepted_tokens, "accepted_runs": list(self.accepted_runs),
+                "step_at": list(self.step_at), "step_drafts": list(self.step_drafts),
                 "accepted_per_pos": list(self.accepted_per_pos), "mean_accept_len": self.mean_accept_len}
 
 

@@ -70,10 +70,35 @@ def test_a_planted_prefix_bug_fails_the_default_set(monkeypatch, plant, candidat
         assert "speculation silently off" in out
 
 
+def _gated_round_shifts_drafter_context(monkeypatch) -> None:
+    """A one-token round (the gate, the policy) writes the drafter's context rows one position late."""
+    observe = dflash.DFlashProposer.observe
+    monkeypatch.setattr(dflash.DFlashProposer, "observe", lambda self, spans, committed, taps, eligible, ctx_shift=0:
+                        observe(self, spans, committed, taps, eligible,
+                                1 if any(s.kind == "decode" for s in spans) else ctx_shift))
+
+
+def test_a_lever_bug_that_keeps_tokens_exact_fails_on_its_acceptance_trace(monkeypatch, tiny_pair):
+    """A lever path whose drafter context is wrong, in an engine without run-time invariants: the tokens stay
+    lossless (the verify is right), the drafts after each gated round are worse; the levers gate holds every
+    variant's steps to the drafter's replay (accept_trace.py `judge_traces`)."""
+    from specbench.harness.adapters.local import LocalAdapter
+
+    _gated_round_shifts_drafter_context(monkeypatch)
+    t, d = tiny_pair
+    run = _levers_gate(LocalAdapter.from_dirs(t, d, spec="dflash", check_invariants=False),
+                       LocalAdapter.from_dirs(t, spec="off"), n=2, max_tokens=32)
+    assert run.verdict == "FAIL" and all(p.ok for p in run.prompts if not p.pid.startswith("trace:")), run.notes
+    failed = [c for c in run.failed_checks if c.name.endswith(": accept-trace: exact")]
+    assert failed and failed == run.failed_checks, run.notes  # caught by the trace alone
+    assert all("the replayed drafter earns" in c.detail for c in failed)
+
+
 def test_a_planted_lever_bug_fails_the_default_set(monkeypatch):
     """Only a lever takes this path (levers are off by default): the levers gate runs gate 1, and the run-time
-    invariants of the gate command's engines refuse the step. Without them the tokens stay lossless and only
-    acceptance falls: no default gate sees that yet (issue 47 item 1, the acceptance trace)."""
+    invariants of the gate command's engines refuse the step. Without them the tokens stay lossless and the gate-1
+    variant stops drafting after its first gated round (the drafter is never ready again): gate 1 is not held to
+    drafting, so that escape remains (the test above plants a context bug that keeps drafting: the trace sees it)."""
     _gated_round_skips_drafter_context(monkeypatch)
     code, out = _lossless()
     assert code == 1 and "[lossless] levers: FAIL" in out, out[-3000:]

@@ -94,6 +94,8 @@ EMPTY_REASONS = {
     "prefix-cache": NO_OUTPUT,
     "levers": "the engine's load-aware levers (the adapter capability \"levers\": gate, trim, policy), which only a "
               "local engine sets: no request was sent",
+    "accept-trace": "the acceptance trace needs a drafter the replay can run (DFlash, DFlash2 or n-gram, with its "
+                    "checkpoints), which only a local engine names: no request was sent",
 }
 
 

@@ -30,6 +30,7 @@ from .batch import run_batch_invariance, run_rate_gate
 from .checks import check_acceptance
 from .concurrent import run_concurrent
 from .gates.abort_in_flight import abort_in_flight
+from .gates.accept_trace import accept_trace
 from .gates.eos_in_run import eos_in_run
 from .gates.headroom import headroom
 from .gates.levers import levers
@@ -63,6 +64,8 @@ NEEDS = {
     "geometry": "the model geometry (max_position_embeddings, usable context): local engines",
     "oracle_drafts": "the adapter capability \"oracle_drafts\" (local engines)",
     "levers": "the adapter capability \"levers\": a fresh engine with a load-aware lever set (local engines)",
+    "accepted_runs": "each request's accepted drafts per verify step (spec.accepted_runs) and a drafter the replay "
+                     "can run (a local engine's DFlash, DFlash2 or n-gram, its checkpoints named)",
     "cold_path": "a request served cold beside a warm one: a prefix-cache reset route or a per-request cache salt",
 }
 # When a gate runs: "always" (every lossless run; never advisory), "default" (unless --quick: on by default, so
@@ -142,6 +145,9 @@ REGISTRY: tuple[GateSpec, ...] = (
              "turns ending at block boundaries) against the same requests cold; a warm turn that stops "
              "speculating fails", "engine", "default", (*_JUDGED, "cold_path"), uses=("spec_counters",),
              selftest=False),
+    GateSpec("accept-trace", accept_trace, "every prompt at once; each request's accepted drafts per verify step "
+             "against its drafter replayed on its own output (exact in fp32)", "engine", "default",
+             ("token_ids", "accepted_runs"), selftest=False),
     GateSpec("acceptance", check_acceptance, "the greedy gate's mean accepted length against the reference, "
              "two-sided", "check", "always", ("spec_counters",), catches=("draft_ctx_misaligned",)),
     GateSpec("divergence-rate", run_rate_gate, "greedy + concurrent divergences per token against the baseline's "

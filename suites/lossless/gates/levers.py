@@ -7,7 +7,10 @@ drafts cut to 2 tokens; the automatic span policy) the gate builds a fresh engin
 lever set (the adapter capability "levers", `with_levers`: local engines, their faults and run-time invariants
 as the candidate has them), sends every prompt at once with the concurrent gate's staggered max_tokens, and judges
 each output against the baseline by the regret rule (the baseline's generations are memoised: the same request
-runs once). No acceptance comparison: a lever changes acceptance by design. Each variant must show that its
+runs once). No comparison against the lever-off acceptance (a lever changes acceptance by design), but each
+variant's per-step acceptance is held to its drafter's replay at the steps the engine reports (accept_trace.py's
+`judge_traces`: a lever path that loses the drafter's context keeps the tokens exact and fails there; where the
+replay cannot run, a note, not a CANNOT TEST of the levers). Each variant must show that its
 lever acted, from the engine's counters (`specbench:spec_gated_rounds_total`; `specbench:spec_step_span_total`
 at span trim + 1); one that did not is CANNOT TEST for that variant ("the lever never acted"), never a PASS on
 nothing. A trim-2 engine that drafted nothing at all (counted: zero drafts) fails: trim 2 drafts every step of
@@ -32,6 +35,7 @@ from ..checks import AcceptanceEvidence, Check
 from ..concurrent import staggered
 from ..greedy import GreedyGateOptions, resolve_rule, run_greedy
 from ..outcomes import GateRun, Prompt
+from .accept_trace import judge_traces
 
 # One lever on each, the others off: a candidate that runs a lever itself (policy=auto) must not hide another's path.
 OFF = {"gate": 0, "trim": 0, "policy": "off"}
@@ -92,11 +96,13 @@ async def levers(baseline: EngineAdapter, candidate: EngineAdapter, prompts: Seq
             run = await run_greedy(base, ad, ps, max_tokens, opts, concurrency=None, name=f"levers-{label}",
                                    max_tokens_each=mts, baseline_concurrency=1)
             gated, spans = _lever_counts(await ad.metrics_text())
+            trace = await judge_traces(ad, run.results, ps, mts, opts, name=f"{label}: accept-trace")
         finally:
             await ad.aclose()
-        out.prompts += run.prompts
+        out.prompts += run.prompts + [p for p in trace.prompts if p.status == "fail"]
         out.results += run.results
-        out.checks += [Check(f"{label}: {c.name}", c.ok, c.detail, c.skipped) for c in run.checks]
+        out.checks += [Check(f"{label}: {c.name}", c.ok, c.detail, c.skipped) for c in run.checks] + trace.checks
+        out.notes += [f"{label}: {n}" for n in trace.notes] + trace.cannot_test
         acted = _acted(kw, gated, spans)
         if kw["trim"] and run.stats.known and not run.stats.num_drafts and max(mts) > kw["trim"]:
             # trim 2 drafts 2 tokens every step of a request with tokens to go. (Gate 1 drafts only while a request
