@@ -55,6 +55,7 @@ def lossless(
     record: bool = record_option(),
     quiet: bool = quiet_option(),
     check_draft: bool = typer.Option(True, "--check-draft/--no-check-draft", help="Run the checkpoint checks of specbench check-draft on a local candidate's drafter first (a FAIL there fails the run)."),
+    replay_drafter: str | None = typer.Option(None, "--replay-drafter", help="For the accept-trace gate against an endpoint: the checkpoints its drafter was built from, \"target=DIR,draft=DIR[,k=N][,exact=true]\" (DFlash, DFlash2; k: drafts per step, default block size - 1; exact: the endpoint runs fp32) or \"ngram=MIN-MAX,k=N\". A local engine names its own."),
     tokenizer: Path | None = typer.Option(None, "--tokenizer", help="The model's tokenizer directory (tokenizer.json), used locally, round-trip checked, for an openai endpoint that cannot tokenize."),
     rate_test: bool = typer.Option(False, "--rate-test", help="Also run the divergence-rate gate: spec-on divergences per compared token vs the baseline's own spec-off batch noise on the same prompts (one-sided exact test)."),
     batch_invariance: bool = typer.Option(False, "--batch-invariance", help="Also run the batch-invariance gates: both arms at every --batch-levels level vs their own c1 run (regret rule), and the spec-on vs spec-off batch-rate test."),
@@ -148,7 +149,8 @@ def lossless(
                              strict=strict, strict_tol=STRICT_FP32_TOL if strict_tol is None else strict_tol,
                              accept_reference=accept_reference, endpoint_type=endpoint_type,
                              record_reference=record_reference, results=str(results) if results else None,
-                             advisory=tuple(advisory), assume_speculating=assume_speculating)
+                             advisory=tuple(advisory), assume_speculating=assume_speculating,
+                             replay=replay_drafter or "")
         from specbench.harness.adapters.dialect import with_tokenizer
 
         bspec, cspec = share_gpu(gate_specs(with_tokenizer(list(baseline_and_candidate(baseline, candidate)), tokenizer)))

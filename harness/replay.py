@@ -112,6 +112,13 @@ def replay_steps(propose: Propose, prompt_ids: Sequence[int], output_ids: Sequen
     return res
 
 
+def draft_block_size(draft_dir: str | Path) -> int:
+    """A DFlash drafter checkpoint's block size, as the bundled engine reads its config."""
+    from specbench.engine.models.dflash2 import load_draft_config  # noqa: PLC0415
+
+    return int(load_draft_config(draft_dir).block_size or 0)
+
+
 class NgramReplay:
     """Prompt lookup as the bundled engine drafts it (the longest suffix n-gram, ngram_max down to ngram_min, at
     its most recent earlier occurrence; the tokens that followed). Margins are not defined (a lookup has no

@@ -193,3 +193,29 @@ def test_a_step_reported_where_the_output_has_none_fails(monkeypatch, tiny_pair)
     t, d = tiny_pair
     run = _gate(LocalAdapter.from_dirs(t, d, spec="dflash"))
     assert run.verdict == "FAIL", run.notes
+
+
+# ---- --replay-drafter --------------------------------------------------------------------------------------------
+def test_replay_spec_parses_and_refuses_in_one_line(tiny_pair, tmp_path):
+    from specbench.suites.lossless.greedy import LosslessError
+
+    t, d = tiny_pair
+    rs = at.ReplaySpec.parse(f"target={t},draft={d},k=5,exact=true")
+    assert (rs.target, rs.draft, rs.k, rs.exact, rs.ngram) == (str(t), str(d), 5, True, None)
+    assert at.ReplaySpec.parse("ngram=2-3,k=4") == at.ReplaySpec(ngram=(2, 3), k=4)
+    for bad, says in ((f"target={t},draft={tmp_path}", "draft="), ("ngram=3-2,k=4", "ngram='3-2'"),
+                      ("ngram=1-2", "needs k=N"), (f"target={t},draft={d},k=0", "k='0'"),
+                      ("model=x", "'model=x' is invalid"), (f"target={t},draft={d},exact=maybe", "exact='maybe'")):
+        with pytest.raises(LosslessError, match="--replay-drafter") as e:
+            at.ReplaySpec.parse(bad)
+        assert says in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_bad_replay_drafter_exits_2_before_any_engine_starts():
+    from typer.testing import CliRunner
+
+    from specbench.cli import app as cli
+
+    cli._register()
+    r = CliRunner().invoke(cli.app, ["lossless", "--no-record", "--replay-drafter", "k=7"])
+    assert r.exit_code == 2 and "--replay-drafter" in r.output and "target=''" in r.output, r.output

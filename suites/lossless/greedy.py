@@ -94,6 +94,7 @@ class GreedyGateOptions:
     rule_reason: str = ""
     margin_given: bool = False  # the user typed --margin-tol: honoured as typed, also where both engines run fp32
     assume_speculating: bool = False  # --assume-speculating: no evidence of speculation is PASS_ASSERTED, not CANNOT TEST
+    replay: str = ""  # --replay-drafter: the checkpoints the candidate's drafter came from (gates/accept_trace.py)
 
     @property
     def tol(self) -> float:

@@ -125,6 +125,7 @@ class LosslessConfig:
     # verdict (`LosslessOutcome.not_tested`) instead of deciding it. Names: "concurrent" and the engine gates'.
     advisory: tuple[str, ...] = ()
     assume_speculating: bool = False  # the user asserts the candidate speculates (no evidence: PASS_ASSERTED)
+    replay: str = ""  # --replay-drafter (gates/accept_trace.py ReplaySpec)
 
     def __post_init__(self) -> None:
         for name, lo in (("num_prompts", 1), ("max_tokens", 1), ("max_divergences", 1), ("concurrency", 1),
@@ -153,6 +154,10 @@ class LosslessConfig:
                     raise LosslessError(f"{flag} is not available with --endpoint-type chat: its requests are "
                                         "token-id prompts by construction; run it with --endpoint-type completions")
         self.batch_options  # noqa: B018  (validates the batch / rate options)
+        if self.replay:
+            from .gates.accept_trace import ReplaySpec  # noqa: PLC0415
+
+            ReplaySpec.parse(self.replay)  # a bad --replay-drafter is refused before any engine starts
 
     @property
     def batch_options(self) -> BatchOptions:
@@ -163,7 +168,7 @@ class LosslessConfig:
         return GreedyGateOptions(MARGIN_TOL if self.margin_tol is None else self.margin_tol, self.top_k,
                                  self.max_divergences, self.rescore, self.min_accept_len, strict=self.strict,
                                  strict_tol=self.strict_tol, margin_given=self.margin_tol is not None,
-                                 assume_speculating=self.assume_speculating)
+                                 assume_speculating=self.assume_speculating, replay=self.replay)
 
 
 @dataclass

@@ -307,3 +307,39 @@ def test_logit_bias_and_min_tokens_gates(llamacpp_off, llamacpp_draft, llamacpp_
     run = asyncio.run(GATES["min-tokens"](off, on, prompts, 32, GreedyGateOptions()))
     llamacpp_notes.append(f"min-tokens gate: {run.verdict}; {run.cannot_test}")
     assert run.verdict == "CANNOT TEST" and run.cannot_test, (run.verdict, [(p.pid, p.status) for p in run.prompts])
+
+
+def test_accept_trace_gate_against_llamacpp_dflash(llamacpp_off, llamacpp_dflash, llamacpp_notes, tiny_pair,
+                                                    tmp_path):
+    """llama.cpp's DFlash against the drafter replayed on its own outputs (issue 47 item 1): llama-server reports
+    per request only its draft and accepted token totals (timings), and with the f32 target and drafter they must
+    equal the replay's (Hugging Face's target, our drafter's dense path) exactly: two engines step for step. The
+    replay told the wrong checkpoint (the bundled drafter as it is, tapping [1, 3]; llama.cpp runs it re-tapped to
+    [1, 2]) disagrees: FAIL. The same gate through the CLI: --replay-drafter."""
+    import asyncio
+
+    from specbench.harness.foreign.gguf import DFLASH_SAFE_TAPS, retapped_drafter
+    from specbench.suites.lossless.greedy import GreedyGateOptions, Prompt
+    from specbench.suites.lossless.registry import GATES
+
+    target, draft = tiny_pair
+    retapped = retapped_drafter(Path(draft), tmp_path / "dflash", DFLASH_SAFE_TAPS)
+    off = OpenAIAdapter(llamacpp_off.base_url, probe=True)
+    texts = ["Question: Tom has 3 apples and buys 2 more. How many apples does he have?\nAnswer:",
+             "Question: A train travels 60 miles in 2 hours. What is its speed?\nAnswer:",
+             "Question: Weng earns $12 an hour for babysitting. Yesterday, she did 50 minutes. How much did she earn?"
+             "\nAnswer:", "Question: What is 17 times 3?\nAnswer:"]
+    prompts = [Prompt(f"p{i}", off.tokenize_sync(t)) for i, t in enumerate(texts)]
+
+    def gate(drafter) -> object:
+        on = OpenAIAdapter(llamacpp_dflash.base_url, probe=True)
+        opts = GreedyGateOptions(replay=f"target={target},draft={drafter},exact=true")
+        return asyncio.run(GATES["accept-trace"](off, on, prompts, 48, opts))
+
+    run = gate(retapped)
+    ev = run.evidence
+    llamacpp_notes.append(f"accept-trace vs llama.cpp DFlash: {run.verdict}; {run.notes[0]}")
+    assert run.verdict == "PASS", (run.notes, [c.to_dict() for c in run.checks])
+    assert ev["totals"] and ev["requests"] == ev["equal"] == 4 and ev["replay_accepted"] > 0, ev
+    wrong = gate(draft)
+    assert wrong.verdict == "FAIL" and "exact totals" in wrong.failed_checks[0].name, wrong.notes

@@ -37,9 +37,11 @@ that takes what the drafter did not earn) fails here while its output can stay e
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from specbench.harness.adapters.base import EngineAdapter, GenResult
 from specbench.harness.replay import (
@@ -47,13 +49,14 @@ from specbench.harness.replay import (
     NgramReplay,
     Propose,
     ReplayStep,
+    draft_block_size,
     replay_steps,
     replay_trace,
 )
 
 from ..checks import AcceptanceEvidence, Check
 from ..concurrent import staggered
-from ..greedy import GreedyGateOptions, prompt_request, resolve_rule
+from ..greedy import GreedyGateOptions, LosslessError, prompt_request, resolve_rule
 from ..outcomes import GateRun, Prompt, PromptCheck
 
 NEAR_TIE = 1e-3  # the replay drafter's decision margin (logit / selector score) below which a difference is a tie
@@ -149,28 +152,85 @@ def _cannot(why: str, opts: GreedyGateOptions, t0: float, notes: Sequence[str] =
                    rule=opts.rule_dict(), cannot_test=[why])
 
 
-def replayer(candidate: EngineAdapter) -> tuple[Callable[[], Propose] | None, bool, str]:
-    """(a factory of the drafter replay for this candidate, exact?, what it is), or (None, False, what the gate
-    needs and the candidate lacks)."""
+@dataclass(frozen=True)
+class ReplaySpec:
+    """`--replay-drafter`: the checkpoints a candidate's drafter was built from, for an engine that does not name
+    them (an endpoint). "target=DIR,draft=DIR[,k=N][,exact=true]" (DFlash or DFlash2: Hugging Face checkpoints; k:
+    the draft tokens per step, default the drafter's block size - 1) or "ngram=MIN-MAX,k=N" (prompt lookup).
+    exact: the candidate runs fp32, so every step must match (default: statistical for an endpoint)."""
+
+    target: str = ""
+    draft: str = ""
+    ngram: tuple[int, int] | None = None
+    k: int | None = None
+    exact: bool = False
+
+    @classmethod
+    def parse(cls, text: str) -> ReplaySpec:
+        head = "--replay-drafter"
+        kv: dict[str, str] = {}
+        for part in (x.strip() for x in text.split(",") if x.strip()):
+            key, eq, val = part.partition("=")
+            if not eq or key not in ("target", "draft", "k", "exact", "ngram"):
+                raise LosslessError(f"{head} {part!r} is invalid: expected target=DIR, draft=DIR, ngram=MIN-MAX, k=N "
+                                    "or exact=true|false, comma separated")
+            kv[key] = val
+        k = kv.get("k")
+        if k is not None and not (k.isdigit() and int(k) >= 1):
+            raise LosslessError(f"{head} k={k!r} is invalid: expected an integer >= 1")
+        exact = kv.get("exact", "false").lower()
+        if exact not in ("true", "false", "1", "0"):
+            raise LosslessError(f"{head} exact={kv['exact']!r} is invalid: expected true or false")
+        if "ngram" in kv:
+            m = re.fullmatch(r"(\d+)-(\d+)", kv["ngram"])
+            if not m or not 1 <= int(m[1]) <= int(m[2]):
+                raise LosslessError(f"{head} ngram={kv['ngram']!r} is invalid: expected MIN-MAX with 1 <= MIN <= MAX")
+            if k is None:
+                raise LosslessError(f"{head} ngram needs k=N (the draft tokens per step)")
+            return cls(ngram=(int(m[1]), int(m[2])), k=int(k), exact=exact in ("true", "1"))
+        for key in ("target", "draft"):
+            if not (Path(kv.get(key, "")) / "config.json").is_file():
+                raise LosslessError(f"{head} {key}={kv.get(key, '')!r} is invalid: expected a Hugging Face checkpoint "
+                                    "directory (with config.json)")
+        return cls(kv["target"], kv["draft"], None, int(k) if k else None, exact in ("true", "1"))
+
+
+def replayer(candidate: EngineAdapter, given: str = "") -> tuple[Callable[[], Propose] | None, bool, str, int]:
+    """(a factory of the drafter replay for this candidate, exact?, what it is, k), or (None, False, what the gate
+    needs and the candidate lacks, 0). `given`: --replay-drafter (wins over what a local engine names)."""
+    if given:
+        rs = ReplaySpec.parse(given)
+        if rs.ngram is not None:
+            lo, hi = rs.ngram
+            return (lambda: NgramReplay(lo, hi)), rs.exact, f"n-gram {lo}-{hi}, k {rs.k} (--replay-drafter)", rs.k or 0
+        kk = rs.k or draft_block_size(rs.draft) - 1
+        return (lambda: DFlashReplay(rs.target, rs.draft, "float32", _device())), rs.exact, \
+            f"DFlash drafter {rs.draft}, k {kk}, fp32 replay (--replay-drafter)", kk
     d = candidate.describe() or {}
     raw = d.get("config")
     cfg: dict = raw if isinstance(raw, dict) else {}
     method, k = cfg.get("spec"), cfg.get("k")
     if cfg.get("synthetic_tau") is not None:
-        return None, False, "a synthetic acceptance (no drafter to replay)"
+        return None, False, "a synthetic acceptance (no drafter to replay)", 0
     if method == "ngram" and isinstance(k, int):
         nmin, nmax = cfg.get("ngram") or (1, 4)
-        return (lambda: NgramReplay(int(nmin), int(nmax))), True, f"n-gram {nmin}-{nmax}, k {k}"
+        return (lambda: NgramReplay(int(nmin), int(nmax))), True, f"n-gram {nmin}-{nmax}, k {k}", k
     if method == "dflash" and isinstance(k, int) and cfg.get("draft") and d.get("model"):
         device = "cuda" if str(cfg.get("device", "cpu")).startswith("cuda") else "cpu"
         exact = str(cfg.get("dtype")) in EXACT_DTYPES
         return (lambda: DFlashReplay(str(d["model"]), str(cfg["draft"]), "float32", device)), exact, \
-            f"DFlash drafter {cfg['draft']}, k {k}, fp32 replay on {device}"
+            f"DFlash drafter {cfg['draft']}, k {k}, fp32 replay on {device}", k
     what = ("a drafter the replay can run (DFlash, DFlash2 or n-gram, with its checkpoints), which only a local engine "
-            "names")
+            "names (an endpoint: --replay-drafter)")
     if cfg.get("name") != "specbench-local":  # the bundled engine's describe(); an endpoint names no checkpoints
-        return None, False, what
-    return None, False, what + (": this one does not speculate" if method is None else f": this one runs {method!r}")
+        return None, False, what, 0
+    return None, False, what + (": this one does not speculate" if method is None else f": this one runs {method!r}"), 0
+
+
+def _device() -> str:
+    import torch  # noqa: PLC0415
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _steps_of(r: GenResult) -> tuple[list[int], list[int]] | None:
@@ -201,7 +261,7 @@ async def accept_trace(baseline: EngineAdapter, candidate: EngineAdapter, prompt
                        max_tokens: int, opts: GreedyGateOptions) -> GateRun:
     t0 = time.perf_counter()
     opts = resolve_rule(opts, baseline, candidate)
-    make, _, what = replayer(candidate)
+    make, _, what, _ = replayer(candidate, opts.replay)
     if make is None:
         return _cannot(f"the acceptance trace needs {what}: no request was sent", opts, t0)
     mts = staggered(max_tokens, len(prompts))
@@ -217,14 +277,16 @@ async def judge_traces(candidate: EngineAdapter, results: Sequence[GenResult], p
     """The candidate's greedy `results` (one per prompt, in order, each asked for `mts[i]` tokens) against its
     drafter's replay (module docstring): the gate's judgement, for any gate's requests (the levers gate's too)."""
     t0 = time.perf_counter()
-    make, exact, what = replayer(candidate)
+    make, exact, what, k = replayer(candidate, opts.replay)
     if make is None:
         return _cannot(f"{name} needs {what}", opts, t0)
-    k = int((candidate.describe().get("config") or {})["k"])
     runs = [(r.spec or {}).get("accepted_runs") if r.ok else None for r in results]
+    if not any(x is not None for x in runs) and any(_totals_of(r) is not None for r in results):
+        return await _judge_totals(make, exact, what, k, results, prompts, mts, opts, name, t0)
     if not any(x for x in runs if x is not None):
         why = ("no verify step drafted" if any(x is not None for x in runs)
-               else "per-step accepted runs (spec.accepted_runs) from the candidate, which it does not report")
+               else "per-step accepted runs (spec.accepted_runs) or per-request draft and accepted token counts from "
+                    "the candidate, which it does not report")
         return _cannot(f"{name}: {why}", opts, t0)
     per_step = all(_steps_of(r) is not None for r, x in zip(results, runs, strict=True) if x is not None)
     cfg = candidate.describe().get("config") or {}
@@ -281,6 +343,69 @@ async def judge_traces(candidate: EngineAdapter, results: Sequence[GenResult], p
     out.stats = AcceptanceEvidence("per-request", num_drafts=sum(len(x) for x in runs if x),
                                    num_accepted_tokens=sum(sum(x) for x in runs if x),
                                    min_accept_len=opts.min_accept_len)
+    out.results = list(results)
+    out.wall_s = time.perf_counter() - t0
+    return out
+
+
+def _totals_of(r: GenResult) -> tuple[int, int] | None:
+    """(draft tokens, accepted tokens) one request reports (llama.cpp's timings), else None."""
+    sp = r.spec or {} if r.ok else {}
+    d, a = sp.get("num_draft_tokens"), sp.get("num_accepted_tokens")
+    return (int(d), int(a)) if isinstance(d, int) and isinstance(a, int) else None
+
+
+async def _judge_totals(make: Callable[[], Propose], exact: bool, what: str, k: int, results: Sequence[GenResult],
+                        prompts: Sequence[Prompt], mts: Sequence[int], opts: GreedyGateOptions, name: str,
+                        t0: float) -> GateRun:
+    """An engine that reports per request only its draft and accepted token totals: the replay walks each output at
+    k and must draft and accept the same totals (exact: equal, unless the walk passed a near-tie; else the sign test
+    over requests)."""
+    replayed = await asyncio.to_thread(_replay_all, make, results, prompts, k, mts, False)
+    out = GateRun(name, [], AcceptanceEvidence.not_measured(), require_spec=False, rule=opts.rule_dict())
+    comps: list[TraceCompare] = []
+    for p, r, st, m in zip(prompts, results, replayed, mts, strict=True):
+        tot = _totals_of(r)
+        if tot is None:
+            out.prompts.append(PromptCheck(f"trace: {p.pid}", len(p.ids), m, status="untestable",
+                                           reason=r.error or "no draft counts reported", missing="draft counts"))
+            continue
+        d_c, a_c = tot
+        d_r, a_r = sum(s.drafted for s in st), sum(s.accepted for s in st)
+        margins = [x for s in st for x in s.margins if x != float("inf")]
+        tc = TraceCompare(p.pid, aligned=len(st), equal=len(st) if (d_c, a_c) == (d_r, a_r) else 0,
+                          signs=[(a_c > a_r) - (a_c < a_r)], cand_sum=a_c, ref_sum=a_r,
+                          min_margin=min(margins) if margins else None)
+        if (d_c, a_c) != (d_r, a_r):
+            why = (f"the candidate drafted {d_c} tokens and accepted {a_c}; the replayed drafter, walking the same "
+                   f"{len(r.output_ids or [])} tokens at k {k}, drafts {d_r} and earns {a_r}")
+            (tc.near_ties if tc.min_margin is not None and tc.min_margin < NEAR_TIE else tc.differ).append(why)
+        comps.append(tc)
+        bad = exact and bool(tc.differ)
+        out.prompts.append(PromptCheck(f"trace: {p.pid}", len(p.ids), m, status="fail" if bad else "identical",
+                                       candidate_tokens=len(r.output_ids or []),
+                                       tokens_compared=len(r.output_ids or []), reason=tc.differ[0] if bad else "",
+                                       spec={"drafted": d_c, "accepted": a_c, "replay_drafted": d_r,
+                                             "replay_accepted": a_r}))
+    n_eq = sum(not c.differ and not c.near_ties for c in comps)
+    out.notes.append(f"replay: {what}; per-request totals (the candidate reports no steps), "
+                     f"{'exact' if exact else 'statistical'}; {n_eq} of {len(comps)} requests equal, "
+                     f"{sum(bool(c.near_ties) for c in comps)} past a near-tie (< {NEAR_TIE:g})")
+    if not comps:
+        out.cannot_test.append(f"{name}: no request reported its draft counts")
+    elif exact:
+        bad_c = [c for c in comps if c.differ]
+        out.checks.append(Check(f"{name}: exact totals", not bad_c,
+                                f"{len(comps)} requests, {len(bad_c)} differ beyond a near-tie"
+                                + (f"; first: {bad_c[0].rid}: {bad_c[0].differ[0]}" if bad_c else "")))
+    else:
+        out.checks.append(_sign_check(comps, name))
+    out.evidence = {"requests": len(comps), "equal": n_eq, "accepted": sum(c.cand_sum for c in comps),
+                    "replay_accepted": sum(c.ref_sum for c in comps), "exact": exact, "per_step": False,
+                    "totals": True}
+    out.stats = AcceptanceEvidence("per-request draft tokens", num_draft_tokens=sum(
+        (_totals_of(r) or (0, 0))[0] for r in results), num_accepted_tokens=sum(c.cand_sum for c in comps),
+        min_accept_len=opts.min_accept_len)
     out.results = list(results)
     out.wall_s = time.perf_counter() - t0
     return out
