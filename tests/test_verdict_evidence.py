@@ -95,7 +95,10 @@ EMPTY_REASONS = {
     "levers": "the engine's load-aware levers (the adapter capability \"levers\": gate, trim, policy), which only a "
               "local engine sets: no request was sent",
     "accept-trace": "the acceptance trace needs a drafter the replay can run (DFlash, DFlash2 or n-gram, with its "
-                    "checkpoints), which only a local engine names: no request was sent",
+                    "checkpoints), which only a local engine names (an endpoint: --replay-drafter): no request was "
+                    "sent",
+    "near-ties": "the adapter capability \"oracle_drafts\" (a local engine whose drafts replay a given continuation): "
+                 "no request was sent",
 }
 
 

@@ -38,6 +38,7 @@ from .gates.logit_bias import logit_bias
 from .gates.long_context import long_context
 from .gates.min_tokens import min_tokens
 from .gates.mixed import mixed
+from .gates.near_ties import near_ties
 from .gates.penalties import penalties
 from .gates.prefix_cache import prefix_cache
 from .gates.short_then_long import short_then_long
@@ -148,6 +149,9 @@ REGISTRY: tuple[GateSpec, ...] = (
     GateSpec("accept-trace", accept_trace, "every prompt at once; each request's accepted drafts per verify step "
              "against its drafter replayed on its own output (exact in fp32)", "engine", "default",
              ("token_ids", "accepted_runs"), selftest=False),
+    GateSpec("near-ties", near_ties, "an oracle drafter proposing the target's runner-up at each prompt's nearest "
+             "top-two tie: a verify that accepts it beyond the tolerance fails", "engine", "default",
+             (*_JUDGED, "oracle_drafts"), selftest=False),
     GateSpec("acceptance", check_acceptance, "the greedy gate's mean accepted length against the reference, "
              "two-sided", "check", "always", ("spec_counters",), catches=("draft_ctx_misaligned",)),
     GateSpec("divergence-rate", run_rate_gate, "greedy + concurrent divergences per token against the baseline's "
