@@ -54,7 +54,7 @@ from specbench.harness.replay import (
     replay_trace,
 )
 
-from ..checks import AcceptanceEvidence, Check
+from ..checks import AcceptanceEvidence, Check, acceptance_evidence
 from ..concurrent import staggered
 from ..greedy import GreedyGateOptions, LosslessError, prompt_request, resolve_rule
 from ..outcomes import GateRun, Prompt, PromptCheck
@@ -340,9 +340,7 @@ async def judge_traces(candidate: EngineAdapter, results: Sequence[GenResult], p
     cs, rs = sum(c.cand_sum for c in comps), sum(c.ref_sum for c in comps)
     out.evidence = {"aligned_steps": aligned, "accepted": cs, "replay_accepted": rs, "near_ties": len(ties),
                     "exact": exact, "per_step": per_step, "min_margin": min(margins) if margins else None}
-    out.stats = AcceptanceEvidence("per-request", num_drafts=sum(len(x) for x in runs if x),
-                                   num_accepted_tokens=sum(sum(x) for x in runs if x),
-                                   min_accept_len=opts.min_accept_len)
+    out.stats = acceptance_evidence(results, None, opts.min_accept_len)
     out.results = list(results)
     out.wall_s = time.perf_counter() - t0
     return out
@@ -403,9 +401,7 @@ async def _judge_totals(make: Callable[[], Propose], exact: bool, what: str, k: 
     out.evidence = {"requests": len(comps), "equal": n_eq, "accepted": sum(c.cand_sum for c in comps),
                     "replay_accepted": sum(c.ref_sum for c in comps), "exact": exact, "per_step": False,
                     "totals": True}
-    out.stats = AcceptanceEvidence("per-request draft tokens", num_draft_tokens=sum(
-        (_totals_of(r) or (0, 0))[0] for r in results), num_accepted_tokens=sum(c.cand_sum for c in comps),
-        min_accept_len=opts.min_accept_len)
+    out.stats = acceptance_evidence(results, None, opts.min_accept_len)
     out.results = list(results)
     out.wall_s = time.perf_counter() - t0
     return out

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 from specbench.harness.adapters.base import ORACLE_DRAFTS, EngineAdapter, GenRequest
 
-from ..checks import AcceptanceEvidence, Check
+from ..checks import AcceptanceEvidence, Check, acceptance_evidence
 from ..greedy import GreedyGateOptions, engine_k, position_dist, resolve_rule
 from ..outcomes import Divergence, GateRun, Prompt, PromptCheck
 from ..regret import first_divergence, judge_pick
@@ -109,10 +109,7 @@ async def near_ties(baseline: EngineAdapter, candidate: EngineAdapter, prompts: 
                      f"(K {k}); smallest margin tested {gaps[0]:.3g} nat, median {gaps[len(gaps) // 2]:.3g}; "
                      f"{accepted} accepted")
     out.evidence = {"planted": len(cases), "min_gap": gaps[0], "accepted": accepted, "k": k}
-    sp = [r.spec or {} for r in results if r.ok]  # the oracle's drafts: shown, not judged (require_spec is off)
-    out.stats = AcceptanceEvidence("per-request", num_drafts=sum(int(x.get("num_drafts") or 0) for x in sp),
-                                   num_accepted_tokens=sum(int(x.get("num_accepted_tokens") or 0) for x in sp),
-                                   min_accept_len=opts.min_accept_len)
+    out.stats = acceptance_evidence(results, None, opts.min_accept_len)  # the oracle's: shown, not judged
     out.results = list(results)
     out.wall_s = time.perf_counter() - t0
     return out
