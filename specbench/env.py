@@ -242,6 +242,8 @@ _ROWS = (
         shown="unset (the bundled pair)"),
     Var("SPECBENCH_FUZZ_EXAMPLES", "int", 1000, "tests/test_server_fuzz.py: the fuzz's examples", lo=1),
     Var("SPECBENCH_SOAK_STREAMS", "int", 256, "tests/test_server_fuzz.py: the soak's concurrent streams", lo=1),
+    Var("SPECBENCH_TEST_RSS", "path", None, "tests: append each test's resident memory after it and its growth "
+        "(MiB, tab-separated, with the test id) to this file", shown="unset (not recorded)"),
     Var("SPECBENCH_TEST_EVAL_SHOTS", "int", 5, "tests/test_evalparity.py: gsm8k's few-shot examples (0 for a "
         "512-context pair)", lo=0),
 )

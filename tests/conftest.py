@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 
@@ -22,6 +23,32 @@ os.environ.setdefault("SPECBENCH_INVARIANTS", "1")
 # says so itself (preexec_fn), as test_cli_errors' ignored-SIGINT tests do.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _rss_mib() -> int:
+    with open(f"/proc/{os.getpid()}/status") as f:
+        return int(next(line for line in f if line.startswith("VmRSS:")).split()[1]) // 1024
+
+
+RSS_COLLECT_MIB = 3072  # above this after a test, the cycle collector runs (see pytest_runtest_protocol)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """An engine's parts refer to each other, so an engine a test dropped without `close()` (an adapter's aclose
+    stops its loop, not its engine) is cyclic garbage holding its weights and KV pool (~0.6 GiB for the tiny pair's
+    default pool) until the cycle collector runs, which large tensors do not prompt: one `make test` process grew
+    to 13 GiB that way. Above RSS_COLLECT_MIB after a test, collect (a few tests' cost in all, not one per test).
+    SPECBENCH_TEST_RSS=FILE: each test's resident memory after it and its growth, to find what holds memory."""
+    path = env.get("SPECBENCH_TEST_RSS")
+    before = _rss_mib() if path else 0
+    yield
+    after = _rss_mib()
+    if after > RSS_COLLECT_MIB:
+        gc.collect()
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{after}\t{after - before}\t{item.nodeid}\n")
 
 
 def pytest_collection_modifyitems(config, items):
