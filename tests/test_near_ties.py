@@ -42,6 +42,7 @@ def test_the_clean_engine_rejects_every_planted_runner_up(tiny_pair):
     t, d = tiny_pair
     run = _gate(LocalAdapter.from_dirs(t, d, spec="dflash"))
     assert run.verdict == "PASS" and run.evidence["planted"] == 8 and run.evidence["accepted"] == 0, run.notes
+    assert run.evidence["verified"] == 8  # each runner-up inside a verify step the engine reported
     assert run.evidence["min_gap"] < 1e-3  # the default prompts reach a tie nearer than the planted rule's margin
     assert all(p.status == "identical" for p in run.prompts)
 
@@ -66,3 +67,17 @@ def test_without_the_oracle_capability_it_is_cannot_test():
     fake = FakeAdapter()
     run = asyncio.run(nt.near_ties(fake, fake, [Prompt("p", [1, 2, 3])], 16, GreedyGateOptions()))
     assert run.verdict == "CANNOT TEST" and "oracle_drafts" in run.missing[0] and not run.results
+
+
+def test_a_runner_up_no_verify_step_covered_is_untestable_not_a_pass(monkeypatch, tiny_pair):
+    """Steps reported, none over the planted position (here: the engine reports no step at all): every case is
+    untestable, the gate CANNOT TEST, never a PASS on runner-ups that were never verified."""
+    from specbench.engine.request import SpecStats
+    from specbench.harness.adapters.local import LocalAdapter
+
+    as_dict = SpecStats.as_dict
+    monkeypatch.setattr(SpecStats, "as_dict", lambda self: {**as_dict(self), "step_at": [], "step_drafts": []})
+    t, d = tiny_pair
+    run = _gate(LocalAdapter.from_dirs(t, d, spec="dflash"), n=3)
+    assert run.verdict == "CANNOT TEST" and run.missing == ["the planted runner-up verified"], run.missing
+    assert all(p.untestable and "never tested" in p.reason for p in run.prompts)

@@ -12,7 +12,9 @@ near-tie, which real drafters rarely do. This gate makes one that does:
   output with the runner-up at j, every prompt at once, `j + 2` tokens each. A correct verify rejects the
   runner-up and emits the baseline's own token;
 - each output is judged by the regret rule under the suite's tolerance: the runner-up accepted at j where the
-  gap exceeds the tolerance FAILs with the position and the margin; one within it is a benign flip.
+  gap exceeds the tolerance FAILs with the position and the margin; one within it is a benign flip. Where the
+  engine reports its steps (`spec.step_at`, `spec.step_drafts`) and none covered j (a lever that trims the
+  drafts moves the bonus positions), that case is untestable: the runner-up was never verified.
 The notes give the smallest margin the gate tested (a rule that accepts within a smaller margin cannot be seen on
 these prompts: more prompts and tokens find nearer ties). No baseline logprobs, or no capability (an endpoint):
 CANNOT TEST (advisory by default).
@@ -82,15 +84,23 @@ async def near_ties(baseline: EngineAdapter, candidate: EngineAdapter, prompts: 
     finally:
         await oracle.aclose()
     out = GateRun("near-ties", [], AcceptanceEvidence.not_measured(), require_spec=False, rule=opts.rule_dict())
-    accepted = 0
+    accepted = covered = 0
     for (p, ids, dists, j, runner, gap), r in zip(cases, results, strict=True):
         pc = PromptCheck(f"near-tie: {p.pid}", len(p.ids), j + 2, candidate_tokens=len(r.output_ids or []),
                          spec={"position": j, "runner_up": runner, "gap": gap})
         cid = list(r.output_ids or [])
         want = ids[:j + 2]
         i = first_divergence(cid, want) if r.ok else None
+        sp = r.spec or {}
+        at, dr = sp.get("step_at"), sp.get("step_drafts")
+        verified = (None if not isinstance(at, list) or not isinstance(dr, list)
+                    else any(a <= j < a + n for a, n in zip(at, dr, strict=False)))
+        covered += verified is True
         if not r.ok:
             pc.status, pc.missing, pc.reason = "untestable", "output", r.error or "the oracle request failed"
+        elif verified is False and (i is None or i > j):
+            pc.status, pc.missing = "untestable", "the planted runner-up verified"
+            pc.reason = f"no verify step covered position {j} (steps at {at}, drafts {dr}): the runner-up was never tested"
         elif i is None or i >= min(len(cid), len(want)):
             pc.tokens_compared = min(len(cid), len(want))
             if len(cid) < min(len(want), j + 1):
@@ -107,8 +117,8 @@ async def near_ties(baseline: EngineAdapter, candidate: EngineAdapter, prompts: 
     gaps = sorted(c[5] for c in cases)
     out.notes.append(f"{len(cases)} runner-ups planted at each prompt's nearest tie in {SCAN_TOKENS} baseline tokens "
                      f"(K {k}); smallest margin tested {gaps[0]:.3g} nat, median {gaps[len(gaps) // 2]:.3g}; "
-                     f"{accepted} accepted")
-    out.evidence = {"planted": len(cases), "min_gap": gaps[0], "accepted": accepted, "k": k}
+                     f"{covered} seen verified in the engine's reported steps; {accepted} accepted")
+    out.evidence = {"planted": len(cases), "min_gap": gaps[0], "accepted": accepted, "k": k, "verified": covered}
     out.stats = acceptance_evidence(results, None, opts.min_accept_len)  # the oracle's: shown, not judged
     out.results = list(results)
     out.wall_s = time.perf_counter() - t0
