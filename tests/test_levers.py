@@ -440,7 +440,8 @@ def test_greedy_and_concurrent_gates_pass_with_the_lever(tiny_pair, lever, fixed
     # the engine gates (on by default) ran with the lever too, none failed; a batch the lever never lets speculate
     # leaves the mixed gate without evidence, which it says (not deciding the verdict)
     assert set(g) >= {"mixed", "stop-in-run", "eos-in-run", "abort-in-flight", "penalties", "headroom"}
-    assert all(m.startswith("mixed: speculation in the mixed batch") for m in out["summary"]["not_tested"])
+    assert all(m.startswith("mixed: speculation in the mixed batch") for m in out["summary"]["not_tested"]), \
+        out["summary"]["not_tested"]
 
 
 @pytest.mark.parametrize("lever,conc", [("gate=1", 1), ("gate=1", 48), ("trim=4", 48), ("trim=2", 48),

@@ -9,7 +9,7 @@ request's task aborts it in the engine, freeing its KV.
 Capabilities (base.py): "faults" (the engine's fault catalogue; `with_faults` builds a fresh engine from
 this one's config with `EngineConfig.faults` set), "decode_window" (the loop thread is held off while
 the caller steps the engine itself; phase ranges are on when the engine was built with `trace_ranges`) and
-"oracle_drafts" (`with_oracle_drafts`: a fresh engine from this one's config, faults kept, no drafter,
+"oracle_drafts" (`with_oracle_drafts`: a fresh engine from this one's config, faults kept, levers off, no drafter,
 whose `OracleProposer` replays the given continuations, every draft accepted).
 Run-time invariants: an engine built with `EngineConfig.check_invariants` (engine string `invariants=1`; the
 gate commands set it, harness/engines.py `gate_specs`; `with_faults` keeps it) checks its page accounting and
@@ -268,8 +268,11 @@ class LocalAdapter(EngineAdapter):
         cont: defaultdict[tuple[int, ...], list[int]] = defaultdict(list)  # unknown prompts: filler drafts
         cont.update({tuple(p): list(c) for p, c in continuations.items()})
         oracle = OracleProposer(k, cont, lambda step, req: k, self.engine.mcfg.vocab_size)
-        # No drafter (the oracle needs none); a small pool beside the engine already holding the device.
-        ocfg = cfg.with_(draft=None, spec=replace(cfg.spec, method=None), num_pages=cfg.num_pages or 512)
+        # No drafter (the oracle needs none); a small pool beside the engine already holding the device. The
+        # load-aware levers off: the oracle's drafts are all verified, K a step, so the positions a gate plants
+        # (near-ties' runner-up, eos-in-run's stops) are inside verify steps; the accept rule and faults are kept.
+        ocfg = cfg.with_(draft=None, spec=replace(cfg.spec, method=None, **lever_kw(0, 0, "off")),
+                         num_pages=cfg.num_pages or 512)
         return LocalAdapter(LLMEngine(ocfg, proposer=oracle), name=name or f"{self.name}[oracle]",
                             max_pending=self.loop.max_pending)
 
