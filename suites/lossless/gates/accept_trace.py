@@ -12,7 +12,7 @@ and how many of the proposals the output accepts.
   bundled engine), the drafter is replayed at exactly those steps (`replay_steps`), so every step is compared
   whatever chose its draft length (a lever, the automatic policy, max_tokens); a step that is not one of its
   output's (a position past the output or inside the previous step's commit) or that verified more drafts than
-  the drafter gives there is a difference too.
+  the drafter gives there FAILs in every mode (bookkeeping, not arithmetic).
 - Else the replay walks the output itself at the engine's fixed K (`replay_trace`) and the traces are aligned by
   the output position each step starts at (every DFlash step drafts, so the candidate's positions follow from its
   runs; n-gram steps are compared in order, up to the first difference); with a load-aware lever on, the draft
@@ -74,6 +74,7 @@ class TraceCompare:
     equal: int = 0
     near_ties: list[str] = field(default_factory=list)
     differ: list[str] = field(default_factory=list)  # real differences (exact mode: each a FAIL)
+    invalid: list[str] = field(default_factory=list)  # steps that cannot be this output's (a FAIL in every mode)
     signs: list[int] = field(default_factory=list)  # candidate - replay accepted, per aligned step (sign)
     cand_sum: int = 0
     ref_sum: int = 0
@@ -118,11 +119,11 @@ def compare_steps(rid: str, runs: Sequence[int], at: Sequence[int], drafts: Sequ
         s, a = replayed[i], runs[i]
         where = f"step {i} at output position {at[i]} ({drafts[i]} drafts, {a} accepted)"
         if s.accepted < 0 or at[i] < end or at[i] + a >= out_len:
-            tc.differ.append(f"{where}: not a step of this output ({out_len} tokens; the previous step committed up "
-                             f"to {end})")
+            tc.invalid.append(f"{where}: not a step of this output ({out_len} tokens; the previous step committed up "
+                              f"to {end})")
             break
         if s.drafted < drafts[i]:
-            tc.differ.append(f"{where}: the drafter gives only {s.drafted} drafts there")
+            tc.invalid.append(f"{where}: the drafter gives only {s.drafted} drafts there")
         end = at[i] + a + 1
         pairs.append((s, a))
     return _score(tc, pairs)
@@ -313,11 +314,11 @@ async def judge_traces(candidate: EngineAdapter, results: Sequence[GenResult], p
         else:
             tc = compare(p.pid, run, st, by_position, skip_last=stopped)
         comps.append(tc)
-        bad = exact and bool(tc.differ)
+        bad = tc.invalid + (tc.differ if exact else [])
         out.prompts.append(PromptCheck(
             f"trace: {p.pid}", len(p.ids), m, status="fail" if bad else "identical",
             candidate_tokens=len(r.output_ids or []), tokens_compared=len(r.output_ids or []),
-            reason=("; ".join(tc.differ[:3]) if bad else ""),
+            reason="; ".join(bad[:3]),
             spec={"aligned_steps": tc.aligned, "equal": tc.equal, "near_ties": len(tc.near_ties),
                   "accepted": tc.cand_sum, "replay_accepted": tc.ref_sum}))
     aligned = sum(c.aligned for c in comps)
@@ -328,6 +329,10 @@ async def judge_traces(candidate: EngineAdapter, results: Sequence[GenResult], p
                      f"{len(ties)} near-ties (< {NEAR_TIE:g})"
                      + (f", smallest deciding margin {min(margins):.3g}" if margins else ""))
     out.notes += [f"near-tie: {t}" for t in ties[:5]]
+    bad_steps = [c for c in comps if c.invalid]
+    if bad_steps:
+        out.checks.append(Check(f"{name}: steps", False, f"{len(bad_steps)} of {len(comps)} requests report a step "
+                                f"that cannot be their output's; first: {bad_steps[0].rid}: {bad_steps[0].invalid[0]}"))
     if not aligned:
         out.cannot_test.append(f"{name}: no step of the candidate aligned with the replay's")
     elif exact:
