@@ -223,3 +223,20 @@ def test_a_bad_replay_drafter_exits_2_before_any_engine_starts():
     cli._register()
     r = CliRunner().invoke(cli.app, ["lossless", "--no-record", "--replay-drafter", "k=7"])
     assert r.exit_code == 2 and "--replay-drafter" in r.output and "target=''" in r.output, r.output
+
+
+def test_requests_that_all_fail_are_cannot_test_with_their_error():
+    """The one true reason: every request failed (the error shown), not "the engine reports no runs"."""
+    from lossless_fakes import FakeAdapter
+
+    from specbench.harness.adapters.base import GenResult
+    from specbench.suites.lossless.greedy import GreedyGateOptions, Prompt
+
+    class Failing(FakeAdapter):
+        async def generate_one(self, req):
+            return GenResult(rid=req.rid or "r", ok=False, error="HTTP 500: boom")
+
+    fake = Failing()
+    run = asyncio.run(at.accept_trace(fake, fake, [Prompt("p", [1, 2, 3]), Prompt("q", [4, 5])], 8,
+                                      GreedyGateOptions(replay="ngram=1-2,k=2")))
+    assert run.verdict == "CANNOT TEST" and "all 2 failed (first: HTTP 500: boom)" in run.missing[0], run.missing
