@@ -77,16 +77,11 @@ def test_the_clean_engine_passes_on_every_path(tiny, dtype, eager, c, drafter):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_wrapping_convolution_fails(tiny, monkeypatch, dtype):
-    from specbench.engine.models import dflash2
+    from test_accept_trace import _conv_wraps_the_block  # the CPU test's plant (tests/ is on the path)
+
     from specbench.harness.adapters.local import LocalAdapter
 
-    def conv(self, x, delta, side):
-        out = torch.zeros_like(x)
-        for t in range(self.kernel):
-            w = self.base[side, t].to(x.dtype) + delta[:, :, side, t].repeat_interleave(self.group, dim=-1)
-            out = out + w * torch.roll(x, t, dims=1)
-        return out
-    monkeypatch.setattr(dflash2.GroupedDynamicConv, "conv", conv)
+    _conv_wraps_the_block(monkeypatch)
     t, _ = tiny
     runs = _gate(LocalAdapter.from_dirs(t, DFLASH2, spec="dflash", device="cuda", dtype=dtype), 8)
     _record({"drafter": "dflash2", "dtype": dtype, "eager": False, "c": 8, "plant": "conv_wraps_the_block"}, runs)
