@@ -26,6 +26,7 @@ import typer
 
 from specbench.harness.errors import usage_errors
 from specbench.harness.verdicts import FAIL, PASS, is_pass
+from specbench.suites.sampled.config import FIT_MARGIN
 
 if TYPE_CHECKING:
     from specbench.harness.results import Run
@@ -76,6 +77,13 @@ def sampled(
     prompt_set: str | None = typer.Option(None, "--prompt-set", help="Prompt sets, comma-separated: gsm8k; echo "
                                           "(question + the baseline's greedy answer + the question again); repeat "
                                           "(question + a run of one repeated digit). Default: echo,repeat."),
+    fit: bool = typer.Option(True, "--fit/--no-fit", help="The one-sample fit test: the baseline scores every sample "
+                             "(teacher-forced top-20 logprobs) and each candidate token is tested against the target's "
+                             "own law at its prefix, pooled (Cramer-von Mises); the baseline's own samples are the "
+                             "control (docs/sampled.md)."),
+    fit_margin: float = typer.Option(FIT_MARGIN, "--fit-margin", min=0.0, help="Logits of noise between the candidate and "
+                                     "the baseline's scores allowed at a support boundary (top-k, top-p) by the fit "
+                                     "test; raise it for bf16 engines whose control reports tokens outside."),
     json_out: bool = typer.Option(False, "--json", help="Print the summary JSON (last line)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress display and no summary table: the verdict "
                                "line only (--json implies it)."),
@@ -116,7 +124,7 @@ def sampled(
         opts = SampledGateOptions(**sized, permutations=permutations, q=q, null=null, seed=seed,
                                   concurrency=concurrency, refine=refine, endpoint_type=endpoint_type,
                                   seed_repeat=seed_repeat, seed_repeat_gate=seed_repeat_gate,
-                                  assume_speculating=assume_speculating)
+                                  assume_speculating=assume_speculating, fit=fit, fit_margin=fit_margin)
         cfgs = parse_configs(configs) if configs else list(DEFAULT_CONFIGS)
         if candidate is None and (selftest or baseline is None):
             bspec = parse_engine(baseline) if baseline else baseline_and_candidate(None, None)[0]

@@ -148,13 +148,15 @@ class AcceptStep:
 
     @staticmethod
     def _prompt_logprobs(s: Span, lg: torch.Tensor) -> None:
-        req, k = s.req, s.req.params.prompt_logprobs
+        req, k, frm = s.req, s.req.params.prompt_logprobs, s.req.params.prompt_logprobs_from
         if s.start == 0:
             req.prompt_logprobs = [None]
-        targets = [(j, s.start + j + 1) for j in range(len(s.tokens)) if s.start + j + 1 < req.prompt_len]
-        if targets:
-            rows = torch.tensor([j for j, _ in targets], device=lg.device)
-            req.prompt_logprobs += topk_logprobs(lg[rows], [req.prompt_ids[p] for _, p in targets], k or 0)
+        row_of = {s.start + j + 1: i for i, j in enumerate(s.logit_rows())}  # lg's rows are the span's logit rows
+        ps = [p for p in range(s.start + 1, s.start + len(s.tokens) + 1) if p < req.prompt_len]
+        need = [p for p in ps if p >= frm]  # the positions before prompt_logprobs_from get None
+        got = iter(topk_logprobs(lg[torch.tensor([row_of[p] for p in need], device=lg.device)],
+                                 [req.prompt_ids[p] for p in need], k or 0) if need else [])
+        req.prompt_logprobs += [next(got) if p >= frm else None for p in ps]
 
 
 def _drawn(pick: int | None) -> int:

@@ -243,6 +243,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # prompt_logprobs only for prompt positions >= this (the earlier entries None, their logits never computed):
+    # a scorer that wants a continuation's logprobs (the local adapter's `score`) skips the prompt's rows
+    prompt_logprobs_from: int = 0
     include_stop_str_in_output: bool = False
     max_logprobs: int = 20
     # prefix-cache salt (vLLM's cache_salt): requests share cached blocks only under equal salts (None = the
@@ -293,6 +296,8 @@ class SamplingParams:
             v = getattr(self, name)
             _need(v is None or (isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= self.max_logprobs),
                   name, v, f"null or an integer in [0, {self.max_logprobs}]")
+        _need(isinstance(self.prompt_logprobs_from, int) and not isinstance(self.prompt_logprobs_from, bool)
+              and self.prompt_logprobs_from >= 0, "prompt_logprobs_from", self.prompt_logprobs_from, "an integer >= 0")
         _need(self.cache_salt is None or isinstance(self.cache_salt, str), "cache_salt", self.cache_salt,
               "a string or null")
         _need(isinstance(self.prompt_cache, bool), "prompt_cache", self.prompt_cache, "true or false")

@@ -177,7 +177,7 @@ class LLMEngine:
     # ---- requests --------------------------------------------------------------------------------
     def describe(self) -> dict:
         return {"name": "specbench-local", "model": self.cfg.model, "draft": self.cfg.draft,
-                "spec": self.proposer.name if self.proposer else None, "k": self.spec.draft_tokens,
+                "vocab_size": self.mcfg.vocab_size, "spec": self.proposer.name if self.proposer else None, "k": self.spec.draft_tokens,
                 "ngram": ([self.cfg.spec.ngram_min, self.cfg.spec.ngram_max]
                           if self.proposer is not None and self.proposer.name == "ngram" else None),
                 "dtype": self.cfg.dtype, "device": self.cfg.device, "num_pages": self.pool.num_pages,

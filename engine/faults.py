@@ -404,9 +404,7 @@ class DecodeRowShift(Fault):
 
 def _logit_rows(s: Span) -> int:
     """The logits rows a span gets (engine/forward.py logit_rows)."""
-    if s.kind == "prefill":
-        return len(s.tokens) if s.req.params.prompt_logprobs is not None else int(s.completes_prefill)
-    return 1 if s.kind == "decode" else len(s.tokens)
+    return len(s.logit_rows())
 
 
 # Sampling faults (speculative sampling): variants of the accept rule, computed by both resolve paths.

@@ -34,13 +34,7 @@ def logit_rows(spans: list[Span]) -> tuple[list[int], list[tuple[int, int]]]:
     off = 0
     for s in spans:
         n = len(s.tokens)
-        if s.kind == "prefill":
-            want = list(range(n)) if s.req.params.prompt_logprobs is not None else \
-                ([n - 1] if s.completes_prefill else [])
-        elif s.kind == "decode":
-            want = [0]
-        else:
-            want = list(range(n))
+        want = s.logit_rows()
         per_span.append((len(flat), len(want)))
         flat += [off + j for j in want]
         off += n

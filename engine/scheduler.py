@@ -45,6 +45,21 @@ class Span:
     def completes_prefill(self) -> bool:
         return self.kind != "prefill" or self.start + len(self.tokens) == self.req.prompt_len
 
+    def logit_rows(self) -> list[int]:
+        """The span's token rows whose logits the step needs: a prefill chunk's last row when it completes the
+        prompt, and with prompt_logprobs every row predicting a prompt token at or past prompt_logprobs_from; a
+        decode span's one row; every row of a verify span."""
+        n = len(self.tokens)
+        if self.kind == "decode":
+            return [0]
+        if self.kind != "prefill":
+            return list(range(n))
+        p = self.req.params
+        if p.prompt_logprobs is None:
+            return [n - 1] if self.completes_prefill else []
+        rows = list(range(max(0, p.prompt_logprobs_from - self.start - 1), n))  # row j predicts token start + j + 1
+        return rows or ([n - 1] if self.completes_prefill else [])
+
 
 @dataclass
 class StepPlan:

@@ -15,7 +15,7 @@ import math
 import numpy as np
 import pytest
 
-from specbench.harness.adapters.base import EngineAdapter, GenResult
+from specbench.harness.adapters.base import EngineAdapter, GenResult, PosLogprobs, ScoreResult
 from specbench.harness.verdicts import NO_SPEC_EVIDENCE, PASS_ASSERTED
 from specbench.suites.lossless.checks import AcceptanceEvidence
 from specbench.suites.sampled import stats
@@ -162,6 +162,9 @@ def test_verdicts():
 
 
 # ---- the gate end to end on a fake engine (no model) -----------------------------------------------
+FAKE_LAW = np.array([0.4, 0.2, 0.15, 0.1, 0.1, 0.05])
+
+
 class FakeEngine(EngineAdapter):
     """Token j of a sample ~ a fixed distribution over 6 tokens (seeded by the request); `bias` moves mass
     at positions >= 1 from token 0 to token 1; `text_only` reports text, not ids; `counters` None = none."""
@@ -170,8 +173,10 @@ class FakeEngine(EngineAdapter):
 
     def __init__(self, bias: float = 0.0, text_only: bool = False, counters: tuple | None = (10, 3),
                  fail_every: int = 0, name: str = "fake", full: int | None = None,
-                 idle_temp: float | None = None, unseeded: bool = False) -> None:
+                 idle_temp: float | None = None, unseeded: bool = False, scores: bool = False) -> None:
         super().__init__(name)
+        self.scores = scores  # teacher-forced scores of the unbiased law (the fit test's target), prompt ids reported
+        self.score_law = FAKE_LAW  # the law the scores report (another one: scores that are not the engine's)
         self.unseeded = unseeded  # the request's seed ignored: same law, no reproduction
         self._rng = np.random.default_rng(12345)
         self.bias, self.text_only, self.counters, self.fail_every = bias, text_only, counters, fail_every
@@ -186,13 +191,20 @@ class FakeEngine(EngineAdapter):
         rng = self._rng if self.unseeded else np.random.default_rng(req.seed if req.seed is not None else 0)
         ids = []
         for j in range(req.max_tokens):
-            p = np.array([0.4, 0.2, 0.15, 0.1, 0.1, 0.05])
+            p = FAKE_LAW.copy()
             if j >= 1:
                 p[0] -= self.bias
                 p[1] += self.bias
             ids.append(int(rng.choice(6, p=p)))
         return GenResult(rid=req.rid or "x", ok=True, text=" ".join(map(str, ids)),
-                         output_ids=None if self.text_only else ids)
+                         output_ids=None if self.text_only else ids, prompt_ids=[7, 8, 9] if self.scores else None)
+
+    async def score(self, prompt_ids, continuation_ids, top_k=1):
+        if not self.scores:
+            return None
+        lp = np.log(self.score_law)
+        return ScoreResult([PosLogprobs(t, float(lp[t]), {i: float(v) for i, v in enumerate(lp)})
+                            for t in continuation_ids])
 
     async def tokenize(self, text):
         return [int(t) for t in text.split()]
@@ -240,6 +252,35 @@ def test_gate_end_to_end_on_a_fake_engine():
     assert "asserted by the user" in report.render(told)
     inc = run_gate(FakeEngine(), FakeEngine(fail_every=50), SampledGateOptions(**FAKE_OPTS), cfgs)
     assert inc.verdict == "INCOMPLETE" and inc.failed
+
+
+def test_the_fit_test_sees_a_bias_below_every_cells_reach():
+    """0.03 of the mass moved at two of three positions: no cell of the two-sample comparison rejects (min p 0.02 at
+    1,000 samples per arm), the one-sample fit against the baseline's scores does (p 1e-4 at level 0.025), and the
+    candidate FAILs. Scores that are not the engine's law fail the control: the fit is CANNOT TEST, never FAIL.
+    No scores at all: the fit does not run and the comparison decides alone."""
+    from specbench.suites.sampled import report
+    from specbench.suites.sampled.gate import run_gate
+
+    cfgs, opts = parse_configs("t=1"), SampledGateOptions(**dict(FAKE_OPTS, samples=1000))
+    thin = run_gate(FakeEngine(scores=True), FakeEngine(bias=0.03, scores=True), opts, cfgs)
+    fit = thin.fit["candidates"][""]
+    assert not any(c.rejected for c in thin.comparisons) and thin.verdict == "FAIL", thin.summary()
+    assert fit["verdict"] == "FAIL" and fit["p_value"] < fit["level"] and fit["positions"] == 6000
+    assert not thin.fit["control"]["rejected"] and any(n.startswith("fit: FAIL") for n in thin.notes)
+    assert 0 < fit["detectable_tv"]["toward"] < 0.05
+    md = report.render(thin)
+    assert "## Fit: every sample against the target's own law" in md and "| candidate | FAIL |" in md
+    clean = run_gate(FakeEngine(scores=True), FakeEngine(scores=True), opts, cfgs)
+    assert clean.verdict == "PASS" and clean.fit["candidates"][""]["verdict"] == "PASS"
+    assert thin.summary()["fit"]["candidates"][""]["verdict"] == "FAIL"
+    wrong = FakeEngine(scores=True)
+    wrong.score_law = np.array([0.2, 0.4, 0.15, 0.1, 0.1, 0.05])
+    blind = run_gate(wrong, FakeEngine(bias=0.03, scores=True), opts, cfgs)
+    assert blind.fit["control"]["rejected"] and blind.fit["candidates"][""]["verdict"].startswith("CANNOT TEST")
+    assert blind.verdict == "PASS" and any("the control failed" in n for n in blind.notes)
+    none = run_gate(FakeEngine(), FakeEngine(bias=0.03), opts, cfgs)
+    assert none.verdict == "PASS" and none.fit["why"] and "Not run:" in report.render(none)
 
 
 def test_seed_repeat_on_fakes():
@@ -385,6 +426,23 @@ def test_gate_catches_each_sampling_fault(selftest_ci, fault):
     rows, results = selftest_ci
     assert rows[fault]["verdict"] == "FAIL" and rows[fault]["ok"], rows[fault]
     assert any(c.rejected for c in results[fault].comparisons)
+
+
+def test_the_fit_passes_the_clean_engines_and_fails_faults_that_change_the_law(selftest_ci):
+    """The one-sample fit (every candidate token against the baseline's scores at its prefix) on the CI config
+    (t=1.3, k=3): both clean candidates fit and so does the control; resample_from_p and biased_accept fail it in
+    both candidates, biased_accept with tokens outside the top-3 support (exact evidence); the law-exact faults
+    are the seed repeat's, not the fit's."""
+    _, results = selftest_ci
+    clean = results["clean"].fit
+    assert not clean["control"]["rejected"] and clean["control"]["positions"] > 1500
+    assert {lab: j["verdict"] for lab, j in clean["candidates"].items()} == {"ngram-soft": "PASS", "dflash": "PASS"}
+    for fault in ("biased_accept", "resample_from_p"):
+        fit = results[fault].fit["candidates"]
+        assert all(j["verdict"] == "FAIL" for j in fit.values()), (fault, fit)
+    assert all(j["counts"]["outside"] > 0 for j in results["biased_accept"].fit["candidates"].values())
+    rows, _ = selftest_ci
+    assert any(c["configuration"].startswith("fit") for c in rows["resample_from_p"]["caught_by"])
 
 
 def test_unseeded_accept_is_caught_by_the_seed_repeat_alone(selftest_ci):

@@ -84,6 +84,9 @@ class _LocalDecodeWindow(DecodeWindow):
 class LocalAdapter(EngineAdapter):
     kind = "local"
     capabilities = frozenset({FAULTS, DECODE_WINDOW, ORACLE_DRAFTS, LEVERS})
+    # `score` computes logits for the continuation's rows only (SamplingParams.prompt_logprobs_from); True: for
+    # every prompt row too, the simple path the fast one is tested against (tests/test_sampled_fit.py)
+    score_all_rows = False
 
     def __init__(self, engine: LLMEngine, name: str | None = None, max_pending: int | None = None) -> None:
         super().__init__(name or ("local-spec" if engine.spec_on else "local"))
@@ -173,7 +176,10 @@ class LocalAdapter(EngineAdapter):
         if not prompt_ids or not continuation_ids:
             raise ValueError("score: prompt_ids and continuation_ids must both be non-empty")
         ids = list(prompt_ids) + list(continuation_ids)
-        params = SamplingParams(max_tokens=1, prompt_logprobs=top_k)
+        # logits only for the continuation's rows (score_all_rows: every prompt row, the simple path)
+        frm = 0 if self.score_all_rows else len(prompt_ids)
+        params = SamplingParams(max_tokens=1, prompt_logprobs=top_k, prompt_logprobs_from=frm,
+                                max_logprobs=max(top_k, SamplingParams.max_logprobs))
         rid, q = self.loop.submit(ids, params, rid=self.loop.new_rid("score"))
         try:
             while True:

@@ -87,6 +87,13 @@ DEFAULT_CANDIDATES: tuple[tuple[str, dict[str, str]], ...] = (
     ("ngram-soft", {"spec": "ngram", "mix": SOFT_Q_MIX}), ("dflash", {"spec": "dflash"}))
 
 
+# Noise between a candidate's logits and the baseline's scores that the fit test (fit.py) tolerates at a support
+# boundary, in logit units (--fit-margin): fp32 engines differ by about 1e-5 between batch shapes, bf16 ones by
+# 1e-2 and more. Too small a margin shows as the control's own tokens outside the support (the fit is then
+# CANNOT TEST, never FAIL).
+FIT_MARGIN = 0.02
+
+
 @dataclass(frozen=True)
 class SampledGateOptions:
     num_prompts: int = 2  # of each prompt set
@@ -116,6 +123,11 @@ class SampledGateOptions:
     # no streamed chunk of several tokens) the verdict is "PASS (speculation asserted by the user, not observed)"
     # instead of CANNOT TEST (--assume-speculating)
     assume_speculating: bool = False
+    # the one-sample fit test (fit.py): each candidate sample scored by the baseline, token by token, against the
+    # target's own law at its prefix (--fit/--no-fit), with fit_margin logits of noise allowed at a support
+    # boundary (--fit-margin)
+    fit: bool = True
+    fit_margin: float = FIT_MARGIN
 
     def __post_init__(self) -> None:
         for name, lo in (("num_prompts", 1), ("positions", 1), ("samples", 2), ("permutations", 19),
@@ -123,6 +135,8 @@ class SampledGateOptions:
             v = getattr(self, name)
             if not isinstance(v, int) or v < lo:
                 raise SampledError(f"--{name.replace('_', '-')} {v!r} is invalid: expected an integer >= {lo}")
+        if not (isinstance(self.fit_margin, int | float) and math.isfinite(self.fit_margin) and self.fit_margin >= 0):
+            raise SampledError(f"--fit-margin {self.fit_margin!r} is invalid: expected a number >= 0 (logits)")
         if not 0 < self.q < 1:
             raise SampledError(f"--q {self.q} is invalid: expected 0 < q < 1")
         if self.endpoint_type not in ENDPOINT_TYPES:

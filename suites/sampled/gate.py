@@ -69,7 +69,7 @@ from specbench.harness.verdicts import (
 
 from ..lossless.checks import AcceptanceEvidence, acceptance_evidence
 from ..lossless.regret import first_divergence
-from . import stats
+from . import fit, stats
 from .config import (
     DEFAULT_CONFIGS,
     PROMPT_SETS,
@@ -115,6 +115,10 @@ class Samples:
     # speculation seen in the arm's results other than through counters (per-request draft counts, streamed
     # chunks of several tokens: lossless/checks.acceptance_evidence); the counters are `spec`
     evidence: AcceptanceEvidence = field(default_factory=lambda: AcceptanceEvidence("none"))
+    # per prompt index: the prompt token ids the engine reported computing (the first reported), for fit.py
+    prompt_ids: dict[int, list[int]] = field(default_factory=dict, repr=False)
+    # fit.py's scores of these samples, kept for the runs that reuse them (the self-test's baseline)
+    fit_scores: dict[tuple, Any] = field(default_factory=dict, repr=False)
 
 
 @dataclass
@@ -193,10 +197,13 @@ def collect(adapter: EngineAdapter, prompts: Sequence[tuple[str, str]], configs:
     rendered: dict[int, set[tuple]] = {}
     outputs: dict[str, list[int]] = {}
     drafted: set[str] = set()
+    prompt_ids: dict[int, list[int]] = {}
     for key, rid, res in zip(keys, rids, results, strict=True):
         if not res.ok:
             failed.append(f"{res.rid}: {res.error}")
             continue
+        if res.prompt_ids and key[0] not in prompt_ids:
+            prompt_ids[key[0]] = list(res.prompt_ids)
         if chat and (rk := _rendered_key(res)) is not None:
             rendered.setdefault(key[0], set()).add(rk)
         out, why = _read_ids(adapter, res, retok, opts.positions)
@@ -211,7 +218,7 @@ def collect(adapter: EngineAdapter, prompts: Sequence[tuple[str, str]], configs:
     tokens = {k: np.asarray(v, dtype=np.int64) for k, v in rows.items()}
     return Samples(arm, tokens, failed, seconds, spec, untestable, by_config, rendered,
                    dict(zip(rids, sent, strict=True)), outputs, drafted,
-                   acceptance_evidence(results, None, assumed=opts.assume_speculating))
+                   acceptance_evidence(results, None, assumed=opts.assume_speculating), prompt_ids)
 
 
 def _read_ids(adapter: EngineAdapter, res: Any, retok: dict[str, list[int] | None],
@@ -506,6 +513,9 @@ class GateResult:
     # per candidate label ("" with one): what showed its speculation (source: counters, per-request draft tokens,
     # stream chunks, none) and its verdict (PASS, NOT SPECULATING, NO DRAFT ACCEPTED, PASS_ASSERTED, CANNOT TEST)
     speculation: dict[str, dict] = field(default_factory=dict)
+    # the one-sample fit test (fit.py, `run_fit`): its control (the baseline's own samples), each candidate's
+    # judgement keyed by label ("" with one), and why it did not run where it did not
+    fit: dict = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -541,6 +551,7 @@ class GateResult:
                                     "baseline": [v["baseline"]["differ"], v["baseline"]["compared"]],
                                     "candidate": [v["candidate"]["differ"], v["candidate"]["compared"]]}
                                 for k, v in self.seed_repeat.items()},
+                "fit": fit.fit_summary(self.fit),
                 "options": self.options, "configs": [c["name"] for c in self.configs],
                 "num_prompts": len(self.prompts), "failed": len(self.failed), "seconds": self.seconds,
                 "notes": list(self.notes)}
@@ -691,7 +702,8 @@ def run_gate(baseline: EngineAdapter, candidate: EngineAdapter | Sequence[Engine
     n = len(prompts) * len(configs) * opts.samples
     reps = min(opts.seed_repeat, n)
     if progress is not None:  # every phase's requests, for one ETA over the whole gate
-        progress.plan(n * ((baseline_samples is None) + len(cands) * (1 + bool(opts.null)))
+        fit_rows = opts.fit * n * (len(cands) + (baseline_samples is None or not baseline_samples.fit_scores))
+        progress.plan(n * ((baseline_samples is None) + len(cands) * (1 + bool(opts.null))) + fit_rows
                       + (reps + 2 * neighbours(reps)) * (1 + len(cands)) * bool(reps))
     secs: dict[str, float] = {}
     if baseline_samples is None:
@@ -802,6 +814,20 @@ def run_gate(baseline: EngineAdapter, candidate: EngineAdapter | Sequence[Engine
                          "speculative path ignores the request's seed or mixes up rows' sampling parameters")
         elif is_cannot_test(chk["verdict"]):
             notes.append(f"{who}: {chk['verdict']}")
+    fit_res: dict = {}
+    if opts.fit:  # the one-sample test: every candidate sample against the target's law at its prefix (fit.py)
+        phase("fit (the baseline scores each sample)", n * (len(cands) + (not baseline_samples.fit_scores)))
+        t_fit = time.perf_counter()
+        fit_res = fit.run_fit(baseline, baseline_samples, [(lab, own[lab].arms[0]) for lab in labels], prompts,
+                              configs, opts, _vocab(baseline), tick, say)
+        secs["fit"] = time.perf_counter() - t_fit
+        notes += fit_res.pop("notes", [])
+        for lab, j in fit_res["candidates"].items():
+            if j["verdict"] == FAIL and verdicts[lab] != INCOMPLETE:
+                verdicts[lab] = FAIL
+                notes.append(f"fit{' ' + lab if lab else ''}: FAIL: its samples do not follow the target's law at "
+                             f"their own prefixes (pooled p = {j['p_value']:.1e} at level {j['level']:.1e}, "
+                             f"{j['counts']['outside']} tokens outside the support)")
     total = spec_summary(raw_total)
     engines = {"baseline": baseline.describe()}
     engines.update({f"candidate{f':{lab}' if lab else ''}": a.describe() for a, lab in zip(cands, labels, strict=True)})
@@ -812,7 +838,7 @@ def run_gate(baseline: EngineAdapter, candidate: EngineAdapter | Sequence[Engine
     res = GateResult(combine(list(verdicts.values())), comps, total, asdict(opts), [asdict(c) for c in configs],
                      [p for p, _ in prompts], engines, failed, secs, [m for lab in labels for m in named(lab, missing_by[lab])],
                      untestable, by_config, notes, labels if multi else [], by_cand if multi else {},
-                     verdicts if multi else {}, seeds, speculation)
+                     verdicts if multi else {}, seeds, speculation, fit_res)
     # a configuration with no evidence is no pass: the run cannot vouch for that candidate
     confs = configurations(res)
     for lab in labels:
@@ -827,6 +853,16 @@ def run_gate(baseline: EngineAdapter, candidate: EngineAdapter | Sequence[Engine
         res.candidate_verdicts = dict(verdicts)
     res.verdict = combine(list(verdicts.values()))
     return res
+
+
+def _vocab(adapter: EngineAdapter) -> int | None:
+    """The target's vocabulary size where the adapter describes it (bounds the tail's mass in fit.py)."""
+    d = adapter.describe()
+    for src in (d, d.get("model") if isinstance(d.get("model"), dict) else {}, d.get("config") or {}):
+        v = src.get("vocab_size") if isinstance(src, dict) else None
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
 
 
 def _counter_verdict(spec: dict) -> str:

@@ -122,11 +122,53 @@ def render(r: GateResult, title: str = "Sampled equivalence gate") -> str:
     else:
         lines += ["## Speculation (candidate, over its generations)", ""] + _spec_lines(r.spec, r.speculation.get(""))
     lines += _configuration_lines(r)
+    lines += _fit_lines(r)
     lines += _seed_lines(r)
     for c in r.comparisons:
         lines += _comparison(c, o["q"])
     lines += [POWER_NOTE, ""]
     return "\n".join(lines)
+
+
+def _fit_lines(r: GateResult) -> list[str]:
+    """The one-sample fit test (fit.py): per arm the positions tested, those not (and why), the Cramer-von Mises
+    p-values pooled and per config, the tokens outside the support, the smallest per-step TV it detects."""
+    f = r.fit
+    if not f:
+        return []
+    lines = ["## Fit: every sample against the target's own law at its prefix", ""]
+    if f.get("why"):
+        return lines + [f"Not run: {f['why']}. The two-sample comparison below decides alone.", ""]
+    lines += [f"The baseline scored every sample (teacher-forced top-{f['top_k']} logprobs); each sampled token is "
+              "tested against the config's law (temperature, top-k, top-p) rebuilt on the tokens surely in its "
+              f"support (noise margin {f['margin']:g} logits), by its randomized probability integral transform, "
+              "uniform and independent under the null; Cramer-von Mises pooled and per config, Bonferroni over "
+              "those tests; a token surely outside the support fails on its own. The control is the baseline's own "
+              "samples: a control that does not fit makes the fit CANNOT TEST. `detectable TV`: the smallest "
+              "per-step total variation, mass moved toward / away from each position's most likely token, the "
+              f"pooled test detects with power {r.options.get('power', 0.8)} at its level (simulated on this run's "
+              "laws).", "",
+              "| arm | verdict | positions tested | one-token laws | not sure in the support | outside | pooled p | "
+              "level | per config p | detectable TV (toward / away) |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---|---|"]
+    rows = ([("control (baseline)", f["control"], None)] if f.get("control") else []) + \
+        [(lab or "candidate", j, j) for lab, j in f.get("candidates", {}).items()]
+    for name, j, cand in rows:
+        if not j.get("counts"):
+            lines.append(f"| {name} | {j.get('verdict', '-')} | - | - | - | - | - | - | - | - |")
+            continue
+        c = j["counts"]
+        per = "; ".join(f"{k} {_p(v['p_value'])}" for k, v in j["per_config"].items()) or "-"
+        tv = (cand or {}).get("detectable_tv")
+        tvs = f"{_f(tv['toward'])} / {_f(tv['away'])}" if tv else "-"
+        verdict = j.get("verdict") or ("rejected" if j["rejected"] else "fits")
+        lines.append(f"| {name} | {verdict} | {j['positions']} | {c['single']} | {c['unsure']} | {c['outside']} | "
+                     f"{_p(j['p_value'])} | {j['level']:.2g} | {per} | {tvs} |")
+    outside = [(lab, x) for lab, j in f.get("candidates", {}).items() for x in j.get("outside", [])]
+    if outside:
+        lines += ["", "Tokens outside the support (first ones):", ""] + [f"- {lab or 'candidate'}: {x}"
+                                                                          for lab, x in outside[:10]]
+    return lines + [""]
 
 
 def _configuration_lines(r: GateResult) -> list[str]:

@@ -62,6 +62,8 @@ def _row(case: str, res: GateResult, seconds: float, q_run: float) -> dict:
                "min_p": x["min_p"]} for x in confs if x["rejected"]]
     caught += [{"configuration": f"seed repeat{' ' + lab if lab else ''}", "rejected": chk["candidate"]["differ"],
                 "min_p": chk["p_value"]} for lab, chk in res.seed_repeat.items() if chk["verdict"] == FAIL]
+    caught += [{"configuration": f"fit{' ' + lab if lab else ''}", "rejected": j["counts"]["outside"],
+                "min_p": j["p_value"]} for lab, j in (res.fit.get("candidates") or {}).items() if j["verdict"] == FAIL]
     known = [x for x in confs if x["bonus_rows"] is not None]
     return {"case": case, "expect": expect, "verdict": res.verdict, "ok": ok,
             "rejected": sum(len(c.rejected) for c in res.comparisons if c.name == "spec"),
@@ -121,7 +123,8 @@ def run_selftest(baseline: EngineAdapter, candidates: EngineAdapter | Sequence[E
         n = len(prompts) * len(configs) * opts.samples
         reps = min(run_opts.seed_repeat, n)  # each run's seed repeat: the baseline's and every candidate's
         if progress is not None:
-            progress.plan(n * ((baseline_samples is None) + len(cands) * (len(runs) + bool(opts.null)))
+            progress.plan(n * ((baseline_samples is None) + len(cands) * (len(runs) + bool(opts.null))
+                               + opts.fit * (1 + len(cands) * len(runs)))  # fit: the control scored once
                           + (reps + 2 * neighbours(reps)) * (1 + len(cands)) * len(runs) * bool(reps))
         t0 = time.perf_counter()
         base = baseline_samples
