@@ -2,7 +2,7 @@
 
 Contract: builds the baseline and candidate adapters from engine strings (default: the bundled target
 spec off, against the default configuration set's candidates on it, suites/sampled/config.py
-DEFAULT_CANDIDATES: the soft-q n-gram and the bundled DFlash drafter; a local candidate alone gets its
+DEFAULT_CANDIDATES: the soft-q n-gram and the bundled DFlash and DFlash2 drafters; a local candidate alone gets its
 spec-off twin as the baseline), runs suites/sampled (gate.py) and prints the verdict and the per-configuration
 table (bonus rows, rejections, verdict), or with --selftest runs the gate --repeat times against the clean
 local candidates and, through their "faults" capability, once per sampling fault armed on fresh engines
@@ -37,9 +37,9 @@ def sampled(
                                         "Default: the local candidate's spec-off twin (the bundled tiny pair, "
                                         "spec off, without --candidate)."),
     candidate: str | None = typer.Option(None, "--candidate", help="Engine string, speculation on. "
-                                         "Default: two candidates on the bundled target, the n-gram proposer with a "
-                                         "soft q (spec=ngram,mix=0.05) and the bundled DFlash drafter, each its own "
-                                         "BH family at q / 2."),
+                                         "Default: three candidates on the bundled target, the n-gram proposer with a "
+                                         "soft q (spec=ngram,mix=0.05), the bundled DFlash drafter and the bundled "
+                                         "DFlash2 drafter (its candidate selector), each its own BH family at q / 3."),
     num_prompts: int | None = typer.Option(None, "--num-prompts", min=1, help="Prompts of each prompt set "
                                            "(default 2; --selftest: 1)."),
     configs: str | None = typer.Option(None, "--configs", help="Sampling configs 't=1.0;t=0.7,p=0.9;t=1,k=20' "
@@ -202,9 +202,10 @@ def sampled(
 
 def _default_candidates(bspec) -> list:
     """The default configuration set's candidates on the baseline's target (suites/sampled/config.py
-    DEFAULT_CANDIDATES): the soft-q n-gram always, the DFlash drafter where the target is the bundled one and
-    its drafter is built. A remote baseline has no target to put them on: that needs --candidate."""
+    DEFAULT_CANDIDATES): the soft-q n-gram always, the DFlash and DFlash2 drafters where the target is the bundled
+    one and the drafter is installed. A remote baseline has no target to put them on: that needs --candidate."""
     from specbench.harness.engines import TWIN_DROPS, EngineSpec, EngineStringError, bundled
+    from specbench.harness.fixtures import bundled_dflash2
     from specbench.suites.sampled.config import DEFAULT_CANDIDATES
 
     if bspec.kind != "local":
@@ -212,16 +213,17 @@ def _default_candidates(bspec) -> list:
                                 "--candidate")
     target, bdraft = bundled()
     tdir = bspec.target or target
-    draft = bdraft if tdir == target else None
+    d2 = bundled_dflash2()
+    drafters = {"dflash": bdraft, "dflash2": str(d2) if d2 else None} if tdir == target else {}
     # the baseline's engine options (device, dtype, pages, backends, switches) are the candidates' too: the
     # converse of spec_off_twin, dropping the same speculation and arm options
     placed = {k: v for k, v in bspec.options.items() if k not in TWIN_DROPS}
     out = []
     for label, o in DEFAULT_CANDIDATES:
-        if o.get("spec") == "dflash":
-            if not draft:
+        if "draft" in o:
+            if not drafters.get(o["draft"]):
                 continue
-            o = {"draft": draft, **o}
+            o = {**o, "draft": drafters[o["draft"]]}
         opts = {**placed, **o, "name": label}
         out.append(EngineSpec("local", tdir, opts, f"local:{tdir}" + "".join(f",{k}={v}" for k, v in opts.items())))
     return out

@@ -511,16 +511,17 @@ def test_cli_exit_codes(tiny_pair, tmp_path):
 
 
 def test_cli_default_configuration_set(tiny_pair, tmp_path):
-    """No engine named: the bundled target spec off against both default candidates (soft-q n-gram, DFlash),
+    """No engine named: the bundled target spec off against the default candidates (soft-q n-gram, DFlash, DFlash2),
     and the summary states per configuration the bonus rows and rejections its generations reached."""
     r = _cli(["--num-prompts", "1", "--positions", "4", "--samples", "32", "--configs", "t=1.3,k=3",
               "--permutations", "99", "--json", "--no-record", "--report", str(tmp_path / "r.md")])
     assert r.exit_code == 0, r.output
     summ = json.loads(r.output.strip().splitlines()[-1])
-    assert summ["verdict"] == "PASS" and summ["candidates"] == ["ngram-soft", "dflash"]
+    assert summ["verdict"] == "PASS" and summ["candidates"] == ["ngram-soft", "dflash", "dflash2"]
     assert summ["num_prompts"] == 2  # one echo and one repeat prompt
     confs = summ["configurations"]
-    assert [(c["candidate"], c["config"]) for c in confs] == [("ngram-soft", "t1.3-k3"), ("dflash", "t1.3-k3")]
+    assert [(c["candidate"], c["config"]) for c in confs] == [("ngram-soft", "t1.3-k3"), ("dflash", "t1.3-k3"),
+                                                               ("dflash2", "t1.3-k3")]
     assert all(c["bonus_rows"] > 0 and c["rejections"] > 0 and c["verdict"] == "PASS" for c in confs), confs
     md = (tmp_path / "r.md").read_text()
     assert "## Configurations" in md and "| dflash | t1.3-k3 |" in md
@@ -560,7 +561,8 @@ def test_default_candidates_run_where_the_baseline_runs():
     from specbench.harness.engines import parse_engine
 
     cuda = _default_candidates(parse_engine("local,spec=off,device=cuda,dtype=bfloat16,attention=torch,num_pages=64"))
-    assert [c.options["name"] for c in cuda] == ["ngram-soft", "dflash"]
+    assert [c.options["name"] for c in cuda] == ["ngram-soft", "dflash", "dflash2"]
+    assert cuda[2].options["draft"].endswith("tiny-dflash2/draft") and cuda[1].options["draft"].endswith("tiny/draft")
     for c in cuda:
         assert {k: c.options[k] for k in ("device", "dtype", "attention", "num_pages")} == \
             {"device": "cuda", "dtype": "bfloat16", "attention": "torch", "num_pages": "64"}

@@ -80,11 +80,14 @@ def parse_configs(text: str) -> list[SamplingConfig]:
 DEFAULT_CONFIGS_TEXT = "t=0.6,p=0.95;t=0.7;t=1.3,k=3"
 DEFAULT_CONFIGS = tuple(parse_configs(DEFAULT_CONFIGS_TEXT))
 # The default candidates on the bundled target (label, local engine-string options): the n-gram proposer with
-# a soft q (q not one-hot, rows differing per position: the accept reads q rows and residuals), and the
-# bundled DFlash drafter (skipped while it is not built). Both against the one spec-off baseline.
+# a soft q (q not one-hot, rows differing per position: the accept reads q rows and residuals), the bundled
+# DFlash drafter, and the bundled DFlash2 drafter (its sampled drafts walk the candidate selector: q is the
+# selector's tempered path distribution). The drafters are skipped where not installed ("draft": which bundled
+# drafter, cli/sampled.py). All against the one spec-off baseline.
 SOFT_Q_MIX = "0.05"
 DEFAULT_CANDIDATES: tuple[tuple[str, dict[str, str]], ...] = (
-    ("ngram-soft", {"spec": "ngram", "mix": SOFT_Q_MIX}), ("dflash", {"spec": "dflash"}))
+    ("ngram-soft", {"spec": "ngram", "mix": SOFT_Q_MIX}), ("dflash", {"spec": "dflash", "draft": "dflash"}),
+    ("dflash2", {"spec": "dflash", "draft": "dflash2"}))
 
 
 # Noise between a candidate's logits and the baseline's scores that the fit test (fit.py) tolerates at a support
