@@ -221,9 +221,10 @@ def _default_candidates(bspec) -> list:
     out = []
     for label, o in DEFAULT_CANDIDATES:
         if "draft" in o:
-            if not drafters.get(o["draft"]):
+            ddir = drafters.get(o["draft"])
+            if not ddir:
                 continue
-            o = {**o, "draft": drafters[o["draft"]]}
+            o = {**o, "draft": ddir}
         opts = {**placed, **o, "name": label}
         out.append(EngineSpec("local", tdir, opts, f"local:{tdir}" + "".join(f",{k}={v}" for k, v in opts.items())))
     return out
