@@ -115,11 +115,15 @@ def law(top: dict[int, float], tok: int, tok_lp: float | None, cfg: SamplingConf
     out_p = False
     if cfg.top_p < 1.0:  # the nucleus under the smallest and the largest normalisation the scores allow
         slack = math.exp(2 * m / t)  # the weights' largest relative error, on the cumulative and the normaliser
-        before = np.concatenate([[0.0], np.cumsum(w)[:-1]])
+        cw, neg = np.concatenate([[0.0], np.cumsum(w)]), -lps
+        # the mass before a token at most / at least: tokens within the margin of it may come either side of it
+        hi = cw[np.searchsorted(neg, -(lps - m), side="left")] - w
         z_lo = float(w[:sure].sum())
         z_hi = float(w[in_k].sum()) + (tail_bound(lps, t, vocab) if tail_in else 0.0)
-        sure = int((before[:sure] < cfg.top_p * z_lo / slack).sum())
-        x_before = float(before[rank]) if rank is not None else z_lo  # a tail token comes after the sure ones
+        kept = hi[:sure] < cfg.top_p * z_lo / slack
+        sure = int(np.argmin(kept)) if not kept.all() else sure
+        x_ref = x_lp if x_lp is not None else float(lps[-1])  # a tail token of unknown logprob: below the known
+        x_before = float(cw[np.searchsorted(neg, -(x_ref + m), side="left")])
         out_p = x_before >= cfg.top_p * z_hi * slack
     sure = max(1, sure)
     probs = w[:sure] / w[:sure].sum()
