@@ -303,3 +303,11 @@ def test_decode_attention_switch(monkeypatch):
     monkeypatch.setattr(engines, "bundled", lambda: ("target", None))
     engines.build_adapter("local,spec=off,decode_attention=triton")
     assert seen["decode_attention"] == "triton"
+
+
+def test_flashinfer_prefill_takes_fa2_where_fa3_has_no_kernels():
+    """FlashInfer's SM90 prefill instantiates head dims 64/128/256 only; the tiny pair's 32 on an H100 failed every
+    request at JIT build time until the wrapper was told FA2 (tests/gpu/test_accept_trace_gpu.py's bf16 cases)."""
+    from specbench.engine.attention.flashinfer import prefill_backend
+
+    assert [prefill_backend(d) for d in (32, 64, 96, 128, 256)] == ["fa2", "auto", "fa2", "auto", "auto"]

@@ -103,6 +103,16 @@ def flashinfer_available() -> bool:
 
 
 DECODE_ATTENTION = ("flashinfer", "triton")  # the kernels decode-only steps may run (EngineConfig.decode_attention)
+# The head dims FlashInfer's SM90 (FA3) prefill kernels instantiate: its "auto" backend picks them on a Hopper GPU
+# whatever the head dim, and for another one (the tiny pair's 32) their JIT build stops on a static_assert, failing
+# every request (found on an H100, 2026-12-08, by the acceptance-trace GPU test). Other head dims take FA2.
+FA3_HEAD_DIMS = (64, 128, 256)
+
+
+def prefill_backend(head_dim: int) -> str:
+    """The `backend` of FlashInfer's prefill wrapper for this head dim: its own choice where FA3 has kernels for
+    it, else FA2 (which takes any head dim FlashInfer builds)."""
+    return "auto" if head_dim in FA3_HEAD_DIMS else "fa2"
 
 
 class FlashInferAttention(AttentionBackend):
@@ -128,7 +138,8 @@ class FlashInferAttention(AttentionBackend):
         # pages list them once each, so a step's page lists are bounded per request, not by the pool
         self.seq_pages = min(seq_pages or max_pages, max_pages)
         self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
-        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD",
+                                                                        backend=prefill_backend(head_dim))
         self.decode_tensor_cores = decode_tensor_cores  # decode via FlashInfer's tensor-core (FA2) kernels
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD",
                                                                      use_tensor_cores=decode_tensor_cores)
