@@ -62,10 +62,13 @@ def _sampled(tiny_pair, tmp_path, *extra: str):
 def test_sampled_shows_progress_then_a_summary_table(tiny_pair, tmp_path) -> None:
     r = _sampled(tiny_pair, tmp_path)
     assert r.exit_code == 0, r.output
-    # 16 samples an arm, then its seed repeat: the 16 again beside 8 neighbours, each neighbour alone first (32)
-    assert "baseline (spec off): 16 requests; 0/96 done" in r.stderr
-    assert "seed repeat (baseline): 32 requests; 16/96 done" in r.stderr
-    assert "candidate (spec on): 16 requests; 48/96 done" in r.stderr and "done: 96/96 requests" in r.stderr
+    # 16 samples an arm, then its seed repeat: the 16 again beside 8 neighbours, each neighbour alone first (32);
+    # then the fit: the baseline scores the control's 16 samples and the candidate's 16
+    assert "baseline (spec off): 16 requests; 0/128 done" in r.stderr
+    assert "seed repeat (baseline): 32 requests; 16/128 done" in r.stderr
+    assert "candidate (spec on): 16 requests; 48/128 done" in r.stderr
+    assert "fit (the baseline scores each sample): 32 requests; 96/128 done" in r.stderr
+    assert "done: 128/128 requests" in r.stderr
     assert "sampled gate: PASS (1 prompts x t0.5, " in r.stdout  # the table's title (config names)
     assert "comparison" in r.stdout and "spec" in r.stdout and r.stdout.rstrip().splitlines()[-1].startswith(
         "sampled gate: PASS")
