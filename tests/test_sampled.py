@@ -279,6 +279,9 @@ def test_the_fit_test_sees_a_bias_below_every_cells_reach():
     blind = run_gate(wrong, FakeEngine(bias=0.03, scores=True), opts, cfgs)
     assert blind.fit["control"]["rejected"] and blind.fit["candidates"][""]["verdict"].startswith("CANNOT TEST")
     assert blind.verdict == "PASS" and any("the control failed" in n for n in blind.notes)
+    pen = run_gate(FakeEngine(scores=True), FakeEngine(scores=True), opts, parse_configs("t=1;t=1,rp=1.2"))
+    assert pen.fit["control"]["skipped"] == ["t1-rp1.2: penalties (the law depends on the history; raw scores do "
+                                             "not give it)"]  # named once, not once per sample
     none = run_gate(FakeEngine(), FakeEngine(bias=0.03), opts, cfgs)
     assert none.verdict == "PASS" and none.fit["why"] and "Not run:" in report.render(none)
 

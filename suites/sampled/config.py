@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 
 PROMPT_SETS = ("gsm8k", "echo", "repeat")
+END = -1  # a sample's position the engine did not reach (gate.py's token matrices; fit.py stops there)
 ENDPOINT_TYPES = ("completions", "chat")  # the sweep's --endpoint-type vocabulary
 
 

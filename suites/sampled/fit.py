@@ -47,12 +47,11 @@ from scipy import stats as sps
 
 from specbench.harness.verdicts import CANNOT_TEST, FAIL, PASS
 
-from .config import FIT_MARGIN, SampledGateOptions, SamplingConfig
+from .config import END, FIT_MARGIN, SampledGateOptions, SamplingConfig
 
 LOGIT_MARGIN = FIT_MARGIN  # config.py: the noise allowed at a support boundary, in logits (--fit-margin)
 TOP_K = 20  # raw logprobs asked of the scorer per position (vLLM's default max_logprobs)
 POWER_SIMS = 64  # simulated runs per step of the power search
-END = -1  # gate.END: a position the sample did not reach
 
 
 @dataclass
@@ -183,8 +182,9 @@ def score_arm(scorer: Any, samples: Any, prompt_ids: dict[int, list[int]], confi
     for pi, ci, ids in rows_of(samples, configs):
         c = configs[ci]
         if c.penalties():
-            if f"{c.name}: penalties" not in fit.skipped:
-                fit.skipped.append(f"{c.name}: penalties (the law depends on the history; raw scores do not give it)")
+            why = f"{c.name}: penalties (the law depends on the history; raw scores do not give it)"
+            if why not in fit.skipped:
+                fit.skipped.append(why)
             continue
         if pi not in prompt_ids:
             fit.counts["unscored"] += len(ids)

@@ -72,6 +72,7 @@ from ..lossless.regret import first_divergence
 from . import fit, stats
 from .config import (
     DEFAULT_CONFIGS,
+    END,
     PROMPT_SETS,
     SampledError,
     SampledGateOptions,
@@ -80,7 +81,6 @@ from .config import (
 )
 from .prompts import echo_prompts, load_prompts, make_prompts, request
 
-END = -1
 SUITE_VERSION = "1"
 
 
